@@ -1,0 +1,52 @@
+// The interface between the ISA-independent code (planner, ops, binding) and the kernels, which are
+// compiled once per instruction set (cpp/kernels/isa_unit.cpp). A table of plain function pointers:
+// nothing compiled with AVX flags runs before runtime/cpu.cpp has checked that the CPU and OS allow it.
+#pragma once
+#include "simdnorm/types.h"
+
+namespace simdnorm {
+
+// Shifted sums for the moments of a normalization group (see ops/mvn.cpp for how they merge):
+//   sum += sum_i d_i,  sum_sq += sum_i d_i^2,  d_i = (x_i - pivot) * scale
+// accumulated in the compute type over chunks of at most kMomentChunk elements per lane, each chunk
+// added to the double totals in order, so the result depends only on the data and its addresses.
+constexpr int64_t kMomentChunk = 1024;
+
+// One strided run of `len` elements.
+struct RowMomentsArgs {
+  const char* data;
+  DType dtype;
+  int64_t len;
+  int64_t stride;   // bytes
+  double pivot;
+  double scale;
+  double* sum;      // one value, +=
+  double* sum_sq;   // one value, +=
+};
+
+// A block of `rows` rows by `cols` lanes; element (r, c) at data + r * row_stride + c * col_stride.
+// Each lane c accumulates down the rows into sum[c], sum_sq[c], with its own pivot[c].
+struct ColMomentsArgs {
+  const char* data;
+  DType dtype;
+  int64_t rows, cols;
+  int64_t row_stride, col_stride;  // bytes
+  const double* pivot;             // [cols]
+  double scale;
+  double* sum;                     // [cols], +=
+  double* sum_sq;                  // [cols], +=
+};
+
+struct KernelTable {
+  const char* name;
+  // out = act(fma((in - shift) * mul, scale, bias)) over the flat index range [begin, end) of the nest.
+  void (*normalize)(const NormalizeTask& task, int64_t begin, int64_t end);
+  void (*row_moments)(const RowMomentsArgs& args);
+  void (*col_moments)(const ColMomentsArgs& args);
+};
+
+namespace baseline { extern const KernelTable kernel_table; }
+namespace avx2 { extern const KernelTable kernel_table; }
+namespace avx512 { extern const KernelTable kernel_table; }
+
+}  // namespace simdnorm

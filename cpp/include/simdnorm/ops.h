@@ -1,0 +1,43 @@
+// The two operators, as the binding calls them. Inputs arrive validated by the Python layer
+// (dtypes, ranks, parameter shapes); these functions plan, run on the thread pool, and return.
+#pragma once
+#include <cstdint>
+#include <optional>
+
+#include "simdnorm/types.h"
+
+namespace simdnorm {
+
+// A strided N-d array as numpy describes it: sizes in elements, strides in bytes.
+struct TensorView {
+  char* data = nullptr;
+  DType dtype = DType::f32;
+  int ndim = 0;
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};
+};
+
+struct BatchNormArgs {
+  TensorView input, output;
+  TensorView mean, variance;                   // same ndim as input, each dim equal or 1
+  std::optional<TensorView> scale, bias;
+  double epsilon = 1e-5;
+  Activation activation;
+};
+
+struct MvnArgs {
+  TensorView input, output;
+  uint32_t reduced = 0;                        // bit d set: dim d is reduced
+  std::optional<TensorView> scale, bias;       // same ndim as input, each dim equal or 1
+  double epsilon = 1e-5;
+  bool normalize_mean = true;
+  bool normalize_variance = true;
+  bool epsilon_outside = false;                // 1 / (sqrt(var) + eps) instead of 1 / sqrt(var + eps)
+  Activation activation;
+  std::optional<TensorView> mean_out, inv_std_out;  // compute type, input's shape with reduced dims 1
+};
+
+void batch_norm(const BatchNormArgs& args);
+void mean_variance_normalization(const MvnArgs& args);
+
+}  // namespace simdnorm

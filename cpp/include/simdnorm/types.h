@@ -1,0 +1,64 @@
+// Plain data shared by the planner, the kernels and the binding. Nothing here computes: this header
+// is included by translation units compiled with different instruction-set flags, and only POD types
+// and constants may cross that boundary (an inline function would be compiled once per ISA and the
+// linker would keep an arbitrary copy).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace simdnorm {
+
+constexpr int kMaxDims = 8;
+
+// Element types of the input/output. Coefficients and statistics are always the compute type:
+// float32 for f32/f16/bf16 data, float64 for f64 data.
+enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, f64 = 3 };
+constexpr int kNumDTypes = 4;
+
+// The fused activations, in the order the Python layer's table lists them (python/simdnorm/_activation.py).
+enum class ActKind : int {
+  identity = 0, linear, relu, leaky_relu, thresholded_relu, elu, celu, scaled_elu, sigmoid,
+  hard_sigmoid, tanh, scaled_tanh, softplus, parametric_softplus, softsign, shrink, gelu, clip, silu,
+  hard_swish,
+};
+constexpr int kNumActs = 20;
+
+struct Activation {
+  ActKind kind = ActKind::identity;
+  double p0 = 0.0;  // meaning depends on kind (alpha, steepness, min, bias, ...)
+  double p1 = 0.0;  // second parameter (beta, gamma, max, threshold, ...)
+};
+
+// The one elementwise operation both ops end in:
+//   out = act(fma((in - shift) * mul, scale, bias))
+// Batch norm: shift = mean, mul = 1/sqrt(var + eps), scale, bias = its parameters.
+// MVN: shift = group mean, mul = group 1/std, scale and bias = its optional parameters.
+// shift/mul/scale/bias point to compute-type (float or double) arrays addressed with byte strides.
+enum Operand : int { kOut = 0, kIn = 1, kShift = 2, kMul = 3, kScale = 4, kBias = 5, kNumOperands = 6 };
+
+// A strided iteration space after planning: dims ordered outermost first, innermost last.
+struct LoopNest {
+  int ndim = 0;
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[kNumOperands][kMaxDims] = {};  // bytes
+  char* data[kNumOperands] = {};
+};
+
+struct NormalizeTask {
+  LoopNest loop;
+  DType dtype = DType::f32;
+  Activation act;
+  // Non-temporal stores for outputs much larger than the caches (never for in-place work, whose
+  // lines are already cached).
+  bool stream_stores = false;
+};
+
+// Moments of one normalization group, the unit that chunks merge into (Chan et al.): count, mean,
+// and the sum of squared deviations from the mean.
+struct Moments {
+  double count = 0.0;
+  double mean = 0.0;
+  double m2 = 0.0;
+};
+
+}  // namespace simdnorm

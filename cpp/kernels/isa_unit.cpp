@@ -1,0 +1,31 @@
+// One kernel source, compiled once per instruction set (CMake builds this file with
+// -DSIMDNORM_ISA_NS=<isa> and that ISA's flags). Everything it includes lands in an anonymous
+// namespace inside simdnorm::<isa>, so no inline or template code compiled here can be merged by the
+// linker with a copy compiled for another ISA; only the constant-initialized table is exported
+// (no static initializer runs ISA-specific code before the dispatcher has checked the CPU).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "simdnorm/kernel_table.h"
+#include "simdnorm/types.h"
+
+namespace simdnorm {
+namespace SIMDNORM_ISA_NS {
+namespace {
+#include "simd/vec.h"
+#include "simd/vmath.h"
+#include "kernels/activations.h"
+#include "kernels/iterate.h"
+#include "kernels/normalize.h"
+#include "kernels/moments.h"
+}  // namespace
+
+extern const KernelTable kernel_table;
+const KernelTable kernel_table = {kIsaName, normalize_entry, row_moments_entry, col_moments_entry};
+
+}  // namespace SIMDNORM_ISA_NS
+}  // namespace simdnorm

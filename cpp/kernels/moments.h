@@ -1,0 +1,151 @@
+// Shifted sums for mean-variance normalization statistics. Included inside an ISA namespace.
+// d = (x - pivot) * scale is accumulated in the compute type over fixed chunks, and each chunk's
+// lane sums are added to double totals in order: the totals depend only on the data and where it
+// lies in memory, never on how the work was split between threads.
+
+static inline vi lanes_mask(vf*, int m) { return vlanes_below(m); }
+static inline bool lanes_mask(double*, int) { return true; }
+
+template <class T>
+struct MomentsKernel {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename ComputeOf<T>::type;
+  static constexpr int W = L::W;
+  static constexpr int64_t kChunkSteps = kMomentChunk / W;  // vector steps per float chunk
+
+  static void row(const RowMomentsArgs& a) {
+    const V pivot = splat<V>(a.pivot), scale = splat<V>(a.scale), zero = splat<V>(0.0);
+    V s1a = zero, s1b = zero, s2a = zero, s2b = zero;
+    double sum = 0.0, sum_sq = 0.0;
+    auto flush = [&] {
+      sum += static_cast<double>(vreduce_add(s1a + s1b));
+      sum_sq += static_cast<double>(vreduce_add(s2a + s2b));
+      s1a = s1b = s2a = s2b = zero;
+    };
+    auto add_partial = [&](V x, int m) {
+      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), (x - pivot) * scale, zero);
+      s1a += d;
+      s2a = vfma(d, d, s2a);
+    };
+    const int64_t n = a.len;
+    if (a.stride == static_cast<int64_t>(sizeof(T))) {
+      const T* x = reinterpret_cast<const T*>(a.data);
+      int64_t i = 0;
+      if constexpr (W > 1) {  // align the loads (line-straddling loads cost on this hardware)
+        constexpr uintptr_t vbytes = W * sizeof(T);
+        const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
+        if (addr % sizeof(T) == 0) {
+          int64_t head = static_cast<int64_t>(((vbytes - addr % vbytes) % vbytes) / sizeof(T));
+          if (head > n) head = n;
+          if (head > 0) add_partial(L::load_partial(x, static_cast<int>(head)), static_cast<int>(head));
+          i = head;
+        }
+      }
+      int64_t steps = 0;
+      for (; i + 2 * W <= n; i += 2 * W) {
+        const V d0 = (L::load(x + i) - pivot) * scale;
+        const V d1 = (L::load(x + i + W) - pivot) * scale;
+        s1a += d0;
+        s1b += d1;
+        s2a = vfma(d0, d0, s2a);
+        s2b = vfma(d1, d1, s2b);
+        if ((steps += 2) >= kChunkSteps) {
+          flush();
+          steps = 0;
+        }
+      }
+      if (i + W <= n) {
+        const V d = (L::load(x + i) - pivot) * scale;
+        s1a += d;
+        s2a = vfma(d, d, s2a);
+        i += W;
+      }
+      if (i < n) add_partial(L::load_partial(x + i, static_cast<int>(n - i)), static_cast<int>(n - i));
+    } else {
+      T buf[W];
+      int64_t steps = 0;
+      for (int64_t i = 0; i < n; i += W) {
+        const int m = static_cast<int>(n - i < W ? n - i : W);
+        for (int k = 0; k < m; ++k) std::memcpy(&buf[k], a.data + (i + k) * a.stride, sizeof(T));
+        add_partial(L::load_partial(buf, m), m);
+        if (++steps >= kChunkSteps) {
+          flush();
+          steps = 0;
+        }
+      }
+    }
+    flush();
+    *a.sum += sum;
+    *a.sum_sq += sum_sq;
+  }
+
+  // Lane blocks of at most kLanes, rows in chunks of kRowChunk before each flush to double.
+  static constexpr int kLanes = 256;
+  static constexpr int64_t kRowChunk = 64;
+
+  static void col(const ColMomentsArgs& a) {
+    constexpr int kVecs = kLanes / W;
+    for (int64_t c0 = 0; c0 < a.cols; c0 += kLanes) {
+      const int nb = static_cast<int>(a.cols - c0 < kLanes ? a.cols - c0 : kLanes);
+      const int nv = (nb + W - 1) / W;
+      const int last = nb - (nv - 1) * W;  // lanes in the last vector
+      C piv[kLanes];
+      for (int c = 0; c < nb; ++c) piv[c] = static_cast<C>(a.pivot[c0 + c]);
+      for (int c = nb; c < nv * W; ++c) piv[c] = 0;
+      V vp[kVecs], s1[kVecs], s2[kVecs];
+      for (int v = 0; v < nv; ++v) vp[v] = Lanes<C>::load(piv + v * W);
+      const V scale = splat<V>(a.scale), zero = splat<V>(0.0);
+      const bool contiguous = a.col_stride == static_cast<int64_t>(sizeof(T));
+      for (int64_t r0 = 0; r0 < a.rows; r0 += kRowChunk) {
+        const int64_t r1 = r0 + kRowChunk < a.rows ? r0 + kRowChunk : a.rows;
+        for (int v = 0; v < nv; ++v) s1[v] = s2[v] = zero;
+        for (int64_t r = r0; r < r1; ++r) {
+          const char* row = a.data + r * a.row_stride + c0 * a.col_stride;
+          for (int v = 0; v < nv; ++v) {
+            const int m = v == nv - 1 ? last : W;
+            V x;
+            if (contiguous) {
+              const T* px = reinterpret_cast<const T*>(row) + v * W;
+              x = m == W ? L::load(px) : L::load_partial(px, m);
+            } else {
+              T buf[W];
+              for (int k = 0; k < m; ++k) std::memcpy(&buf[k], row + (v * W + k) * a.col_stride, sizeof(T));
+              x = L::load_partial(buf, m);
+            }
+            const V d = (x - vp[v]) * scale;
+            s1[v] += d;
+            s2[v] = vfma(d, d, s2[v]);
+          }
+        }
+        C t1[kLanes], t2[kLanes];
+        for (int v = 0; v < nv; ++v) {
+          Lanes<C>::store(t1 + v * W, s1[v]);
+          Lanes<C>::store(t2 + v * W, s2[v]);
+        }
+        for (int c = 0; c < nb; ++c) {
+          a.sum[c0 + c] += static_cast<double>(t1[c]);
+          a.sum_sq[c0 + c] += static_cast<double>(t2[c]);
+        }
+      }
+    }
+  }
+};
+
+static void row_moments_entry(const RowMomentsArgs& a) {
+  switch (a.dtype) {
+    case DType::f32: return MomentsKernel<float>::row(a);
+    case DType::f16: return MomentsKernel<f16_t>::row(a);
+    case DType::bf16: return MomentsKernel<bf16_t>::row(a);
+    case DType::f64: return MomentsKernel<double>::row(a);
+  }
+}
+
+static void col_moments_entry(const ColMomentsArgs& a) {
+  switch (a.dtype) {
+    case DType::f32: return MomentsKernel<float>::col(a);
+    case DType::f16: return MomentsKernel<f16_t>::col(a);
+    case DType::bf16: return MomentsKernel<bf16_t>::col(a);
+    case DType::f64: return MomentsKernel<double>::col(a);
+  }
+}

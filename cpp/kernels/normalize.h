@@ -1,0 +1,140 @@
+// The elementwise leaf both ops end in:  out = act(fma((in - shift) * mul, scale, bias)).
+// Included inside an ISA namespace (see vec.h). Templated on the storage type T and the activation;
+// the layout is the planner's business, and reaches this file only as the strides of one run.
+
+template <class T>
+struct NormalizeKernel {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename ComputeOf<T>::type;     // coefficient scalar (float, or double for float64)
+  using LC = Lanes<C>;
+  static constexpr int W = L::W;
+
+  template <class Act>
+  static inline V compute(const Act& act, V x, V shift, V mul, V scale, V bias) {
+    return act(vfma((x - shift) * mul, scale, bias));
+  }
+
+  // A pair of coefficients along a run of contiguous data: either constant over the run (kept in
+  // registers: NCHW batch norm, per-group MVN statistics) or contiguous arrays read beside the data
+  // (channels-last batch norm, layer-norm scale and bias).
+  template <bool Vary>
+  struct Pair {
+    const C* a;
+    const C* b;
+    V va, vb;
+    Pair(const char* pa, const char* pb) : a(reinterpret_cast<const C*>(pa)), b(reinterpret_cast<const C*>(pb)) {
+      if (!Vary) {
+        va = splat<V>(LC::load_one(a));
+        vb = splat<V>(LC::load_one(b));
+      }
+    }
+    V first(int64_t i) const { if constexpr (Vary) return LC::load(a + i); else return va; }
+    V second(int64_t i) const { if constexpr (Vary) return LC::load(b + i); else return vb; }
+    V first(int64_t i, int m) const { if constexpr (Vary) return LC::load_partial(a + i, m); else return va; }
+    V second(int64_t i, int m) const { if constexpr (Vary) return LC::load_partial(b + i, m); else return vb; }
+  };
+
+  template <bool StatsVary, bool AffineVary, bool Stream, class Act>
+  static void run_contiguous(const Act& act, int64_t n, char* const* p) {
+    T* y = reinterpret_cast<T*>(p[kOut]);
+    const T* x = reinterpret_cast<const T*>(p[kIn]);
+    const Pair<StatsVary> st(p[kShift], p[kMul]);
+    const Pair<AffineVary> af(p[kScale], p[kBias]);
+    int64_t i = 0;
+    auto partial = [&](int m) {
+      const V r = compute(act, L::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
+                          af.second(i, m));
+      L::store_partial(y + i, r, m);
+      i += m;
+    };
+    // Peel a masked head so that every full store is vector-aligned: on this hardware stores that
+    // straddle cache lines cost up to 2x, numpy hands out 16/32-byte aligned buffers, and
+    // non-temporal stores require it. An element pointer that is not even element-aligned cannot
+    // be peeled into alignment: it takes plain stores.
+    constexpr uintptr_t vbytes = W * sizeof(T);
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
+    const bool aligned_elements = addr % sizeof(T) == 0;
+    if constexpr (W > 1) {
+      if (aligned_elements) {
+        int64_t head = static_cast<int64_t>(((vbytes - addr % vbytes) % vbytes) / sizeof(T));
+        if (head > n) head = n;
+        if (head > 0) partial(static_cast<int>(head));
+      }
+    }
+    auto store = [&](T* q, V v) {
+      if (Stream && aligned_elements) L::store_stream(q, v);
+      else L::store(q, v);
+    };
+    for (; i + 2 * W <= n; i += 2 * W) {
+      const V r0 = compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
+      const V r1 = compute(act, L::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
+                           af.second(i + W));
+      store(y + i, r0);
+      store(y + i + W, r1);
+    }
+    for (; i + W <= n; i += W) {
+      store(y + i, compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
+    }
+    if (i < n) partial(static_cast<int>(n - i));
+  }
+
+  // Any other strides: gather a vector's worth into buffers and run the same arithmetic, so an
+  // element gets the same bits whichever path it takes.
+  template <class Act>
+  static void run_strided(const Act& act, int64_t n, char* const* p, const int64_t* s) {
+    T xb[W], yb[W];
+    C cb[4][W];
+    for (int64_t i = 0; i < n; i += W) {
+      const int m = static_cast<int>(n - i < W ? n - i : W);
+      for (int k = 0; k < m; ++k) {
+        std::memcpy(&xb[k], p[kIn] + (i + k) * s[kIn], sizeof(T));
+        for (int c = 0; c < 4; ++c) std::memcpy(&cb[c][k], p[kShift + c] + (i + k) * s[kShift + c], sizeof(C));
+      }
+      const V r = compute(act, L::load_partial(xb, m), LC::load_partial(cb[0], m), LC::load_partial(cb[1], m),
+                          LC::load_partial(cb[2], m), LC::load_partial(cb[3], m));
+      L::store_partial(yb, r, m);
+      for (int k = 0; k < m; ++k) std::memcpy(p[kOut] + (i + k) * s[kOut], &yb[k], sizeof(T));
+    }
+  }
+
+  template <bool Stream, class Act>
+  static void run(const Act& act, int64_t n, char* const* p, const int64_t* s) {
+    constexpr int64_t ts = sizeof(T), cs = sizeof(C);
+    if (s[kIn] == ts && s[kOut] == ts) {
+      const bool st_const = s[kShift] == 0 && s[kMul] == 0, st_vary = s[kShift] == cs && s[kMul] == cs;
+      const bool af_const = s[kScale] == 0 && s[kBias] == 0, af_vary = s[kScale] == cs && s[kBias] == cs;
+      if (st_const && af_const) return run_contiguous<false, false, Stream>(act, n, p);
+      if (st_const && af_vary) return run_contiguous<false, true, Stream>(act, n, p);
+      if (st_vary && af_const) return run_contiguous<true, false, Stream>(act, n, p);
+      if (st_vary && af_vary) return run_contiguous<true, true, Stream>(act, n, p);
+    }
+    run_strided(act, n, p, s);
+  }
+
+  template <bool Stream>
+  static void execute_with(const NormalizeTask& task, int64_t begin, int64_t end) {
+    visit_activation<V>(task.act, [&](const auto& act) {
+      for_each_run(task.loop, begin, end,
+                   [&](int64_t len, char* const* p, const int64_t* s) { run<Stream>(act, len, p, s); });
+    });
+  }
+
+  static void execute(const NormalizeTask& task, int64_t begin, int64_t end) {
+    if (task.stream_stores) {
+      execute_with<true>(task, begin, end);
+      stream_fence();
+    } else {
+      execute_with<false>(task, begin, end);
+    }
+  }
+};
+
+static void normalize_entry(const NormalizeTask& task, int64_t begin, int64_t end) {
+  switch (task.dtype) {
+    case DType::f32: return NormalizeKernel<float>::execute(task, begin, end);
+    case DType::f16: return NormalizeKernel<f16_t>::execute(task, begin, end);
+    case DType::bf16: return NormalizeKernel<bf16_t>::execute(task, begin, end);
+    case DType::f64: return NormalizeKernel<double>::execute(task, begin, end);
+  }
+}

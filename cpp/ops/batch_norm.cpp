@@ -1,0 +1,51 @@
+// Batch normalization: fold the four parameters once per call into (shift, mul, scale, bias) over
+// their broadcast shape (usually C values), then one planned elementwise pass:
+//   out = act(fma((in - mean) * 1/sqrt(var + eps), scale, bias))
+// Keeping (in - mean) rather than folding everything into one multiply-add makes in == mean give
+// exactly bias, at no cost in a memory-bound loop.
+#include <cmath>
+
+#include "ops/common.h"
+
+namespace simdnorm {
+namespace {
+
+// in: mean, variance, scale, bias; out: shift, mul, scale, bias.
+void fold_batch_norm(const double* in, double* out, const void* ctx) {
+  const double eps = *static_cast<const double*>(ctx);
+  out[0] = in[0];
+  out[1] = 1.0 / std::sqrt(in[1] + eps);  // negative -> NaN, zero -> inf, as SPEC §2 requires
+  out[2] = in[2];
+  out[3] = in[3];
+}
+
+}  // namespace
+
+void batch_norm(const BatchNormArgs& a) {
+  const TensorView& x = a.input;
+  for (int d = 0; d < x.ndim; ++d)
+    if (x.sizes[d] == 0) return;
+  const DType compute = compute_type(x.dtype);
+  FoldedParams folded(x.ndim, x.sizes,
+                      {{&a.mean, 0.0}, {&a.variance, 0.0}, {a.scale ? &*a.scale : nullptr, 1.0},
+                       {a.bias ? &*a.bias : nullptr, 0.0}},
+                      4, compute, fold_batch_norm, &a.epsilon);
+  Problem p;
+  p.ndim = x.ndim;
+  for (int d = 0; d < x.ndim; ++d) {
+    p.sizes[d] = x.sizes[d];
+    p.strides[kOut][d] = a.output.strides[d];
+    p.strides[kIn][d] = x.strides[d];
+    for (int op = kShift; op <= kBias; ++op) p.strides[op][d] = folded.strides()[d];
+  }
+  p.data[kOut] = a.output.data;
+  p.data[kIn] = x.data;
+  for (int op = kShift; op <= kBias; ++op) p.data[op] = folded.data(op - kShift);
+  NormalizeTask task;
+  task.loop = plan_elementwise(p);
+  task.dtype = x.dtype;
+  task.act = a.activation;
+  run_normalize(task);
+}
+
+}  // namespace simdnorm

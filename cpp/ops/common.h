@@ -1,0 +1,54 @@
+// Pieces the two op drivers share: scalar element access, parameter folding into compute-type
+// arrays, and running the normalize kernel over a nest on the thread pool. Compiled without ISA
+// flags (baseline), like everything outside cpp/kernels.
+#pragma once
+#include <cstring>
+#include <vector>
+
+#include "plan/plan.h"
+#include "simdnorm/kernel_table.h"
+#include "simdnorm/ops.h"
+
+namespace simdnorm {
+
+double load_scalar(DType dtype, const char* p);
+int64_t itemsize(DType dtype);
+// float32 for the float formats, float64 for float64.
+inline DType compute_type(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
+
+// Parameters broadcast against an input of `ndim` dims with `sizes`, folded into compute-type
+// arrays laid out contiguously over their common broadcast shape (usually just C values).
+class FoldedParams {
+ public:
+  struct Input {
+    const TensorView* view;  // nullptr: absent, reads as `absent_value`
+    double absent_value;
+  };
+  using Fold = void (*)(const double* in, double* out, const void* ctx);
+  // For each element of the broadcast shape, fold(in, out, ctx) maps one value per input to
+  // `outputs` values, stored in the compute type.
+  FoldedParams(int ndim, const int64_t* sizes, const std::vector<Input>& inputs, int outputs, DType compute,
+               Fold fold, const void* ctx);
+  // Byte strides of output `i` over the input's dims (0 where the broadcast shape is 1).
+  const int64_t* strides() const { return strides_; }
+  char* data(int i) { return storage_.data() + i * count_ * elsize_; }
+  int64_t count() const { return count_; }
+
+ private:
+  std::vector<char> storage_;
+  int64_t strides_[kMaxDims] = {};
+  int64_t count_ = 1;
+  int64_t elsize_ = 4;
+};
+
+// Runs the normalize kernel over the whole nest, split over threads in element ranges; picks
+// streaming stores by output size.
+void run_normalize(NormalizeTask task);
+
+// Outputs at least this large are written with non-temporal stores (measured: see DESIGN.md).
+constexpr int64_t kStreamingStoreBytes = int64_t(16) << 20;
+
+// Minimum elements per thread before a second thread is worth waking (measured: ~30 us of work).
+constexpr int64_t kMinElementsPerThread = 1 << 15;
+
+}  // namespace simdnorm

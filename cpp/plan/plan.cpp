@@ -1,0 +1,157 @@
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+namespace simdnorm {
+namespace {
+
+struct Dim {
+  int64_t size;
+  int64_t stride[kNumOperands];
+  bool reduced;
+};
+
+std::vector<Dim> collect(const Problem& p, uint32_t reduced_mask) {
+  std::vector<Dim> dims;
+  for (int d = 0; d < p.ndim; ++d) {
+    if (p.sizes[d] == 1) continue;
+    Dim dim{p.sizes[d], {}, ((reduced_mask >> d) & 1u) != 0};
+    for (int op = 0; op < kNumOperands; ++op) dim.stride[op] = p.strides[op][d];
+    dims.push_back(dim);
+  }
+  return dims;
+}
+
+// Walk a dim from its other end: every operand at once, so elementwise results are unchanged.
+void flip(Dim& d, char** data) {
+  for (int op = 0; op < kNumOperands; ++op) {
+    if (data[op] != nullptr) data[op] += (d.size - 1) * d.stride[op];
+    d.stride[op] = -d.stride[op];
+  }
+}
+
+// dims are outermost first; a dim merges into the one before it when every operand steps through
+// the pair as through one dim.
+std::vector<Dim> merge(const std::vector<Dim>& dims) {
+  std::vector<Dim> out;
+  for (const Dim& d : dims) {
+    if (!out.empty()) {
+      Dim& o = out.back();
+      bool ok = true;
+      for (int op = 0; op < kNumOperands && ok; ++op) ok = o.stride[op] == d.stride[op] * d.size;
+      if (ok) {
+        o.size *= d.size;
+        for (int op = 0; op < kNumOperands; ++op) o.stride[op] = d.stride[op];
+        continue;
+      }
+    }
+    out.push_back(d);
+  }
+  return out;
+}
+
+bool outer_first(const Dim& a, const Dim& b, Operand primary, Operand secondary) {
+  const int64_t pa = std::llabs(a.stride[primary]), pb = std::llabs(b.stride[primary]);
+  if (pa != pb) return pa > pb;
+  return std::llabs(a.stride[secondary]) > std::llabs(b.stride[secondary]);
+}
+
+void sort_outer_first(std::vector<Dim>& dims, Operand primary, Operand secondary) {
+  std::stable_sort(dims.begin(), dims.end(),
+                   [&](const Dim& a, const Dim& b) { return outer_first(a, b, primary, secondary); });
+}
+
+LoopNest to_nest(const std::vector<Dim>& dims, char* const* data) {
+  LoopNest nest;
+  nest.ndim = static_cast<int>(dims.size());
+  for (int d = 0; d < nest.ndim; ++d) {
+    nest.sizes[d] = dims[d].size;
+    for (int op = 0; op < kNumOperands; ++op) nest.strides[op][d] = dims[d].stride[op];
+  }
+  for (int op = 0; op < kNumOperands; ++op) nest.data[op] = data[op];
+  return nest;
+}
+
+Dim unit_dim(bool reduced) { return Dim{1, {}, reduced}; }
+
+int64_t product(const std::vector<Dim>& dims) {
+  int64_t n = 1;
+  for (const Dim& d : dims) n *= d.size;
+  return n;
+}
+
+}  // namespace
+
+LoopNest plan_elementwise(const Problem& p) {
+  char* data[kNumOperands];
+  std::copy(p.data, p.data + kNumOperands, data);
+  std::vector<Dim> dims = collect(p, 0);
+  for (Dim& d : dims)
+    if (d.stride[kOut] < 0 || (d.stride[kOut] == 0 && d.stride[kIn] < 0)) flip(d, data);
+  sort_outer_first(dims, kOut, kIn);
+  dims = merge(dims);
+  if (dims.empty()) dims.push_back(unit_dim(false));
+  return to_nest(dims, data);
+}
+
+ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t itemsize) {
+  char* data[kNumOperands];
+  std::copy(p.data, p.data + kNumOperands, data);
+  std::vector<Dim> dims = collect(p, reduced_mask);
+  // Direction does not matter to a reduction or to the elementwise pass after it: read forwards.
+  for (Dim& d : dims)
+    if (d.stride[kIn] < 0) flip(d, data);
+  std::vector<Dim> kept, reduced;
+  for (const Dim& d : dims) (d.reduced ? reduced : kept).push_back(d);
+  sort_outer_first(kept, kIn, kOut);
+  sort_outer_first(reduced, kIn, kOut);
+
+  ReductionPlan plan;
+  // Columns: the input's innermost dim is kept and contiguous, so statistics are accumulated per
+  // lane across it while the reduced dims are walked, instead of along badly strided runs.
+  const bool innermost_kept = !kept.empty() && (reduced.empty() || std::llabs(kept.back().stride[kIn]) <
+                                                                        std::llabs(reduced.back().stride[kIn]));
+  plan.lanes = innermost_kept && !reduced.empty() && kept.back().stride[kIn] == itemsize;
+  Dim lanes_dim = unit_dim(false);
+  if (plan.lanes) {
+    lanes_dim = kept.back();
+    kept.pop_back();
+  }
+  kept = merge(kept);
+  reduced = merge(reduced);
+  if (kept.empty()) kept.push_back(unit_dim(false));
+  if (reduced.empty()) reduced.push_back(unit_dim(true));
+  plan.kept_dims = static_cast<int>(kept.size());
+  plan.reduced_dims = static_cast<int>(reduced.size());
+  plan.groups = product(kept);
+  plan.group_size = product(reduced);
+  plan.lane_count = lanes_dim.size;
+  std::vector<Dim> all = kept;
+  all.insert(all.end(), reduced.begin(), reduced.end());
+  if (plan.lanes) all.push_back(lanes_dim);
+  plan.nest = to_nest(all, data);
+  return plan;
+}
+
+int64_t element_count(const LoopNest& nest) {
+  int64_t n = 1;
+  for (int d = 0; d < nest.ndim; ++d) n *= nest.sizes[d];
+  return n;
+}
+
+std::string describe(const LoopNest& nest) {
+  static const char* names[kNumOperands] = {"out", "in", "shift", "mul", "scale", "bias"};
+  std::string s = "sizes=(";
+  for (int d = 0; d < nest.ndim; ++d) s += (d ? "," : "") + std::to_string(nest.sizes[d]);
+  s += ")";
+  for (int op = 0; op < kNumOperands; ++op) {
+    s += std::string(" ") + names[op] + "=(";
+    for (int d = 0; d < nest.ndim; ++d) s += (d ? "," : "") + std::to_string(nest.strides[op][d]);
+    s += ")";
+  }
+  return s;
+}
+
+}  // namespace simdnorm

@@ -1,0 +1,41 @@
+// The strided-iteration planner shared by every op: from N-d sizes and per-operand byte strides to a
+// LoopNest with size-1 dims dropped, dims ordered by stride, reversed dims flipped and adjacent dims
+// merged wherever every operand allows.
+#pragma once
+#include <string>
+
+#include "simdnorm/types.h"
+
+namespace simdnorm {
+
+// Operands a problem does not use have data == nullptr and zero strides.
+struct Problem {
+  int ndim = 0;
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[kNumOperands][kMaxDims] = {};
+  char* data[kNumOperands] = {};
+};
+
+// Elementwise: order by the output's strides (ties by the input's), flip dims the output walks
+// backwards, merge.
+LoopNest plan_elementwise(const Problem& problem);
+
+// A reduction over the dims in `reduced` (bit mask over problem dims).
+struct ReductionPlan {
+  LoopNest nest;
+  int kept_dims = 0;      // nest dims [0, kept_dims) are kept dims
+  int reduced_dims = 0;   // then this many reduced dims
+  bool lanes = false;     // a last, contiguous kept dim follows: statistics run across it (columns)
+  int64_t groups = 1;     // product of the leading kept dims
+  int64_t lane_count = 1; // size of the lanes dim (1 when !lanes)
+  int64_t group_size = 1; // product of the reduced dims
+};
+
+// Rows (the input's innermost dim is reduced): nest = [kept..., reduced...].
+// Columns (the innermost dim is kept and contiguous): nest = [kept..., reduced..., lanes].
+ReductionPlan plan_reduction(const Problem& problem, uint32_t reduced, int64_t itemsize);
+
+int64_t element_count(const LoopNest& nest);
+std::string describe(const LoopNest& nest);
+
+}  // namespace simdnorm

@@ -1,0 +1,115 @@
+// CPUID plus XGETBV: a feature counts only when the CPU has it AND the OS saves its register state
+// (XCR0), otherwise the first AVX instruction faults. Compiled without ISA flags.
+#include "runtime/cpu.h"
+
+#include <atomic>
+#include <stdexcept>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+namespace simdnorm {
+namespace {
+
+struct Candidate {
+  const char* name;
+  const KernelTable* table;
+  bool (*supported)();
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+uint64_t read_xcr0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (static_cast<uint64_t>(edx) << 32) | eax;
+}
+
+struct X86Features {
+  bool avx2_fma_f16c = false;
+  bool avx512 = false;  // F, BW, DQ, VL
+};
+
+X86Features detect() {
+  X86Features f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12), f16c = c & (1u << 29);
+  if (!osxsave || !avx) return f;
+  const uint64_t xcr0 = read_xcr0();
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;            // SSE and AVX state
+  const bool zmm_state = (xcr0 & 0xe6) == 0xe6;          // plus opmask, ZMM_Hi256, Hi16_ZMM
+  if (!ymm_state || __get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  const bool avx2 = b & (1u << 5);
+  const bool avx512f = b & (1u << 16), avx512dq = b & (1u << 17), avx512bw = b & (1u << 30),
+             avx512vl = b & (1u << 31);
+  f.avx2_fma_f16c = avx2 && fma && f16c;
+  f.avx512 = f.avx2_fma_f16c && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
+  return f;
+}
+
+const X86Features& features() {
+  static const X86Features f = detect();
+  return f;
+}
+#endif
+
+bool always() { return true; }
+
+const std::vector<Candidate>& candidates() {
+  static const std::vector<Candidate> list = {
+#if defined(SIMDNORM_HAVE_AVX512)
+      {"avx512", &avx512::kernel_table, [] { return features().avx512; }},
+#endif
+#if defined(SIMDNORM_HAVE_AVX2)
+      {"avx2", &avx2::kernel_table, [] { return features().avx2_fma_f16c; }},
+#endif
+      {"baseline", &baseline::kernel_table, always},
+  };
+  return list;
+}
+
+const Candidate& best() {
+  for (const Candidate& c : candidates())
+    if (c.supported()) return c;
+  return candidates().back();
+}
+
+std::atomic<const Candidate*>& active() {
+  static std::atomic<const Candidate*> a{&best()};
+  return a;
+}
+
+}  // namespace
+
+const std::vector<std::string>& available_isas() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> v;
+    for (const Candidate& c : candidates())
+      if (c.supported()) v.emplace_back(c.name);
+    return v;
+  }();
+  return names;
+}
+
+const KernelTable& kernels() { return *active().load(std::memory_order_acquire)->table; }
+
+std::string active_isa() { return active().load(std::memory_order_acquire)->name; }
+
+void set_isa(const std::string& name) {
+  std::string known, usable;
+  for (const Candidate& c : candidates()) {
+    if (name == c.name && c.supported()) {
+      active().store(&c, std::memory_order_release);
+      return;
+    }
+    known += known.empty() ? "" : ", ";
+    known += c.name;
+  }
+  for (const std::string& n : available_isas()) usable += (usable.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown or unavailable ISA '" + name + "': this CPU runs " + usable +
+                              " (built: " + known + ")");
+}
+
+}  // namespace simdnorm

@@ -1,0 +1,157 @@
+#include "runtime/thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace simdnorm {
+namespace {
+
+int default_threads() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+#endif
+  const unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+std::atomic<int> g_num_threads{default_threads()};
+
+class Pool {
+ public:
+  explicit Pool(int workers) {
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+  }
+  int workers() const { return static_cast<int>(threads_.size()); }
+
+  // Caller holds region_mutex().
+  void run(int nparts, const std::function<void(int)>& fn) {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      job_ = &fn;
+      nparts_ = nparts;
+      next_.store(0, std::memory_order_relaxed);
+      busy_ = workers();
+      ++generation_;
+    }
+    wake_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(m_);
+    done_.wait(lock, [this] { return busy_ == 0; });
+    job_ = nullptr;
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+
+  std::mutex& region_mutex() { return region_; }
+
+ private:
+  void drain() {
+    for (int part; (part = next_.fetch_add(1, std::memory_order_relaxed)) < nparts_;) (*job_)(part);
+  }
+
+  void work() {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(m_);
+        wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+        if (stopping_) return;
+        seen = generation_;
+      }
+      drain();
+      std::lock_guard<std::mutex> lock(m_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex m_, region_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int nparts_ = 0;
+  std::atomic<int> next_{0};
+  int busy_ = 0;
+  uint64_t generation_ = 0;
+  bool stopping_ = false;
+};
+
+// The pool lives on the heap and is never destroyed at exit (joining at static destruction time
+// is fragile); a fork()ed child drops its copy, whose threads do not exist there, and builds anew.
+std::mutex g_pool_mutex;
+Pool* g_pool = nullptr;
+
+void forget_pool_in_child() {
+  g_pool = nullptr;  // leaked on purpose: its mutexes may be held by threads that are gone
+  new (&g_pool_mutex) std::mutex();
+}
+
+void register_fork_handler() {
+  static const int registered = pthread_atfork(nullptr, nullptr, forget_pool_in_child);
+  (void)registered;
+}
+
+}  // namespace
+
+int get_num_threads() { return g_num_threads.load(std::memory_order_relaxed); }
+
+void set_num_threads(int n) { g_num_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed); }
+
+int parts_for(int64_t work, int64_t min_per_part) {
+  const int64_t threads = get_num_threads();
+  int64_t parts = min_per_part > 0 ? work / min_per_part : work;
+  if (parts > threads) parts = threads;
+  return parts < 1 ? 1 : static_cast<int>(parts);
+}
+
+void parallel_for(int nparts, const std::function<void(int)>& fn) {
+  const int threads = get_num_threads();
+  auto run_here = [&] {
+    for (int p = 0; p < nparts; ++p) fn(p);
+  };
+  if (nparts <= 1 || threads <= 1) return run_here();
+  register_fork_handler();
+  std::unique_lock<std::mutex> global(g_pool_mutex);
+  // A pool is only replaced or used by whoever holds its region lock, so a pool in use by another
+  // Python thread is never deleted under it; that thread's rival simply runs on its own thread.
+  if (g_pool != nullptr) {
+    std::unique_lock<std::mutex> region(g_pool->region_mutex(), std::try_to_lock);
+    if (!region.owns_lock()) {
+      global.unlock();
+      return run_here();
+    }
+    if (g_pool->workers() == threads - 1) {
+      Pool* pool = g_pool;
+      global.unlock();
+      pool->run(nparts, fn);
+      return;
+    }
+    g_pool->stop();
+    region.unlock();
+    delete g_pool;
+    g_pool = nullptr;
+  }
+  g_pool = new Pool(threads - 1);
+  Pool* pool = g_pool;
+  std::unique_lock<std::mutex> region(pool->region_mutex());
+  global.unlock();
+  pool->run(nparts, fn);
+}
+
+}  // namespace simdnorm

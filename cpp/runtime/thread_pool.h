@@ -1,0 +1,21 @@
+// A small persistent thread pool (no OpenMP runtime in the wheel): N-1 workers plus the caller.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+namespace simdnorm {
+
+int get_num_threads();
+// n >= 1. Workers are (re)created lazily at the next parallel call.
+void set_num_threads(int n);
+
+// Runs fn(part) for every part in [0, nparts), spread over up to get_num_threads() threads; the
+// caller runs parts too and returns when all are done. If another thread is already running a
+// parallel region, the parts run on the caller alone (results never depend on the split).
+void parallel_for(int nparts, const std::function<void(int)>& fn);
+
+// How many parts to cut `work` units into so that each part has at least `min_per_part` units
+// (small work stays on one thread), and at most one part per thread.
+int parts_for(int64_t work, int64_t min_per_part);
+
+}  // namespace simdnorm

@@ -1,0 +1,300 @@
+// The thin vector layer: the only file that names intrinsics.
+//
+// Included once per instruction set, inside `namespace simdnorm::<isa> { namespace { ... } }` of a
+// translation unit compiled with that ISA's flags (see cpp/kernels/isa_unit.cpp). Everything here has
+// internal linkage, so no AVX-compiled copy of a function can be picked by the linker for baseline
+// code. The width follows the flags the unit is compiled with:
+//   AVX-512 F/BW/DQ/VL: 16 float lanes, masked loads and stores for heads and tails;
+//   AVX2 + FMA + F16C:  8 float lanes;
+//   baseline:           4 float lanes of the compiler's generic vectors (SSE2 on x86-64, NEON on arm64).
+// Arithmetic uses GCC/Clang vector extensions (the operators), intrinsics only where the generic
+// form would be slow or unavailable: FMA, half-precision conversion, masked memory access, rounding.
+//
+// Compute types: `vf` (float lanes) for float32/float16/bfloat16 data; `double` (one lane) for
+// float64 data, which is not a performance focus. Every helper below has both overloads, so kernels
+// and activations are written once as templates on the compute type.
+
+#if defined(__AVX512F__)
+constexpr int kWidth = 16;
+constexpr const char* kIsaName = "avx512";
+#elif defined(__AVX2__)
+constexpr int kWidth = 8;
+constexpr const char* kIsaName = "avx2";
+#else
+constexpr int kWidth = 4;
+constexpr const char* kIsaName = "baseline";
+#endif
+
+typedef float vf __attribute__((vector_size(kWidth * 4)));
+typedef int32_t vi __attribute__((vector_size(kWidth * 4)));
+typedef uint32_t vu __attribute__((vector_size(kWidth * 4)));
+typedef uint16_t vh __attribute__((vector_size(kWidth * 2)));
+
+// Storage tags for the 16-bit formats (the bits, as numpy holds them).
+struct f16_t { uint16_t bits; };
+struct bf16_t { uint16_t bits; };
+
+// ---------------------------------------------------------------------------------------------
+// Arithmetic on vf (and the same names on double, so templates serve both).
+static inline vf vbroadcast(float x) { return vf{} + x; }
+static inline double vbroadcast_d(double x) { return x; }
+
+static inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX2__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+static inline double vfma(double a, double b, double c) { return std::fma(a, b, c); }
+
+// min/max with x86 semantics: when either operand is NaN the SECOND operand is returned. Callers put
+// the data second (vmax(zero, x)) so that NaN propagates.
+static inline vf vmax(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX2__)
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+  return a > b ? a : b;
+#endif
+}
+static inline vf vmin(vf a, vf b) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_min_ps((__m512)a, (__m512)b);
+#elif defined(__AVX2__)
+  return (vf)_mm256_min_ps((__m256)a, (__m256)b);
+#else
+  return a < b ? a : b;
+#endif
+}
+static inline double vmax(double a, double b) { return a > b ? a : b; }
+static inline double vmin(double a, double b) { return a < b ? a : b; }
+
+static inline vf vabs(vf a) { return (vf)((vu)a & 0x7fffffffu); }
+static inline double vabs(double a) { return std::fabs(a); }
+
+static inline vf vsqrt(vf a) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_sqrt_ps((__m512)a);
+#elif defined(__AVX2__)
+  return (vf)_mm256_sqrt_ps((__m256)a);
+#else
+  vf r;
+  for (int i = 0; i < kWidth; ++i) r[i] = std::sqrt(a[i]);
+  return r;
+#endif
+}
+static inline double vsqrt(double a) { return std::sqrt(a); }
+
+// Round to nearest, ties to even (valid for |x| < 2^22 in the baseline form, which is all the
+// range reductions need).
+static inline vf vround(vf a) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_roundscale_ps((__m512)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__)
+  return (vf)_mm256_round_ps((__m256)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vf magic = vbroadcast(12582912.0f);  // 1.5 * 2^23
+  return (a + magic) - magic;
+#endif
+}
+
+// Select lanewise: m ? a : b, where m comes from a comparison of vf (a vi of 0 / -1).
+static inline vf vselect(vi m, vf a, vf b) { return m ? a : b; }
+static inline double vselect(bool m, double a, double b) { return m ? a : b; }
+
+// Lanes [0, m) set, the rest clear: masks the unused lanes of a partial vector.
+static inline vi vlanes_below(int m) {
+  vi iota;
+  for (int i = 0; i < kWidth; ++i) iota[i] = i;  // folds to a constant
+  return iota < m;
+}
+
+static inline vi vto_int(vf a) { return __builtin_convertvector(a, vi); }  // truncates
+static inline vf vto_float(vi a) { return __builtin_convertvector(a, vf); }
+static inline vi vbits(vf a) { return (vi)a; }
+static inline vf vfrom_bits(vi a) { return (vf)a; }
+
+// Sum of the lanes in a fixed order (the result must not depend on anything but the lanes).
+static inline float vreduce_add(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)a);
+#else
+  float s = 0.0f;
+  for (int i = 0; i < kWidth; ++i) s += a[i];
+  return s;
+#endif
+}
+static inline double vreduce_add(double a) { return a; }
+
+#include "simd/half.h"
+
+// ---------------------------------------------------------------------------------------------
+// Loads and stores: full vectors at any alignment, and partial vectors of n < kWidth lanes (lanes
+// past n read as zero and are not written). All go through the same conversions, so an element
+// computes to the same bits whichever path it takes.
+template <class T> struct Lanes;
+
+#if defined(__AVX512F__)
+static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
+#endif
+
+template <> struct Lanes<float> {
+  using V = vf;
+  static constexpr int W = kWidth;
+  static V load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+  // Non-temporal store of a full vector to a vector-aligned address (bypasses the cache: no
+  // read-for-ownership of the destination line). The caller fences with stream_fence().
+  static void store_stream(float* p, V v) {
+#if defined(__AVX512F__)
+    _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX2__)
+    _mm256_stream_ps(p, (__m256)v);
+#elif defined(__SSE2__)
+    _mm_stream_ps(p, (__m128)v);
+#else
+    store(p, v);
+#endif
+  }
+  static V load_partial(const float* p, int n) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_maskz_loadu_ps(tail_mask(n), p);
+#else
+    V v = {};
+    std::memcpy(&v, p, sizeof(float) * n);
+    return v;
+#endif
+  }
+  static void store_partial(float* p, V v, int n) {
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, tail_mask(n), (__m512)v);
+#else
+    std::memcpy(p, &v, sizeof(float) * n);
+#endif
+  }
+  static float load_one(const float* p) { float x; std::memcpy(&x, p, 4); return x; }
+  static void store_one(float* p, float x) { std::memcpy(p, &x, 4); }
+};
+
+// Packs the low 16 bits of each lane.
+static inline vh narrow16(vu a) { return __builtin_convertvector(a, vh); }
+static inline vu widen16(vh a) { return __builtin_convertvector(a, vu); }
+
+static inline vf vf_from_f16(vh h) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtph_ps((__m128i)h);
+#else
+  vf r;
+  for (int i = 0; i < kWidth; ++i) r[i] = f16_bits_to_float(h[i]);
+  return r;
+#endif
+}
+static inline vh f16_from_vf(vf v) {
+#if defined(__AVX512F__)
+  return (vh)_mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__)
+  return (vh)_mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  vh r;
+  for (int i = 0; i < kWidth; ++i) r[i] = float_to_f16_bits(v[i]);
+  return r;
+#endif
+}
+static inline vf vf_from_bf16(vh h) { return (vf)(widen16(h) << 16); }
+static inline vh bf16_from_vf(vf v) {
+  const vu x = (vu)v;
+  const vu rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const vu quiet_nan = (x >> 16) | 0x40u;
+  const vi is_nan = (vi)(x & 0x7fffffffu) > 0x7f800000;
+  return narrow16(is_nan ? quiet_nan : rounded);
+}
+
+template <class Tag, vf (*ToFloat)(vh), vh (*FromFloat)(vf), float (*OneToFloat)(uint16_t),
+          uint16_t (*OneFromFloat)(float)>
+struct Lanes16 {
+  using V = vf;
+  static constexpr int W = kWidth;
+  static vh raw_load_partial(const Tag* p, int n) {
+#if defined(__AVX512F__)
+    return (vh)_mm256_maskz_loadu_epi16(tail_mask(n), p);
+#else
+    vh h = {};
+    std::memcpy(&h, p, 2 * n);
+    return h;
+#endif
+  }
+  static V load(const Tag* p) {
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    return ToFloat(h);
+  }
+  static void store(Tag* p, V v) {
+    const vh h = FromFloat(v);
+    std::memcpy(p, &h, sizeof h);
+  }
+  static void store_stream(Tag* p, V v) {
+    const vh h = FromFloat(v);
+#if defined(__AVX512F__)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)h);
+#elif defined(__AVX2__)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), (__m128i)h);
+#else
+    std::memcpy(p, &h, sizeof h);
+#endif
+  }
+  static V load_partial(const Tag* p, int n) { return ToFloat(raw_load_partial(p, n)); }
+  static void store_partial(Tag* p, V v, int n) {
+    const vh h = FromFloat(v);
+#if defined(__AVX512F__)
+    _mm256_mask_storeu_epi16(p, tail_mask(n), (__m256i)h);
+#else
+    std::memcpy(p, &h, 2 * n);
+#endif
+  }
+  static float load_one(const Tag* p) { uint16_t b; std::memcpy(&b, p, 2); return OneToFloat(b); }
+  static void store_one(Tag* p, float x) { const uint16_t b = OneFromFloat(x); std::memcpy(p, &b, 2); }
+};
+
+template <> struct Lanes<f16_t>
+    : Lanes16<f16_t, vf_from_f16, f16_from_vf, f16_bits_to_float, float_to_f16_bits> {};
+template <> struct Lanes<bf16_t>
+    : Lanes16<bf16_t, vf_from_bf16, bf16_from_vf, bf16_bits_to_float, float_to_bf16_bits> {};
+
+// float64 data computes in double, one lane at a time.
+template <> struct Lanes<double> {
+  using V = double;
+  static constexpr int W = 1;
+  static V load(const double* p) { double x; std::memcpy(&x, p, 8); return x; }
+  static void store(double* p, V v) { std::memcpy(p, &v, 8); }
+  static void store_stream(double* p, V v) { store(p, v); }
+  static V load_partial(const double* p, int) { return load(p); }
+  static void store_partial(double* p, V v, int) { store(p, v); }
+  static double load_one(const double* p) { return load(p); }
+  static void store_one(double* p, double x) { store(p, x); }
+};
+
+// Orders this thread's non-temporal stores before whatever it does next (e.g. signalling "done").
+static inline void stream_fence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// The compute scalar of a storage type: float for the float formats, double for float64.
+template <class T> struct ComputeOf { using type = float; };
+template <> struct ComputeOf<double> { using type = double; };
+
+// A constant in the compute type (templates on V use this instead of naming vf or double).
+template <class V> static inline V splat(double c);
+template <> inline vf splat<vf>(double c) { return vbroadcast((float)c); }
+template <> inline double splat<double>(double c) { return c; }
