@@ -35,8 +35,8 @@ struct NormalizeKernel {
     V second(int64_t i, int m) const { if constexpr (Vary) return LC::load_partial(b + i, m); else return vb; }
   };
 
-  template <bool StatsVary, bool AffineVary, bool Stream, class Act>
-  static void run_contiguous(const Act& act, int64_t n, char* const* p) {
+  template <bool StatsVary, bool AffineVary, class Act>
+  static void run_contiguous(const Act& act, int64_t n, char* const* p, bool stream) {
     T* y = reinterpret_cast<T*>(p[kOut]);
     const T* x = reinterpret_cast<const T*>(p[kIn]);
     const Pair<StatsVary> st(p[kShift], p[kMul]);
@@ -55,6 +55,7 @@ struct NormalizeKernel {
     constexpr uintptr_t vbytes = W * sizeof(T);
     const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
     const bool aligned_elements = addr % sizeof(T) == 0;
+    stream = stream && aligned_elements;
     if constexpr (W > 1) {
       if (aligned_elements) {
         int64_t head = static_cast<int64_t>(((vbytes - addr % vbytes) % vbytes) / sizeof(T));
@@ -63,7 +64,7 @@ struct NormalizeKernel {
       }
     }
     auto store = [&](T* q, V v) {
-      if (Stream && aligned_elements) L::store_stream(q, v);
+      if (stream) L::store_stream(q, v);  // a predictable branch: cheaper than twice the code
       else L::store(q, v);
     };
     for (; i + 2 * W <= n; i += 2 * W) {
@@ -98,35 +99,27 @@ struct NormalizeKernel {
     }
   }
 
-  template <bool Stream, class Act>
-  static void run(const Act& act, int64_t n, char* const* p, const int64_t* s) {
+  template <class Act>
+  static void run(const Act& act, int64_t n, char* const* p, const int64_t* s, bool stream) {
     constexpr int64_t ts = sizeof(T), cs = sizeof(C);
     if (s[kIn] == ts && s[kOut] == ts) {
       const bool st_const = s[kShift] == 0 && s[kMul] == 0, st_vary = s[kShift] == cs && s[kMul] == cs;
       const bool af_const = s[kScale] == 0 && s[kBias] == 0, af_vary = s[kScale] == cs && s[kBias] == cs;
-      if (st_const && af_const) return run_contiguous<false, false, Stream>(act, n, p);
-      if (st_const && af_vary) return run_contiguous<false, true, Stream>(act, n, p);
-      if (st_vary && af_const) return run_contiguous<true, false, Stream>(act, n, p);
-      if (st_vary && af_vary) return run_contiguous<true, true, Stream>(act, n, p);
+      if (st_const && af_const) return run_contiguous<false, false>(act, n, p, stream);
+      if (st_const && af_vary) return run_contiguous<false, true>(act, n, p, stream);
+      if (st_vary && af_const) return run_contiguous<true, false>(act, n, p, stream);
+      if (st_vary && af_vary) return run_contiguous<true, true>(act, n, p, stream);
     }
     run_strided(act, n, p, s);
   }
 
-  template <bool Stream>
-  static void execute_with(const NormalizeTask& task, int64_t begin, int64_t end) {
+  static void execute(const NormalizeTask& task, int64_t begin, int64_t end) {
+    const bool stream = task.stream_stores;
     visit_activation<V>(task.act, [&](const auto& act) {
       for_each_run(task.loop, begin, end,
-                   [&](int64_t len, char* const* p, const int64_t* s) { run<Stream>(act, len, p, s); });
+                   [&](int64_t len, char* const* p, const int64_t* s) { run(act, len, p, s, stream); });
     });
-  }
-
-  static void execute(const NormalizeTask& task, int64_t begin, int64_t end) {
-    if (task.stream_stores) {
-      execute_with<true>(task, begin, end);
-      stream_fence();
-    } else {
-      execute_with<false>(task, begin, end);
-    }
+    if (stream) stream_fence();
   }
 };
 

@@ -1,5 +1,429 @@
-#include <stdexcept>
+// Mean-variance normalization over any subset of axes.
+//
+// The planner splits the dims into kept and reduced and orders them (plan/plan.cpp):
+//   rows     nest = [kept..., reduced...]          one group per kept index, statistics along runs
+//   columns  nest = [kept..., reduced..., lanes]   the innermost kept dim is contiguous: statistics
+//                                                  are accumulated per lane while the rows are walked
+// Statistics: shifted sums d = (x - pivot) * scale in float chunks, totals in double (kernels/
+// moments.h). The pivot is the group's first element, so a large mean costs no precision; when the
+// sums show that the pivot was far from the mean (|mean - pivot| > 8 std) the group is summed again
+// around its mean, and when squares overflow (|x| ~ 1e30 in float32) again with scale 2^-100.
+// Every group's sums are taken over fixed blocks combined in a fixed order, so the result is
+// bitwise the same for any number of threads.
+//
+// Normalization is the same elementwise kernel as batch norm, with shift = mean and mul = 1/std per
+// group (stride 0 along the reduced dims). When there are enough groups, each thread takes whole
+// groups and normalizes each right after its statistics, while it is still in cache: the input is
+// read from memory once. With few groups, statistics are split into blocks over all threads first,
+// then the normalization pass runs over all threads (the input is read twice).
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
 #include "ops/common.h"
+#include "runtime/cpu.h"
+#include "runtime/thread_pool.h"
+
 namespace simdnorm {
-void mean_variance_normalization(const MvnArgs&) { throw std::logic_error("mvn: not built yet"); }
-}
+namespace {
+#include "kernels/iterate.h"
+
+// Rows: elements per statistics block (the unit of work when groups are split between threads).
+constexpr int64_t kBlock = 1 << 15;
+// Columns: a task's lanes are chosen so that its rows x lanes block stays in L2 between the passes.
+constexpr int64_t kColumnBlockBytes = 512 << 10;
+constexpr double kOverflowScale = 7.888609052210118e-31;  // 2^-100
+
+struct Pass {
+  double pivot = 0.0;
+  double scale = 1.0;
+  bool refined = false;  // pivot already moved to the mean
+};
+
+struct Sums {
+  double s1 = 0.0, s2 = 0.0;
+};
+
+struct GroupResult {
+  double mean, var;
+};
+
+class MvnRunner {
+ public:
+  explicit MvnRunner(const MvnArgs& a) : a_(a), compute_(compute_type(a.input.dtype)), csize_(itemsize(compute_)) {}
+
+  void run() {
+    const TensorView& x = a_.input;
+    bool empty = false, reduced_empty = false;
+    for (int d = 0; d < x.ndim; ++d)
+      if (x.sizes[d] == 0) (((a_.reduced >> d) & 1u) ? reduced_empty : empty) = true;
+    if (empty) return;
+    if (reduced_empty) return fill_stats_nan();  // statistics of nothing; the output is empty
+
+    fold_affine();
+    build_plan();
+    const int64_t total = plan_.groups * plan_.lane_count * plan_.group_size;
+    task_.stream_stores = a_.output.data != a_.input.data && total * itemsize(x.dtype) >= kStreamingStoreBytes;
+    if (plan_.lanes) run_columns();
+    else run_rows();
+  }
+
+ private:
+  // ---- setup ----------------------------------------------------------------------------------
+  static void identity2(const double* in, double* out, const void*) {
+    out[0] = in[0];
+    out[1] = in[1];
+  }
+
+  void fold_affine() {
+    if (!a_.scale && !a_.bias) return;
+    affine_ = std::make_unique<FoldedParams>(
+        a_.input.ndim, a_.input.sizes,
+        std::vector<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0}, {a_.bias ? &*a_.bias : nullptr, 0.0}},
+        2, compute_, identity2, nullptr);
+  }
+
+  void build_plan() {
+    const TensorView& x = a_.input;
+    Problem p;
+    p.ndim = x.ndim;
+    for (int d = 0; d < x.ndim; ++d) {
+      const bool red = (a_.reduced >> d) & 1u;
+      p.sizes[d] = x.sizes[d];
+      p.strides[kOut][d] = a_.output.strides[d];
+      p.strides[kIn][d] = x.strides[d];
+      // The statistics outputs ride along as the shift/mul operands so that the planner orders and
+      // merges their dims with the data's; they are swapped for internal arrays below.
+      p.strides[kShift][d] = a_.mean_out && !red ? a_.mean_out->strides[d] : 0;
+      p.strides[kMul][d] = a_.inv_std_out && !red ? a_.inv_std_out->strides[d] : 0;
+      p.strides[kScale][d] = p.strides[kBias][d] = affine_ ? affine_->strides()[d] : 0;
+    }
+    p.data[kOut] = a_.output.data;
+    p.data[kIn] = x.data;
+    p.data[kShift] = a_.mean_out ? a_.mean_out->data : nullptr;
+    p.data[kMul] = a_.inv_std_out ? a_.inv_std_out->data : nullptr;
+    if (affine_) {
+      p.data[kScale] = affine_->data(0);
+      p.data[kBias] = affine_->data(1);
+    } else {
+      p.data[kScale] = reinterpret_cast<char*>(compute_ == DType::f64 ? (void*)&one_d_ : (void*)&one_f_);
+      p.data[kBias] = reinterpret_cast<char*>(compute_ == DType::f64 ? (void*)&zero_d_ : (void*)&zero_f_);
+    }
+    plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype));
+    LoopNest& nest = plan_.nest;
+    user_mean_ = nest.data[kShift];
+    user_inv_std_ = nest.data[kMul];
+    for (int d = 0; d < nest.ndim; ++d) {
+      user_mean_strides_[d] = nest.strides[kShift][d];
+      user_inv_std_strides_[d] = nest.strides[kMul][d];
+    }
+    // Internal per-group statistics, contiguous over [kept..., lanes], broadcast over reduced dims.
+    const int64_t count = plan_.groups * plan_.lane_count;
+    shift_.assign(static_cast<size_t>(count * csize_), 0);
+    mul_.assign(static_cast<size_t>(count * csize_), 0);
+    int64_t step = csize_;
+    if (plan_.lanes) {
+      nest.strides[kShift][nest.ndim - 1] = nest.strides[kMul][nest.ndim - 1] = step;
+      step *= plan_.lane_count;
+    }
+    for (int d = plan_.kept_dims + plan_.reduced_dims - 1; d >= 0; --d) {
+      const bool kept = d < plan_.kept_dims;
+      nest.strides[kShift][d] = nest.strides[kMul][d] = kept ? step : 0;
+      if (kept) step *= nest.sizes[d];
+    }
+    nest.data[kShift] = shift_.data();
+    nest.data[kMul] = mul_.data();
+    task_.loop = nest;
+    task_.dtype = x.dtype;
+    task_.act = a_.activation;
+  }
+
+  // ---- statistics of one group ------------------------------------------------------------------
+  Pass first_pass(const char* first_element) const {
+    Pass pass;
+    if (a_.normalize_mean) pass.pivot = load_scalar(a_.input.dtype, first_element);
+    return pass;
+  }
+
+  // Decides whether the sums under `pass` are good; if not, returns false with the next pass.
+  bool judge(const Sums& s, double n, Pass& pass, GroupResult& out) const {
+    if (!std::isfinite(s.s1) || !std::isfinite(s.s2)) {
+      if (pass.scale == 1.0) {  // squares overflowed: again, scaled down
+        pass.scale = kOverflowScale;
+        return false;
+      }
+      out = {NAN, NAN};  // an inf or NaN in the data: the whole group is NaN
+      return true;
+    }
+    const double m1 = s.s1 / n;  // mean of d, in scaled units
+    const double var_scaled = std::fmax(s.s2 / n - m1 * m1, 0.0);
+    if (a_.normalize_mean && !pass.refined && m1 * m1 > 64.0 * var_scaled) {
+      pass.pivot += m1 / pass.scale;
+      pass.refined = true;
+      return false;
+    }
+    out.mean = a_.normalize_mean ? pass.pivot + m1 / pass.scale : 0.0;
+    const double second = a_.normalize_mean ? var_scaled : s.s2 / n;
+    out.var = second / (pass.scale * pass.scale);
+    return true;
+  }
+
+  double inv_std(double var) const {
+    if (!a_.normalize_variance) return 1.0;
+    return a_.epsilon_outside ? 1.0 / (std::sqrt(var) + a_.epsilon) : 1.0 / std::sqrt(var + a_.epsilon);
+  }
+
+  // Stores a group's (or lane's) statistics: internal shift/mul at `index`, and the user's arrays.
+  void store_stats(int64_t index, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
+    const double istd = inv_std(r.var);
+    store_compute(shift_.data() + index * csize_, r.mean);
+    store_compute(mul_.data() + index * csize_, istd);
+    if (a_.mean_out && a_.normalize_mean) store_compute(const_cast<char*>(user_mean), r.mean);
+    if (a_.inv_std_out && a_.normalize_variance) store_compute(const_cast<char*>(user_inv_std), istd);
+  }
+
+  void store_compute(char* p, double v) const {
+    if (compute_ == DType::f64) {
+      std::memcpy(p, &v, 8);
+    } else {
+      const float f = static_cast<float>(v);
+      std::memcpy(p, &f, 4);
+    }
+  }
+
+  // Offset of kept index `g` (flat over the leading kept dims) in one of the user's stats arrays.
+  int64_t user_offset(const int64_t* strides, int64_t g) const {
+    int64_t off = 0;
+    for (int d = plan_.kept_dims - 1; d >= 0; --d) {
+      off += (g % plan_.nest.sizes[d]) * strides[d];
+      g /= plan_.nest.sizes[d];
+    }
+    return off;
+  }
+
+  // ---- rows ---------------------------------------------------------------------------------------
+  Sums block_sums(int64_t group, int64_t block, const Pass& pass) const {
+    const int64_t begin = group * plan_.group_size + block * kBlock;
+    const int64_t end = begin + kBlock < (group + 1) * plan_.group_size ? begin + kBlock : (group + 1) * plan_.group_size;
+    Sums s;
+    const KernelTable& k = kernels();
+    for_each_run(plan_.nest, begin, end, [&](int64_t len, char* const* p, const int64_t* st) {
+      RowMomentsArgs args{p[kIn], a_.input.dtype, len, st[kIn], pass.pivot, pass.scale, &s.s1, &s.s2};
+      k.row_moments(args);
+    });
+    return s;
+  }
+
+  int64_t blocks_per_group() const { return (plan_.group_size + kBlock - 1) / kBlock; }
+
+  const char* group_first_element(int64_t group) const {
+    const char* p = plan_.nest.data[kIn];
+    int64_t g = group;
+    for (int d = plan_.kept_dims - 1; d >= 0; --d) {
+      p += (g % plan_.nest.sizes[d]) * plan_.nest.strides[kIn][d];
+      g /= plan_.nest.sizes[d];
+    }
+    return p;
+  }
+
+  void finish_group(int64_t group, const GroupResult& r) {
+    store_stats(group, r, user_mean_ + user_offset(user_mean_strides_, group),
+                user_inv_std_ + user_offset(user_inv_std_strides_, group));
+  }
+
+  void run_rows() {
+    const int64_t groups = plan_.groups, nblocks = blocks_per_group();
+    const double n = static_cast<double>(plan_.group_size);
+    const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
+    const KernelTable& k = kernels();
+    if (parts == 1 || groups >= 2 * parts) {
+      // Whole groups per thread; each normalized right after its statistics, while cached.
+      const int64_t per = (groups + parts - 1) / parts;
+      parallel_for(parts, [&](int part) {
+        const int64_t g0 = part * per, g1 = g0 + per < groups ? g0 + per : groups;
+        for (int64_t g = g0; g < g1; ++g) {
+          Pass pass = first_pass(group_first_element(g));
+          GroupResult r;
+          for (;;) {
+            Sums total;
+            for (int64_t b = 0; b < nblocks; ++b) {
+              const Sums s = block_sums(g, b, pass);
+              total.s1 += s.s1;
+              total.s2 += s.s2;
+            }
+            if (judge(total, n, pass, r)) break;
+          }
+          finish_group(g, r);
+          k.normalize(task_, g * plan_.group_size, (g + 1) * plan_.group_size);
+        }
+      });
+      return;
+    }
+    // Few large groups: blocks of every group over all threads, combined in order, then one
+    // normalization pass over all threads.
+    std::vector<Pass> passes(static_cast<size_t>(groups));
+    std::vector<char> done(static_cast<size_t>(groups), 0);
+    std::vector<GroupResult> results(static_cast<size_t>(groups));
+    for (int64_t g = 0; g < groups; ++g) passes[g] = first_pass(group_first_element(g));
+    std::vector<Sums> sums(static_cast<size_t>(groups * nblocks));
+    for (int round = 0; round < 3; ++round) {
+      std::vector<int64_t> pending;
+      for (int64_t g = 0; g < groups; ++g)
+        if (!done[g]) pending.push_back(g);
+      if (pending.empty()) break;
+      const int64_t tasks = static_cast<int64_t>(pending.size()) * nblocks;
+      const int tparts = parts_for(tasks * kBlock, kMinElementsPerThread);
+      const int64_t per = (tasks + tparts - 1) / tparts;
+      parallel_for(tparts, [&](int part) {
+        for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
+          const int64_t g = pending[t / nblocks], b = t % nblocks;
+          sums[g * nblocks + b] = block_sums(g, b, passes[g]);
+        }
+      });
+      for (int64_t g : pending) {
+        Sums total;
+        for (int64_t b = 0; b < nblocks; ++b) {
+          total.s1 += sums[g * nblocks + b].s1;
+          total.s2 += sums[g * nblocks + b].s2;
+        }
+        done[g] = judge(total, n, passes[g], results[g]);
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) finish_group(g, results[g]);
+    run_normalize(task_);
+  }
+
+  // ---- columns ------------------------------------------------------------------------------------
+  // Accumulates lanes [c0, c0 + nb) of kept index `ko` down all rows (the reduced dims).
+  void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, double* s1,
+                   double* s2) const {
+    const LoopNest& nest = plan_.nest;
+    const int lanes_dim = nest.ndim - 1, r0 = plan_.kept_dims, rlast = plan_.kept_dims + plan_.reduced_dims - 1;
+    const char* base = group_first_element(ko) + c0 * nest.strides[kIn][lanes_dim];
+    std::fill(s1, s1 + nb, 0.0);
+    std::fill(s2, s2 + nb, 0.0);
+    // Walk the outer reduced dims; the innermost reduced dim is the kernel's rows.
+    int64_t outer = 1;
+    for (int d = r0; d < rlast; ++d) outer *= nest.sizes[d];
+    const KernelTable& k = kernels();
+    for (int64_t o = 0; o < outer; ++o) {
+      const char* p = base;
+      int64_t rem = o;
+      for (int d = rlast - 1; d >= r0; --d) {
+        p += (rem % nest.sizes[d]) * nest.strides[kIn][d];
+        rem /= nest.sizes[d];
+      }
+      ColMomentsArgs args{p, a_.input.dtype, nest.sizes[rlast], nb, nest.strides[kIn][rlast],
+                          nest.strides[kIn][lanes_dim], pivots, scale, s1, s2};
+      k.col_moments(args);
+    }
+  }
+
+  void column_task(int64_t ko, int64_t c0, int64_t nb) {
+    const LoopNest& nest = plan_.nest;
+    const int lanes_dim = nest.ndim - 1;
+    const double n = static_cast<double>(plan_.group_size);
+    std::vector<Pass> passes(static_cast<size_t>(nb));
+    std::vector<double> pivots(static_cast<size_t>(nb)), s1(static_cast<size_t>(nb)), s2(static_cast<size_t>(nb));
+    std::vector<GroupResult> results(static_cast<size_t>(nb));
+    const char* first = group_first_element(ko) + c0 * nest.strides[kIn][lanes_dim];
+    for (int64_t c = 0; c < nb; ++c) passes[c] = first_pass(first + c * nest.strides[kIn][lanes_dim]);
+    for (int round = 0;; ++round) {
+      // One scale for the whole block: the kernel takes one. Lanes that were already good are
+      // summed again around their mean, which keeps them good.
+      double scale = 1.0;
+      for (const Pass& p : passes) scale = std::fmin(scale, p.scale);
+      for (int64_t c = 0; c < nb; ++c) pivots[c] = passes[c].pivot;
+      column_sums(ko, c0, nb, pivots.data(), scale, s1.data(), s2.data());
+      bool all_good = true;
+      for (int64_t c = 0; c < nb; ++c) {
+        passes[c].scale = scale;
+        if (!judge(Sums{s1[c], s2[c]}, n, passes[c], results[c])) all_good = false;
+      }
+      if (all_good || round == 2) break;
+    }
+    const int64_t mean_lane_stride = user_mean_strides_[lanes_dim], istd_lane_stride = user_inv_std_strides_[lanes_dim];
+    const char* um = user_mean_ + user_offset(user_mean_strides_, ko);
+    const char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko);
+    for (int64_t c = 0; c < nb; ++c)
+      store_stats(ko * plan_.lane_count + c0 + c, results[c], um + (c0 + c) * mean_lane_stride,
+                  ui + (c0 + c) * istd_lane_stride);
+    // Normalize this block: a nest of [reduced..., nb lanes] at kept index ko, lane c0.
+    NormalizeTask sub = task_;
+    LoopNest& sn = sub.loop;
+    sn.ndim = plan_.reduced_dims + 1;
+    for (int op = 0; op < kNumOperands; ++op) {
+      char* p = nest.data[op];
+      int64_t g = ko;
+      for (int d = plan_.kept_dims - 1; d >= 0; --d) {
+        p += (g % nest.sizes[d]) * nest.strides[op][d];
+        g /= nest.sizes[d];
+      }
+      sn.data[op] = p + c0 * nest.strides[op][lanes_dim];
+      for (int d = 0; d <= plan_.reduced_dims; ++d) sn.strides[op][d] = nest.strides[op][plan_.kept_dims + d];
+    }
+    for (int d = 0; d < plan_.reduced_dims; ++d) sn.sizes[d] = nest.sizes[plan_.kept_dims + d];
+    sn.sizes[plan_.reduced_dims] = nb;
+    kernels().normalize(sub, 0, plan_.group_size * nb);
+  }
+
+  void run_columns() {
+    const int64_t row_bytes = plan_.group_size * itemsize(a_.input.dtype);
+    int64_t lanes_per_task = kColumnBlockBytes / (row_bytes > 0 ? row_bytes : 1);
+    lanes_per_task = lanes_per_task < 16 ? 16 : lanes_per_task / 16 * 16;
+    if (lanes_per_task > plan_.lane_count) lanes_per_task = plan_.lane_count;
+    const int64_t blocks = (plan_.lane_count + lanes_per_task - 1) / lanes_per_task;
+    const int64_t tasks = plan_.groups * blocks;
+    int parts = parts_for(plan_.groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
+    if (parts > tasks) parts = static_cast<int>(tasks);
+    const int64_t per = (tasks + parts - 1) / parts;
+    parallel_for(parts, [&](int part) {
+      for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
+        const int64_t ko = t / blocks, c0 = (t % blocks) * lanes_per_task;
+        const int64_t nb = c0 + lanes_per_task < plan_.lane_count ? lanes_per_task : plan_.lane_count - c0;
+        column_task(ko, c0, nb);
+      }
+    });
+  }
+
+  // ---- empty reductions -------------------------------------------------------------------------
+  void fill_stats_nan() {
+    for (const std::optional<TensorView>* t : {&a_.mean_out, &a_.inv_std_out}) {
+      if (!*t) continue;
+      const TensorView& v = **t;
+      int64_t count = 1;
+      for (int d = 0; d < v.ndim; ++d) count *= v.sizes[d];
+      int64_t idx[kMaxDims] = {};
+      for (int64_t i = 0; i < count; ++i) {
+        char* p = v.data;
+        for (int d = 0; d < v.ndim; ++d) p += idx[d] * v.strides[d];
+        store_compute(p, NAN);
+        for (int d = v.ndim - 1; d >= 0; --d) {
+          if (++idx[d] < v.sizes[d]) break;
+          idx[d] = 0;
+        }
+      }
+    }
+  }
+
+  const MvnArgs& a_;
+  const DType compute_;
+  const int64_t csize_;
+  std::unique_ptr<FoldedParams> affine_;
+  ReductionPlan plan_;
+  NormalizeTask task_;
+  std::vector<char> shift_, mul_;
+  char* user_mean_ = nullptr;
+  char* user_inv_std_ = nullptr;
+  int64_t user_mean_strides_[kMaxDims] = {};
+  int64_t user_inv_std_strides_[kMaxDims] = {};
+  const float one_f_ = 1.0f, zero_f_ = 0.0f;
+  const double one_d_ = 1.0, zero_d_ = 0.0;
+};
+
+}  // namespace
+
+void mean_variance_normalization(const MvnArgs& args) { MvnRunner(args).run(); }
+
+}  // namespace simdnorm

@@ -1,0 +1,220 @@
+"""`python -m simdnorm bench [options]`: simdnorm side by side with the copy roofline, numpy and
+the libraries a user would pick instead (PyTorch, ONNX Runtime, OpenVINO) when installed."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from . import shapes
+from .impls import IMPL_NAMES, all_impls
+from .report import _loadavg, fmt_bytes, format_case, format_summary, json_document, plot
+from .runner import ERROR, WRONG, run_case
+from .timing import loop_overhead_ns
+
+DEFAULT_ROUNDS = 9
+QUICK_ROUNDS = 5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m simdnorm bench",
+        description=__doc__,
+        epilog="GB/s counts the input read once and the output written once (2 x input bytes). "
+               "t/copy = time / copy time; t/best other = time / the fastest other implementation "
+               "(copy excluded).")
+    p.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="threads for every library (default 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few shapes and fewer rounds (under a minute)")
+    p.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
+                   help="run the cases whose name contains SUBSTR (repeatable: any of them)")
+    p.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    p.add_argument("--json", metavar="FILE", help="write the results and machine info as JSON")
+    p.add_argument("--plot", metavar="FILE", help="draw GB/s per implementation vs the copy (PNG/SVG)")
+    p.add_argument("--impl", metavar="NAMES",
+                   help=f"comma-separated implementations to run (default all: {','.join(IMPL_NAMES)}); "
+                        "copy is always included")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"interleaved rounds (default {DEFAULT_ROUNDS}, --quick {QUICK_ROUNDS})")
+    p.add_argument("--min-sample-ms", type=float, default=2.0,
+                   help="minimum duration of one timing sample (default 2 ms)")
+    p.add_argument("--warmup-ms", type=float, default=None,
+                   help="warm-up time per implementation and case (default 20 ms, --quick 5 ms)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the input data")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    return p
+
+
+class Progress:
+    """One status line on stderr (rewritten in place on a terminal, a line per case otherwise)."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.total = total
+        self.i = 0
+        self.name = ""
+        self.t0 = time.monotonic()
+        self._width = 0
+
+    def start(self, i: int, name: str) -> None:
+        self.i, self.name = i, name
+        if self.enabled and not self.tty:
+            print(f"[{i}/{self.total}] {name}", file=sys.stderr, flush=True)
+        self.update("")
+
+    def update(self, what: str) -> None:
+        if not self.tty:
+            return
+        el = time.monotonic() - self.t0
+        s = f"[{self.i}/{self.total} {el:5.0f}s] {self.name}: {what}"
+        s = s[:shutil_cols() - 1]
+        pad = max(0, self._width - len(s))
+        sys.stderr.write("\r" + s + " " * pad)
+        sys.stderr.flush()
+        self._width = len(s)
+
+    def done(self) -> None:
+        if self.tty and self._width:
+            sys.stderr.write("\r" + " " * self._width + "\r")
+            sys.stderr.flush()
+            self._width = 0
+
+
+def shutil_cols() -> int:
+    try:
+        cols = os.get_terminal_size(sys.stderr.fileno()).columns
+    except OSError:
+        cols = 0
+    return cols if cols >= 40 else 100
+
+
+def _select_impls(spec: Optional[str]):
+    impls = all_impls()
+    if not spec:
+        return impls
+    wanted = {s.strip() for s in spec.split(",") if s.strip()}
+    unknown = wanted - set(IMPL_NAMES)
+    if unknown:
+        raise SystemExit(f"unknown implementation(s): {', '.join(sorted(unknown))}; "
+                         f"valid: {', '.join(IMPL_NAMES)}")
+    wanted.add("copy")
+    return [i for i in impls if i.name in wanted]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.threads < 1:
+        print("--threads must be >= 1", file=sys.stderr)
+        return 2
+    cases = shapes.select(quick=args.quick, filters=args.filter)
+    if args.list:
+        for c in cases:
+            print(f"{c.name:<34} {c.describe()}  ({fmt_bytes(c.bytes_moved)} moved)")
+        return 0
+    if not cases:
+        print("no case matches the filter; see --list", file=sys.stderr)
+        return 2
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+    warmup_ms = args.warmup_ms if args.warmup_ms is not None else (5.0 if args.quick else 20.0)
+    impls = _select_impls(args.impl)
+    for impl in impls:
+        if impl.unavailable() is None:
+            impl.set_threads(args.threads)
+        else:
+            impl.threads = args.threads
+    config = {
+        "threads": args.threads,
+        "quick": args.quick,
+        "filters": args.filter,
+        "rounds": rounds,
+        "min_sample_ms": args.min_sample_ms,
+        "warmup_ms": warmup_ms,
+        "seed": args.seed,
+        "implementations": [i.name for i in impls],
+        "loop_overhead_ns": round(loop_overhead_ns(), 1),
+        "pause_between_samples_ms": 1.0 if args.threads > 1 else 0.0,
+        "gbps_definition": "2 * input nbytes / median time per call",
+        "argv": list(argv) if argv is not None else sys.argv[1:],
+        "loadavg_at_start": _loadavg(),
+    }
+    load = config["loadavg_at_start"]
+    print(f"simdnorm bench: {len(cases)} case(s), {rounds} interleaved rounds, samples >= "
+          f"{args.min_sample_ms:g} ms, threads={args.threads}"
+          + (f", load average {load[0]:.2f} on {os.cpu_count()} CPUs" if load else ""))
+    un = [(i.name, i.unavailable()) for i in impls]
+    for name, why in un:
+        if why:
+            print(f"  {name}: n/a ({why})")
+    print()
+    progress = Progress(not args.no_progress, len(cases))
+    results = []
+    failed = False
+    t0 = time.monotonic()
+    try:
+        for i, case in enumerate(cases, 1):
+            progress.start(i, case.name)
+            cr = run_case(case, impls, rounds, args.min_sample_ms * 1e6, warmup_ms * 1e6,
+                          seed=args.seed, progress=progress.update,
+                          pause_ns=1e6 if args.threads > 1 else 0.0)
+            progress.done()
+            results.append(cr)
+            print(format_case(cr))
+            print(flush=True)
+            sn = cr.results.get("simdnorm")
+            if sn is not None and sn.status in (WRONG, ERROR):
+                failed = True
+    finally:
+        progress.done()
+        for impl in impls:
+            impl.shutdown()
+    print(format_summary(results))
+    notes = [getattr(i, "footnote") for i in impls if getattr(i, "footnote", None)]
+    if notes:
+        print()
+        for n in notes:
+            print("  " + n)
+    print(f"\n{len(results)} case(s) in {time.monotonic() - t0:.1f} s")
+    if args.json:
+        doc = json_document(results, impls, config)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(_finite(doc), f, indent=1, allow_nan=False, default=_json_default)
+            f.write("\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            plot(results, args.plot, title=f"simdnorm bench, threads={args.threads}")
+            print(f"wrote {args.plot}")
+        except ImportError as e:
+            print(f"--plot needs matplotlib: {e}", file=sys.stderr)
+            return 2
+    if failed:
+        print("simdnorm produced a wrong result or failed on some case (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _finite(o):
+    """NaN/inf floats (e.g. the error of a NaN output) become strings: the JSON stays strict."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def _json_default(o):
+    try:
+        import numpy as np
+        if isinstance(o, np.generic):
+            return o.item()
+    except ImportError:
+        pass
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")

@@ -1,0 +1,332 @@
+"""The implementations timed side by side: the copy roofline, numpy, simdnorm, and the peers.
+
+Each implementation turns a :class:`CaseData` into a :class:`Prepared`: a timed callable that does
+exactly the case's op (all setup, allocation and model building done before), and a way to run it
+once and get its output for verification. An implementation that cannot do a case raises
+:class:`NotAvailable` with the reason, and is shown as n/a.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .cases import CaseData, NotAvailable
+
+__all__ = ["Prepared", "Impl", "CopyImpl", "NumpyImpl", "SimdnormImpl", "NotAvailable",
+           "all_impls", "IMPL_NAMES"]
+
+
+@dataclass
+class Prepared:
+    fn: Callable[[], Any]  # the timed callable: the op and nothing else
+    run_once: Callable[[], np.ndarray]  # runs the op once, returns its output (logical shape)
+    note: str = ""
+    close: Optional[Callable[[], None]] = None
+    out: Optional[np.ndarray] = None  # the preallocated output fn writes, if it writes one
+
+
+class Impl:
+    name = "?"
+    kind = "peer"  # "roofline" | "simdnorm" | "numpy" | "peer"
+
+    def unavailable(self) -> Optional[str]:
+        """Why this implementation cannot run at all (not installed...), or None."""
+        return None
+
+    def version(self) -> Optional[str]:
+        return None
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+
+    def prepare(self, data: CaseData) -> Prepared:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+def prepared_out(fn: Callable[[], Any], out: np.ndarray, note: str = "") -> Prepared:
+    """A Prepared whose timed callable writes into the preallocated `out`."""
+    def run_once() -> np.ndarray:
+        fn()
+        return out
+    return Prepared(fn, run_once, note, out=out)
+
+
+# --------------------------------------------------------------------------------------------- copy
+class CopyImpl(Impl):
+    """np.copyto(out, x): the same input into a same-layout output; the one-read one-write roofline.
+
+    At N threads the copy is split into N slices along the outermost axis that has at least N
+    entries, copied by a small pool of threads (np.copyto releases the GIL on large arrays).
+    """
+
+    name = "copy"
+    kind = "roofline"
+    footnote = ("copy: np.copyto(out, x) of the same input into a same-layout output (the roofline of "
+                "a one-read one-write op); at N threads, N slices copied by a small thread pool")
+    SPLIT_MIN_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self.threads = 1
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def version(self) -> Optional[str]:
+        return f"numpy {np.__version__}"
+
+    def set_threads(self, n: int) -> None:
+        if n != self.threads and self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self.threads = n
+
+    def _get_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, self.threads - 1),
+                                            thread_name_prefix="bench-copy")
+        return self._pool
+
+    @staticmethod
+    def split(x: np.ndarray, out: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(out slice, x slice) pairs along the outermost (largest-stride) axis of size >= n."""
+        axes = sorted(range(x.ndim), key=lambda a: -abs(x.strides[a]))
+        for ax in axes:
+            size = x.shape[ax]
+            if size >= n:
+                bounds = [size * i // n for i in range(n + 1)]
+                idx = [slice(None)] * x.ndim
+                pairs = []
+                for lo, hi in zip(bounds[:-1], bounds[1:]):
+                    idx[ax] = slice(lo, hi)
+                    pairs.append((out[tuple(idx)], x[tuple(idx)]))
+                return pairs
+        return [(out, x)]
+
+    def prepare(self, data: CaseData) -> Prepared:
+        x = data.x
+        out = data.new_output()
+        n = self.threads
+        if n <= 1 or x.nbytes < self.SPLIT_MIN_BYTES:
+            fn = functools.partial(np.copyto, out, x)
+            note = "" if n <= 1 else "one thread (small array)"
+            return prepared_out(fn, out, note)
+        pairs = self.split(x, out, n)
+        if len(pairs) == 1:
+            fn = functools.partial(np.copyto, out, x)
+            return prepared_out(fn, out, "one thread (no axis to split)")
+        pool = self._get_pool()
+        first, rest = pairs[0], pairs[1:]
+        copyto = np.copyto
+        submit = pool.submit
+
+        def threaded_copy() -> None:
+            futs = [submit(copyto, o, i) for o, i in rest]
+            copyto(*first)
+            for f in futs:
+                f.result()
+
+        return prepared_out(threaded_copy, out, f"{len(pairs)} threads")
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
+# -------------------------------------------------------------------------------------------- numpy
+class NumpyImpl(Impl):
+    """numpy written the obvious way: float32 work, preallocated temporaries, rounded once."""
+
+    name = "numpy"
+    kind = "numpy"
+    footnote = ("numpy: the obvious ufunc code, float32 work with preallocated temporaries, rounded "
+                "once; always one thread")
+
+    def __init__(self) -> None:
+        self.threads = 1
+
+    def version(self) -> Optional[str]:
+        return np.__version__
+
+    def prepare(self, data: CaseData) -> Prepared:
+        case = data.case
+        x = data.x
+        out = data.new_output()
+        f32 = np.float32
+        eps = case.epsilon
+        is_f32 = x.dtype == np.float32
+        nd = x.ndim
+        note = "single-threaded" if self.threads > 1 else ""
+        if case.op == "batch_norm":
+            bshape = (1, -1) + (1,) * (nd - 2)
+            mean, var, scale, bias = (data.params[k].reshape(bshape)
+                                      for k in ("mean", "var", "scale", "bias"))
+            tmp = out if is_f32 else np.empty_like(x, dtype=f32)
+
+            def fn() -> None:
+                a = scale / np.sqrt(var + eps)
+                b = bias - mean * a
+                np.multiply(x, a, out=tmp, dtype=f32)
+                np.add(tmp, b, out=out, dtype=f32)
+
+            return prepared_out(fn, out, note)
+
+        # the mean-variance family
+        xv, ov_ = x, out
+        scale = data.params.get("scale")
+        bias = data.params.get("bias")
+        if case.op == "group_norm":
+            n, c = x.shape[:2]
+            g = case.groups
+            gshape = (n, g, c // g) + x.shape[2:]
+            xv, ov_ = x.reshape(gshape), out.reshape(gshape)  # views: NCHW is contiguous
+            axes = tuple(range(2, xv.ndim))
+            pshape = (1, g, c // g) + (1,) * (nd - 2)
+        elif case.op in ("layer_norm", "rms_norm"):
+            axes = (nd - 1,)
+            pshape = (-1,)
+        else:  # instance_norm, mvn
+            axes = tuple(case.axes)
+            pshape = (1, -1) + (1,) * (nd - 2)
+        if scale is not None:
+            scale = scale.reshape(pshape)
+        if bias is not None:
+            bias = bias.reshape(pshape)
+        d = ov_ if is_f32 else np.empty_like(xv, dtype=f32)
+        sq = np.empty_like(xv, dtype=f32)
+        center = case.op != "rms_norm"
+
+        def fn() -> None:
+            if center:
+                mean = np.mean(xv, axis=axes, keepdims=True, dtype=f32)
+                np.subtract(xv, mean, out=d, dtype=f32)
+                src = d
+            else:
+                src = xv
+            np.multiply(src, src, out=sq, dtype=f32)
+            var = np.mean(sq, axis=axes, keepdims=True)
+            inv = np.float32(1.0) / np.sqrt(var + eps)
+            if scale is None and bias is None:
+                np.multiply(src, inv, out=ov_, dtype=f32)
+                return
+            np.multiply(src, inv, out=d, dtype=f32)
+            if bias is None:
+                np.multiply(d, scale, out=ov_, dtype=f32)
+            else:
+                np.multiply(d, scale, out=d)
+                np.add(d, bias, out=ov_, dtype=f32)
+
+        return prepared_out(fn, out, note)
+
+
+# ----------------------------------------------------------------------------------------- simdnorm
+_SIMDNORM_LOCK = threading.Lock()
+_SIMDNORM: dict[str, Any] = {}
+
+
+def load_simdnorm():
+    """(module, None) or (None, reason). Imported lazily, once."""
+    with _SIMDNORM_LOCK:
+        if "mod" not in _SIMDNORM:
+            try:
+                import simdnorm  # the package under test (this suite's parent when installed)
+                _SIMDNORM["mod"], _SIMDNORM["err"] = simdnorm, None
+            except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+                _SIMDNORM["mod"], _SIMDNORM["err"] = None, f"import simdnorm failed: {type(e).__name__}: {e}"
+        return _SIMDNORM["mod"], _SIMDNORM["err"]
+
+
+class SimdnormImpl(Impl):
+    name = "simdnorm"
+    kind = "simdnorm"
+    footnote = ("simdnorm: the functional call with out= (tiny/bn-compiled: simdnorm.compile(desc)), "
+                "float32 (C,) parameters")
+
+    def __init__(self) -> None:
+        self.threads = 1
+
+    def _mod(self):
+        mod, err = load_simdnorm()
+        if mod is None:
+            raise NotAvailable(err)
+        return mod
+
+    def unavailable(self) -> Optional[str]:
+        return load_simdnorm()[1]
+
+    def version(self) -> Optional[str]:
+        mod = load_simdnorm()[0]
+        return None if mod is None else str(getattr(mod, "__version__", "?"))
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        mod = load_simdnorm()[0]
+        if mod is not None and hasattr(mod, "set_num_threads"):
+            mod.set_num_threads(n)
+
+    @staticmethod
+    def _need(mod, name: str):
+        f = getattr(mod, name, None)
+        if f is None:
+            raise NotAvailable(f"simdnorm has no {name}")
+        return f
+
+    def prepare(self, data: CaseData) -> Prepared:
+        sn = self._mod()
+        case = data.case
+        x = data.x
+        out = data.new_output()
+        p = data.params  # float32, 1-D (mixed precision for float16/bfloat16 inputs)
+        eps = case.epsilon
+        partial = functools.partial
+        if case.op == "batch_norm" and case.compiled:
+            TensorDesc = self._need(sn, "TensorDesc")
+            BND = self._need(sn, "BatchNormalizationDesc")
+            compile_ = self._need(sn, "compile")
+            item = x.dtype.itemsize
+            strides = None if x.flags.c_contiguous else tuple(s // item for s in x.strides)
+            xdesc = TensorDesc(x.dtype, tuple(x.shape), strides)
+            pdesc = [TensorDesc(np.dtype(np.float32), (case.param_len,)) for _ in range(4)]
+            desc = BND(xdesc, *pdesc, epsilon=eps)
+            op = compile_(desc)
+            fn = partial(op, x, p["mean"], p["var"], p["scale"], p["bias"], out=out)
+            return prepared_out(fn, out, "compile(desc)")
+        if case.op == "batch_norm":
+            f = self._need(sn, "batch_normalization")
+            fn = partial(f, x, p["mean"], p["var"], p["scale"], p["bias"], epsilon=eps, out=out)
+        elif case.op == "instance_norm":
+            f = self._need(sn, "instance_norm")
+            fn = partial(f, x, p["scale"], p["bias"], epsilon=eps, out=out)
+        elif case.op == "group_norm":
+            f = self._need(sn, "group_norm")
+            fn = partial(f, x, case.groups, p["scale"], p["bias"], epsilon=eps, out=out)
+        elif case.op == "mvn":
+            f = self._need(sn, "mean_variance_normalization")
+            fn = partial(f, x, tuple(case.axes), epsilon=eps, out=out)
+        elif case.op == "layer_norm":
+            f = self._need(sn, "layer_norm")
+            fn = partial(f, x, p["scale"], p["bias"], epsilon=eps, out=out)
+        elif case.op == "rms_norm":
+            f = self._need(sn, "rms_norm")
+            fn = partial(f, x, p["scale"], epsilon=eps, out=out)
+        else:
+            raise NotAvailable(f"unknown op {case.op}")
+        return prepared_out(fn, out)
+
+
+# -------------------------------------------------------------------------------------- registry
+def all_impls() -> list[Impl]:
+    """Every implementation, in display order: the roofline, simdnorm, numpy, then the peers."""
+    from .peer_onnxruntime import OnnxRuntimeImpl
+    from .peer_openvino import OpenVinoImpl
+    from .peer_torch import TorchImpl
+    return [CopyImpl(), SimdnormImpl(), NumpyImpl(), TorchImpl(), OnnxRuntimeImpl(), OpenVinoImpl()]
+
+
+IMPL_NAMES = ("copy", "simdnorm", "numpy", "torch", "onnxruntime", "openvino")

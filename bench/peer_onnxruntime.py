@@ -1,0 +1,225 @@
+"""ONNX Runtime (CPU execution provider): a one-node ONNX model built in memory, run with io binding
+onto preallocated numpy arrays.
+
+The optimized graph ORT actually runs is inspected once per case: if ORT inserted casts to float32
+because it lacks a kernel for the dtype, the case is n/a (we do not time a cast); if ORT expanded the
+op into several nodes (an ONNX function body), the table says so.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional
+
+import numpy as np
+
+from .cases import CaseData, NotAvailable
+from .impls import Impl, Prepared, prepared_out  # noqa: F401
+
+OPSET = 23  # RMSNormalization-23; BatchNormalization-15, LayerNormalization-17, GroupNormalization-21
+ONNX_OP = {
+    "batch_norm": "BatchNormalization",
+    "instance_norm": "InstanceNormalization",
+    "group_norm": "GroupNormalization",
+    "mvn": "MeanVarianceNormalization",
+    "layer_norm": "LayerNormalization",
+    "rms_norm": "RMSNormalization",
+}
+
+
+def _import():
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    return onnx, ort, helper, numpy_helper, TensorProto
+
+
+def _elem_type(TensorProto, dtype_name: str) -> int:
+    return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
+            "bfloat16": TensorProto.BFLOAT16}[dtype_name]
+
+
+class OnnxRuntimeImpl(Impl):
+    name = "onnxruntime"
+    footnote = ("onnxruntime: in-memory ONNX model (parameters as initializers), CPU EP, io binding "
+                "onto preallocated numpy arrays")
+
+    def __init__(self) -> None:
+        self.threads = 1
+        self._mods = None
+        self._err: Optional[str] = None
+
+    def _load(self):
+        if self._mods is None and self._err is None:
+            try:
+                self._mods = _import()
+                self._mods[1].set_default_logger_severity(3)
+            except Exception as e:  # noqa: BLE001
+                self._err = f"onnxruntime/onnx not importable: {type(e).__name__}: {e}"
+        if self._mods is None:
+            raise NotAvailable(self._err)
+        return self._mods
+
+    def unavailable(self) -> Optional[str]:
+        try:
+            self._load()
+        except NotAvailable as e:
+            return str(e)
+        return None
+
+    def version(self) -> Optional[str]:
+        try:
+            onnx, ort, *_ = self._load()
+        except NotAvailable:
+            return None
+        return f"{ort.__version__} (onnx {onnx.__version__})"
+
+    # ---------------------------------------------------------------------------------- model
+    def build_model(self, data: CaseData):
+        """(onnx ModelProto, note, name of the op that must survive as one node or None)."""
+        onnx, ort, helper, numpy_helper, TensorProto = self._load()
+        case = data.case
+        et = _elem_type(TensorProto, case.dtype)
+        base_shape = list(data.base.shape)  # memory order: NHWC for the channels-last layout
+        X = helper.make_tensor_value_info("X", et, base_shape)
+        Y = helper.make_tensor_value_info("Y", et, base_shape)
+        eps = float(case.epsilon)
+        # parameters in the input's dtype (ONNX ties scale/bias to T), except BatchNormalization,
+        # which takes float32 ones with a float16 input (T1/T2 since opset 15)
+        pdt = {"float32": np.float32, "float16": np.float16, "bfloat16": data.x.dtype}[case.dtype]
+        inits = []
+        nodes = []
+        note = ""
+        op = ONNX_OP[case.op]
+        keep: Optional[str] = op
+
+        def init(name, arr):
+            arr = np.ascontiguousarray(arr)
+            if arr.dtype.name == "bfloat16":
+                t = helper.make_tensor(name, TensorProto.BFLOAT16, arr.shape,
+                                       arr.astype(np.float32).ravel().tolist())
+                inits.append(t)
+            else:
+                inits.append(numpy_helper.from_array(arr, name))
+            return name
+
+        def const(name, value, dtype=None):
+            return init(name, np.asarray(value, dtype=dtype or pdt))
+
+        if case.op == "batch_norm" and case.layout == "nchw":
+            names = [init(k, data.params[k].astype(np.float32)) for k in ("scale", "bias", "mean", "var")]
+            nodes.append(helper.make_node("BatchNormalization", ["X"] + names, ["Y"], epsilon=eps))
+        elif case.op == "batch_norm":
+            # ONNX BatchNormalization is channels-first only: the same op on the NHWC data is
+            # y = x * A + B with A = scale / sqrt(var + eps), B = bias - mean * A per channel
+            # (computed in-graph from the parameters; ORT folds it once, as its BN kernel would).
+            for k in ("scale", "bias", "mean", "var"):
+                init(k, data.params[k].astype(pdt))
+            const("eps", eps)
+            nodes += [
+                helper.make_node("Add", ["var", "eps"], ["ve"]),
+                helper.make_node("Sqrt", ["ve"], ["sd"]),
+                helper.make_node("Div", ["scale", "sd"], ["A"]),
+                helper.make_node("Mul", ["mean", "A"], ["mA"]),
+                helper.make_node("Sub", ["bias", "mA"], ["B"]),
+                helper.make_node("Mul", ["X", "A"], ["XA"]),
+                helper.make_node("Add", ["XA", "B"], ["Y"]),
+            ]
+            note = "expanded: Mul+Add over NHWC (ONNX BatchNormalization is channels-first)"
+            keep = None
+        elif case.op == "instance_norm":
+            init("scale", data.params["scale"].astype(pdt))
+            init("bias", data.params["bias"].astype(pdt))
+            nodes.append(helper.make_node(op, ["X", "scale", "bias"], ["Y"], epsilon=eps))
+        elif case.op == "group_norm":
+            init("scale", data.params["scale"].astype(pdt))
+            init("bias", data.params["bias"].astype(pdt))
+            nodes.append(helper.make_node(op, ["X", "scale", "bias"], ["Y"], epsilon=eps,
+                                          num_groups=case.groups, stash_type=1))
+        elif case.op == "mvn":
+            # ONNX MeanVarianceNormalization fixes epsilon = 1e-9 *outside* the sqrt; this case is
+            # eps inside, so it runs as the op's own function body with the epsilon moved inside.
+            const("axes", list(case.axes), np.int64)
+            const("eps", eps)
+            nodes += [
+                helper.make_node("ReduceMean", ["X", "axes"], ["m"], keepdims=1),
+                helper.make_node("Sub", ["X", "m"], ["d"]),
+                helper.make_node("Mul", ["d", "d"], ["d2"]),
+                helper.make_node("ReduceMean", ["d2", "axes"], ["v"], keepdims=1),
+                helper.make_node("Add", ["v", "eps"], ["ve"]),
+                helper.make_node("Sqrt", ["ve"], ["sd"]),
+                helper.make_node("Div", ["d", "sd"], ["Y"]),
+            ]
+            note = "expanded (ONNX MVN has epsilon=1e-9 outside the sqrt, not settable)"
+            keep = None
+        elif case.op == "layer_norm":
+            init("scale", data.params["scale"].astype(pdt))
+            init("bias", data.params["bias"].astype(pdt))
+            nodes.append(helper.make_node(op, ["X", "scale", "bias"], ["Y"], axis=-1, epsilon=eps,
+                                          stash_type=1))
+        elif case.op == "rms_norm":
+            init("scale", data.params["scale"].astype(pdt))
+            nodes.append(helper.make_node(op, ["X", "scale"], ["Y"], axis=-1, epsilon=eps,
+                                          stash_type=1))
+        else:
+            raise NotAvailable(f"unknown op {case.op}")
+        graph = helper.make_graph(nodes, "bench", [X], [Y], initializer=inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+        model.ir_version = 10
+        return model, note, keep
+
+    def prepare(self, data: CaseData) -> Prepared:
+        onnx, ort, *_ = self._load()
+        case = data.case
+        model, note, keep = self.build_model(data)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self.threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        fd, opt_path = tempfile.mkstemp(suffix=".onnx", prefix="simdnorm-bench-")
+        os.close(fd)
+        so.optimized_model_filepath = opt_path
+        try:
+            try:
+                sess = ort.InferenceSession(model.SerializeToString(), so,
+                                            providers=["CPUExecutionProvider"])
+            except Exception as e:  # noqa: BLE001 - e.g. NOT_IMPLEMENTED for the dtype
+                msg = str(e).split(":")[-1].strip() or type(e).__name__
+                raise NotAvailable(f"ORT: {msg[:120]}") from None
+            ran = onnx.load(opt_path)
+        finally:
+            try:
+                os.unlink(opt_path)
+            except OSError:
+                pass
+        ran_nodes = list(ran.graph.node)
+        inserted = [n for n in ran_nodes if n.op_type == "Cast" and "InsertedPrecisionFreeCast" in n.name]
+        if inserted:
+            raise NotAvailable(f"ORT CPU has no {case.dtype} kernel for "
+                               f"{ONNX_OP[case.op] if keep else 'these ops'} (it inserts casts to float32)")
+        op_types = [n.op_type for n in ran_nodes]
+        if keep is not None and op_types != [keep]:
+            note = f"ORT expands {keep} into {len(op_types)} nodes (no kernel)"
+        x = data.base
+        out = data.new_output()
+        y = out.transpose(0, 2, 3, 1) if case.layout == "nhwc" else out
+        assert x.flags.c_contiguous and y.flags.c_contiguous
+        io = sess.io_binding()
+        if x.dtype.name == "bfloat16":  # numpy has no bfloat16: bind the bytes with the ONNX type
+            TensorProto = self._load()[4]
+            for bind, name, arr in ((io.bind_ortvalue_input, "X", x), (io.bind_ortvalue_output, "Y", y)):
+                bind(name, ort.OrtValue.ortvalue_from_numpy_with_onnx_type(arr.view(np.uint16),
+                                                                           TensorProto.BFLOAT16))
+        else:
+            io.bind_input("X", "cpu", 0, x.dtype, list(x.shape), x.ctypes.data)
+            io.bind_output("Y", "cpu", 0, y.dtype, list(y.shape), y.ctypes.data)
+        run = sess.run_with_iobinding
+
+        def fn() -> None:
+            run(io)
+
+        # keep the arrays alive with the binding
+        fn._keep = (sess, io, x, y)  # type: ignore[attr-defined]
+        return prepared_out(fn, out, note)

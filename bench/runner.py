@@ -1,0 +1,164 @@
+"""Runs one case: prepare every implementation, verify each once against the float64 reference
+(the copy against its input), then time the verified ones side by side."""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from .cases import TOLERANCE, CaseData, NotAvailable, check, make_data, reference
+from .impls import Impl, Prepared
+from .shapes import OP_DESCRIPTIONS, Case
+from .timing import measure
+
+OK, NA, ERROR, WRONG = "ok", "n/a", "error", "WRONG"
+
+
+@dataclass
+class ImplResult:
+    status: str
+    reason: str = ""
+    note: str = ""
+    max_abs_err: Optional[float] = None
+    reps: int = 0
+    samples_ns: list[float] = field(default_factory=list)
+    median_ns: Optional[float] = None
+    q1_ns: Optional[float] = None
+    q3_ns: Optional[float] = None
+    min_ns: Optional[float] = None
+    max_ns: Optional[float] = None
+    gbps: Optional[float] = None
+    vs_copy: Optional[float] = None  # time / copy time
+    vs_best_other: Optional[float] = None  # time / fastest other non-copy implementation
+    best_other: Optional[str] = None
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    results: dict[str, ImplResult]
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.case
+        return {
+            "name": c.name,
+            "op": c.op,
+            "description": c.describe(),
+            "definition": OP_DESCRIPTIONS[c.op],
+            "shape": list(c.shape),
+            "dtype": c.dtype,
+            "layout": c.layout,
+            "axes": list(c.axes),
+            "groups": c.groups,
+            "epsilon": c.epsilon,
+            "compiled": c.compiled,
+            "input_bytes": c.nbytes,
+            "bytes_moved": c.bytes_moved,
+            "tolerance": {"atol": TOLERANCE[c.dtype][0], "rtol": TOLERANCE[c.dtype][1]},
+            "results": {k: vars(v) for k, v in self.results.items()},
+            "summary": summary(self),
+        }
+
+
+def summary(cr: CaseResult) -> dict[str, Any]:
+    r = cr.results
+    s = r.get("simdnorm")
+    others = {k: v for k, v in r.items()
+              if k not in ("copy", "simdnorm") and v.status == OK and v.median_ns}
+    best = min(others, key=lambda k: others[k].median_ns) if others else None
+    out: dict[str, Any] = {"best_other": best}
+    out["best_other_gbps"] = others[best].gbps if best else None
+    out["copy_gbps"] = r["copy"].gbps if "copy" in r and r["copy"].status == OK else None
+    if s is not None and s.status == OK:
+        out["simdnorm_gbps"] = s.gbps
+        out["simdnorm_vs_copy"] = s.vs_copy
+        out["simdnorm_speedup_over_best_other"] = (others[best].median_ns / s.median_ns) if best else None
+    return out
+
+
+def copied_exactly(out: np.ndarray, x: np.ndarray) -> bool:
+    """out holds exactly x's bits, element by element."""
+    if out.shape != x.shape or out.dtype != x.dtype:
+        return False
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize]
+    return bool(np.array_equal(out.view(uint), x.view(uint)))
+
+
+def _verify(case: Case, name: str, prep: Prepared, data: CaseData, ref: np.ndarray) -> ImplResult:
+    try:
+        out = prep.run_once()
+    except Exception as e:  # noqa: BLE001
+        return ImplResult(ERROR, reason=f"{type(e).__name__}: {e}"[:200], note=prep.note)
+    if name == "copy":
+        if not copied_exactly(np.asarray(out), data.x):
+            return ImplResult(WRONG, reason="copy output differs from its input", note=prep.note)
+        return ImplResult(OK, note=prep.note, max_abs_err=0.0)
+    ok, err = check(case, out, ref)
+    if not ok:
+        atol, rtol = TOLERANCE[case.dtype]
+        return ImplResult(WRONG, note=prep.note, max_abs_err=err,
+                          reason=f"output differs from the float64 reference: max |err| {err:.3g} "
+                                 f"(tolerance {atol:g} + {rtol:g}*|ref|)")
+    return ImplResult(OK, note=prep.note, max_abs_err=err)
+
+
+def run_case(case: Case, impls: Sequence[Impl], rounds: int, min_sample_ns: float, warmup_ns: float,
+             seed: int = 0, progress: Optional[Callable[[str], None]] = None,
+             pause_ns: float = 0.0) -> CaseResult:
+    say = progress or (lambda s: None)
+    say("preparing data")
+    results: dict[str, ImplResult] = {}
+    prepared: dict[str, Prepared] = {}
+    try:
+        data = make_data(case, seed)
+    except NotAvailable as e:
+        return CaseResult(case, {i.name: ImplResult(NA, reason=str(e)) for i in impls})
+    ref = reference(data)
+    for impl in impls:
+        say(f"setting up {impl.name}")
+        reason = impl.unavailable()
+        if reason:
+            results[impl.name] = ImplResult(NA, reason=reason)
+            continue
+        try:
+            prep = impl.prepare(data)
+        except NotAvailable as e:
+            results[impl.name] = ImplResult(NA, reason=str(e))
+            continue
+        except Exception as e:  # noqa: BLE001
+            results[impl.name] = ImplResult(ERROR, reason=f"{type(e).__name__}: {e}"[:200])
+            continue
+        say(f"verifying {impl.name}")
+        res = _verify(case, impl.name, prep, data, ref)
+        results[impl.name] = res
+        if res.status == OK:
+            prepared[impl.name] = prep
+    del ref
+    gc.collect()
+    timings = measure({k: p.fn for k, p in prepared.items()}, rounds, min_sample_ns, warmup_ns,
+                      progress=say, pause_ns=pause_ns)
+    for name, t in timings.items():
+        r = results[name]
+        r.reps = t.reps
+        r.samples_ns = [round(s, 1) for s in t.samples_ns]
+        r.median_ns, r.q1_ns, r.q3_ns = t.median_ns, t.q1_ns, t.q3_ns
+        r.min_ns, r.max_ns = t.min_ns, t.max_ns
+        r.gbps = case.bytes_moved / r.median_ns  # bytes per ns == GB/s
+    copy_t = timings["copy"].median_ns if "copy" in timings else None
+    for name, t in timings.items():
+        r = results[name]
+        if copy_t:
+            r.vs_copy = t.median_ns / copy_t
+        if name == "copy":
+            continue
+        others = {k: v.median_ns for k, v in timings.items() if k not in ("copy", name)}
+        if others:
+            best = min(others, key=others.get)
+            r.best_other = best
+            r.vs_best_other = t.median_ns / others[best]
+    for p in prepared.values():
+        if p.close:
+            p.close()
+    return CaseResult(case, results)

@@ -1,0 +1,213 @@
+"""Named benchmark cases, shared by the benchmark suite and the tests.
+
+Pure data and tiny helpers: no numpy, no peers. A :class:`Case` names one op on one shape, element
+type and memory layout; the suite times every implementation on exactly that, and the tests import
+the same lists (``from simdnorm.bench.shapes import CASES, RESNET50_BN_SHAPES, ...``).
+
+Layouts (4-D cases only):
+- ``"nchw"``: a C-contiguous array of the logical shape (N, C, H, W), channel_axis=1.
+- ``"nhwc"``: channels-last, i.e. the view ``np.empty((N, H, W, C)).transpose(0, 3, 1, 2)``: the
+  same logical shape (N, C, H, W), channel_axis=1, with the channels innermost in memory.
+- ``"contig"``: a C-contiguous array (the sequence cases, e.g. (batch, tokens, hidden)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from math import prod
+from typing import Iterable, Sequence
+
+# ResNet-50's batch-norm layers at batch 8 (oneDNN benchdnn's resnet_50 bnorm list, mb=8).
+RESNET50_BN_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (8, 64, 112, 112),
+    (8, 256, 56, 56),
+    (8, 64, 56, 56),
+    (8, 512, 28, 28),
+    (8, 128, 28, 28),
+    (8, 1024, 14, 14),
+    (8, 256, 14, 14),
+    (8, 2048, 7, 7),
+    (8, 512, 7, 7),
+)
+# Instance norm, group norm (32 groups) and MVN over (0, 2, 3).
+SPATIAL_NORM_SHAPES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 56, 56),)
+# Layer norm and RMS norm over the last axis: (batch, tokens, hidden).
+SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024))
+# Per-call overhead: a tiny batch norm, called functionally and through simdnorm.compile(desc).
+TINY_SHAPE: tuple[int, int, int, int] = (1, 16, 8, 8)
+
+BN_DTYPES = ("float32", "float16", "bfloat16")
+BN_LAYOUTS = ("nchw", "nhwc")
+SPATIAL_DTYPES = ("float32", "float16")
+SEQUENCE_DTYPES = ("float32", "float16")
+GROUP_NORM_GROUPS = 32
+MVN_AXES = (0, 2, 3)
+EPSILON = 1e-5
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
+# What each op is, in words (shown by --list and stored in the JSON).
+OP_DESCRIPTIONS = {
+    "batch_norm": "y = scale*(x-mean)/sqrt(var+eps)+bias, per-channel (C,) float32 parameters",
+    "instance_norm": "per (n, c) over (2, 3), eps inside sqrt, (C,) scale and bias",
+    "group_norm": "per (n, group) over the group's channels and (2, 3), (C,) scale and bias",
+    "mvn": "mean/variance over axes, y = (x-mean)/sqrt(var+eps), no scale or bias",
+    "layer_norm": "over the last axis, (D,) scale and bias",
+    "rms_norm": "y = scale*x/sqrt(mean(x^2)+eps) over the last axis, (D,) scale",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark case: an op on one logical shape, dtype and memory layout."""
+
+    name: str
+    op: str  # one of OP_DESCRIPTIONS
+    shape: tuple[int, ...]  # logical shape (channels at axis 1 for 4-D cases)
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    layout: str = "nchw"  # "nchw" | "nhwc" | "contig"
+    axes: tuple[int, ...] = ()  # reduced axes (normalized-over dims) for the MVN-type ops
+    groups: int = 0  # group_norm only
+    compiled: bool = False  # simdnorm runs it through simdnorm.compile(desc)
+    epsilon: float = EPSILON
+    tags: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the input tensor."""
+        return self.numel * ITEMSIZE[self.dtype]
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes a one-read one-write op must move: the input read once + the output written once."""
+        return bytes_moved(self.shape, self.dtype)
+
+    @property
+    def channels(self) -> int:
+        return self.shape[1] if len(self.shape) >= 2 else self.shape[0]
+
+    @property
+    def param_len(self) -> int:
+        """Length of the 1-D parameters (scale, bias, mean, var), 0 if the op takes none."""
+        if self.op in ("batch_norm", "instance_norm", "group_norm"):
+            return self.shape[1]
+        if self.op in ("layer_norm", "rms_norm"):
+            return self.shape[-1]
+        return 0
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Names of the 1-D parameter arrays the op takes, in call order."""
+        return {
+            "batch_norm": ("mean", "var", "scale", "bias"),
+            "instance_norm": ("scale", "bias"),
+            "group_norm": ("scale", "bias"),
+            "mvn": (),
+            "layer_norm": ("scale", "bias"),
+            "rms_norm": ("scale",),
+        }[self.op]
+
+    def describe(self) -> str:
+        extra = []
+        if self.axes and self.op in ("mvn",):
+            extra.append(f"axes={self.axes}")
+        if self.groups:
+            extra.append(f"groups={self.groups}")
+        if self.compiled:
+            extra.append("simdnorm via compile(desc)")
+        tail = f" [{', '.join(extra)}]" if extra else ""
+        return f"{self.op} {shape_str(self.shape)} {self.dtype} {self.layout}{tail}"
+
+    def scaled(self, shape: Sequence[int]) -> "Case":
+        """The same op, dtype and layout on another (smaller) shape, for fast tests."""
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != len(self.shape):
+            raise ValueError(f"scaled shape {shape} must have {len(self.shape)} dims")
+        name = make_name(self.op, shape, self.dtype, self.layout, self.groups, self.compiled,
+                         tiny="tiny" in self.tags)
+        return replace(self, name=name, shape=shape)
+
+
+def shape_str(shape: Iterable[int]) -> str:
+    return "x".join(str(int(s)) for s in shape)
+
+
+def bytes_moved(shape: Sequence[int], dtype: str) -> int:
+    """Input read once + output written once: 2 * nbytes of the input."""
+    return 2 * prod(shape) * ITEMSIZE[dtype]
+
+
+def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled: bool = False,
+              tiny: bool = False) -> str:
+    d = DTYPE_SHORT[dtype]
+    s = shape_str(shape)
+    if tiny:
+        return f"tiny/bn{'-compiled' if compiled else ''}/{s}/{d}"
+    short = {
+        "batch_norm": "bn",
+        "instance_norm": "instance",
+        "group_norm": f"group{groups}",
+        "mvn": "mvn023",
+        "layer_norm": "layer",
+        "rms_norm": "rms",
+    }[op]
+    if op == "batch_norm":
+        return f"{short}/{s}/{layout}/{d}"
+    return f"{short}/{s}/{d}"
+
+
+def _build_cases() -> tuple[Case, ...]:
+    out: list[Case] = []
+    quick_bn = {(8, 512, 28, 28)}
+    for shape in RESNET50_BN_SHAPES:
+        for layout in BN_LAYOUTS:
+            for dtype in BN_DTYPES:
+                tags = {"bn", layout, dtype}
+                if shape in quick_bn and (dtype == "float32" or (layout, dtype) == ("nchw", "float16")):
+                    tags.add("quick")
+                out.append(Case(make_name("batch_norm", shape, dtype, layout), "batch_norm", shape,
+                                dtype, layout, axes=(0, 2, 3), tags=frozenset(tags)))
+    for shape in SPATIAL_NORM_SHAPES:
+        for dtype in SPATIAL_DTYPES:
+            q = {"quick"} if dtype == "float32" else set()
+            out.append(Case(make_name("instance_norm", shape, dtype, "nchw"), "instance_norm", shape,
+                            dtype, "nchw", axes=(2, 3), tags=frozenset({"spatial", dtype} | q)))
+            out.append(Case(make_name("group_norm", shape, dtype, "nchw", GROUP_NORM_GROUPS),
+                            "group_norm", shape, dtype, "nchw", axes=(2, 3),
+                            groups=GROUP_NORM_GROUPS, tags=frozenset({"spatial", dtype} | q)))
+            out.append(Case(make_name("mvn", shape, dtype, "nchw"), "mvn", shape, dtype, "nchw",
+                            axes=MVN_AXES, tags=frozenset({"spatial", dtype} | q)))
+    for shape in SEQUENCE_NORM_SHAPES:
+        for dtype in SEQUENCE_DTYPES:
+            q = {"quick"} if shape == SEQUENCE_NORM_SHAPES[0] else set()
+            for op in ("layer_norm", "rms_norm"):
+                out.append(Case(make_name(op, shape, dtype, "contig"), op, shape, dtype, "contig",
+                                axes=(len(shape) - 1,), tags=frozenset({"sequence", dtype} | q)))
+    for compiled in (False, True):
+        out.append(Case(make_name("batch_norm", TINY_SHAPE, "float32", "nchw", compiled=compiled,
+                                  tiny=True),
+                        "batch_norm", TINY_SHAPE, "float32", "nchw", axes=(0, 2, 3),
+                        compiled=compiled, tags=frozenset({"tiny", "quick", "float32"})))
+    names = [c.name for c in out]
+    assert len(names) == len(set(names)), "case names must be unique"
+    return tuple(out)
+
+
+CASES: tuple[Case, ...] = _build_cases()
+CASES_BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
+
+
+def select(quick: bool = False, filters: Sequence[str] = ()) -> list[Case]:
+    """Cases to run: the quick subset or all, then those whose name contains any filter substring."""
+    cases = [c for c in CASES if (not quick or "quick" in c.tags)]
+    if filters:
+        cases = [c for c in cases if any(f in c.name for f in filters)]
+    return cases
+
+
+def get_case(name: str) -> Case:
+    return CASES_BY_NAME[name]

@@ -1,0 +1,130 @@
+"""Interleaved timing: warm up, size each sample to >= min_sample_ns, then round-robin over the
+implementations for several rounds (the order rotates each round), one sample per implementation
+per round. A sample is the mean time per call over `reps` back-to-back calls; the reported figure is
+the median of the samples, with quartiles and min/max as the spread.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from statistics import median
+from time import perf_counter_ns
+from typing import Callable, Optional, Sequence
+
+MAX_REPS = 1_000_000
+
+
+def run_reps(fn: Callable[[], object], reps: int) -> int:
+    """Wall time in ns of `reps` calls of fn."""
+    t0 = perf_counter_ns()
+    for _ in range(reps):
+        fn()
+    return perf_counter_ns() - t0
+
+
+def calibrate(fn: Callable[[], object], min_sample_ns: float, warmup_ns: float) -> int:
+    """Warm fn up (>= warmup_ns and >= 3 calls), return the repetitions that make a sample
+    last >= min_sample_ns."""
+    fn()  # first call: lazy initialization, page faults of the output
+    spent = 0
+    reps = 1
+    best = math.inf
+    calls = 0
+    while spent < warmup_ns or calls < 3:
+        t = run_reps(fn, reps)
+        spent += t
+        calls += reps
+        best = min(best, t / reps)
+        if t < min_sample_ns / 4:
+            reps = min(MAX_REPS, reps * 4)
+    per_call = max(best, 1.0)
+    return int(min(MAX_REPS, max(1, math.ceil(min_sample_ns / per_call))))
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    s = sorted(xs)
+    n = len(s)
+    if n == 1:
+        return s[0], s[0], s[0]
+
+    def q(p: float) -> float:  # linear interpolation, as numpy's default
+        pos = p * (n - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, n - 1)
+        return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+    return q(0.25), q(0.5), q(0.75)
+
+
+@dataclass
+class Timing:
+    reps: int
+    samples_ns: list[float] = field(default_factory=list)  # time per call, one per round
+
+    @property
+    def median_ns(self) -> float:
+        return median(self.samples_ns)
+
+    @property
+    def q1_ns(self) -> float:
+        return quartiles(self.samples_ns)[0]
+
+    @property
+    def q3_ns(self) -> float:
+        return quartiles(self.samples_ns)[2]
+
+    @property
+    def min_ns(self) -> float:
+        return min(self.samples_ns)
+
+    @property
+    def max_ns(self) -> float:
+        return max(self.samples_ns)
+
+
+def measure(fns: dict[str, Callable[[], object]], rounds: int, min_sample_ns: float = 2e6,
+            warmup_ns: float = 2e7,
+            progress: Optional[Callable[[str], None]] = None,
+            pause_ns: float = 0.0) -> dict[str, Timing]:
+    """Time every callable, interleaved. Returns {name: Timing}.
+
+    pause_ns: idle time before each sample, so that the worker threads a library left spinning
+    (OpenMP, ORT and TBB pools spin for a while after a parallel call) go to sleep before the next
+    implementation's sample instead of competing with it (used when timing with several threads).
+    """
+    names = list(fns)
+    timings: dict[str, Timing] = {}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for name in names:
+            if progress:
+                progress(f"warm-up {name}")
+            timings[name] = Timing(calibrate(fns[name], min_sample_ns, warmup_ns))
+        k = len(names)
+        for r in range(rounds):
+            if progress:
+                progress(f"round {r + 1}/{rounds}")
+            order = names[r % k:] + names[:r % k] if k else []
+            if r % 2:
+                order.reverse()
+            for name in order:
+                t = timings[name]
+                if pause_ns:
+                    time.sleep(pause_ns / 1e9)
+                t.samples_ns.append(run_reps(fns[name], t.reps) / t.reps)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return timings
+
+
+def loop_overhead_ns(samples: int = 5, reps: int = 200_000) -> float:
+    """Harness cost per call of an empty callable (the floor under every per-call time)."""
+    import functools
+
+    fn = functools.partial(int)
+    return min(run_reps(fn, reps) / reps for _ in range(samples))

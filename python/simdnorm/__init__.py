@@ -1,0 +1,64 @@
+"""simdnorm: SIMD batch normalization (inference) and mean-variance normalization for numpy arrays.
+
+Functional API: :func:`batch_normalization`, :func:`mean_variance_normalization` and the
+conveniences :func:`layer_norm`, :func:`rms_norm`, :func:`instance_norm`, :func:`group_norm`.
+DirectML-style descriptors: :class:`TensorDesc`, :class:`BatchNormalizationDesc`,
+:class:`MeanVarianceNormalizationDesc`, :class:`Activation`, validated by ``desc.validate()`` and
+turned into operators by :func:`compile`. Runtime: :func:`set_num_threads`, :func:`get_num_threads`,
+:func:`isa`, :func:`available_isas`, :func:`set_isa` (and ``SIMDNORM_NUM_THREADS``, ``SIMDNORM_ISA``).
+"""
+import ml_dtypes as _ml_dtypes
+import numpy as _np
+
+from . import _core
+
+_core.set_bfloat16_dtype(_np.dtype(_ml_dtypes.bfloat16))
+
+from ._activation import ACTIVATIONS, Activation  # noqa: E402
+from ._api import (  # noqa: E402
+    batch_normalization,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    mean_variance_normalization,
+    rms_norm,
+)
+from ._compile import compile  # noqa: E402,A004
+from ._descriptors import (  # noqa: E402
+    BatchNormalizationDesc,
+    DescriptorError,
+    MeanVarianceNormalizationDesc,
+    TensorDesc,
+)
+from ._runtime import available_isas, get_num_threads, isa, set_isa, set_num_threads  # noqa: E402
+from . import _runtime  # noqa: E402
+
+__version__ = _core.__version__
+
+_runtime.init()
+del _runtime
+
+__all__ = [
+    "__version__",
+    # functional API
+    "batch_normalization",
+    "mean_variance_normalization",
+    "layer_norm",
+    "rms_norm",
+    "instance_norm",
+    "group_norm",
+    # descriptors
+    "TensorDesc",
+    "BatchNormalizationDesc",
+    "MeanVarianceNormalizationDesc",
+    "Activation",
+    "ACTIVATIONS",
+    "DescriptorError",
+    "compile",
+    # runtime
+    "set_num_threads",
+    "get_num_threads",
+    "isa",
+    "available_isas",
+    "set_isa",
+]

@@ -1,0 +1,226 @@
+"""Type stubs for simdnorm's public API."""
+from typing import Any, List, Literal, Mapping, Optional, Protocol, Sequence, Tuple, Union, overload
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+_Array = npt.NDArray[Any]
+_ArrayLike = Any  # an ndarray, an object with __dlpack__ (taken without a copy), or a (nested) list
+_Axes = Union[int, Sequence[int]]
+_Stats = Tuple[_Array, Optional[_Array], Optional[_Array]]
+
+class DescriptorError(ValueError): ...
+
+class Activation:
+    name: str
+    params: Mapping[str, float]
+    def __init__(self, name: str, **params: float) -> None: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+ACTIVATIONS: Mapping[str, Mapping[str, float]]
+ActivationLike = Union[None, str, Activation]
+
+class TensorDesc:
+    dtype: np.dtype[Any]
+    sizes: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]]
+    def __init__(self, dtype: npt.DTypeLike, sizes: Sequence[int], strides: Optional[Sequence[int]] = ...) -> None: ...
+    @classmethod
+    def from_array(cls, array: _Array, *, strides: bool = ...) -> "TensorDesc": ...
+    @property
+    def ndim(self) -> int: ...
+    def byte_strides(self) -> Optional[Tuple[int, ...]]: ...
+    def validate(self, name: str = ...) -> None: ...
+
+class BatchNormalizationDesc:
+    input: TensorDesc
+    mean: TensorDesc
+    variance: TensorDesc
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    output: TensorDesc
+    epsilon: float
+    activation: ActivationLike
+    channel_axis: int
+    spatial: bool
+    def __init__(
+        self,
+        input: TensorDesc,
+        mean: TensorDesc,
+        variance: TensorDesc,
+        scale: Optional[TensorDesc] = ...,
+        bias: Optional[TensorDesc] = ...,
+        output: Optional[TensorDesc] = ...,
+        *,
+        epsilon: float = ...,
+        activation: ActivationLike = ...,
+        channel_axis: int = ...,
+        spatial: bool = ...,
+    ) -> None: ...
+    def validate(self) -> None: ...
+
+class MeanVarianceNormalizationDesc:
+    input: TensorDesc
+    axes: Union[int, Tuple[int, ...]]
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    output: TensorDesc
+    normalize_mean: bool
+    normalize_variance: bool
+    epsilon: float
+    epsilon_mode: Literal["inside", "outside"]
+    activation: ActivationLike
+    def __init__(
+        self,
+        input: TensorDesc,
+        axes: _Axes,
+        scale: Optional[TensorDesc] = ...,
+        bias: Optional[TensorDesc] = ...,
+        output: Optional[TensorDesc] = ...,
+        *,
+        normalize_mean: bool = ...,
+        normalize_variance: bool = ...,
+        epsilon: float = ...,
+        epsilon_mode: Literal["inside", "outside"] = ...,
+        activation: ActivationLike = ...,
+    ) -> None: ...
+    def validate(self) -> None: ...
+
+class CompiledBatchNormalization(Protocol):
+    desc: BatchNormalizationDesc
+    def __call__(
+        self,
+        input: _ArrayLike,
+        mean: _ArrayLike,
+        variance: _ArrayLike,
+        scale: Optional[_ArrayLike] = ...,
+        bias: Optional[_ArrayLike] = ...,
+        *,
+        out: Optional[_Array] = ...,
+    ) -> _Array: ...
+
+class CompiledMeanVarianceNormalization(Protocol):
+    desc: MeanVarianceNormalizationDesc
+    @overload
+    def __call__(
+        self,
+        input: _ArrayLike,
+        scale: Optional[_ArrayLike] = ...,
+        bias: Optional[_ArrayLike] = ...,
+        *,
+        out: Optional[_Array] = ...,
+        return_stats: Literal[False] = ...,
+    ) -> _Array: ...
+    @overload
+    def __call__(
+        self,
+        input: _ArrayLike,
+        scale: Optional[_ArrayLike] = ...,
+        bias: Optional[_ArrayLike] = ...,
+        *,
+        out: Optional[_Array] = ...,
+        return_stats: Literal[True],
+    ) -> _Stats: ...
+
+@overload
+def compile(desc: BatchNormalizationDesc) -> CompiledBatchNormalization: ...
+@overload
+def compile(desc: MeanVarianceNormalizationDesc) -> CompiledMeanVarianceNormalization: ...
+
+def batch_normalization(
+    input: _ArrayLike,
+    mean: _ArrayLike,
+    variance: _ArrayLike,
+    scale: Optional[_ArrayLike] = ...,
+    bias: Optional[_ArrayLike] = ...,
+    *,
+    epsilon: float = ...,
+    activation: ActivationLike = ...,
+    channel_axis: int = ...,
+    out: Optional[_Array] = ...,
+) -> _Array: ...
+@overload
+def mean_variance_normalization(
+    input: _ArrayLike,
+    axes: _Axes,
+    scale: Optional[_ArrayLike] = ...,
+    bias: Optional[_ArrayLike] = ...,
+    *,
+    normalize_mean: bool = ...,
+    normalize_variance: bool = ...,
+    epsilon: float = ...,
+    epsilon_mode: Literal["inside", "outside"] = ...,
+    activation: ActivationLike = ...,
+    out: Optional[_Array] = ...,
+    return_stats: Literal[False] = ...,
+) -> _Array: ...
+@overload
+def mean_variance_normalization(
+    input: _ArrayLike,
+    axes: _Axes,
+    scale: Optional[_ArrayLike] = ...,
+    bias: Optional[_ArrayLike] = ...,
+    *,
+    normalize_mean: bool = ...,
+    normalize_variance: bool = ...,
+    epsilon: float = ...,
+    epsilon_mode: Literal["inside", "outside"] = ...,
+    activation: ActivationLike = ...,
+    out: Optional[_Array] = ...,
+    return_stats: Literal[True],
+) -> _Stats: ...
+@overload
+def layer_norm(
+    x: _ArrayLike, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, axis: int = ...,
+    epsilon: float = ..., activation: ActivationLike = ..., out: Optional[_Array] = ...,
+    return_stats: Literal[False] = ...,
+) -> _Array: ...
+@overload
+def layer_norm(
+    x: _ArrayLike, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, axis: int = ...,
+    epsilon: float = ..., activation: ActivationLike = ..., out: Optional[_Array] = ..., return_stats: Literal[True],
+) -> _Stats: ...
+@overload
+def rms_norm(
+    x: _ArrayLike, scale: Optional[_ArrayLike] = ..., *, axis: int = ..., epsilon: float = ...,
+    activation: ActivationLike = ..., out: Optional[_Array] = ..., return_stats: Literal[False] = ...,
+) -> _Array: ...
+@overload
+def rms_norm(
+    x: _ArrayLike, scale: Optional[_ArrayLike] = ..., *, axis: int = ..., epsilon: float = ...,
+    activation: ActivationLike = ..., out: Optional[_Array] = ..., return_stats: Literal[True],
+) -> Tuple[_Array, None, _Array]: ...
+@overload
+def instance_norm(
+    x: _ArrayLike, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, epsilon: float = ...,
+    channel_axis: int = ..., activation: ActivationLike = ..., out: Optional[_Array] = ...,
+    return_stats: Literal[False] = ...,
+) -> _Array: ...
+@overload
+def instance_norm(
+    x: _ArrayLike, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, epsilon: float = ...,
+    channel_axis: int = ..., activation: ActivationLike = ..., out: Optional[_Array] = ..., return_stats: Literal[True],
+) -> Tuple[_Array, _Array, _Array]: ...
+@overload
+def group_norm(
+    x: _ArrayLike, num_groups: int, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *,
+    epsilon: float = ..., channel_axis: int = ..., activation: ActivationLike = ..., out: Optional[_Array] = ...,
+    return_stats: Literal[False] = ...,
+) -> _Array: ...
+@overload
+def group_norm(
+    x: _ArrayLike, num_groups: int, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *,
+    epsilon: float = ..., channel_axis: int = ..., activation: ActivationLike = ..., out: Optional[_Array] = ...,
+    return_stats: Literal[True],
+) -> Tuple[_Array, _Array, _Array]: ...
+
+def set_num_threads(n: int) -> int: ...
+def get_num_threads() -> int: ...
+def isa() -> str: ...
+def available_isas() -> List[str]: ...
+def set_isa(name: str) -> str: ...
+
+__all__: List[str]

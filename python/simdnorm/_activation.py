@@ -1,0 +1,174 @@
+"""Fused activations: ``Activation(name, **params)``, validated once, frozen.
+
+The table below is the single source of the activation set. Its ORDER is the kind index the C++
+extension receives (``cpp/include/simdnorm/types.h``, ``enum class ActKind``): do not reorder.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Tuple, Union
+
+__all__ = ["Activation", "ACTIVATIONS"]
+
+_INF = math.inf
+
+# name -> ((param, default), ...) in the order the kernel receives them as (p0, p1).
+# DirectML's defaults; linear, parametric_softplus and clip have none in DirectML (SPEC section 5).
+_TABLE: Tuple[Tuple[str, Tuple[Tuple[str, float], ...]], ...] = (
+    ("identity", ()),
+    ("linear", (("alpha", 1.0), ("beta", 0.0))),
+    ("relu", ()),
+    ("leaky_relu", (("alpha", 0.01),)),
+    ("thresholded_relu", (("alpha", 1.0),)),
+    ("elu", (("alpha", 1.0),)),
+    ("celu", (("alpha", 1.0),)),
+    ("scaled_elu", (("alpha", 1.67326), ("gamma", 1.0507))),
+    ("sigmoid", ()),
+    ("hard_sigmoid", (("alpha", 0.2), ("beta", 0.5))),
+    ("tanh", ()),
+    ("scaled_tanh", (("alpha", 1.0), ("beta", 0.5))),
+    ("softplus", (("steepness", 1.0),)),
+    ("parametric_softplus", (("alpha", 1.0), ("beta", 1.0))),
+    ("softsign", ()),
+    ("shrink", (("bias", 0.0), ("threshold", 0.5))),
+    ("gelu", ()),
+    ("clip", (("min", -_INF), ("max", _INF))),
+    ("silu", ()),
+    ("hard_swish", ()),
+)
+
+_KIND = {name: i for i, (name, _) in enumerate(_TABLE)}
+_PARAMS = dict(_TABLE)
+
+#: Every activation name with its parameters and their defaults, in kernel order.
+ACTIVATIONS: Mapping[str, Mapping[str, float]] = MappingProxyType(
+    {name: MappingProxyType(dict(params)) for name, params in _TABLE}
+)
+
+# Range rules beyond "finite": (name, param) -> (predicate, description of the valid range).
+_RANGES = {
+    ("softplus", "steepness"): (lambda v: v > 0.0, "> 0"),
+    ("celu", "alpha"): (lambda v: v != 0.0, "non-zero"),
+    ("shrink", "threshold"): (lambda v: v >= 0.0, ">= 0"),
+}
+
+
+def _names_list() -> str:
+    return ", ".join(name for name, _ in _TABLE)
+
+
+def _describe(name: str) -> str:
+    params = _PARAMS[name]
+    if not params:
+        return f"{name!r} takes no parameters"
+    return f"{name!r} takes " + ", ".join(f"{p}={d!r}" for p, d in params)
+
+
+@dataclass(frozen=True, init=False, eq=False, repr=False)
+class Activation:
+    """A fused activation applied after the normalization, in float32 (float64 for float64 data).
+
+    ``Activation("leaky_relu", alpha=0.1)``; parameters not given take DirectML's defaults
+    (see :data:`ACTIVATIONS`). Raises ``ValueError`` for unknown names or parameters and
+    out-of-range values, listing the valid ones; ``TypeError`` for non-numeric parameters.
+    """
+
+    name: str
+    params: Mapping[str, float] = field(default_factory=dict)
+    # (kind index, p0, p1): what the C++ extension receives.
+    _core: Tuple[int, float, float] = field(default=(0, 0.0, 0.0), compare=False)
+    _hash: int = field(default=0, compare=False)
+
+    def __init__(self, name: str, **params: Any) -> None:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"activation: the name must be a str, got {type(name).__name__}; valid names: {_names_list()}"
+            )
+        key = name.strip().lower().replace("-", "_")
+        if key not in _KIND:
+            raise ValueError(f"activation: unknown name {name!r}; valid names: {_names_list()}")
+        spec = _PARAMS[key]
+        valid = {p for p, _ in spec}
+        unknown = sorted(set(params) - valid)
+        if unknown:
+            raise ValueError(
+                f"activation {key!r}: unknown parameter(s) {', '.join(map(repr, unknown))}; {_describe(key)}"
+            )
+        values = {}
+        for p, default in spec:
+            v = params.get(p, default)
+            if isinstance(v, (bool,)) or not isinstance(v, numbers.Real):
+                raise TypeError(
+                    f"activation {key!r}: parameter {p!r} must be a real number, got {type(v).__name__}"
+                )
+            v = float(v)
+            if key == "clip":
+                if math.isnan(v):
+                    raise ValueError(f"activation 'clip': {p} is NaN; min and max must be numbers (±inf allowed)")
+            elif not math.isfinite(v):
+                raise ValueError(f"activation {key!r}: parameter {p!r} is {v!r}; it must be finite")
+            rule = _RANGES.get((key, p))
+            if rule is not None and not rule[0](v):
+                raise ValueError(f"activation {key!r}: parameter {p!r} is {v!r}; it must be {rule[1]}")
+            values[p] = v
+        if key == "clip" and not values["min"] <= values["max"]:
+            raise ValueError(
+                f"activation 'clip': min={values['min']!r} > max={values['max']!r}; it must be min <= max"
+            )
+        pv = [values[p] for p, _ in spec] + [0.0, 0.0]
+        core = (_KIND[key], pv[0], pv[1])
+        setattr_ = object.__setattr__
+        setattr_(self, "name", key)
+        setattr_(self, "params", MappingProxyType(values))
+        setattr_(self, "_core", core)
+        setattr_(self, "_hash", hash(core))
+
+    def __repr__(self) -> str:
+        args = "".join(f", {p}={v!r}" for p, v in self.params.items())
+        return f"Activation({self.name!r}{args})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not Activation:
+            return NotImplemented
+        return self._core == other._core  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (_rebuild, (self.name, dict(self.params)))
+
+
+def _rebuild(name: str, params: dict) -> Activation:
+    return Activation(name, **params)
+
+
+ActivationLike = Union[None, str, Activation]
+
+_IDENTITY_CORE = (0, 0.0, 0.0)
+# Activations by name string, built once (the functional hot path resolves through the plan cache).
+_BY_NAME: dict = {}
+
+
+def resolve(activation: ActivationLike, field_name: str = "activation") -> Optional[Activation]:
+    """None, a name or an Activation -> an Activation (None stays None). Raises ValueError/TypeError."""
+    if activation is None or activation.__class__ is Activation:
+        return activation  # type: ignore[return-value]
+    if isinstance(activation, str):
+        act = _BY_NAME.get(activation)
+        if act is None:
+            act = Activation(activation)
+            if len(_BY_NAME) < 256:
+                _BY_NAME[activation] = act
+        return act
+    raise TypeError(
+        f"{field_name}: expected None, an activation name (str) or simdnorm.Activation, "
+        f"got {type(activation).__name__}; valid names: {_names_list()}"
+    )
+
+
+def core_tuple(act: Optional[Activation]) -> Tuple[int, float, float]:
+    return _IDENTITY_CORE if act is None else act._core

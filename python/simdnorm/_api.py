@@ -1,0 +1,499 @@
+"""The functional API (SPEC sections 2-4).
+
+Each call looks its plan up in a small dict keyed by the dtypes and shapes of its arrays and its
+attributes (strides are not part of a plan: any strides are valid). On a miss the call builds the
+descriptors of its arrays, validates them with the one validator (``_descriptors``), plans them
+with the one planner (``_compile``) and stores the plan. The conveniences are thin routes onto MVN
+through views of their arrays (group norm splits the channel dim), never copies.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from ._activation import ActivationLike
+from ._compile import as_input, as_param, check_out, needs_temporary, plan_bn, plan_mvn, channel_index
+from ._descriptors import (
+    BatchNormalizationDesc,
+    DescriptorError,
+    MAX_DIMS,
+    MeanVarianceNormalizationDesc,
+    TensorDesc,
+    _DescriptorTypeError,
+    _is_int,
+    normalize_axis,
+)
+
+__all__ = [
+    "batch_normalization",
+    "mean_variance_normalization",
+    "layer_norm",
+    "rms_norm",
+    "instance_norm",
+    "group_norm",
+]
+
+_nd = np.ndarray
+_empty_like = np.empty_like
+_empty = np.empty
+_copyto = np.copyto
+_int = int
+_tuple = tuple
+_list = list
+_CACHE_MAX = 512
+
+_BN_CACHE: dict = {}
+_MVN_CACHE: dict = {}
+_CONV_CACHE: dict = {}  # the conveniences: key starts with the convenience's name
+
+
+def _store(cache: dict, key: Any, plan: Any) -> Any:
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    cache[key] = plan
+    return plan
+
+
+def clear_plan_caches() -> None:
+    """Forget every cached plan (tests; the caches are bounded anyway)."""
+    _BN_CACHE.clear()
+    _MVN_CACHE.clear()
+    _CONV_CACHE.clear()
+
+
+def _td(a: Optional[np.ndarray]) -> Optional[TensorDesc]:
+    return None if a is None else TensorDesc(a.dtype, a.shape)
+
+
+def _check_array_input(x: np.ndarray) -> None:
+    """The input's own rules (dtype, rank) with the input's name, before any shape rule uses it."""
+    TensorDesc(x.dtype, x.shape)._check("input", "data")
+
+
+# ----------------------------------------------------------------------------------------------------
+# batch normalization
+
+def _bn_miss(key: Any, x, mean, variance, scale, bias, epsilon, activation, channel_axis) -> tuple:
+    desc = BatchNormalizationDesc(_td(x), _td(mean), _td(variance), _td(scale), _td(bias),
+                                  epsilon=epsilon, activation=activation, channel_axis=channel_axis)
+    plan = plan_bn(desc._validated())
+    if key is not None:
+        _store(_BN_CACHE, key, plan)
+    return plan
+
+
+def batch_normalization(input: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None, *,
+                        epsilon: float = 1e-5, activation: ActivationLike = None, channel_axis: int = 1,
+                        out: Optional[np.ndarray] = None) -> np.ndarray:
+    """``activation(scale * (input - mean) / sqrt(variance + epsilon) + bias)`` (SPEC section 2).
+
+    Parameters have the input's rank (each dim the input's or 1) or are 1-D of length
+    ``input.shape[channel_axis]``; their dtype is the input's or float32. ``scale=None`` is 1,
+    ``bias=None`` is 0. Returns a new array like ``np.empty_like(input)``, or ``out``.
+    """
+    x = input if type(input) is _nd else as_input(input)
+    if type(mean) is not _nd:
+        mean = as_param(mean, "mean", x)
+    if type(variance) is not _nd:
+        variance = as_param(variance, "variance", x)
+    if scale is None:
+        sdt = sshape = None
+    else:
+        if type(scale) is not _nd:
+            scale = as_param(scale, "scale", x)
+        sdt = scale.dtype
+        sshape = scale.shape
+    if bias is None:
+        bdt = bshape = None
+    else:
+        if type(bias) is not _nd:
+            bias = as_param(bias, "bias", x)
+        bdt = bias.dtype
+        bshape = bias.shape
+    xd = x.dtype
+    xs = x.shape
+    key = (xd, xs, mean.dtype, mean.shape, variance.dtype, variance.shape, sdt, sshape, bdt, bshape, epsilon,
+           activation, channel_axis, channel_axis.__class__)
+    try:
+        mi, vi, si, bi, eps, act = _BN_CACHE[key]
+    except KeyError:
+        mi, vi, si, bi, eps, act = _bn_miss(key, x, mean, variance, scale, bias, epsilon, activation,
+                                            channel_axis)
+    except TypeError:  # an unhashable attribute: validate without caching (raises or plans)
+        mi, vi, si, bi, eps, act = _bn_miss(None, x, mean, variance, scale, bias, epsilon, activation,
+                                            channel_axis)
+    # The 1-D parameters as views with C at the channel axis (the kernel takes the input's rank).
+    vm = mean if mi is None else mean[mi]
+    vv = variance if vi is None else variance[vi]
+    vs = scale if si is None else scale[si]
+    vb = bias if bi is None else bias[bi]
+    if out is None:
+        res = _empty_like(x, subok=False)
+        _core.batch_norm(x, vm, vv, vs, vb, res, eps, act)
+        return res
+    if out.__class__ is not _nd or out.shape != xs or out.dtype is not xd or not out.flags.writeable:
+        check_out(out, x)
+    # No temporary when every array owns its memory (distinct owners never overlap) and out is the
+    # input or another owner; else ask numpy (np.may_share_memory, then np.shares_memory).
+    if (out.base is None and (out is x or x.base is None) and mean.base is None and mean is not out
+            and variance.base is None and variance is not out
+            and (scale is None or (scale.base is None and scale is not out))
+            and (bias is None or (bias.base is None and bias is not out))) \
+            or not needs_temporary(out, x, mean, variance, scale, bias):
+        _core.batch_norm(x, vm, vv, vs, vb, out, eps, act)
+        return out
+    res = _empty_like(x, subok=False)
+    _core.batch_norm(x, vm, vv, vs, vb, res, eps, act)
+    _copyto(out, res)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# mean-variance normalization
+
+def _mvn_miss(key: Any, x, axes, scale, bias, nm, nv, epsilon, epsilon_mode, activation) -> tuple:
+    desc = MeanVarianceNormalizationDesc(_td(x), axes, _td(scale), _td(bias), normalize_mean=nm,
+                                         normalize_variance=nv, epsilon=epsilon, epsilon_mode=epsilon_mode,
+                                         activation=activation)
+    plan = plan_mvn(desc._validated())
+    if key is not None:
+        _store(_MVN_CACHE, key, plan)
+    return plan
+
+
+def _run_mvn(x, scale, bias, out, return_stats, plan, p_orig0=None, p_orig1=None, x_orig=None, out_orig=None,
+             fresh=False):
+    """Run a planned MVN; scale and bias are given as the caller has them (the plan pads them);
+    ``out`` was checked by the caller. x/out may be views of x_orig/out_orig (the conveniences):
+    the overlap rule is then decided on the originals, and out_orig is returned; ``fresh``: out was
+    just allocated (no overlap)."""
+    axes, si, bi, stats_shape, sdt, eps, nm, nv, eo, act = plan
+    if return_stats:
+        mo = _empty(stats_shape, sdt) if nm else None
+        so = _empty(stats_shape, sdt) if nv else None
+    else:
+        mo = so = None
+    if out is None:
+        res = _empty_like(x, subok=False)
+        _core.mvn(x, axes, scale if si is None else scale[si], bias if bi is None else bias[bi], res, eps, nm, nv,
+                  eo, act, mo, so)
+        return (res, mo, so) if return_stats else res
+    if x_orig is None:
+        x_orig, out_orig, p_orig0, p_orig1 = x, out, scale, bias
+    if fresh or (out_orig.base is None and (out_orig is x_orig or x_orig.base is None)
+                 and (p_orig0 is None or (p_orig0.base is None and p_orig0 is not out_orig))
+                 and (p_orig1 is None or (p_orig1.base is None and p_orig1 is not out_orig))) \
+            or not needs_temporary(out_orig, x_orig, p_orig0, p_orig1):
+        _core.mvn(x, axes, scale if si is None else scale[si], bias if bi is None else bias[bi], out, eps, nm, nv,
+                  eo, act, mo, so)
+    else:
+        res = _empty_like(x, subok=False)
+        _core.mvn(x, axes, scale if si is None else scale[si], bias if bi is None else bias[bi], res, eps, nm, nv,
+                  eo, act, mo, so)
+        _copyto(out, res)
+    return (out_orig, mo, so) if return_stats else out_orig
+
+
+def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: Any = None, *,
+                                normalize_mean: bool = True, normalize_variance: bool = True,
+                                epsilon: float = 1e-5, epsilon_mode: str = "inside",
+                                activation: ActivationLike = None, out: Optional[np.ndarray] = None,
+                                return_stats: bool = False) -> Any:
+    """Normalize over ``axes`` with the mean and population variance taken there (SPEC section 3).
+
+    ``return_stats=True`` returns ``(out, mean, inv_std)`` shaped like the input with the reduced
+    dims kept as 1 (float32; float64 for float64 input), ``None`` for what was not computed.
+    """
+    x = input if type(input) is _nd else as_input(input)
+    if scale is None:
+        sdt = sshape = None
+    else:
+        if type(scale) is not _nd:
+            scale = as_param(scale, "scale", x)
+        sdt = scale.dtype
+        sshape = scale.shape
+    if bias is None:
+        bdt = bshape = None
+    else:
+        if type(bias) is not _nd:
+            bias = as_param(bias, "bias", x)
+        bdt = bias.dtype
+        bshape = bias.shape
+    cls = axes.__class__
+    if cls is _int:
+        akey = axes
+    elif cls is _tuple or cls is _list:
+        akey = (_tuple(axes), _tuple(map(type, axes)))  # (1.0,) and (True,) must not hit (1,)'s plan
+    else:
+        akey = None  # arrays, ranges, bad values: validated every call, not cached
+    if akey is None:
+        plan = _mvn_miss(None, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode,
+                         activation)
+    else:
+        key = (x.dtype, x.shape, akey, sdt, sshape, bdt, bshape, normalize_mean, normalize_variance, epsilon,
+               epsilon_mode, activation)
+        try:
+            plan = _MVN_CACHE[key]
+        except KeyError:
+            plan = _mvn_miss(key, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon,
+                             epsilon_mode, activation)
+        except TypeError:
+            plan = _mvn_miss(None, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon,
+                             epsilon_mode, activation)
+    if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
+                            or not out.flags.writeable):
+        check_out(out, x)
+    return _run_mvn(x, scale, bias, out, return_stats, plan)
+
+
+# ----------------------------------------------------------------------------------------------------
+# conveniences
+
+def _trailing_axes(x: np.ndarray, axis: Any) -> Tuple[int, ...]:
+    _check_array_input(x)
+    a = normalize_axis("axis", axis, x.ndim)
+    return tuple(range(a, x.ndim))
+
+
+def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
+               activation: ActivationLike = None, out: Optional[np.ndarray] = None,
+               return_stats: bool = False) -> Any:
+    """ONNX LayerNormalization-17: normalize over dims ``axis .. ndim-1``; scale and bias broadcast
+    (typically of shape ``x.shape[axis:]``). ``return_stats`` gives ``(out, mean, inv_std)`` with
+    the reduced dims kept as 1."""
+    if type(x) is not _nd:
+        x = as_input(x, "input")
+    if scale is None:
+        sk = None
+    else:
+        if type(scale) is not _nd:
+            scale = as_param(scale, "scale", x)
+        sk = (scale.dtype, scale.shape)
+    if bias is None:
+        bk = None
+    else:
+        if type(bias) is not _nd:
+            bias = as_param(bias, "bias", x)
+        bk = (bias.dtype, bias.shape)
+    key = ("layer", x.dtype, x.shape, axis, axis.__class__, sk, bk, epsilon, activation)
+    try:
+        plan = _CONV_CACHE[key]
+    except (KeyError, TypeError):
+        axes = _trailing_axes(x, axis)
+        plan = _mvn_miss(None, x, axes, scale, bias, True, True, epsilon, "inside", activation)
+        _store_hashable(key, plan)
+    if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
+                            or not out.flags.writeable):
+        check_out(out, x)
+    return _run_mvn(x, scale, bias, out, return_stats, plan)
+
+
+def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
+             activation: ActivationLike = None, out: Optional[np.ndarray] = None, return_stats: bool = False) -> Any:
+    """ONNX RMSNormalization-23: ``x / sqrt(mean(x**2 over axis..) + epsilon) * scale``.
+    ``return_stats`` gives ``(out, None, inv_rms)``."""
+    if type(x) is not _nd:
+        x = as_input(x, "input")
+    if scale is None:
+        sk = None
+    else:
+        if type(scale) is not _nd:
+            scale = as_param(scale, "scale", x)
+        sk = (scale.dtype, scale.shape)
+    key = ("rms", x.dtype, x.shape, axis, axis.__class__, sk, epsilon, activation)
+    try:
+        plan = _CONV_CACHE[key]
+    except (KeyError, TypeError):
+        axes = _trailing_axes(x, axis)
+        plan = _mvn_miss(None, x, axes, scale, None, False, True, epsilon, "inside", activation)
+        _store_hashable(key, plan)
+    if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
+                            or not out.flags.writeable):
+        check_out(out, x)
+    return _run_mvn(x, scale, None, out, return_stats, plan)
+
+
+def _store_hashable(key: Any, plan: Any) -> None:
+    try:
+        _store(_CONV_CACHE, key, plan)
+    except TypeError:
+        pass
+
+
+def _channel_axis(x: np.ndarray, channel_axis: Any, what: str) -> int:
+    """The channel axis of an (N, C, *S) or (N, *S, C) input: not the batch axis 0."""
+    _check_array_input(x)
+    if x.ndim < 2:
+        raise DescriptorError(
+            f"input: shape {x.shape}; {what} takes an input of shape (N, C, ...) or (N, ..., C) (2 or more dims)"
+        )
+    ca = normalize_axis("channel_axis", channel_axis, x.ndim)
+    if ca == 0:
+        raise DescriptorError(
+            f"channel_axis: {channel_axis} is the batch axis; {what} takes (N, C, ...) (channel_axis=1) or "
+            "(N, ..., C) (channel_axis=-1)"
+        )
+    return ca
+
+
+def _per_channel(name: str, p: Optional[np.ndarray], c: int, what: str) -> None:
+    if p is not None and p.shape != (c,):
+        raise DescriptorError(f"{name}: shape {p.shape}; {what} takes a per-channel {name} of shape (C,) = ({c},)")
+
+
+def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
+    ca = _channel_axis(x, channel_axis, "instance_norm")
+    nd = x.ndim
+    axes = tuple(d for d in range(1, nd) if d != ca)
+    if not axes:
+        raise DescriptorError(
+            f"input: shape {x.shape} has no spatial dims; instance_norm normalizes each (n, c) over the "
+            "spatial dims of an input of 3 or more dims"
+        )
+    c = x.shape[ca]
+    _per_channel("scale", scale, c, "instance_norm")
+    _per_channel("bias", bias, c, "instance_norm")
+    idx = channel_index(ca, nd)
+    s = None if scale is None else scale[idx]
+    b = None if bias is None else bias[idx]
+    plan = _mvn_miss(None, x, axes, s, b, True, True, epsilon, "inside", activation)
+    # The parameters are viewed by the channel index here, so the MVN plan's own (padding) index is
+    # not needed: the views already have the input's rank.
+    return (idx, plan)
+
+
+def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5, channel_axis: int = 1,
+                  activation: ActivationLike = None, out: Optional[np.ndarray] = None,
+                  return_stats: bool = False) -> Any:
+    """Per (n, c), over the spatial dims; scale and bias of shape (C,). Channels first
+    (``channel_axis=1``) or last (``-1``). ``return_stats`` keeps the reduced dims as 1."""
+    if type(x) is not _nd:
+        x = as_input(x, "input")
+    if scale is None:
+        sk = None
+    else:
+        if type(scale) is not _nd:
+            scale = as_param(scale, "scale", x)
+        sk = (scale.dtype, scale.shape)
+    if bias is None:
+        bk = None
+    else:
+        if type(bias) is not _nd:
+            bias = as_param(bias, "bias", x)
+        bk = (bias.dtype, bias.shape)
+    key = ("instance", x.dtype, x.shape, channel_axis, channel_axis.__class__, sk, bk, epsilon, activation)
+    try:
+        idx, plan = _CONV_CACHE[key]
+    except (KeyError, TypeError):
+        idx, plan = _instance_plan(x, scale, bias, epsilon, channel_axis, activation)
+        _store_hashable(key, (idx, plan))
+    if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
+                            or not out.flags.writeable):
+        check_out(out, x)
+    s = None if scale is None else scale[idx]
+    b = None if bias is None else bias[idx]
+    if out is None:
+        return _run_mvn(x, s, b, None, return_stats, plan)
+    return _run_mvn(x, s, b, out, return_stats, plan, scale, bias, x, out)
+
+
+# group norm ------------------------------------------------------------------------------------------
+
+_as_strided = np.lib.stride_tricks.as_strided
+
+
+def _split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
+    """A view of ``a`` with dim ca split into (g, k): always possible without a copy, any strides.
+    (numpy's reshape never copies to split one dim; the check makes that certain.)"""
+    shape = a.shape[:ca] + (g, k) + a.shape[ca + 1:]
+    v = a.reshape(shape)
+    if v.base is None and a.size:  # pragma: no cover - a copy: use explicit strides instead
+        st = a.strides
+        v = _as_strided(a, shape, st[:ca] + (st[ca] * k, st[ca]) + st[ca + 1:], subok=False,
+                        writeable=a.flags.writeable)
+    return v
+
+
+def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
+    ca = _channel_axis(x, channel_axis, "group_norm")
+    if x.ndim >= MAX_DIMS:
+        raise DescriptorError(
+            f"input: {x.ndim} dims; group_norm takes inputs of 2 to {MAX_DIMS - 1} dims (it views the "
+            f"channel dim as (num_groups, C / num_groups), one more dim, and kernels take up to {MAX_DIMS})"
+        )
+    if not _is_int(num_groups):
+        raise _DescriptorTypeError(f"num_groups: expected an int, got {type(num_groups).__name__}")
+    g = int(num_groups)
+    c = x.shape[ca]
+    if g < 1:
+        raise DescriptorError(f"num_groups: {g}; it must be >= 1 and divide the number of channels C = {c}")
+    if c % g:
+        raise DescriptorError(
+            f"num_groups: {g} does not divide the number of channels C = {c}; C % num_groups must be 0"
+        )
+    _per_channel("scale", scale, c, "group_norm")
+    _per_channel("bias", bias, c, "group_norm")
+    k = c // g
+    vnd = x.ndim + 1
+    vshape = x.shape[:ca] + (g, k) + x.shape[ca + 1:]
+    reduced = tuple(d for d in range(1, vnd) if d != ca)
+    pshape = (1,) * ca + (g, k) + (1,) * (vnd - ca - 2)
+    desc = MeanVarianceNormalizationDesc(TensorDesc(x.dtype, vshape), reduced,
+                                         None if scale is None else TensorDesc(scale.dtype, pshape),
+                                         None if bias is None else TensorDesc(bias.dtype, pshape),
+                                         epsilon=epsilon, activation=activation)
+    return (ca, g, k, vshape, pshape, plan_mvn(desc._validated()), (x.shape[0], g))
+
+
+def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
+               channel_axis: int = 1, activation: ActivationLike = None, out: Optional[np.ndarray] = None,
+               return_stats: bool = False) -> Any:
+    """ONNX GroupNormalization-21: the C channels split into ``num_groups`` groups; each (n, group)
+    normalized over its channels and the spatial dims; scale and bias of shape (C,). Channels first
+    or last, any strides, no copy: x and out are viewed as (..., G, C/G, ...).
+    ``return_stats`` gives ``(out, mean, inv_std)`` with the statistics of shape (N, num_groups)."""
+    if type(x) is not _nd:
+        x = as_input(x, "input")
+    if scale is None:
+        sk = None
+    else:
+        if type(scale) is not _nd:
+            scale = as_param(scale, "scale", x)
+        sk = (scale.dtype, scale.shape)
+    if bias is None:
+        bk = None
+    else:
+        if type(bias) is not _nd:
+            bias = as_param(bias, "bias", x)
+        bk = (bias.dtype, bias.shape)
+    xs = x.shape
+    key = ("group", x.dtype, xs, num_groups, num_groups.__class__, channel_axis, channel_axis.__class__, sk, bk,
+           epsilon, activation)
+    try:
+        ca, g, k, vshape, pshape, plan, nshape = _CONV_CACHE[key]
+    except (KeyError, TypeError):
+        gp = _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation)
+        _store_hashable(key, gp)
+        ca, g, k, vshape, pshape, plan, nshape = gp
+    if out is None:
+        res = _empty_like(x, subok=False)
+        fresh = True
+    else:
+        if out.__class__ is not _nd or out.shape != xs or out.dtype is not x.dtype or not out.flags.writeable:
+            check_out(out, x)
+        res = out
+        fresh = False
+    # views, never copies: x and res split at the channel dim; scale/bias (C,) -> (G, C/G) there
+    xv = x.reshape(vshape)
+    rv = res.reshape(vshape)
+    if xv.base is None or rv.base is None:  # pragma: no cover - numpy copied: explicit strides
+        xv = _split_view(x, ca, g, k)
+        rv = _split_view(res, ca, g, k)
+    r = _run_mvn(xv, None if scale is None else scale.reshape(pshape), None if bias is None else bias.reshape(pshape),
+                 rv, return_stats, plan, scale, bias, x, res, fresh)
+    if not return_stats:
+        return res
+    _, mo, so = r
+    return (res, None if mo is None else mo.reshape(nshape), None if so is None else so.reshape(nshape))

@@ -1,0 +1,413 @@
+"""The planner (validated descriptor -> what a call needs) and ``simdnorm.compile``.
+
+A plan is a plain tuple, so that a call unpacks it in one step:
+
+* batch norm: ``(mean_index, variance_index, scale_index, bias_index, epsilon, activation)``; an
+  index is None (the parameter has the input's rank) or the tuple that views a 1-D parameter with
+  C at the channel axis (``mean[index]``, a view, never a copy);
+* MVN: ``(axes, scale_index, bias_index, stats_shape, stats_dtype, epsilon, normalize_mean,
+  normalize_variance, epsilon_outside, activation)``; an index left-pads scale/bias with 1s (a view).
+
+The functional API (``_api``) caches plans by (dtypes, shapes, attributes); a compiled operator
+keeps its plan and only checks, per call, that the arrays match its descriptors.
+"""
+from __future__ import annotations
+
+import builtins
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from ._activation import core_tuple
+from ._descriptors import (
+    BatchNormalizationDesc,
+    BNInfo,
+    DescriptorError,
+    MeanVarianceNormalizationDesc,
+    MVNInfo,
+    TensorDesc,
+    _DescriptorTypeError,
+    dtype_name,
+    stats_dtype,
+)
+
+__all__ = ["compile"]
+
+_nd = np.ndarray
+_empty_like = np.empty_like
+_empty = np.empty
+_may_share = np.may_share_memory
+_TooHardError = getattr(getattr(np, "exceptions", np), "TooHardError", Exception)
+
+
+class _OutError(TypeError, ValueError):
+    """``out`` is not an ndarray or has the wrong dtype: a TypeError (as numpy raises) that is also
+    a ValueError (as the rest of the ``out`` rules)."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arrays in
+
+def as_input(obj: Any, name: str = "input") -> np.ndarray:
+    """An ndarray (subclasses too), a DLPack object (no copy) or a list/array-like (np.asarray)."""
+    if isinstance(obj, _nd):
+        return obj
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return np.from_dlpack(obj)
+        except (BufferError, RuntimeError, TypeError, ValueError) as e:
+            raise TypeError(
+                f"{name}: cannot view this {type(obj).__name__} as a numpy array through DLPack without a "
+                f"copy ({e}); pass a numpy array or a CPU tensor"
+            ) from None
+    try:
+        return np.asarray(obj)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: cannot convert {type(obj).__name__} to a numpy array ({e})") from None
+
+
+def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
+    """Like as_input; a list/tuple of numbers becomes an array of the compute type (float32, or
+    float64 for a float64 input): a parameter may have the input's dtype or float32."""
+    if isinstance(obj, _nd) or hasattr(obj, "__dlpack__"):
+        return as_input(obj, name)
+    try:
+        return np.asarray(obj, dtype=stats_dtype(x.dtype))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: cannot convert {type(obj).__name__} to a float array ({e})") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# out
+
+def check_out(out: Any, x: np.ndarray) -> None:
+    """SPEC section 6: a writeable ndarray of the input's shape and dtype (any strides)."""
+    if not isinstance(out, _nd):
+        raise _OutError(f"out: expected a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != x.dtype:
+        raise _OutError(
+            f"out: dtype {dtype_name(out.dtype)} differs from the input's {dtype_name(x.dtype)}; "
+            "out must have the input's dtype and shape"
+        )
+    if out.shape != x.shape:
+        raise ValueError(
+            f"out: shape {out.shape} differs from the input's {x.shape}; out must have the input's shape and dtype"
+        )
+    if not out.flags.writeable:
+        raise ValueError("out: the array is read-only; out must be writeable")
+
+
+def _data_ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _overlaps(out: np.ndarray, a: np.ndarray) -> bool:
+    if a is out:
+        return True
+    if not _may_share(out, a):
+        return False
+    try:
+        return np.shares_memory(out, a, max_work=1 << 20)
+    except _TooHardError:  # pragma: no cover - undecided: assume they overlap (a temporary is safe)
+        return True
+
+
+def needs_temporary(out: np.ndarray, x: np.ndarray, p0: Any = None, p1: Any = None, p2: Any = None,
+                    p3: Any = None) -> bool:
+    """True when out overlaps the input (other than being it: same buffer, same strides) or a
+    parameter: the call then computes into a temporary and copies (SPEC section 6)."""
+    own = out.base is None
+    if x is not out and not (own and x.base is None) and _may_share(out, x):
+        if not (out.strides == x.strides and _data_ptr(out) == _data_ptr(x)) and _overlaps(out, x):
+            return True
+    for p in (p0, p1, p2, p3):
+        if p is not None and (p is out or not (own and p.base is None)) and _overlaps(out, p):
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# Planner
+
+def channel_index(ca: int, ndim: int) -> Tuple[Any, ...]:
+    """The index that views a 1-D array of C values with C at axis ca of ndim dims."""
+    return (None,) * ca + (slice(None),) + (None,) * (ndim - 1 - ca)
+
+
+def pad_index(pndim: int, ndim: int) -> Optional[Tuple[Any, ...]]:
+    """The index that left-pads an array of pndim dims with 1s to ndim dims (None: nothing to do)."""
+    return None if pndim == ndim else (None,) * (ndim - pndim) + (Ellipsis,)
+
+
+def plan_bn(info: BNInfo) -> tuple:
+    nd = info.input.ndim
+    idx = [None if e is None or e[1] is None else channel_index(e[1], nd) for e in info.params]
+    return (idx[0], idx[1], idx[2], idx[3], info.epsilon, core_tuple(info.activation))
+
+
+def plan_mvn(info: MVNInfo) -> tuple:
+    x = info.input
+    nd = x.ndim
+    axes = info.axes
+    si = None if info.scale is None else pad_index(info.scale.ndim, nd)
+    bi = None if info.bias is None else pad_index(info.bias.ndim, nd)
+    stats_shape = tuple(1 if d in axes else n for d, n in enumerate(x.sizes))
+    return (axes, si, bi, stats_shape, stats_dtype(x.dtype), info.epsilon, info.normalize_mean,
+            info.normalize_variance, info.epsilon_outside, core_tuple(info.activation))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compiled operators
+#
+# compile() generates, per descriptor, one plain Python function with exactly the checks that
+# descriptor needs (dtype and shape of each array, strides where the descriptor gives them), so a
+# call is one Python frame and then C++. The fast path compares dtypes by identity (numpy's dtype
+# instances are singletons); anything else (another equal dtype instance, a list, a DLPack object,
+# a mismatch) takes the slow path, which converts or raises a message naming the argument.
+# Each parameter goes through a one-entry memo keyed by the argument's identity: called again with
+# the same parameter arrays (the usual inference loop), the operator skips their checks and views.
+# (So an operator keeps a reference to the last parameter arrays it was called with. The memo stays
+# memory-safe if such an array's shape or dtype attribute is reassigned in place: its entry keeps a
+# view of the memory that was checked, and numpy refuses to resize an array with views.)
+
+
+def _mismatch(name: str, a: Any, d: Optional[TensorDesc]) -> Exception:
+    if d is None:
+        return DescriptorError(f"{name}: the descriptor has no {name} tensor; pass None")
+    if a is None:
+        return DescriptorError(f"{name}: the descriptor has a {name} tensor of sizes {d.sizes}; pass an array")
+    if not isinstance(a, _nd):
+        return _DescriptorTypeError(f"{name}: expected a numpy.ndarray, got {type(a).__name__}")
+    if a.dtype != d.dtype:
+        return _DescriptorTypeError(
+            f"{name}: dtype {dtype_name(a.dtype)} does not match the compiled descriptor's {dtype_name(d.dtype)}"
+        )
+    if a.shape != d.sizes:
+        return DescriptorError(f"{name}: shape {a.shape} does not match the compiled descriptor's sizes {d.sizes}")
+    return DescriptorError(
+        f"{name}: strides {a.strides} (bytes) do not match the compiled descriptor's strides "
+        f"{d.strides} (elements) = {d.byte_strides()} bytes"
+    )
+
+
+def _expect(d: Optional[TensorDesc]) -> Optional[tuple]:
+    """(dtype, shape, byte strides or None) that a call's array must match; None when absent."""
+    if d is None:
+        return None
+    return (d.dtype, d.sizes, d.byte_strides())
+
+
+def _check_arg(name: str, a: Any, d: Optional[TensorDesc]) -> Any:
+    """The slow path of a compiled operator's argument check: convert, then match or raise."""
+    if d is None:
+        if a is None:
+            return None
+        raise _mismatch(name, a, d)
+    if a is None:
+        raise _mismatch(name, a, d)
+    dt, shape, st = _expect(d)
+    if not isinstance(a, _nd):
+        if name == "input" or hasattr(a, "__dlpack__"):
+            a = as_input(a, name)
+        else:  # a parameter as a list of numbers: the descriptor's dtype
+            try:
+                a = np.asarray(a, dtype=dt)
+            except (TypeError, ValueError) as e:
+                raise _DescriptorTypeError(f"{name}: cannot convert {type(a).__name__} to a {dt} array ({e})") from None
+    if a.dtype != dt or a.shape != shape or (st is not None and a.strides != st):
+        raise _mismatch(name, a, d)
+    return a
+
+
+def _check_out_compiled(out: Any, x: np.ndarray, od: TensorDesc) -> None:
+    check_out(out, x)
+    ost = od.byte_strides()
+    if ost is not None and out.strides != ost:
+        raise DescriptorError(
+            f"out: strides {out.strides} (bytes) do not match the compiled output descriptor's "
+            f"{od.strides} (elements) = {ost} bytes"
+        )
+
+
+def _gen_conditions(specs, ns) -> str:
+    """The fast-path mismatch condition for [(argument, TensorDesc)]."""
+    conds = []
+    for arg, d in specs:
+        dt, shape, st = _expect(d)
+        ns[f"{arg}_S"], ns[f"{arg}_D"] = shape, dt
+        conds.append(f"{arg}.shape != {arg}_S or {arg}.dtype is not {arg}_D")
+        if st is not None:
+            ns[f"{arg}_T"] = st
+            conds.append(f"{arg}.strides != {arg}_T")
+    return "\n                or ".join(conds)
+
+
+_NO_ARRAY = object()  # a memo key that is never an argument
+
+
+def _param_binder(name: str, d: Optional[TensorDesc], idx: Optional[tuple]):
+    """The slow path of one parameter: check/convert it against its descriptor and return the memo
+    entry (key, array as the kernel takes it, owns its memory). Only an ndarray argument is
+    remembered (a list may change between calls)."""
+
+    def bind(a):
+        arr = _check_arg(name, a, d)
+        view = arr if idx is None else arr[idx]
+        key = a if isinstance(a, _nd) else _NO_ARRAY
+        return (key, view, arr.base is None, arr)
+
+    return bind
+
+
+def _gen_params(params, ns) -> str:
+    """Per parameter, code that binds e_<name> = (key, kernel view, owns memory, array), through a
+    one-entry memo keyed by the argument's identity: calling again with the same arrays skips
+    their checks and views. An absent parameter (descriptor None) must be None."""
+    lines = []
+    glob = []
+    for arg, d, idx in params:
+        if d is None:
+            ns[f"{arg}_bind"] = _param_binder(arg, None, None)
+            lines.append(f"    if {arg} is not None:\n        {arg}_bind({arg})")
+            continue
+        ns[f"{arg}_bind"] = _param_binder(arg, d, idx)
+        ns[f"{arg}_M"] = (_NO_ARRAY, None, False, None)
+        glob.append(f"{arg}_M")
+        lines += [
+            f"    e_{arg} = {arg}_M",
+            f"    if e_{arg}[0] is not {arg}:",
+            f"        e_{arg} = {arg}_M = {arg}_bind({arg})",
+        ]
+    if glob:
+        lines.insert(0, "    global " + ", ".join(glob))
+    return "\n".join(lines)
+
+
+def _kernel_args(params) -> str:
+    return ", ".join("None" if d is None else f"e_{a}[1]" for a, d, _ in params)
+
+
+def _gen_out(params, ns, call_into, out_desc: TensorDesc, ret: str) -> str:
+    """Code for the out= path: fast checks (the slow path raises), the overlap rule, the kernel."""
+    ost = out_desc.byte_strides()
+    st_cond = ""
+    if ost is not None:
+        ns["OUT_T"] = ost
+        st_cond = " or out.strides != OUT_T"
+    present = [a for a, d, _ in params if d is not None]
+    owners = " and ".join(["out.base is None", "(out is input or input.base is None)"]
+                          + [f"e_{a}[2] and e_{a}[3] is not out" for a in present])
+    plist = "".join(f", e_{a}[3]" for a in present)
+    return f"""    if (out.__class__ is not _nd or out.shape != input_S or out.dtype is not input_D{st_cond}
+            or not out.flags.writeable):
+        _check_out(out, input, OUT_DESC)
+    if ({owners}) or not _needs_temporary(out, input{plist}):
+{call_into('out')}
+        return {ret}
+    res = _empty_like(input, subok=False)
+{call_into('res', 4)}
+    _copyto(out, res)
+    return {ret}
+"""
+
+
+def _compile_source(src: str, ns: dict, name: str, desc: Any):
+    ns.update(_nd=_nd, _empty_like=_empty_like, _empty=_empty, _copyto=np.copyto, _check_out=_check_out_compiled,
+              _needs_temporary=needs_temporary, _core=_core)
+    code = builtins.compile(src, f"<simdnorm compiled {name}>", "exec")
+    exec(code, ns)  # noqa: S102 - generated from the descriptor's own (validated) values only
+    fn = ns[name]
+    fn.desc = desc
+    fn.__qualname__ = f"compiled.{name}"
+    fn.__module__ = "simdnorm"
+    fn.__source__ = src
+    return fn
+
+
+def _compile_bn(desc: BatchNormalizationDesc):
+    info = desc._validated()
+    mi, vi, si, bi, eps, act = plan_bn(info)
+    descs = [None if e is None else e[0] for e in info.params]
+    ns = {"OUT_DESC": info.output, "EPS": eps, "ACT": act, "input_slow": lambda a: _check_arg("input", a, info.input)}
+    params = list(zip(("mean", "variance", "scale", "bias"), descs, (mi, vi, si, bi)))
+    cond = _gen_conditions([("input", info.input)], ns)
+    kargs = _kernel_args(params)
+
+    def call_into(target: str, indent: int = 8) -> str:
+        return " " * indent + f"_core.batch_norm(input, {kargs}, {target}, EPS, ACT)"
+
+    src = f"""def batch_normalization(input, mean, variance, scale=None, bias=None, *, out=None):
+    try:
+        slow = ({cond})
+    except AttributeError:
+        slow = True
+    if slow:
+        input = input_slow(input)
+{_gen_params(params, ns)}
+    if out is None:
+        res = _empty_like(input, subok=False)
+{call_into('res')}
+        return res
+{_gen_out(params, ns, call_into, info.output, 'out')}"""
+    fn = _compile_source(src, ns, "batch_normalization", desc)
+    fn.__doc__ = "op(input, mean, variance, scale=None, bias=None, *, out=None): a compiled batch normalization."
+    return fn
+
+
+def _compile_mvn(desc: MeanVarianceNormalizationDesc):
+    info = desc._validated()
+    axes, si, bi, stats_shape, sdt, eps, nm, nv, eo, act = plan_mvn(info)
+    ns = {"OUT_DESC": info.output, "AXES": axes, "EPS": eps, "NM": nm, "NV": nv, "EO": eo, "ACT": act,
+          "STATS_S": stats_shape, "STATS_D": sdt, "input_slow": lambda a: _check_arg("input", a, info.input)}
+    params = [("scale", info.scale, si), ("bias", info.bias, bi)]
+    cond = _gen_conditions([("input", info.input)], ns)
+    kargs = _kernel_args(params)
+
+    def call_into(target: str, indent: int = 8) -> str:
+        return " " * indent + f"_core.mvn(input, AXES, {kargs}, {target}, EPS, NM, NV, EO, ACT, mo, so)"
+
+    mo = "_empty(STATS_S, STATS_D)" if nm else "None"
+    so = "_empty(STATS_S, STATS_D)" if nv else "None"
+    src = f"""def mean_variance_normalization(input, scale=None, bias=None, *, out=None, return_stats=False):
+    try:
+        slow = ({cond})
+    except AttributeError:
+        slow = True
+    if slow:
+        input = input_slow(input)
+{_gen_params(params, ns)}
+    if return_stats:
+        mo = {mo}
+        so = {so}
+    else:
+        mo = so = None
+    if out is None:
+        res = _empty_like(input, subok=False)
+{call_into('res')}
+        return (res, mo, so) if return_stats else res
+{_gen_out(params, ns, call_into, info.output, '(out, mo, so) if return_stats else out')}"""
+    fn = _compile_source(src, ns, "mean_variance_normalization", desc)
+    fn.__doc__ = ("op(input, scale=None, bias=None, *, out=None, return_stats=False): a compiled "
+                  "mean-variance normalization.")
+    return fn
+
+
+def compile(desc: Any) -> Any:  # noqa: A001 - the public name is simdnorm.compile
+    """Validate and plan ``desc`` once; return an operator that only checks its arrays match.
+
+    ``BatchNormalizationDesc`` -> ``op(input, mean, variance, scale=None, bias=None, *, out=None)``;
+    ``MeanVarianceNormalizationDesc`` -> ``op(input, scale=None, bias=None, *, out=None,
+    return_stats=False)``. The operator is a plain function (one Python frame per call) with the
+    descriptor as ``op.desc``. Arrays must match the descriptors' dtypes and sizes (and strides,
+    where a descriptor gives them); the input and out may otherwise have any strides.
+    Raises DescriptorError (a ValueError) for an invalid descriptor.
+    """
+    if isinstance(desc, BatchNormalizationDesc):
+        return _compile_bn(desc)
+    if isinstance(desc, MeanVarianceNormalizationDesc):
+        return _compile_mvn(desc)
+    raise TypeError(
+        "compile: expected a BatchNormalizationDesc or a MeanVarianceNormalizationDesc, "
+        f"got {type(desc).__name__}"
+    )

@@ -1,0 +1,516 @@
+"""DirectML-style descriptors and THE validator.
+
+Every rule of the seeds' "Tensor constraints" and "Tensor support" tables, as extended by SPEC.md:
+
+* every tensor has 1 to 8 dims, sizes >= 0, strides (in elements; 0 broadcasts, negative allowed)
+  one per dim or None (packed);
+* input and output: the same sizes and the same dtype, one of float32, float16, bfloat16, float64
+  (DirectML: FLOAT32, FLOAT16; SPEC adds bfloat16 and float64), native byte order;
+* parameters: the input's dtype or float32 (DirectML requires the same DataType; SPEC allows
+  float32 parameters for mixed precision, as oneDNN's T2); batch-norm parameters have the input's
+  DimensionCount with each dim the input's or 1 (DirectML feature level 4.0), or are 1-D of length
+  C (oneDNN BatchNormInference); MVN scale and bias broadcast to the input by numpy's rules without
+  enlarging it (DirectML's "any dim may be 1", plus fewer leading dims); scale and bias are optional
+  independently (DirectML requires them together; SPEC is a superset);
+* epsilon finite and >= 0; axes non-empty, in range, unique; epsilon_mode "inside" or "outside".
+
+The functional API builds these descriptors from arrays (on a plan-cache miss) and goes through the
+same ``_validated()`` methods, so there is one validator.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+
+import ml_dtypes
+import numpy as np
+
+from ._activation import Activation, ActivationLike, resolve as _resolve_activation
+
+try:  # numpy >= 1.25
+    from numpy.exceptions import AxisError
+except ImportError:  # pragma: no cover
+    from numpy import AxisError  # type: ignore[attr-defined,no-redef]
+
+__all__ = [
+    "DescriptorError",
+    "TensorDesc",
+    "BatchNormalizationDesc",
+    "MeanVarianceNormalizationDesc",
+    "MAX_DIMS",
+]
+
+MAX_DIMS = 8
+
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+F64 = np.dtype(np.float64)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SUPPORTED_DTYPES = (F32, F16, BF16, F64)
+_ACCEPTED = "float32, float16, bfloat16 (ml_dtypes.bfloat16), float64, in native byte order"
+
+
+class DescriptorError(ValueError):
+    """A descriptor (or the arrays of a call) breaks a rule; the message names the field and the rule."""
+
+
+class _DescriptorTypeError(DescriptorError, TypeError):
+    """A dtype or type rule: both a DescriptorError (ValueError) and a TypeError."""
+
+
+class _DescriptorAxisError(DescriptorError, AxisError):
+    """An axis out of range: both a DescriptorError and numpy's AxisError (ValueError, IndexError)."""
+
+    def __init__(self, msg: str) -> None:
+        AxisError.__init__(self, msg)
+
+
+def dtype_name(dt: Any) -> str:
+    if isinstance(dt, np.dtype):
+        if not dt.isnative:
+            return f"{dt.str} (non-native byte order)"
+        return str(dt)
+    return repr(dt)
+
+
+def stats_dtype(dt: np.dtype) -> np.dtype:
+    """The dtype of the statistics (and compute type): float64 for float64 data, else float32."""
+    return F64 if dt == F64 else F32
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _as_int_tuple(v: Any) -> Any:
+    """Normalize a sequence of ints to a tuple of Python ints; leave anything else for validate()."""
+    if v is None or isinstance(v, (str, bytes)):
+        return v
+    if isinstance(v, np.ndarray):
+        if v.ndim != 1:
+            return v
+        v = v.tolist()
+    try:
+        items = tuple(v)
+    except TypeError:
+        return v
+    return tuple(int(i) if _is_int(i) else i for i in items)
+
+
+def _shape_str(sizes: Sequence[int]) -> str:
+    return str(tuple(sizes))
+
+
+def _check_real(name: str, v: Any) -> float:
+    if not isinstance(v, (numbers.Real, np.floating, np.integer)) or isinstance(v, np.bool_):
+        raise _DescriptorTypeError(f"{name}: expected a real number, got {type(v).__name__}")
+    return float(v)
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_epsilon(v: Any, dt: Optional[np.dtype] = None) -> float:
+    """Finite and >= 0; for data computed in float32 (all but float64), representable there."""
+    eps = _check_real("epsilon", v)
+    if not (math.isfinite(eps) and eps >= 0.0):
+        raise DescriptorError(f"epsilon: {v!r} is not allowed; epsilon must be finite and >= 0")
+    if eps > _F32_MAX and dt is not None and dt != F64:
+        raise DescriptorError(
+            f"epsilon: {v!r} overflows float32, the compute type of {dtype_name(dt)} data; "
+            "epsilon must be finite in float32"
+        )
+    return eps
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """A tensor's element type, sizes and strides (in elements; None = packed, 0 = broadcast).
+
+    ``TensorDesc(np.float32, (2, 16, 8, 8))``. Construction only normalizes (sizes and strides to
+    tuples of ints, dtype through ``np.dtype``); :meth:`validate` checks the rules.
+    """
+
+    dtype: Any
+    sizes: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self) -> None:
+        dt = self.dtype
+        if dt is not None and not isinstance(dt, np.dtype):
+            try:
+                dt = np.dtype(dt)
+            except (TypeError, ValueError):
+                pass  # reported by validate()
+        object.__setattr__(self, "dtype", dt)
+        object.__setattr__(self, "sizes", _as_int_tuple(self.sizes))
+        object.__setattr__(self, "strides", _as_int_tuple(self.strides))
+
+    @classmethod
+    def from_array(cls, array: np.ndarray, *, strides: bool = False) -> "TensorDesc":
+        """The descriptor of an array; with ``strides=True`` its strides too (in elements)."""
+        a = np.asarray(array) if not isinstance(array, np.ndarray) else array
+        st = None
+        if strides:
+            isz = a.dtype.itemsize
+            if any(s % isz for s in a.strides):
+                raise DescriptorError(
+                    f"strides: {a.strides} bytes are not multiples of the item size {isz}; "
+                    "a TensorDesc counts strides in elements"
+                )
+            st = tuple(s // isz for s in a.strides)
+        return cls(a.dtype, a.shape, st)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    def byte_strides(self) -> Optional[Tuple[int, ...]]:
+        if self.strides is None:
+            return None
+        isz = self.dtype.itemsize
+        return tuple(s * isz for s in self.strides)
+
+    def validate(self, name: str = "tensor") -> None:
+        """Check the rules every tensor follows (any dtype of the four); raise DescriptorError."""
+        self._check(name, "data")
+
+    def _check(self, name: str, role: str) -> None:
+        """role: 'data' (input/output: one of the four dtypes) or 'param' (dtype checked by the op)."""
+        dt = self.dtype
+        if not isinstance(dt, np.dtype):
+            raise _DescriptorTypeError(f"{name}.dtype: {dt!r} is not a numpy dtype; accepted: {_ACCEPTED}")
+        if role == "data" and dt not in SUPPORTED_DTYPES:
+            raise _DescriptorTypeError(f"{name}: dtype {dtype_name(dt)} is not supported; accepted: {_ACCEPTED}")
+        sizes = self.sizes
+        if not isinstance(sizes, tuple):
+            raise _DescriptorTypeError(
+                f"{name}.sizes: expected a sequence of ints, got {type(sizes).__name__}"
+            )
+        nd = len(sizes)
+        if not 1 <= nd <= MAX_DIMS:
+            raise DescriptorError(
+                f"{name}: {nd} dimensions (shape {_shape_str(sizes)}); tensors must have 1 to {MAX_DIMS} dimensions"
+            )
+        for i, s in enumerate(sizes):
+            if not _is_int(s):
+                raise _DescriptorTypeError(f"{name}.sizes[{i}]: expected an int, got {type(s).__name__}")
+            if s < 0:
+                raise DescriptorError(f"{name}.sizes[{i}]: {s} is negative; sizes must be >= 0")
+        st = self.strides
+        if st is None:
+            return
+        if not isinstance(st, tuple):
+            raise _DescriptorTypeError(
+                f"{name}.strides: expected None (packed) or a sequence of ints, got {type(st).__name__}"
+            )
+        if len(st) != nd:
+            raise DescriptorError(
+                f"{name}.strides: {len(st)} strides for {nd} sizes; give one stride per dim, or None (packed)"
+            )
+        for i, s in enumerate(st):
+            if not _is_int(s):
+                raise _DescriptorTypeError(f"{name}.strides[{i}]: expected an int, got {type(s).__name__}")
+
+
+def _require_desc(name: str, v: Any, optional: bool) -> None:
+    if v is None and optional:
+        return
+    if not isinstance(v, TensorDesc):
+        what = "None or a TensorDesc" if optional else "a TensorDesc"
+        raise _DescriptorTypeError(f"{name}: expected {what}, got {type(v).__name__}")
+
+
+def _check_output(out: TensorDesc, x: TensorDesc) -> None:
+    out._check("output", "data")
+    if out.dtype != x.dtype:
+        raise _DescriptorTypeError(
+            f"output: dtype {dtype_name(out.dtype)} differs from the input's {dtype_name(x.dtype)}; "
+            "the output must have the input's dtype"
+        )
+    if out.sizes != x.sizes:
+        raise DescriptorError(
+            f"output: sizes {_shape_str(out.sizes)} differ from the input's {_shape_str(x.sizes)}; "
+            "the output must have the input's sizes"
+        )
+    if out.strides is not None:
+        for i, (n, s) in enumerate(zip(out.sizes, out.strides)):
+            if s == 0 and n > 1:
+                raise DescriptorError(
+                    f"output.strides[{i}]: 0 on a dim of size {n}; the output cannot broadcast "
+                    "(its elements would overlap)"
+                )
+
+
+def _check_param_dtype(name: str, p: TensorDesc, x: TensorDesc) -> None:
+    if p.dtype != x.dtype and p.dtype != F32:
+        raise _DescriptorTypeError(
+            f"{name}: dtype {dtype_name(p.dtype)} is not accepted with a {dtype_name(x.dtype)} input; "
+            f"a parameter's dtype must be the input's ({dtype_name(x.dtype)}) or float32"
+        )
+
+
+def normalize_axis(name: str, axis: Any, ndim: int) -> int:
+    if not _is_int(axis):
+        raise _DescriptorTypeError(f"{name}: expected an int, got {type(axis).__name__}")
+    a = int(axis)
+    if not -ndim <= a < ndim:
+        raise _DescriptorAxisError(
+            f"{name}: axis {a} is out of range for an input of {ndim} dims (valid: {-ndim} to {ndim - 1})"
+        )
+    return a + ndim if a < 0 else a
+
+
+def normalize_axes(axes: Any, ndim: int) -> Tuple[int, ...]:
+    """SPEC section 3: an int or a non-empty sequence of ints; in range; unique. -> sorted tuple."""
+    if _is_int(axes):
+        return (normalize_axis("axes", axes, ndim),)
+    if isinstance(axes, (bool, np.bool_, str, bytes)) or not hasattr(axes, "__iter__"):
+        raise _DescriptorTypeError(f"axes: expected an int or a sequence of ints, got {type(axes).__name__}")
+    if isinstance(axes, np.ndarray) and axes.ndim != 1:
+        raise _DescriptorTypeError(f"axes: expected an int or a 1-D sequence of ints, got a {axes.ndim}-D array")
+    items = list(axes)
+    if not items:
+        raise DescriptorError("axes: empty; give at least one axis to normalize over")
+    seen = {}
+    for a in items:
+        if not _is_int(a):
+            raise _DescriptorTypeError(f"axes: expected ints, got {type(a).__name__} ({a!r})")
+        n = normalize_axis("axes", a, ndim)
+        if n in seen:
+            raise DescriptorError(
+                f"axes: axis {n} appears twice (as {seen[n]} and {int(a)}); each axis may appear once"
+            )
+        seen[n] = int(a)
+    return tuple(sorted(seen))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validated representations (what the planner consumes)
+
+class BNInfo(NamedTuple):
+    input: TensorDesc
+    output: TensorDesc
+    # Per parameter (mean, variance, scale, bias): None (absent) or (desc, channel_axis or None):
+    # channel_axis is set when the parameter is 1-D of length C and must be viewed with C at that axis.
+    params: Tuple[Optional[Tuple[TensorDesc, Optional[int]]], ...]
+    epsilon: float
+    activation: Optional[Activation]
+
+
+class MVNInfo(NamedTuple):
+    input: TensorDesc
+    output: TensorDesc
+    axes: Tuple[int, ...]
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    normalize_mean: bool
+    normalize_variance: bool
+    epsilon: float
+    epsilon_outside: bool
+    activation: Optional[Activation]
+
+
+BN_PARAM_NAMES = ("mean", "variance", "scale", "bias")
+
+
+def _check_bool(name: str, v: Any) -> bool:
+    if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
+        return bool(v)
+    raise _DescriptorTypeError(f"{name}: expected a bool, got {type(v).__name__} ({v!r})")
+
+
+def _check_activation(v: Any) -> Optional[Activation]:
+    try:
+        return _resolve_activation(v)
+    except TypeError as e:
+        raise _DescriptorTypeError(str(e)) from None
+    except ValueError as e:
+        raise DescriptorError(str(e)) from None
+
+
+def bn_param_rule(name: str, p: Tuple[int, ...], x: Tuple[int, ...], ca: Optional[int]) -> Optional[int]:
+    """SPEC section 2's two shape rules. Returns None (same rank) or the channel axis (1-D of C)."""
+    nd = len(x)
+    if len(p) == nd and all(ps == xs or ps == 1 for ps, xs in zip(p, x)):
+        return None
+    if nd > 1 and ca is not None and len(p) == 1 and p[0] == x[ca]:
+        return ca
+    if nd == 1:
+        raise DescriptorError(
+            f"{name}: shape {_shape_str(p)} does not fit the input's shape {_shape_str(x)}: with a 1-D input "
+            f"a parameter must be 1-D of length {x[0]} or 1"
+        )
+    raise DescriptorError(
+        f"{name}: shape {_shape_str(p)} does not fit the input's shape {_shape_str(x)}: a parameter must either "
+        f"have the input's {nd} dims, each equal to the input's or 1 (broadcast), or be 1-D of length "
+        f"C = input.shape[channel_axis] = {x[ca]} (channel_axis={ca})"
+    )
+
+
+def mvn_param_rule(name: str, p: Tuple[int, ...], x: Tuple[int, ...]) -> None:
+    nd = len(x)
+    if len(p) <= nd and all(ps == xs or ps == 1 for ps, xs in zip(p, x[nd - len(p):])):
+        return
+    raise DescriptorError(
+        f"{name}: shape {_shape_str(p)} does not broadcast to the input's shape {_shape_str(x)} without "
+        f"enlarging it: it needs at most the input's {nd} dims, aligned to the right as in numpy "
+        "broadcasting, each equal to the input's or 1"
+    )
+
+
+@dataclass(frozen=True)
+class BatchNormalizationDesc:
+    """DML_BATCH_NORMALIZATION_OPERATOR_DESC (+ oneDNN BatchNormInference's 1-D parameters).
+
+    ``output`` defaults to the input's descriptor. ``spatial`` is accepted for compatibility and has
+    no effect (deprecated in DirectML feature level 4.0).
+    """
+
+    input: TensorDesc
+    mean: TensorDesc
+    variance: TensorDesc
+    scale: Optional[TensorDesc] = None
+    bias: Optional[TensorDesc] = None
+    output: Optional[TensorDesc] = None
+    epsilon: float = 1e-5
+    activation: ActivationLike = None
+    channel_axis: int = 1
+    spatial: bool = True
+
+    def __init__(self, input: TensorDesc, mean: TensorDesc, variance: TensorDesc,
+                 scale: Optional[TensorDesc] = None, bias: Optional[TensorDesc] = None,
+                 output: Optional[TensorDesc] = None, *, epsilon: float = 1e-5,
+                 activation: ActivationLike = None, channel_axis: int = 1, spatial: bool = True) -> None:
+        s = object.__setattr__
+        s(self, "input", input)
+        s(self, "mean", mean)
+        s(self, "variance", variance)
+        s(self, "scale", scale)
+        s(self, "bias", bias)
+        s(self, "output", input if output is None else output)
+        s(self, "epsilon", epsilon)
+        s(self, "activation", activation)
+        s(self, "channel_axis", channel_axis)
+        s(self, "spatial", spatial)
+
+    def validate(self) -> None:
+        """Raise DescriptorError (naming the field and the rule) unless every rule holds."""
+        self._validated()
+
+    def _validated(self) -> BNInfo:
+        info = self.__dict__.get("_info")
+        if info is None:
+            info = _validate_bn(self)
+            object.__setattr__(self, "_info", info)
+        return info
+
+
+def _validate_bn(d: BatchNormalizationDesc) -> BNInfo:
+    _require_desc("input", d.input, False)
+    x = d.input
+    x._check("input", "data")
+    _require_desc("output", d.output, False)
+    _check_output(d.output, x)
+    nd = x.ndim
+    ca = d.channel_axis
+    if nd > 1:
+        ca = normalize_axis("channel_axis", ca, nd)
+    elif not _is_int(ca):
+        raise _DescriptorTypeError(f"channel_axis: expected an int, got {type(ca).__name__}")
+    else:
+        ca = None
+    params = []
+    for name in BN_PARAM_NAMES:
+        p = getattr(d, name)
+        _require_desc(name, p, name in ("scale", "bias"))
+        if p is None:
+            params.append(None)
+            continue
+        p._check(name, "param")
+        _check_param_dtype(name, p, x)
+        params.append((p, bn_param_rule(name, p.sizes, x.sizes, ca)))
+    eps = check_epsilon(d.epsilon, x.dtype)
+    act = _check_activation(d.activation)
+    _check_bool("spatial", d.spatial)
+    return BNInfo(x, d.output, tuple(params), eps, act)
+
+
+@dataclass(frozen=True)
+class MeanVarianceNormalizationDesc:
+    """DML_MEAN_VARIANCE_NORMALIZATION1_OPERATOR_DESC + MVN2's ``normalize_mean`` + ONNX's epsilon mode.
+
+    ``axes``: an int or a non-empty sequence of ints (negative allowed). ``output`` defaults to the
+    input's descriptor. DirectML's older ``CrossChannel`` maps to axes (1, 2, 3) (TRUE) / (2, 3) (FALSE).
+    """
+
+    input: TensorDesc
+    axes: Union[int, Tuple[int, ...]]
+    scale: Optional[TensorDesc] = None
+    bias: Optional[TensorDesc] = None
+    output: Optional[TensorDesc] = None
+    normalize_mean: bool = True
+    normalize_variance: bool = True
+    epsilon: float = 1e-5
+    epsilon_mode: str = "inside"
+    activation: ActivationLike = None
+
+    def __init__(self, input: TensorDesc, axes: Union[int, Sequence[int]], scale: Optional[TensorDesc] = None,
+                 bias: Optional[TensorDesc] = None, output: Optional[TensorDesc] = None, *,
+                 normalize_mean: bool = True, normalize_variance: bool = True, epsilon: float = 1e-5,
+                 epsilon_mode: str = "inside", activation: ActivationLike = None) -> None:
+        s = object.__setattr__
+        s(self, "input", input)
+        s(self, "axes", axes if _is_int(axes) else _as_int_tuple(axes))
+        s(self, "scale", scale)
+        s(self, "bias", bias)
+        s(self, "output", input if output is None else output)
+        s(self, "normalize_mean", normalize_mean)
+        s(self, "normalize_variance", normalize_variance)
+        s(self, "epsilon", epsilon)
+        s(self, "epsilon_mode", epsilon_mode)
+        s(self, "activation", activation)
+
+    def validate(self) -> None:
+        """Raise DescriptorError (naming the field and the rule) unless every rule holds."""
+        self._validated()
+
+    def _validated(self) -> MVNInfo:
+        info = self.__dict__.get("_info")
+        if info is None:
+            info = _validate_mvn(self)
+            object.__setattr__(self, "_info", info)
+        return info
+
+
+def check_epsilon_mode(v: Any) -> bool:
+    if isinstance(v, str) and v in ("inside", "outside"):
+        return v == "outside"
+    raise DescriptorError(
+        f"epsilon_mode: {v!r} is not valid; use 'inside' (sqrt(variance + epsilon)) or "
+        "'outside' (sqrt(variance) + epsilon)"
+    )
+
+
+def _validate_mvn(d: MeanVarianceNormalizationDesc) -> MVNInfo:
+    _require_desc("input", d.input, False)
+    x = d.input
+    x._check("input", "data")
+    _require_desc("output", d.output, False)
+    _check_output(d.output, x)
+    axes = normalize_axes(d.axes, x.ndim)
+    for name in ("scale", "bias"):
+        p = getattr(d, name)
+        _require_desc(name, p, True)
+        if p is not None:
+            p._check(name, "param")
+            _check_param_dtype(name, p, x)
+            mvn_param_rule(name, p.sizes, x.sizes)
+    nm = _check_bool("normalize_mean", d.normalize_mean)
+    nv = _check_bool("normalize_variance", d.normalize_variance)
+    eps = check_epsilon(d.epsilon, x.dtype)
+    eo = check_epsilon_mode(d.epsilon_mode)
+    act = _check_activation(d.activation)
+    return MVNInfo(x, d.output, axes, d.scale, d.bias, nm, nv, eps, eo, act)

@@ -1,0 +1,191 @@
+"""Runtime controls (SPEC section 8): threads, instruction set, environment, threadpoolctl.
+
+At import: the thread count from ``SIMDNORM_NUM_THREADS``, else ``OMP_NUM_THREADS``, else the CPUs
+available to the process; the instruction set from ``SIMDNORM_ISA`` (a bad value warns, naming the
+valid ones, and the best available ISA stays). The C++ extension reads no environment variable.
+"""
+from __future__ import annotations
+
+import operator
+import os
+import warnings
+from typing import List, Optional
+
+from . import _core
+
+__all__ = ["set_num_threads", "get_num_threads", "isa", "available_isas", "set_isa"]
+
+#: Every instruction-set name the package knows (those this CPU runs: ``available_isas()``).
+KNOWN_ISAS = ("avx512", "avx2", "baseline")
+
+#: The most threads set_num_threads accepts (the pool starts that many OS threads).
+MAX_THREADS = 1 << 16
+
+
+def get_num_threads() -> int:
+    """The number of threads simdnorm's kernels use (small inputs stay on one thread)."""
+    return _core.get_num_threads()
+
+
+def _check_threads(n: object, name: str = "n") -> int:
+    if isinstance(n, bool):
+        raise TypeError(f"set_num_threads: {name} must be an int >= 1, got bool")
+    try:
+        v = operator.index(n)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"set_num_threads: {name} must be an int >= 1, got {type(n).__name__}") from None
+    if v < 1:
+        raise ValueError(f"set_num_threads: {name} must be >= 1, got {v}")
+    if v > MAX_THREADS:
+        raise ValueError(f"set_num_threads: {name} must be <= {MAX_THREADS}, got {v}")
+    return v
+
+
+def set_num_threads(n: int) -> int:
+    """Use ``n`` threads (1 to MAX_THREADS); return the previous number. ``ValueError`` for n < 1
+    (or above MAX_THREADS), ``TypeError`` for a non-integer. Results are bitwise identical for any
+    number of threads."""
+    return _core.set_num_threads(_check_threads(n))
+
+
+def isa() -> str:
+    """The active instruction set: one of :func:`available_isas`."""
+    return _core.isa()
+
+
+def available_isas() -> List[str]:
+    """The instruction sets this CPU and OS run, best first (e.g. ``['avx512', 'avx2', 'baseline']``)."""
+    return list(_core.available_isas())
+
+
+def _valid_names() -> str:
+    avail = available_isas()
+    others = [n for n in KNOWN_ISAS if n not in avail]
+    msg = "available on this CPU: " + ", ".join(avail)
+    if others:
+        msg += "; known but not available here: " + ", ".join(others)
+    return msg
+
+
+def set_isa(name: str) -> str:
+    """Force the instruction set ``name`` (one of :func:`available_isas`); return the previous one.
+    ``ValueError`` for an unknown or unavailable name."""
+    if not isinstance(name, str):
+        raise TypeError(f"set_isa: name must be a str, got {type(name).__name__}; {_valid_names()}")
+    key = name.strip().lower()
+    if key not in available_isas():
+        what = "not available on this CPU" if key in KNOWN_ISAS else "unknown"
+        raise ValueError(f"set_isa: {name!r} is {what}; {_valid_names()}")
+    previous = _core.isa()
+    _core.set_isa(key)
+    return previous
+
+
+# ----------------------------------------------------------------------------------------------------
+# environment, read once at import
+
+def _env_threads(var: str, strict: bool) -> Optional[int]:
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return None
+    text = raw.strip()
+    if not strict:
+        text = text.split(",")[0].strip()  # OMP_NUM_THREADS may list nested levels: "4,2"
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= MAX_THREADS:
+        if strict:
+            warnings.warn(
+                f"{var}={raw!r} is not a positive integer <= {MAX_THREADS}; ignoring it", RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+    return v
+
+
+def default_num_threads() -> int:
+    """SIMDNORM_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs available to this process."""
+    for var, strict in (("SIMDNORM_NUM_THREADS", True), ("OMP_NUM_THREADS", False)):
+        v = _env_threads(var, strict)
+        if v is not None:
+            return v
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def apply_isa_env() -> None:
+    raw = os.environ.get("SIMDNORM_ISA")
+    if raw is None or not raw.strip():
+        return
+    key = raw.strip().lower()
+    if key in available_isas():
+        _core.set_isa(key)
+        return
+    best = available_isas()[0]
+    _core.set_isa(best)
+    warnings.warn(
+        f"SIMDNORM_ISA={raw!r} is not valid on this machine; valid values: {', '.join(available_isas())} "
+        f"(known: {', '.join(KNOWN_ISAS)}); using the best available, {best!r}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def init() -> None:
+    _core.set_num_threads(min(default_num_threads(), MAX_THREADS))
+    apply_isa_env()
+    register_threadpoolctl()
+
+
+# ----------------------------------------------------------------------------------------------------
+# threadpoolctl
+
+_REGISTERED = False
+
+
+def register_threadpoolctl() -> None:
+    """Make ``threadpoolctl.threadpool_info()`` list simdnorm and ``threadpool_limits`` limit it.
+
+    threadpoolctl finds controllers by scanning the loaded shared libraries for a filename starting
+    with a registered prefix: ours is the extension ``_core.<abi tag>.so``. Another package's
+    ``_core`` extension would match the prefix too: such an entry reports no thread count and
+    ignores limits, since only the file of this package's extension is delegated to."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    try:
+        import threadpoolctl
+    except ImportError:  # pragma: no cover - a declared dependency, but optional at run time
+        return
+    if not hasattr(threadpoolctl, "register") or not hasattr(threadpoolctl, "LibController"):
+        return  # pragma: no cover - threadpoolctl < 3.5
+
+    core_file = getattr(_core, "__file__", None)
+    ours = os.path.realpath(core_file) if core_file else None
+
+    class SimdnormController(threadpoolctl.LibController):
+        user_api = "simdnorm"
+        internal_api = "simdnorm"
+        filename_prefixes = ("_core",)
+        check_symbols = ("PyInit__core",)
+
+        def _is_ours(self) -> bool:
+            return ours is not None and os.path.realpath(self.filepath) == ours
+
+        def get_num_threads(self):
+            return _core.get_num_threads() if self._is_ours() else None
+
+        def set_num_threads(self, num_threads):
+            if self._is_ours():
+                return _core.set_num_threads(_check_threads(num_threads, "num_threads"))
+            return None
+
+        def get_version(self):
+            return getattr(_core, "__version__", None) if self._is_ours() else None
+
+    threadpoolctl.register(SimdnormController)
+    _REGISTERED = True

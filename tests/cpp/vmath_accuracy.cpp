@@ -1,0 +1,335 @@
+// Accuracy harness for cpp/simd/vmath.h and cpp/kernels/activations.h (standalone: not part of the
+// Python build). Includes the headers exactly as a kernel unit does (cpp/kernels/isa_unit.cpp) and
+// compares every function and activation (float lanes) against a float64 <cmath> reference, over a
+// sweep of float32 bit patterns plus dense windows around every edge (overflow/underflow thresholds,
+// algorithm switch points, +-0, +-inf, NaNs). Reports, per function: max error in ulps of the float
+// result (subnormal ulp 2^-149; inf counts as 2^128), max absolute error where |result| <= 1, max
+// relative error over normal results, the fraction of results off by more than 1 ulp, and the number
+// of NaN/inf mismatches. Also checks the float64 (V = double) path.
+//
+// Build and run, from the repository root (one binary per ISA):
+//   g++ -O2 -std=c++17 -pthread -I cpp/include -I cpp -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_avx512 && /tmp/vmacc_avx512
+//   g++ -O2 -std=c++17 -pthread -I cpp/include -I cpp -mavx2 -mfma -mf16c tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_avx2 && /tmp/vmacc_avx2
+//   g++ -O2 -std=c++17 -pthread -I cpp/include -I cpp tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_baseline && /tmp/vmacc_baseline
+// Options: --math-stride N  sweep every N-th bit pattern for the vmath functions (default 97)
+//          --act-stride N   the same for the activations (default 997)
+//          --stride N       both; N = 1 is exhaustive (all 2^32 inputs; ~4 min per function on 2 cores)
+//          --threads T      (default: hardware threads)    --only NAME  (substring filter)
+// docs/ACCURACY.md was produced with --math-stride 1 --act-stride 61. The default run takes < 1 min.
+// Exit status 1 if any NaN/inf mismatch, any float64-path mismatch, or an error above its bound.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "simdnorm/types.h"
+
+namespace simdnorm {
+namespace acc {
+namespace {
+#include "simd/vec.h"
+#include "simd/vmath.h"
+#include "kernels/activations.h"
+}  // namespace
+}  // namespace acc
+}  // namespace simdnorm
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace simdnorm;
+using acc::vf;
+using acc::kWidth;
+
+static float from_bits(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+static uint32_t to_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+static const double kInf = std::numeric_limits<double>::infinity();
+static const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// ------------------------------------------------------------------------------------------------
+// Error measures
+struct Stats {
+  double max_ulp = 0, max_abs = 0, max_rel = 0;
+  float at_ulp = 0, at_abs = 0, at_rel = 0;
+  uint64_t n = 0, nan_bad = 0, inf_bad = 0, over1ulp = 0;
+  float at_bad = 0;
+  void merge(const Stats& o) {
+    if (o.max_ulp > max_ulp) { max_ulp = o.max_ulp; at_ulp = o.at_ulp; }
+    if (o.max_abs > max_abs) { max_abs = o.max_abs; at_abs = o.at_abs; }
+    if (o.max_rel > max_rel) { max_rel = o.max_rel; at_rel = o.at_rel; }
+    if (!nan_bad && !inf_bad && (o.nan_bad || o.inf_bad)) at_bad = o.at_bad;
+    n += o.n; nan_bad += o.nan_bad; inf_bad += o.inf_bad; over1ulp += o.over1ulp;
+  }
+  void add(float x, float got, double ref) {
+    ++n;
+    if (std::isnan(ref) || std::isnan(got)) {
+      if (std::isnan(ref) != std::isnan(got)) { if (!nan_bad && !inf_bad) at_bad = x; ++nan_bad; }
+      return;
+    }
+    const float rf = (float)ref;  // the correctly rounded result (double rounding is immaterial here)
+    if (std::isinf(ref) || std::isinf(got) || std::isinf(rf)) {
+      if (got == rf) return;
+      if (std::isinf(ref) || got == -rf) { if (!nan_bad && !inf_bad) at_bad = x; ++inf_bad; return; }
+    }
+    const double g = std::isinf(got) ? std::copysign(0x1p128, got) : (double)got;
+    int e;
+    std::frexp(ref, &e);
+    const int ex = std::min(std::max(e - 1, -126), 127);
+    const double err = std::fabs(g - ref);
+    const double ulp = err / std::ldexp(1.0, ex - 23);
+    if (ulp > max_ulp) { max_ulp = ulp; at_ulp = x; }
+    if (ulp > 1.0) ++over1ulp;
+    if (std::fabs(ref) <= 1.0 && err > max_abs) { max_abs = err; at_abs = x; }
+    if (std::fabs(ref) >= 0x1p-126 && !std::isinf(got)) {
+      const double rel = err / std::fabs(ref);
+      if (rel > max_rel) { max_rel = rel; at_rel = x; }
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Inputs: a strided sweep of all bit patterns, plus windows of consecutive patterns around edges.
+static const float kEdges[] = {
+    0.0f, 1.0f, 0x1p-126f, 0x1p-24f, 0.5f, 2.0f, 16.0f, 0x1p24f, 3.40282347e38f,
+    88.7228394f, 88.3762589f, 89.0f, 87.3365479f, 103.972084f, 103.278931f, 104.0f, 120.0f,  // exp
+    0.346573591f, 0.693147181f, 17.3286800f, 88.0f, 86.6433868f,                             // expm1
+    0.292893219f, 0.414213562f, 0.70710678f, 1.41421356f, 0.5f,                              // log1p
+    9.01091290f, 9.1f, 0.549306154f, 4.5f,                                                  // tanh
+    0.921875f, 3.9200000f, 3.83f, 4.0f, 10.3f, 10.0f,                                        // erf
+    0.707106769f, 1.30373204f, 14.1f, 14.5f, 5.5f,                                           // gelu
+    0.01f, 0.2f, 2.5f, 3.0f, 6.0f, 0.9f, 0.4f, 1.25f, 1.67326f, 0.66f,                       // params
+};
+static const uint32_t kWindow = 1u << 12;
+static const uint32_t kNaNs[] = {0x7f800001u, 0x7fc00000u, 0x7fffffffu, 0xffc00000u, 0xff800001u,
+                                 0x7fa00000u, 0xfff00000u};
+
+static void make_inputs(uint64_t stride, std::vector<uint32_t>& edges) {
+  for (float e : kEdges) {
+    for (float s : {e, -e}) {
+      const uint32_t b = to_bits(s);
+      for (uint32_t d = 0; d < 2 * kWindow; ++d) edges.push_back(b - kWindow + d);
+    }
+  }
+  for (uint32_t b = 0x7f800000u - kWindow; b <= 0x7f800000u; ++b) { edges.push_back(b); edges.push_back(b | 0x80000000u); }
+  for (uint32_t b : kNaNs) edges.push_back(b);
+  (void)stride;
+}
+
+// Runs f (vf -> vf) over the sweep (every stride-th pattern) and the edge list, comparing with ref.
+static Stats run(vf (*f)(vf, const void*), const void* ctx,
+                 double (*ref)(double, const void*), uint64_t stride, int threads,
+                 const std::vector<uint32_t>& edges) {
+  std::vector<Stats> part(threads);
+  const uint64_t total = (1ull << 32) / stride + 1;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      Stats st;
+      auto do_block = [&](const uint32_t* bits, int cnt) {
+        alignas(64) float in[kWidth] = {}, out[kWidth];
+        for (int j = 0; j < cnt; ++j) in[j] = from_bits(bits[j]);
+        vf v;
+        std::memcpy(&v, in, sizeof v);
+        const vf r = f(v, ctx);
+        std::memcpy(out, &r, sizeof r);
+        for (int j = 0; j < cnt; ++j) st.add(in[j], out[j], ref((double)in[j], ctx));
+      };
+      const uint64_t lo = total * t / threads, hi = total * (t + 1) / threads;
+      uint32_t bits[kWidth];
+      for (uint64_t i = lo; i < hi; i += kWidth) {
+        int cnt = 0;
+        for (uint64_t k = i; k < std::min(hi, i + kWidth); ++k) {
+          const uint64_t b = k * stride;
+          if (b > 0xffffffffull) break;
+          bits[cnt++] = (uint32_t)b;
+        }
+        if (cnt) do_block(bits, cnt);
+      }
+      const size_t elo = edges.size() * t / threads, ehi = edges.size() * (t + 1) / threads;
+      for (size_t i = elo; i < ehi; i += kWidth) do_block(&edges[i], (int)std::min<size_t>(kWidth, ehi - i));
+      part[t] = st;
+    });
+  }
+  for (auto& th : pool) th.join();
+  Stats all;
+  for (auto& p : part) all.merge(p);
+  return all;
+}
+
+// ------------------------------------------------------------------------------------------------
+// References (float64) and the functions under test.
+static double r_sigmoid(double x) { return x >= 0 ? 1.0 / (1.0 + std::exp(-x)) : std::exp(x) / (1.0 + std::exp(x)); }
+static double r_softplus(double z) { return (z > 0 ? z : 0.0) + std::log1p(std::exp(-std::fabs(z))); }
+
+static double ref_act(const Activation& a, double x) {
+  const double p0 = a.p0, p1 = a.p1;
+  if (std::isnan(x)) return kNaN;
+  switch (a.kind) {
+    case ActKind::identity: return x;
+    case ActKind::linear: return p0 * x + p1;
+    case ActKind::relu: return x > 0 ? x : 0.0;
+    case ActKind::leaky_relu: return x >= 0 ? x : p0 * x;
+    case ActKind::thresholded_relu: return x > p0 ? x : 0.0;
+    case ActKind::elu: return x >= 0 ? x : p0 * std::expm1(x);
+    case ActKind::celu: return std::max(0.0, x) + std::min(0.0, p0 * std::expm1(x / p0));
+    case ActKind::scaled_elu: return p1 * (x > 0 ? x : p0 * std::expm1(x));
+    case ActKind::sigmoid: return r_sigmoid(x);
+    case ActKind::hard_sigmoid: return std::max(0.0, std::min(p0 * x + p1, 1.0));
+    case ActKind::tanh: return std::tanh(x);
+    case ActKind::scaled_tanh: return p0 * std::tanh(p1 * x);
+    case ActKind::softplus: return r_softplus(p0 * x) / p0;
+    case ActKind::parametric_softplus: return p0 * r_softplus(p1 * x);
+    case ActKind::softsign: return std::isinf(x) ? std::copysign(1.0, x) : x / (1.0 + std::fabs(x));
+    case ActKind::shrink: return x > p1 ? x - p0 : (x < -p1 ? x + p0 : 0.0);
+    case ActKind::gelu: return x == -kInf ? 0.0 : 0.5 * x * std::erfc(-x / std::sqrt(2.0));
+    case ActKind::clip: return std::min(std::max(x, p0), p1);
+    case ActKind::silu: return x == -kInf ? 0.0 : x * r_sigmoid(x);
+    case ActKind::hard_swish: return x == -kInf ? 0.0 : x * std::max(0.0, std::min(1.0, x / 6.0 + 0.5));
+  }
+  return kNaN;
+}
+
+struct MathFn {
+  const char* name;
+  vf (*f)(vf);
+  double (*ref)(double);
+  double bound;  // max ulp accepted (regression guard; docs/ACCURACY.md has the measured values)
+};
+static const MathFn kMath[] = {
+    {"exp", [](vf x) { return acc::vexp(x); }, [](double x) { return std::exp(x); }, 2.0},
+    {"expm1", [](vf x) { return acc::vexpm1(x); }, [](double x) { return std::expm1(x); }, 2.0},
+    {"log1p", [](vf x) { return acc::vlog1p(x); }, [](double x) { return std::log1p(x); }, 2.0},
+    {"tanh", [](vf x) { return acc::vtanh(x); }, [](double x) { return std::tanh(x); }, 3.0},
+    {"erf", [](vf x) { return acc::verf(x); }, [](double x) { return std::erf(x); }, 3.0},
+    {"erfc_tail(gelu)", [](vf x) { return acc::vgelu(x); },
+     [](double x) { return x == -kInf ? 0.0 : 0.5 * x * std::erfc(-x / std::sqrt(2.0)); }, 6.0},
+};
+
+struct ActCase {
+  const char* name;
+  Activation a;
+  double bound;  // max ulp accepted (0: must be exact; < 0: report only, the error is the parameters')
+};
+static Activation mk(ActKind k, double p0 = 0, double p1 = 0) { Activation a; a.kind = k; a.p0 = p0; a.p1 = p1; return a; }
+static const double kI = std::numeric_limits<double>::infinity();
+// DirectML defaults (SPEC §5), then the non-default set of tests/reference.py (NONDEFAULT_PARAMS).
+static const ActCase kActs[] = {
+    {"identity", mk(ActKind::identity), 0.0},
+    {"linear(1,0)", mk(ActKind::linear, 1.0, 0.0), 0.0},
+    {"linear(-1.75,0.625)", mk(ActKind::linear, -1.75, 0.625), -1},
+    {"relu", mk(ActKind::relu), 0.0},
+    {"leaky_relu(0.01)", mk(ActKind::leaky_relu, 0.01), 1.0},
+    {"leaky_relu(0.3)", mk(ActKind::leaky_relu, 0.3), 1.0},
+    {"thresholded_relu(1)", mk(ActKind::thresholded_relu, 1.0), 0.0},
+    {"thresholded_relu(-0.4)", mk(ActKind::thresholded_relu, -0.4), 0.0},
+    {"elu(1)", mk(ActKind::elu, 1.0), 2.0},
+    {"elu(0.55)", mk(ActKind::elu, 0.55), 3.0},
+    {"celu(1)", mk(ActKind::celu, 1.0), 3.0},
+    {"celu(2.5)", mk(ActKind::celu, 2.5), 4.0},
+    {"scaled_elu(1.67326,1.0507)", mk(ActKind::scaled_elu, 1.67326, 1.0507), 4.0},
+    {"scaled_elu(1.3,0.8)", mk(ActKind::scaled_elu, 1.3, 0.8), 4.0},
+    {"sigmoid", mk(ActKind::sigmoid), 3.0},
+    {"hard_sigmoid(0.2,0.5)", mk(ActKind::hard_sigmoid, 0.2, 0.5), -1},
+    {"hard_sigmoid(0.35,0.4)", mk(ActKind::hard_sigmoid, 0.35, 0.4), -1},
+    {"tanh", mk(ActKind::tanh), 3.0},
+    {"scaled_tanh(1,0.5)", mk(ActKind::scaled_tanh, 1.0, 0.5), 4.0},
+    {"scaled_tanh(1.7,0.66)", mk(ActKind::scaled_tanh, 1.7, 0.66), 4.0},
+    {"softplus(1)", mk(ActKind::softplus, 1.0), 4.0},
+    {"softplus(3)", mk(ActKind::softplus, 3.0), 3.0},
+    {"softplus(0.1)", mk(ActKind::softplus, 0.1), 6.0},  // max at results ~1e-38 (see ACCURACY.md)
+    {"parametric_softplus(1,1)", mk(ActKind::parametric_softplus, 1.0, 1.0), 4.0},
+    {"parametric_softplus(0.75,2)", mk(ActKind::parametric_softplus, 0.75, 2.0), 3.0},
+    {"softsign", mk(ActKind::softsign), 2.0},
+    {"shrink(0,0.5)", mk(ActKind::shrink, 0.0, 0.5), 0.0},
+    {"shrink(0.25,0.9)", mk(ActKind::shrink, 0.25, 0.9), 0.5},
+    {"gelu", mk(ActKind::gelu), 6.0},
+    {"clip(-inf,inf)", mk(ActKind::clip, -kI, kI), 0.0},
+    {"clip(-0.5,1.25)", mk(ActKind::clip, -0.5, 1.25), 0.0},
+    {"silu", mk(ActKind::silu), 4.0},
+    {"hard_swish", mk(ActKind::hard_swish), 3.0},
+};
+
+template <class V>
+static V apply(const Activation& a, V x) {
+  V out{};
+  acc::visit_activation<V>(a, [&](const auto& fn) { out = fn(x); });
+  return out;
+}
+
+// float64 path: the same functors on V = double against the same reference; NaN/inf mismatches and
+// differences beyond 1e-12 of max(|ref|, |x| * |params|) (both sides round in double) count.
+static uint64_t check_double(const Activation& a, uint64_t stride, const std::vector<uint32_t>& edges) {
+  uint64_t bad = 0;
+  auto one = [&](double x) {
+    const double got = apply<double>(a, x), ref = ref_act(a, x);
+    const double scale = std::fabs(ref) + std::fabs(x) * std::max({1.0, std::fabs(a.p0), std::fabs(a.p1)});
+    const bool ok = (std::isnan(got) && std::isnan(ref)) || got == ref ||
+                    (std::isfinite(got) && std::fabs(got - ref) <= 1e-12 * scale + 1e-300);
+    if (!ok && bad++ < 3) std::printf("    float64 mismatch at %a: got %a ref %a\n", x, got, ref);
+  };
+  for (uint64_t b = 0; b <= 0xffffffffull; b += stride * 64) one((double)from_bits((uint32_t)b));
+  for (uint32_t b : edges) one((double)from_bits(b));
+  for (double x : {kInf, -kInf, 1e300, -1e300, 1e-310, -1e-310}) one(x);
+  return bad;
+}
+
+static void print_row(const char* name, const Stats& s, double bound, bool& fail) {
+  const bool over = bound >= 0 && s.max_ulp > bound;
+  const bool bad = s.nan_bad || s.inf_bad;
+  std::printf("%-28s %8.3f @ %-15a %9.3g @ %-15a %9.3g @ %-15a %6.2e %s%s\n", name, s.max_ulp,
+              (double)s.at_ulp, s.max_abs, (double)s.at_abs, s.max_rel, (double)s.at_rel,
+              s.n ? (double)s.over1ulp / (double)s.n : 0.0, bad ? "NaN/INF MISMATCH " : "",
+              over ? "ABOVE BOUND" : "");
+  if (bad) std::printf("    nan mismatches %llu, inf mismatches %llu, first at %a\n",
+                       (unsigned long long)s.nan_bad, (unsigned long long)s.inf_bad, (double)s.at_bad);
+  fail |= bad || over;
+}
+
+int main(int argc, char** argv) {
+  uint64_t stride_math = 97, stride_act = 997;
+  int threads = (int)std::max(1u, std::thread::hardware_concurrency());
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--stride" && i + 1 < argc) stride_math = stride_act = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--math-stride" && i + 1 < argc) stride_math = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--act-stride" && i + 1 < argc) stride_act = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--threads" && i + 1 < argc) threads = std::atoi(argv[++i]);
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else { std::fprintf(stderr, "usage: %s [--stride N] [--math-stride N] [--act-stride N] [--threads T] [--only NAME]\n", argv[0]); return 2; }
+  }
+  if (stride_math < 1 || stride_act < 1 || threads < 1) return 2;
+  std::vector<uint32_t> edges;
+  make_inputs(1, edges);
+  std::printf("ISA %s (%d float lanes), %d threads; sweep stride %llu (vmath) / %llu (activations), "
+              "plus %zu edge inputs\n", acc::kIsaName, kWidth, threads, (unsigned long long)stride_math,
+              (unsigned long long)stride_act, edges.size());
+  std::printf("%-28s %8s   %-15s %9s   %-15s %9s   %-15s %8s\n", "function", "max ulp", "at x",
+              "abs(|r|<=1)", "at x", "max rel", "at x", ">1ulp");
+  bool fail = false;
+  for (const MathFn& m : kMath) {
+    if (!only.empty() && std::string(m.name).find(only) == std::string::npos) continue;
+    const Stats s = run([](vf x, const void* c) { return ((const MathFn*)c)->f(x); }, &m,
+                        [](double x, const void* c) { return ((const MathFn*)c)->ref(x); },
+                        stride_math, threads, edges);
+    print_row(m.name, s, m.bound, fail);
+  }
+  for (const ActCase& c : kActs) {
+    if (!only.empty() && std::string(c.name).find(only) == std::string::npos) continue;
+    const Stats s = run([](vf x, const void* p) { return apply<vf>(((const ActCase*)p)->a, x); }, &c,
+                        [](double x, const void* p) { return ref_act(((const ActCase*)p)->a, x); },
+                        stride_act, threads, edges);
+    print_row(c.name, s, c.bound, fail);
+    const uint64_t bad64 = check_double(c.a, stride_act, edges);
+    if (bad64) { std::printf("    float64 path: %llu mismatches\n", (unsigned long long)bad64); fail = true; }
+  }
+  std::printf("%s\n", fail ? "FAIL" : "OK");
+  return fail ? 1 : 0;
+}

@@ -1,0 +1,216 @@
+"""Accuracy of the statistics (SPEC §3, DESIGN "Mean-variance normalization"): data with a large mean
+(|mean|/std from 1e2 to 1e4), constant groups, float32 values near 1e30, reductions of 10^6
+elements, and 1 vs 2 threads bitwise equal for every MVN strategy (rows, columns, large groups)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import simdnorm
+from cases import bits, channels_last_nhwc
+from reference import BF16, F16, F32, F64, check_mvn, check_stats, dtype_id, group_norm_ref, mvn_terms
+
+mvn = simdnorm.mean_variance_normalization
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def assert_abs_close(got, ref, tol, context=""):
+    g = np.asarray(got).astype(np.float64)
+    err = np.abs(g - ref)
+    bad = ~(err <= tol)
+    if bad.any():
+        i = np.unravel_index(np.argmax(np.where(np.isnan(err), np.inf, err)), err.shape)
+        raise AssertionError(f"{int(bad.sum())} of {g.size} off; worst at {i}: got {g[i]!r} ref {ref[i]!r} "
+                             f"(tolerance {tol:.3g}) {context}")
+
+
+# ----------------------------------------------------------------------------------------------
+# large mean: E[x^2] - E[x]^2 in float32 would be off by ~1e3 at mean 1e4, std 1
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ratio", [1e2, 1e3, 1e4])
+@pytest.mark.parametrize("strategy", ["rows", "columns", "all"])
+def test_large_mean_float32(rng, threads, ratio, strategy):
+    sign = -1.0 if ratio == 1e3 else 1.0
+    if strategy == "rows":
+        shape, axes = (16, 3000), (1,)
+    elif strategy == "columns":
+        shape, axes = (3000, 16), (0,)
+    else:
+        shape, axes = (4, 5, 700), (0, 1, 2)
+    x = (sign * ratio + rng.normal(0.0, 1.0, size=shape)).astype(np.float32)
+    ref_z, _, ref_mean, ref_inv = mvn_terms(x, axes)
+    for n in (1, 2):
+        threads(n)
+        y, m, inv = mvn(x, axes, return_stats=True)
+        # the normalized values: float32 x minus a mean accurate to an ulp or so of |mean|
+        assert_abs_close(y, ref_z, 1e-5 + 4e-7 * ratio, context=f"{strategy} ratio={ratio} threads={n}")
+        check_stats((m, inv), x, axes, ref_mean, ref_inv, inv_rtol=1e-5 + 4e-7 * ratio,
+                    context=f"{strategy} ratio={ratio}")
+        # the mean itself to a few ulp of |mean| (plus a little of the standard deviation)
+        assert_abs_close(m, ref_mean, 4 * EPS32 * ratio + 1e-5, context="mean")
+
+
+@pytest.mark.parametrize("ratio", [1e2, 1e4, 1e8])
+def test_large_mean_float64(rng, ratio):
+    x = ratio + rng.normal(0.0, 1.0, size=(8, 5000))
+    ref_z, _, ref_mean, ref_inv = mvn_terms(x, 1)
+    y, m, inv = mvn(x, 1, return_stats=True)
+    assert_abs_close(y, ref_z, 1e-11 + 1e-15 * ratio, context=f"ratio={ratio}")
+    np.testing.assert_allclose(inv, ref_inv, rtol=1e-10 + 1e-15 * ratio)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+def test_large_mean_half_inputs(rng, dtype):
+    # float16/bfloat16 data with mean 100, std 1 (as represented): statistics in float32
+    x = (100.0 + rng.normal(0.0, 1.0, size=(8, 4000))).astype(dtype)
+    y, m, inv = mvn(x, 1, return_stats=True)
+    check_mvn(y, x, 1, stats=(m, inv), stat_rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# constant groups: variance 0, finite output equal to bias (with epsilon > 0)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0.1, 3.7, -1234.5, 1e4])
+@pytest.mark.parametrize("n", [1, 7, 1000, 100003])
+def test_constant_rows(value, n):
+    x = np.full((3, n), value, dtype=np.float32)
+    scale = np.float32(1.5)
+    bias = np.array([[0.25], [-2.0], [7.0]], np.float32)
+    eps = 1e-5
+    y, m, inv = mvn(x, 1, np.full((1,), scale, np.float32), bias, epsilon=eps, return_stats=True)
+    assert np.isfinite(y).all()
+    # allowed: the mean off by at most 2 ulp of the value, amplified by scale / sqrt(eps)
+    tol = 2 * float(np.spacing(np.float32(abs(value)))) * float(scale) / np.sqrt(eps)
+    assert_abs_close(y, np.broadcast_to(bias.astype(np.float64), y.shape), tol, context=f"value={value} n={n}")
+    assert_abs_close(m, np.full((3, 1), float(np.float32(value))), 2 * float(np.spacing(np.float32(abs(value)))))
+    np.testing.assert_allclose(inv, 1.0 / np.sqrt(eps), rtol=1e-3)
+
+
+def test_constant_columns_and_outside_mode():
+    x = np.full((5000, 8), -3.3, np.float32)
+    y = mvn(x, 0, bias=np.arange(8, dtype=np.float32), epsilon=1e-3, epsilon_mode="outside")
+    assert np.isfinite(y).all()
+    assert_abs_close(y, np.broadcast_to(np.arange(8.0), y.shape), 2 * float(np.spacing(np.float32(3.3))) / 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# float32 values near 1e30: squares overflow float32
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["offset", "centered"])
+@pytest.mark.parametrize("axes", [(1,), (0,)], ids=str)
+def test_float32_near_1e30(rng, kind, axes):
+    if kind == "offset":
+        x = (1e30 * (1.0 + 0.1 * rng.normal(size=(40, 1000)))).astype(np.float32)
+    else:
+        x = (1e30 * rng.normal(size=(40, 1000))).astype(np.float32)
+    if axes == (0,):
+        x = np.ascontiguousarray(x.T)
+    ref_z, _, ref_mean, ref_inv = mvn_terms(x, axes)
+    y, m, inv = mvn(x, axes, return_stats=True)
+    assert np.isfinite(y).all() and np.isfinite(m).all() and (inv > 0).all()
+    assert_abs_close(y, ref_z, 1e-4, context=kind)
+    check_stats((m, inv), x, axes, ref_mean, ref_inv, stat_rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# reductions of 10^6 elements and thread-count independence
+# ----------------------------------------------------------------------------------------------
+
+
+def _both_thread_counts(threads, fn):
+    threads(1)
+    r1 = fn()
+    threads(2)
+    r2 = fn()
+    return r1, r2
+
+
+def _assert_bitwise(r1, r2, context):
+    for a, b in zip(r1, r2):
+        if a is None:
+            assert b is None
+            continue
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"1 vs 2 threads differ: {context}")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, F64], ids=dtype_id)
+def test_million_element_row(rng, threads, dtype):
+    # one group of 2^20 + 3 elements with mean 100: a few large groups split across threads
+    x = (100.0 + rng.normal(0.0, 1.0, size=(2, (1 << 20) + 3))).astype(dtype)
+    r1, r2 = _both_thread_counts(threads, lambda: mvn(x, 1, return_stats=True))
+    _assert_bitwise(r1, r2, f"row {dtype_id(dtype)}")
+    y, m, inv = r2
+    if dtype == F64:
+        ref_z, _, ref_mean, ref_inv = mvn_terms(x, 1)
+        assert_abs_close(y, ref_z, 1e-10)
+        check_stats((m, inv), x, 1, ref_mean, ref_inv, stat_rtol=1e-10)
+    else:
+        check_mvn(y, x, 1, stats=(m, inv), stat_rtol=1e-5)
+
+
+def test_million_element_channel_planes(rng, threads):
+    # MVN over (0, 2, 3) on NCHW: each channel's 2^20 elements spread across the batch
+    x = (50.0 + 3.0 * rng.normal(size=(16, 2, 256, 256))).astype(np.float32)
+    r1, r2 = _both_thread_counts(threads, lambda: mvn(x, (0, 2, 3), return_stats=True))
+    _assert_bitwise(r1, r2, "channel planes")
+    y, m, inv = r2
+    check_mvn(y, x, (0, 2, 3), stats=(m, inv), stat_rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["rows", "rows_odd", "columns_nhwc", "instance_nchw", "group_nhwc", "all"])
+def test_threads_bitwise_mvn_strategies(rng, threads, case):
+    if case == "rows":  # many small groups: layer norm of (4096, 300)
+        x = (rng.normal(size=(4096, 300)) + 2.0).astype(np.float32)
+        fn = lambda: simdnorm.layer_norm(x, return_stats=True)  # noqa: E731
+        axes = (1,)
+    elif case == "rows_odd":  # a row count and length that split unevenly
+        x = (rng.normal(size=(3001, 337)) * 3.0).astype(np.float16)
+        fn = lambda: mvn(x, -1, return_stats=True)  # noqa: E731
+        axes = (1,)
+    elif case == "columns_nhwc":  # instance norm on channels-last: reduce outer, keep innermost
+        x = channels_last_nhwc(rng, (8, 64, 48, 48), np.float32)
+        fn = lambda: simdnorm.instance_norm(x, channel_axis=-1, return_stats=True)  # noqa: E731
+        axes = (1, 2)
+    elif case == "instance_nchw":
+        x = (rng.normal(size=(8, 64, 48, 48)) - 1.0).astype(np.float32)
+        fn = lambda: simdnorm.instance_norm(x, return_stats=True)  # noqa: E731
+        axes = (2, 3)
+    elif case == "group_nhwc":
+        x = channels_last_nhwc(rng, (8, 64, 48, 48), np.float32)
+        fn = lambda: simdnorm.group_norm(x, 8, channel_axis=-1, return_stats=True)  # noqa: E731
+        axes = None
+    else:  # one group of everything
+        x = rng.normal(size=(3, 400, 1000)).astype(np.float32)
+        fn = lambda: mvn(x, (0, 1, 2), return_stats=True)  # noqa: E731
+        axes = (0, 1, 2)
+    assert x.size > 1_000_000
+    r1, r2 = _both_thread_counts(threads, fn)
+    _assert_bitwise(r1, r2, case)
+    y = r2[0]
+    if axes == (0, 1, 2):
+        check_mvn(y, x, axes, stats=r2[1:], context=case)
+    elif axes is not None:  # per-sample groups: check the first two samples
+        check_mvn(y[:2], x[:2], axes, context=case)
+    else:
+        ref, _, _ = group_norm_ref(x[:2], 8, channel_axis=-1)
+        np.testing.assert_allclose(y[:2], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tolerance_rejects_naive_float32_moments(rng):
+    # E[x^2] - E[x]^2 in float32 at mean 1e3, std 1 must fail the large-mean check above
+    ratio = 1e3
+    x = (ratio + rng.normal(0.0, 1.0, size=(16, 3000))).astype(np.float32)
+    ref_z, _, _, _ = mvn_terms(x, 1)
+    m = x.mean(axis=1, keepdims=True, dtype=np.float32)
+    m2 = (x * x).mean(axis=1, keepdims=True, dtype=np.float32)
+    var = np.maximum(m2 - m * m, np.float32(0))
+    naive = (x - m) / np.sqrt(var + np.float32(1e-5))
+    with pytest.raises(AssertionError):
+        assert_abs_close(naive, ref_z, 1e-5 + 4e-7 * ratio)

@@ -1,0 +1,373 @@
+"""The benchmark suite reports what it says: each timed callable computes the named op on the named
+shape, dtype and layout (checked against a float64 numpy reference), the copy really copies, the
+byte count is 2 x the input's bytes, and `--quick --filter tiny` runs end to end with valid JSON.
+
+The suite is imported as the installed ``simdnorm.bench`` when available, else from the source
+tree's ``bench/``. Tests that need simdnorm skip cleanly while ``import simdnorm`` fails; the peers'
+tests skip when a peer is not installed.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    try:
+        return importlib.import_module("simdnorm.bench")
+    except Exception:  # noqa: BLE001 - not installed (yet), or the package does not import
+        if (ROOT / "bench" / "__init__.py").exists():
+            if str(ROOT) not in sys.path:
+                sys.path.insert(0, str(ROOT))
+            return importlib.import_module("bench")
+        raise
+
+
+B = _load_bench()
+shapes = importlib.import_module(B.__name__ + ".shapes")
+bcases = importlib.import_module(B.__name__ + ".cases")
+impls = importlib.import_module(B.__name__ + ".impls")
+runner = importlib.import_module(B.__name__ + ".runner")
+timing = importlib.import_module(B.__name__ + ".timing")
+report = importlib.import_module(B.__name__ + ".report")
+
+
+def _simdnorm_or_skip():
+    mod, err = impls.load_simdnorm()
+    if mod is None:
+        pytest.skip(err)
+    return mod
+
+
+def small_shape(case):
+    """A scaled-down shape of the same rank that keeps the op's constraints (groups divide C) and
+    has odd sizes, so vector tails are exercised."""
+    if "tiny" in case.tags:
+        return case.shape
+    if case.op == "group_norm":
+        return (2, 2 * case.groups, 5, 3)
+    if len(case.shape) == 4:
+        return (2, 24, 5, 7)
+    return (2, 3, 37)
+
+
+def _kinds():
+    """One scaled case per distinct (op, dtype, layout, compiled) of the suite."""
+    seen = {}
+    for c in shapes.CASES:
+        key = (c.op, c.dtype, c.layout, c.compiled)
+        if key not in seen:
+            seen[key] = c.scaled(small_shape(c))
+    return list(seen.values())
+
+
+KINDS = _kinds()
+KIND_IDS = [c.name for c in KINDS]
+
+
+def _needs_ml_dtypes(case):
+    if case.dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+
+
+def _check_timed_callable(case, prep, ref):
+    """The output matches the reference; for a callable that writes a preallocated output, the
+    *timed* callable alone, run on a poisoned output, writes it again (a callable that returns its
+    output, like torch's, is what run_once converts)."""
+    out = prep.run_once()
+    ok, err = bcases.check(case, out, ref)
+    assert ok, f"{case.name}: max |err| {err}"
+    if prep.out is not None:
+        assert out is prep.out
+        prep.out[...] = np.nan
+        prep.fn()
+        ok, err = bcases.check(case, prep.out, ref)
+        assert ok, f"{case.name}: timed callable: max |err| {err}"
+
+
+# ------------------------------------------------------------------------------------ shapes
+def test_named_shape_lists():
+    assert shapes.RESNET50_BN_SHAPES == (
+        (8, 64, 112, 112), (8, 256, 56, 56), (8, 64, 56, 56), (8, 512, 28, 28), (8, 128, 28, 28),
+        (8, 1024, 14, 14), (8, 256, 14, 14), (8, 2048, 7, 7), (8, 512, 7, 7))
+    names = [c.name for c in shapes.CASES]
+    assert len(names) == len(set(names))
+    bn = [c for c in shapes.CASES if c.op == "batch_norm" and "tiny" not in c.tags]
+    assert {(c.shape, c.layout, c.dtype) for c in bn} == {
+        (s, lay, d) for s in shapes.RESNET50_BN_SHAPES for lay in ("nchw", "nhwc")
+        for d in ("float32", "float16", "bfloat16")}
+    for op in ("instance_norm", "group_norm", "mvn"):
+        cs = [c for c in shapes.CASES if c.op == op]
+        assert cs and all(c.shape == (8, 256, 56, 56) for c in cs)
+    assert all(c.groups == 32 for c in shapes.CASES if c.op == "group_norm")
+    assert all(c.axes == (0, 2, 3) for c in shapes.CASES if c.op == "mvn")
+    for op in ("layer_norm", "rms_norm"):
+        got = {(c.shape, c.dtype) for c in shapes.CASES if c.op == op}
+        assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024)) for d in ("float32", "float16")}
+    tiny = [c for c in shapes.CASES if "tiny" in c.tags]
+    assert {c.compiled for c in tiny} == {False, True}
+    assert all(c.shape == (1, 16, 8, 8) and c.op == "batch_norm" for c in tiny)
+    quick = shapes.select(quick=True)
+    assert tiny[0] in quick and len(quick) < len(shapes.CASES)
+    assert all("nhwc" in c.name for c in shapes.select(filters=["nhwc"]))
+    assert [c.name for c in shapes.select(quick=True, filters=["tiny"])] == [c.name for c in tiny]
+
+
+def test_byte_count_formula():
+    for c in shapes.CASES:
+        assert c.bytes_moved == 2 * math.prod(c.shape) * shapes.ITEMSIZE[c.dtype]
+        assert c.nbytes * 2 == c.bytes_moved
+    c = shapes.get_case("bn/8x512x7x7/nhwc/f16")
+    assert c.bytes_moved == 2 * 8 * 512 * 7 * 7 * 2
+    data = bcases.make_data(c.scaled((2, 8, 3, 5)))
+    assert data.case.bytes_moved == 2 * data.x.nbytes
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_layouts_are_the_named_ones(layout):
+    case = shapes.get_case(f"bn/8x64x56x56/{layout}/f32").scaled((2, 6, 4, 5))
+    data = bcases.make_data(case)
+    x = data.x
+    assert x.shape == (2, 6, 4, 5) and x.dtype == np.float32
+    if layout == "nhwc":  # the NHWC-strided view of the same logical shape
+        assert x.strides == (4 * 4 * 5 * 6, 4, 4 * 5 * 6, 4 * 6)
+        assert x.transpose(0, 2, 3, 1).flags.c_contiguous
+    else:
+        assert x.flags.c_contiguous
+    out = data.new_output()
+    assert out.strides == x.strides and np.isnan(out).all()
+
+
+def test_reference_is_the_named_op():
+    # hand-written loops against the vectorized float64 reference, on tiny shapes
+    case = shapes.get_case("bn/8x64x56x56/nchw/f32").scaled((2, 3, 2, 2))
+    d = bcases.make_data(case)
+    ref = bcases.reference(d)
+    x, p = d.x.astype(np.float64), {k: v.astype(np.float64) for k, v in d.params.items()}
+    for n, c, h, w in np.ndindex(*x.shape):
+        want = p["scale"][c] * (x[n, c, h, w] - p["mean"][c]) / math.sqrt(p["var"][c] + 1e-5) + p["bias"][c]
+        assert ref[n, c, h, w] == pytest.approx(want, rel=1e-12, abs=1e-12)
+    case = shapes.get_case("group32/8x256x56x56/f32").scaled((1, 64, 2, 3))
+    d = bcases.make_data(case)
+    ref = bcases.reference(d)
+    x = d.x.astype(np.float64)
+    for g in range(32):
+        blk = x[0, 2 * g:2 * g + 2]
+        y = (blk - blk.mean()) / math.sqrt(blk.var() + 1e-5)
+        y = y * d.params["scale"][2 * g:2 * g + 2, None, None] + d.params["bias"][2 * g:2 * g + 2, None, None]
+        np.testing.assert_allclose(ref[0, 2 * g:2 * g + 2], y, rtol=1e-12, atol=1e-12)
+    case = shapes.get_case("rms/8x512x768/f32").scaled((2, 2, 5))
+    d = bcases.make_data(case)
+    x = d.x.astype(np.float64)
+    want = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5) * d.params["scale"]
+    np.testing.assert_allclose(bcases.reference(d), want, rtol=1e-12)
+    case = shapes.get_case("mvn023/8x256x56x56/f32").scaled((2, 3, 2, 2))
+    d = bcases.make_data(case)
+    x = d.x.astype(np.float64)
+    for c in range(3):
+        blk = x[:, c]
+        np.testing.assert_allclose(bcases.reference(d)[:, c], (blk - blk.mean()) / np.sqrt(blk.var() + 1e-5),
+                                   rtol=1e-12)
+
+
+def test_parameters_exact_in_every_dtype():
+    ml = pytest.importorskip("ml_dtypes")
+    d = bcases.make_data(shapes.get_case("bn/8x64x56x56/nchw/f32").scaled((2, 40, 2, 2)))
+    for v in d.params.values():
+        assert np.array_equal(v.astype(np.float16).astype(np.float32), v)
+        assert np.array_equal(v.astype(ml.bfloat16).astype(np.float32), v)
+
+
+# -------------------------------------------------------------------------------------- copy
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_copy_really_copies(threads, layout):
+    case = shapes.get_case(f"bn/8x64x56x56/{layout}/f32").scaled((4, 64, 33, 35))  # > 1 MiB
+    data = bcases.make_data(case)
+    impl = impls.CopyImpl()
+    impl.set_threads(threads)
+    try:
+        prep = impl.prepare(data)
+        out = prep.run_once()
+        assert out.strides == data.x.strides
+        assert runner.copied_exactly(out, data.x)
+        out[...] = 0
+        prep.fn()
+        assert runner.copied_exactly(out, data.x)
+        if threads > 1:
+            pairs = impls.CopyImpl.split(data.x, out, threads)
+            assert len(pairs) == threads
+            assert sum(o.size for o, _ in pairs) == out.size
+    finally:
+        impl.shutdown()
+
+
+# ------------------------------------------------------------------------ numpy (always there)
+@pytest.mark.parametrize("case", KINDS, ids=KIND_IDS)
+def test_numpy_peer_computes_the_named_op(case):
+    _needs_ml_dtypes(case)
+    data = bcases.make_data(case)
+    ref = bcases.reference(data)
+    prep = impls.NumpyImpl().prepare(data)
+    _check_timed_callable(case, prep, ref)
+
+
+# ---------------------------------------------------------------------------------- simdnorm
+@pytest.mark.parametrize("case", KINDS, ids=KIND_IDS)
+def test_simdnorm_callable_computes_the_named_op(case):
+    _simdnorm_or_skip()
+    _needs_ml_dtypes(case)
+    data = bcases.make_data(case)
+    ref = bcases.reference(data)
+    prep = impls.SimdnormImpl().prepare(data)
+    _check_timed_callable(case, prep, ref)
+
+
+@pytest.mark.parametrize("name", ["tiny/bn/1x16x8x8/f32", "tiny/bn-compiled/1x16x8x8/f32",
+                                  "bn/8x512x7x7/nhwc/f16", "layer/8x512x768/f32"])
+def test_simdnorm_real_cases(name):
+    _simdnorm_or_skip()
+    case = shapes.get_case(name)
+    data = bcases.make_data(case)
+    prep = impls.SimdnormImpl().prepare(data)
+    _check_timed_callable(case, prep, bcases.reference(data))
+
+
+# ------------------------------------------------------------------------------------- peers
+PEER_KINDS = [c for c in KINDS if c.dtype != "bfloat16" or c.op == "batch_norm"]
+
+
+def _peer(name):
+    mod = {"torch": "torch", "onnxruntime": "onnxruntime", "openvino": "openvino"}[name]
+    pytest.importorskip(mod)
+    if name == "onnxruntime":
+        pytest.importorskip("onnx")
+    for impl in impls.all_impls():
+        if impl.name == name:
+            impl.set_threads(1)
+            return impl
+    raise AssertionError(name)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("peer", ["torch", "onnxruntime", "openvino"])
+def test_peer_computes_the_named_op_or_says_why_not(peer):
+    impl = _peer(peer)
+    done = 0
+    for case in PEER_KINDS:
+        if case.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
+            continue
+        data = bcases.make_data(case)
+        try:
+            prep = impl.prepare(data)
+        except bcases.NotAvailable as e:
+            assert str(e), f"{peer} n/a on {case.name} without a reason"
+            continue
+        _check_timed_callable(case, prep, bcases.reference(data))
+        done += 1
+    assert done > 0
+
+
+# ------------------------------------------------------------------------------- runner, timing
+class _WrongImpl(impls.Impl):
+    name = "wrong"
+
+    def prepare(self, data):
+        out = data.new_output()
+        fn = lambda: np.copyto(out, data.x)  # noqa: E731 - a copy is not the op
+        return impls.Prepared(fn, lambda: (fn(), out)[1])
+
+
+class _NaImpl(impls.Impl):
+    name = "cannot"
+
+    def prepare(self, data):
+        raise bcases.NotAvailable("no kernel for this")
+
+
+def test_runner_verifies_before_timing_and_reports_ratios():
+    case = shapes.get_case("layer/8x512x768/f32").scaled((4, 8, 64))
+    res = runner.run_case(case, [impls.CopyImpl(), impls.NumpyImpl(), _WrongImpl(), _NaImpl()],
+                          rounds=3, min_sample_ns=2e5, warmup_ns=1e5).results
+    assert res["wrong"].status == runner.WRONG and res["wrong"].median_ns is None
+    assert res["cannot"].status == runner.NA and res["cannot"].reason == "no kernel for this"
+    c, n = res["copy"], res["numpy"]
+    assert c.status == n.status == runner.OK
+    assert len(n.samples_ns) == 3 and n.reps >= 1
+    assert n.gbps == pytest.approx(case.bytes_moved / n.median_ns)
+    assert n.vs_copy == pytest.approx(n.median_ns / c.median_ns)
+    assert n.best_other is None  # the only other timed implementation is the copy
+    assert n.q1_ns <= n.median_ns <= n.q3_ns and n.min_ns <= n.q1_ns and n.q3_ns <= n.max_ns
+
+
+def test_interleaved_timing_calls_each_callable_per_round():
+    calls = {"a": 0, "b": 0}
+
+    def mk(k):
+        def f():
+            calls[k] += 1
+        return f
+
+    t = timing.measure({"a": mk("a"), "b": mk("b")}, rounds=4, min_sample_ns=1e5, warmup_ns=1e4)
+    for k in ("a", "b"):
+        assert len(t[k].samples_ns) == 4 and t[k].reps > 1  # tiny calls loop inside a sample
+        assert calls[k] >= 4 * t[k].reps
+    assert timing.quartiles([1, 2, 3, 4, 5]) == (2, 3, 4)
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def test_list(capsys):
+    assert B.main(["--list", "--quick", "--filter", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny/bn/1x16x8x8/f32" in out and "tiny/bn-compiled/1x16x8x8/f32" in out
+    assert "bn/8x64x112x112" not in out
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_quick_tiny_end_to_end_json(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    rc = B.main(["--quick", "--filter", "tiny", "--json", str(path), "--no-progress"])
+    out = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert rc == 0, out
+    assert {"suite", "machine", "versions", "config", "cases"} <= set(doc)
+    m = doc["machine"]
+    assert {"cpu_model", "threads", "simdnorm_isa", "logical_cpus"} <= set(m) and m["threads"] == 1
+    assert {"numpy", "torch", "onnxruntime", "openvino", "simdnorm"} <= set(doc["versions"])
+    assert [c["name"] for c in doc["cases"]] == ["tiny/bn/1x16x8x8/f32", "tiny/bn-compiled/1x16x8x8/f32"]
+    for c in doc["cases"]:
+        assert c["bytes_moved"] == 2 * 16 * 8 * 8 * 4
+        res = c["results"]
+        assert set(res) == {"copy", "simdnorm", "numpy", "torch", "onnxruntime", "openvino"}
+        for name, r in res.items():
+            assert r["status"] in ("ok", "n/a"), (name, r)
+            if r["status"] == "ok":
+                assert r["median_ns"] > 0 and len(r["samples_ns"]) == doc["config"]["rounds"]
+                assert r["gbps"] == pytest.approx(c["bytes_moved"] / r["median_ns"])
+            else:
+                assert r["reason"]
+        assert res["copy"]["status"] == "ok" and res["numpy"]["status"] == "ok"
+        if impls.load_simdnorm()[0] is not None:
+            assert res["simdnorm"]["status"] == "ok"
+    assert "tiny/bn/1x16x8x8/f32" in out and "Summary" in out
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    case = shapes.get_case("bn/8x64x56x56/nchw/f32").scaled((2, 8, 4, 4))
+    cr = runner.run_case(case, [impls.CopyImpl(), impls.NumpyImpl()], rounds=2, min_sample_ns=1e5,
+                         warmup_ns=1e4)
+    path = tmp_path / "p.png"
+    report.plot([cr, cr], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,320 @@
+"""layer_norm, rms_norm, instance_norm, group_norm (SPEC §4): against the float64 reference (itself
+cross-checked with ONNX's reference evaluator when onnx is installed), channels-first and
+channels-last, activation / out / return_stats, and agreement with the MVN call they route onto."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import simdnorm
+from cases import act_arg, bits, channels_last_nhwc, make_input, make_out
+from reference import (
+    BF16,
+    DTYPES,
+    F16,
+    F32,
+    F64,
+    NONDEFAULT_PARAMS,
+    assert_like_empty_like,
+    channel_param,
+    check_close,
+    check_mvn,
+    compute_dtype,
+    dtype_id,
+    group_norm_ref,
+    instance_norm_axes,
+    layer_norm_axes,
+    mvn_ref,
+)
+
+DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+
+
+def vals(rng, shape, dtype, kind="scale"):
+    if kind == "scale":
+        v = rng.uniform(0.5, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    else:
+        v = rng.normal(0.0, 1.0, size=shape)
+    return np.asarray(v).astype(dtype)
+
+
+def inp(rng, shape, dtype, layout="contiguous"):
+    return make_input(rng, shape, dtype, layout, loc=1.5, scale=2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the references against ONNX's own reference implementation
+# ----------------------------------------------------------------------------------------------
+
+
+def _onnx_run(op, inputs, attrs, opset):
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    names = [f"i{k}" for k in range(len(inputs))]
+    ttype = TensorProto.DOUBLE if inputs[0].dtype == np.float64 else TensorProto.FLOAT
+    node = helper.make_node(op, names, ["y"], **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, ttype, None) for n in names],
+                          [helper.make_tensor_value_info("y", ttype, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(m).run(None, dict(zip(names, inputs)))[0]
+
+
+def test_references_match_onnx(rng):
+    # ONNX's evaluator is float64 numpy too, but not always in the same order of operations
+    # (e.g. epsilon rounded to float32): agreement to 1e-7 still separates every semantic choice
+    # (epsilon inside/outside, population vs sample variance, axes, groups) by orders of magnitude
+    x = rng.normal(1.0, 2.0, size=(2, 6, 3, 5))
+    s = rng.normal(size=(3, 5))
+    b = rng.normal(size=(3, 5))
+    want = _onnx_run("LayerNormalization", [x, s, b], {"axis": -2, "epsilon": 1e-3}, 17)
+    got, _, _ = mvn_ref(x, layer_norm_axes(4, -2), s, b, epsilon=1e-3)
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9)
+
+    sc, bc = rng.normal(size=6), rng.normal(size=6)
+    want = _onnx_run("GroupNormalization", [x, sc, bc], {"num_groups": 3, "epsilon": 1e-3, "stash_type": 11}, 21)
+    got, _, _ = group_norm_ref(x, 3, sc, bc, epsilon=1e-3)
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9)
+
+    s5 = rng.normal(size=(5,))
+    want = _onnx_run("RMSNormalization", [x, s5], {"axis": -1, "epsilon": 1e-3}, 23)
+    got, _, _ = mvn_ref(x, layer_norm_axes(4, -1), s5, normalize_mean=False, epsilon=1e-3)
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9)
+
+    want = _onnx_run("InstanceNormalization", [x, sc, bc], {"epsilon": 1e-3}, 6)
+    got, _, _ = mvn_ref(x, instance_norm_axes(4, 1), channel_param(sc, 4, 1), channel_param(bc, 4, 1), epsilon=1e-3)
+    np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-9)
+
+    x32 = x.astype(np.float32)  # ONNX's MVN: epsilon 1e-9 added to the standard deviation
+    want = _onnx_run("MeanVarianceNormalization", [x32], {"axes": [0, 2, 3]}, 13)
+    got, _, _ = mvn_ref(x32, (0, 2, 3), epsilon=1e-9, epsilon_mode="outside")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_group_norm_reference_hand_derived():
+    # N=1, C=4, two groups of two channels, one spatial element each
+    x = np.array([[1.0, 3.0, 10.0, 20.0]])
+    y, m, inv = group_norm_ref(x, 2, epsilon=0.0)
+    np.testing.assert_array_equal(y, [[-1.0, 1.0, -1.0, 1.0]])
+    np.testing.assert_array_equal(m, [[2.0, 15.0]])
+    np.testing.assert_array_equal(inv, [[1.0, 0.2]])
+    # channels last: the same numbers along the last axis
+    y, m, inv = group_norm_ref(x.reshape(1, 1, 4), 2, np.array([1.0, 2.0, 3.0, 4.0]), epsilon=0.0, channel_axis=-1)
+    np.testing.assert_array_equal(y, [[[-1.0, 2.0, -3.0, 4.0]]])
+
+
+# ----------------------------------------------------------------------------------------------
+# layer_norm
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("axis", [-1, -2, 1, 0])
+def test_layer_norm(rng, dtype, axis):
+    shape = (3, 4, 5, 6)
+    x = inp(rng, shape, dtype)
+    axes = layer_norm_axes(4, axis)
+    norm_shape = shape[axis % 4:]
+    scale = vals(rng, norm_shape, dtype)
+    bias = vals(rng, norm_shape, F32, "bias")
+    y, m, inv = simdnorm.layer_norm(x, scale, bias, axis=axis, epsilon=1e-4, return_stats=True)
+    assert_like_empty_like(y, x)
+    check_mvn(y, x, axes, scale, bias, epsilon=1e-4, stats=(m, inv), context=f"axis={axis}")
+    # the MVN call it routes onto
+    y2 = simdnorm.mean_variance_normalization(x, axes, scale, bias, epsilon=1e-4)
+    np.testing.assert_array_equal(bits(y), bits(y2))
+    # default: no scale / bias, last axis, return a bare array
+    y3 = simdnorm.layer_norm(x)
+    assert isinstance(y3, np.ndarray)
+    check_mvn(y3, x, (3,))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
+def test_layer_norm_transformer_shape_layouts(rng, dtype):
+    # (batch, tokens, hidden) with a hidden size that is not a multiple of any vector width
+    for layout in ("contiguous", "negative", "unaligned", "transposed"):
+        x = inp(rng, (2, 7, 100), dtype, layout)
+        g = vals(rng, (100,), dtype)
+        b = vals(rng, (100,), dtype, "bias")
+        out = make_out(x.shape, dtype, "contiguous")
+        r = simdnorm.layer_norm(x, g, b, activation="gelu", out=out)
+        assert r is out
+        check_mvn(out, x, (2,), g, b, activation="gelu", context=layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# rms_norm
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("axis", [-1, -2, 0])
+def test_rms_norm(rng, dtype, axis):
+    shape = (4, 5, 6)
+    x = inp(rng, shape, dtype)
+    axes = layer_norm_axes(3, axis)
+    scale = vals(rng, shape[axis % 3:], dtype)
+    res = simdnorm.rms_norm(x, scale, axis=axis, epsilon=1e-3, return_stats=True)
+    assert len(res) == 3
+    y, m, inv = res
+    assert m is None
+    assert inv.dtype == compute_dtype(dtype)
+    check_mvn(y, x, axes, scale, normalize_mean=False, epsilon=1e-3, stats=(None, inv), context=f"axis={axis}")
+    y2 = simdnorm.mean_variance_normalization(x, axes, scale, normalize_mean=False, epsilon=1e-3)
+    np.testing.assert_array_equal(bits(y), bits(y2))
+    check_mvn(simdnorm.rms_norm(x), x, (2,), normalize_mean=False)
+
+
+def test_rms_norm_is_not_mean_subtracting(rng):
+    x = inp(rng, (3, 64), F32) + 5.0
+    y = simdnorm.rms_norm(x)
+    # all positive inputs stay positive: the mean was not subtracted
+    assert (y > 0).all()
+    check_mvn(y, x, (1,), normalize_mean=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# instance_norm
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("ndim", [3, 4, 5])
+def test_instance_norm_channels_first(rng, dtype, ndim):
+    shape = (2, 5) + tuple(int(s) for s in rng.integers(2, 7, size=ndim - 2))
+    x = inp(rng, shape, dtype)
+    scale = vals(rng, (5,), dtype)
+    bias = vals(rng, (5,), dtype, "bias")
+    y, m, inv = simdnorm.instance_norm(x, scale, bias, return_stats=True)
+    axes = instance_norm_axes(ndim, 1)
+    assert m.shape == (2, 5) + (1,) * (ndim - 2)
+    check_mvn(y, x, axes, channel_param(scale, ndim, 1), channel_param(bias, ndim, 1), stats=(m, inv))
+
+
+@DT
+def test_instance_norm_channels_last(rng, dtype):
+    nchw = (2, 6, 5, 7)
+    nhwc = channels_last_nhwc(rng, nchw, dtype)
+    scale = vals(rng, (6,), dtype)
+    bias = vals(rng, (6,), F32, "bias")
+    # (a) NHWC array, channel_axis=-1
+    y, m, inv = simdnorm.instance_norm(nhwc, scale, bias, channel_axis=-1, return_stats=True)
+    assert m.shape == (2, 1, 1, 6)
+    check_mvn(y, nhwc, (1, 2), channel_param(scale, 4, -1), channel_param(bias, 4, -1), stats=(m, inv))
+    # (b) the same memory viewed as NCHW, channel_axis=1: same numbers, channels-last output
+    view = nhwc.transpose(0, 3, 1, 2)
+    y2 = simdnorm.instance_norm(view, scale, bias)
+    assert_like_empty_like(y2, view)
+    np.testing.assert_allclose(y2.transpose(0, 2, 3, 1).astype(np.float64), y.astype(np.float64),
+                               rtol=1e-5 if dtype in (F32, F64) else 1e-2, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# group_norm
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("num_groups", [1, 2, 3, 6])
+def test_group_norm_channels_first(rng, dtype, num_groups):
+    shape = (3, 6, 4, 5)
+    x = inp(rng, shape, dtype)
+    scale = vals(rng, (6,), dtype)
+    bias = vals(rng, (6,), dtype, "bias")
+    y, m, inv = simdnorm.group_norm(x, num_groups, scale, bias, epsilon=1e-4, return_stats=True)
+    assert_like_empty_like(y, x)
+    ref, rm, rinv = group_norm_ref(x, num_groups, scale, bias, epsilon=1e-4)
+    # per-element error scale: (|x| + |mean| + std) * |inv * scale| + |bias|, as for MVN
+    zs = _group_zscale(x, num_groups, scale, bias, 1, 1e-4)
+    check_close(y, ref, zs, dtype=dtype, context=f"G={num_groups}")
+    ct = compute_dtype(dtype)
+    assert m.shape == inv.shape == (3, num_groups) and m.dtype == inv.dtype == ct
+    np.testing.assert_allclose(m.astype(np.float64), rm, rtol=1e-5, atol=1e-5 * 3)
+    np.testing.assert_allclose(inv.astype(np.float64), rinv, rtol=4e-5)
+
+
+def _group_zscale(x, G, scale, bias, channel_axis, eps):
+    xs = x.astype(np.float64)
+    nd = xs.ndim
+    ca = channel_axis % nd
+    xm = np.moveaxis(xs, ca, 1)
+    n, C = xm.shape[:2]
+    xg = xm.reshape((n, G, C // G) + xm.shape[2:])
+    red = tuple(range(2, xg.ndim))
+    mean = xg.mean(axis=red, keepdims=True)
+    std = np.sqrt(((xg - mean) ** 2).mean(axis=red, keepdims=True))
+    inv = 1.0 / np.sqrt(std ** 2 + eps)
+    spread = (np.abs(xg) + np.abs(mean) + std) * inv
+    spread = np.moveaxis(spread.reshape(xm.shape), 1, ca)
+    s = np.abs(channel_param(scale, nd, ca)) if scale is not None else 1.0
+    b = np.abs(channel_param(bias, nd, ca)) if bias is not None else 0.0
+    return spread * s + b
+
+
+@DT
+@pytest.mark.parametrize("num_groups", [2, 4])
+def test_group_norm_channels_last(rng, dtype, num_groups):
+    nchw = (2, 8, 3, 5)
+    nhwc = channels_last_nhwc(rng, nchw, dtype)
+    scale = vals(rng, (8,), dtype)
+    bias = vals(rng, (8,), dtype, "bias")
+    y, m, inv = simdnorm.group_norm(nhwc, num_groups, scale, bias, channel_axis=-1, return_stats=True)
+    ref, rm, rinv = group_norm_ref(nhwc, num_groups, scale, bias, channel_axis=-1)
+    check_close(y, ref, _group_zscale(nhwc, num_groups, scale, bias, -1, 1e-5), dtype=dtype)
+    assert m.shape == (2, num_groups)
+    np.testing.assert_allclose(m.astype(np.float64), rm, rtol=1e-5, atol=3e-5)
+    # NHWC memory viewed as NCHW
+    view = nhwc.transpose(0, 3, 1, 2)
+    y2 = simdnorm.group_norm(view, num_groups, scale, bias)
+    assert_like_empty_like(y2, view)
+    ref2, _, _ = group_norm_ref(view, num_groups, scale, bias)
+    check_close(y2, ref2, _group_zscale(view, num_groups, scale, bias, 1, 1e-5), dtype=dtype)
+
+
+def test_group_norm_no_copy_of_input(rng):
+    # the input is not modified and a 2-D (N, C) input works (groups of channels only)
+    x = inp(rng, (4, 12), F32)
+    x0 = x.copy()
+    y = simdnorm.group_norm(x, 3)
+    np.testing.assert_array_equal(x, x0)
+    ref, _, _ = group_norm_ref(x, 3)
+    check_close(y, ref, _group_zscale(x, 3, None, None, 1, 1e-5), dtype=F32)
+
+
+# ----------------------------------------------------------------------------------------------
+# activation / out / return_stats accepted by all four
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["layer_norm", "rms_norm", "instance_norm", "group_norm"])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_activation_out_return_stats(rng, which, dtype):
+    x = inp(rng, (2, 4, 3, 5), dtype)
+    name, params = "elu", NONDEFAULT_PARAMS["elu"]
+    act = act_arg(name, params)
+    out = make_out(x.shape, dtype, "strided")
+    if which == "layer_norm":
+        r = simdnorm.layer_norm(x, activation=act, out=out, return_stats=True)
+        ref = mvn_ref(x, (3,), activation=name, act_params=params)[0]
+        zs_axes, nm = (3,), True
+    elif which == "rms_norm":
+        r = simdnorm.rms_norm(x, activation=act, out=out, return_stats=True)
+        ref = mvn_ref(x, (3,), normalize_mean=False, activation=name, act_params=params)[0]
+        zs_axes, nm = (3,), False
+    elif which == "instance_norm":
+        r = simdnorm.instance_norm(x, activation=act, out=out, return_stats=True)
+        ref = mvn_ref(x, (2, 3), activation=name, act_params=params)[0]
+        zs_axes, nm = (2, 3), True
+    else:
+        r = simdnorm.group_norm(x, 2, activation=act, out=out, return_stats=True)
+        ref = None
+        zs_axes, nm = (1, 2, 3), True
+    assert isinstance(r, tuple) and len(r) == 3
+    assert r[0] is out
+    if ref is not None:
+        check_mvn(out, x, zs_axes, normalize_mean=nm, activation=name, act_params=params)
+    else:
+        z, _, _ = group_norm_ref(x, 2)
+        check_close(out, z, _group_zscale(x, 2, None, None, 1, 1e-5), name, params, dtype=dtype)

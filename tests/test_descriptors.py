@@ -1,0 +1,508 @@
+"""Descriptors (SPEC section 7): TensorDesc, BatchNormalizationDesc, MeanVarianceNormalizationDesc,
+Activation; ``validate()`` enforces every rule of the seeds' "Tensor constraints" / "Tensor support"
+as SPEC extends them, raising DescriptorError naming the field and the rule; ``simdnorm.compile``
+plans once and checks, per call, only that the arrays match the descriptors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import simdnorm
+from simdnorm import (
+    Activation,
+    BatchNormalizationDesc as BND,
+    DescriptorError,
+    MeanVarianceNormalizationDesc as MVND,
+    TensorDesc as TD,
+)
+
+try:
+    from numpy.exceptions import AxisError
+except ImportError:  # pragma: no cover
+    from numpy import AxisError
+
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+F64 = np.dtype(np.float64)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+POISON = 1536.0  # exact in float16 and bfloat16 too
+X = (2, 4, 3, 5)
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def td(shape=X, dtype=F32, strides=None):
+    return TD(dtype, shape, strides)
+
+
+def bnd(**kw):
+    args = dict(input=td(), mean=td((4,)), variance=td((4,)), scale=None, bias=None)
+    args.update(kw)
+    return BND(**args)
+
+
+def mvnd(**kw):
+    args = dict(input=td(), axes=(2, 3))
+    args.update(kw)
+    return MVND(**args)
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorDesc
+# ----------------------------------------------------------------------------------------------
+
+def test_tensor_desc_normalizes():
+    d = TD("float32", [2, np.int64(3)], [3, 1])
+    assert d.dtype is F32 or d.dtype == F32
+    assert d.sizes == (2, 3) and d.strides == (3, 1)
+    assert all(type(s) is int for s in d.sizes + d.strides)
+    assert d.ndim == 2 and d.byte_strides() == (12, 4)
+    assert TD(ml_dtypes.bfloat16, (3,)).dtype == BF16
+    assert TD(np.float32, np.array([2, 3])).sizes == (2, 3)
+    assert d == TD(np.float32, (2, 3), (3, 1)) and hash(d) == hash(TD(np.float32, (2, 3), (3, 1)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.sizes = (1,)
+
+
+def test_tensor_desc_from_array():
+    a = np.ones((4, 6), F16)[:, ::-2]
+    d = TD.from_array(a)
+    assert d == TD(F16, (4, 3)) and d.strides is None
+    ds = TD.from_array(a, strides=True)
+    assert ds.strides == (6, -2)
+    odd = np.ones(8, np.uint8)[1:].view(np.uint8)
+    with pytest.raises(DescriptorError, match=r"strides: .* not multiples of the item size"):
+        TD.from_array(np.lib.stride_tricks.as_strided(np.ones(8, F32), (3,), (6,)), strides=True)
+    assert TD.from_array(odd).sizes == (7,)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.float64])
+@pytest.mark.parametrize("strides", [None, (60, 15, 5, 1), (0, 0, 0, 0), (-60, 15, -5, 1), (1, 2, 8, 24)])
+def test_tensor_desc_valid(dtype, strides):
+    assert td(dtype=dtype, strides=strides).validate() is None
+    assert td(shape=(0, 4), dtype=dtype).validate() is None
+
+
+@pytest.mark.parametrize("desc,exc,msg", [
+    (TD(np.int32, (2,)), TypeError, r"^t: dtype int32 is not supported; accepted: float32, float16, bfloat16"),
+    (TD(np.bool_, (2,)), TypeError, r"^t: dtype bool is not supported"),
+    (TD(np.complex64, (2,)), TypeError, r"^t: dtype complex64 is not supported"),
+    (TD(">f4", (2,)), TypeError, r"^t: dtype >f4 \(non-native byte order\) is not supported"),
+    (TD("nonsense", (2,)), TypeError, r"^t.dtype: 'nonsense' is not a numpy dtype"),
+    (TD(None, (2,)), TypeError, r"^t.dtype: None is not a numpy dtype"),
+    (TD(F32, ()), ValueError, r"^t: 0 dimensions \(shape \(\)\); tensors must have 1 to 8 dimensions"),
+    (TD(F32, (1,) * 9), ValueError, r"^t: 9 dimensions .*1 to 8 dimensions"),
+    (TD(F32, (2, -1)), ValueError, r"^t.sizes\[1\]: -1 is negative; sizes must be >= 0"),
+    (TD(F32, (2, 1.5)), TypeError, r"^t.sizes\[1\]: expected an int, got float"),
+    (TD(F32, (True, 2)), TypeError, r"^t.sizes\[0\]: expected an int, got bool"),
+    (TD(F32, 5), TypeError, r"^t.sizes: expected a sequence of ints, got int"),
+    (TD(F32, (2, 3), (1,)), ValueError, r"^t.strides: 1 strides for 2 sizes; give one stride per dim, or None"),
+    (TD(F32, (2, 3), (1, 2.0)), TypeError, r"^t.strides\[1\]: expected an int, got float"),
+    (TD(F32, (2, 3), 3), TypeError, r"^t.strides: expected None \(packed\) or a sequence of ints, got int"),
+])
+def test_tensor_desc_invalid(desc, exc, msg):
+    with pytest.raises(exc, match=msg) as info:
+        desc.validate("t")
+    assert isinstance(info.value, DescriptorError) and isinstance(info.value, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------
+# BatchNormalizationDesc
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    {},
+    dict(scale=td((4,)), bias=td((4,))),
+    dict(mean=td((1, 4, 1, 1)), variance=td(X), scale=td((2, 1, 3, 1)), bias=td((1, 1, 1, 1))),
+    dict(input=td((2, 3, 5, 4)), mean=td((4,)), variance=td((4,)), output=td((2, 3, 5, 4)), channel_axis=-1),
+    dict(input=td(dtype=F16), mean=td((4,), F16), variance=td((4,), F32), output=td(dtype=F16)),
+    dict(input=td(dtype=BF16), mean=td((4,), BF16), variance=td((4,), F32), output=td(dtype=BF16)),
+    dict(input=td(dtype=F64), mean=td((4,), F64), variance=td((4,), F32), output=td(dtype=F64)),
+    dict(output=td(strides=(1, 2, 8, 24))),
+    dict(spatial=False, epsilon=0.0, activation="relu"),
+    dict(activation=Activation("elu", alpha=0.5), epsilon=1),
+    dict(input=td((6,)), mean=td((6,)), variance=td((1,)), channel_axis=1),  # 1-D: first rule
+])
+def test_bn_desc_valid(kw):
+    assert bnd(**kw).validate() is None
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    # seeds: all tensors the same DataType (SPEC: parameters may also be float32)
+    (dict(mean=td((4,), F16)), TypeError,
+     r"^mean: dtype float16 is not accepted with a float32 input; a parameter's dtype must be the input's "
+     r"\(float32\) or float32"),
+    (dict(input=td(dtype=F16), mean=td((4,), BF16), variance=td((4,), F16), output=td(dtype=F16)), TypeError,
+     r"^mean: dtype bfloat16 is not accepted with a float16 input"),
+    (dict(scale=td((4,), F64)), TypeError, r"^scale: dtype float64 is not accepted"),
+    (dict(bias=td((4,), np.int8)), TypeError, r"^bias: dtype int8 is not accepted"),
+    (dict(output=td(dtype=F16)), TypeError,
+     r"^output: dtype float16 differs from the input's float32; the output must have the input's dtype"),
+    # seeds: InputTensor and OutputTensor must have the same Sizes
+    (dict(output=td((2, 4, 3, 6))), ValueError,
+     r"^output: sizes \(2, 4, 3, 6\) differ from the input's \(2, 4, 3, 5\); the output must have the input's sizes"),
+    (dict(output=td(strides=(60, 15, 0, 1))), ValueError,
+     r"^output.strides\[2\]: 0 on a dim of size 3; the output cannot broadcast"),
+    # seeds: the same DimensionCount (SPEC: or 1-D of length C); each dim the input's or 1
+    (dict(mean=td((1, 4))), ValueError,
+     r"^mean: shape \(1, 4\) does not fit the input's shape \(2, 4, 3, 5\): a parameter must either have the "
+     r"input's 4 dims, each equal to the input's or 1 \(broadcast\), or be 1-D of length C = "
+     r"input.shape\[channel_axis\] = 4 \(channel_axis=1\)"),
+    (dict(variance=td((2, 4, 3, 2))), ValueError, r"^variance: shape \(2, 4, 3, 2\) does not fit"),
+    (dict(scale=td((5,))), ValueError, r"^scale: shape \(5,\) does not fit"),
+    (dict(mean=td((3,)), channel_axis=2), ValueError, r"^variance: shape \(4,\) does not fit.* = 3 \(channel_axis=2\)"),
+    # dims: 1 to 8 for every tensor
+    (dict(input=td(()), output=td(())), ValueError, r"^input: 0 dimensions"),
+    (dict(mean=td((1,) * 9)), ValueError, r"^mean: 9 dimensions"),
+    (dict(input=td(dtype=np.int16), output=td(dtype=np.int16)), TypeError, r"^input: dtype int16 is not supported"),
+    (dict(channel_axis=4), AxisError, r"^channel_axis: axis 4 is out of range for an input of 4 dims"),
+    (dict(channel_axis=1.0), TypeError, r"^channel_axis: expected an int, got float"),
+    (dict(epsilon=-1.0), ValueError, r"^epsilon: -1.0 is not allowed; epsilon must be finite and >= 0"),
+    (dict(epsilon=math.nan), ValueError, r"^epsilon: nan is not allowed"),
+    (dict(epsilon=math.inf), ValueError, r"^epsilon: inf is not allowed"),
+    (dict(epsilon="small"), TypeError, r"^epsilon: expected a real number, got str"),
+    (dict(activation="relu6"), ValueError, r"^activation: unknown name 'relu6'; valid names: identity, linear, relu"),
+    (dict(activation=7), TypeError, r"^activation: expected None, an activation name"),
+    (dict(spatial="yes"), TypeError, r"^spatial: expected a bool, got str"),
+    (dict(mean=None), TypeError, r"^mean: expected a TensorDesc, got NoneType"),
+    (dict(mean=np.ones(4, F32)), TypeError, r"^mean: expected a TensorDesc, got ndarray"),
+    (dict(scale=(4,)), TypeError, r"^scale: expected None or a TensorDesc, got tuple"),
+    (dict(input="x"), TypeError, r"^input: expected a TensorDesc, got str"),
+])
+def test_bn_desc_invalid(kw, exc, msg):
+    d = bnd(**kw)
+    with pytest.raises(exc, match=msg) as info:
+        d.validate()
+    assert isinstance(info.value, DescriptorError)
+    with pytest.raises(DescriptorError, match=msg):
+        simdnorm.compile(d)
+
+
+def test_bn_desc_output_defaults_to_input_and_is_frozen():
+    d = bnd()
+    assert d.output is d.input
+    assert d.spatial is True and d.channel_axis == 1 and d.epsilon == 1e-5 and d.activation is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.epsilon = 1.0
+    assert d == bnd() and hash(d) == hash(bnd())
+    assert issubclass(DescriptorError, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------
+# MeanVarianceNormalizationDesc
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    {},
+    dict(axes=1), dict(axes=[0, 2, 3]), dict(axes=(-1, 0)), dict(axes=np.array([1, 2])),
+    dict(scale=td((5,)), bias=td((3, 5))),
+    dict(scale=td((1, 4, 1, 1)), bias=None),
+    dict(scale=None, bias=td((4, 3, 1))),  # SPEC: scale and bias optional independently
+    dict(input=td(dtype=F16), scale=td((5,), F32), bias=td((5,), F16), output=td(dtype=F16)),
+    dict(normalize_mean=False, normalize_variance=False, epsilon_mode="outside", activation="gelu"),
+])
+def test_mvn_desc_valid(kw):
+    d = mvnd(**kw)
+    assert d.validate() is None
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    (dict(axes=()), ValueError, r"^axes: empty"),
+    (dict(axes=(4,)), AxisError, r"^axes: axis 4 is out of range for an input of 4 dims \(valid: -4 to 3\)"),
+    (dict(axes=(1, -3)), ValueError, r"^axes: axis 1 appears twice \(as 1 and -3\); each axis may appear once"),
+    (dict(axes=(1.5,)), TypeError, r"^axes: expected ints, got float"),
+    (dict(axes="1"), TypeError, r"^axes: expected an int or a sequence of ints, got str"),
+    (dict(scale=td((4,))), ValueError,
+     r"^scale: shape \(4,\) does not broadcast to the input's shape \(2, 4, 3, 5\) without enlarging it: it needs "
+     r"at most the input's 4 dims, aligned to the right as in numpy broadcasting, each equal to the input's or 1"),
+    (dict(bias=td((1, 2, 4, 3, 5))), ValueError, r"^bias: shape \(1, 2, 4, 3, 5\) does not broadcast"),
+    (dict(scale=td((5,), F64)), TypeError, r"^scale: dtype float64 is not accepted with a float32 input"),
+    (dict(output=td((2, 4, 3))), ValueError, r"^output: sizes \(2, 4, 3\) differ from the input's"),
+    (dict(output=td(dtype=F64)), TypeError, r"^output: dtype float64 differs from the input's float32"),
+    (dict(epsilon_mode="INSIDE"), ValueError, r"^epsilon_mode: 'INSIDE' is not valid; use 'inside'"),
+    (dict(normalize_mean="yes"), TypeError, r"^normalize_mean: expected a bool"),
+    (dict(epsilon=-0.1), ValueError, r"^epsilon: -0.1 is not allowed"),
+    (dict(activation="nope"), ValueError, r"^activation: unknown name 'nope'"),
+    (dict(input=td(dtype=np.uint16), output=td(dtype=np.uint16)), TypeError, r"^input: dtype uint16 is not supported"),
+])
+def test_mvn_desc_invalid(kw, exc, msg):
+    d = mvnd(**kw)
+    with pytest.raises(exc, match=msg) as info:
+        d.validate()
+    assert isinstance(info.value, DescriptorError)
+    with pytest.raises(DescriptorError, match=msg):
+        simdnorm.compile(d)
+
+
+def test_mvn_desc_axes_normalized_and_hashable():
+    d = mvnd(axes=[3, 2])
+    assert d.axes == (3, 2)
+    hash(d)
+    assert mvnd(axes=2).axes == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# compile
+# ----------------------------------------------------------------------------------------------
+
+def arrays(rng, shape=X, dtype=F32):
+    x = rng.standard_normal(shape).astype(dtype)
+    c = shape[1]
+    m, s, b = (rng.standard_normal(c).astype(dtype) for _ in range(3))
+    v = (rng.random(c) + 0.5).astype(dtype)
+    return x, m, v, s, b
+
+
+def test_compile_rejects_non_descriptors():
+    with pytest.raises(TypeError, match=r"^compile: expected a BatchNormalizationDesc or a "
+                                        r"MeanVarianceNormalizationDesc, got TensorDesc"):
+        simdnorm.compile(td())
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=str)
+def test_compiled_bn_matches_functional(dtype):
+    rng = np.random.default_rng(0)
+    x, m, v, s, b = arrays(rng, dtype=dtype)
+    d = BND(td(dtype=dtype), td((4,), dtype), td((4,), dtype), td((4,), dtype), td((4,), dtype),
+            epsilon=1e-3, activation="silu")
+    op = simdnorm.compile(d)
+    assert op.desc is d
+    y = op(x, m, v, s, b)
+    ref = simdnorm.batch_normalization(x, m, v, s, b, epsilon=1e-3, activation="silu")
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(bits(y), bits(ref))
+    out = np.full(X, POISON, dtype)
+    assert op(x, m, v, s, b, out=out) is out
+    np.testing.assert_array_equal(bits(out), bits(ref))
+    # in place and any strides of the input when the descriptor gives none
+    xt = np.asfortranarray(x)
+    np.testing.assert_array_equal(bits(op(xt, m, v, s, b)), bits(ref))
+    x2 = x.copy()
+    op(x2, m, v, s, b, out=x2)
+    np.testing.assert_array_equal(bits(x2), bits(ref))
+
+
+def test_compiled_bn_checks_arrays_against_descriptors():
+    rng = np.random.default_rng(1)
+    x, m, v, s, b = arrays(rng)
+    op = simdnorm.compile(BND(td(), td((4,)), td((4,)), td((4,))))
+    out = np.full(X, POISON, F32)
+    cases = [
+        ((x.astype(F16), m, v, s), TypeError,
+         r"^input: dtype float16 does not match the compiled descriptor's float32"),
+        ((x[:, :, :, :4], m, v, s), ValueError,
+         r"^input: shape \(2, 4, 3, 4\) does not match the compiled descriptor's sizes \(2, 4, 3, 5\)"),
+        ((x, m[:3], v, s), ValueError, r"^mean: shape \(3,\) does not match"),
+        ((x, m, v.astype(F64), s), TypeError, r"^variance: dtype float64 does not match"),
+        ((x, m, v, None), ValueError, r"^scale: the descriptor has a scale tensor of sizes \(4,\); pass an array"),
+        ((x, m, v, s, b), ValueError, r"^bias: the descriptor has no bias tensor; pass None"),
+        ((x, m, v, "s"), TypeError, r"^scale: cannot convert str to a float32 array"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            op(*args, out=out)
+        assert np.all(out == POISON)
+    with pytest.raises(ValueError, match=r"^out: shape"):
+        op(x, m, v, s, out=np.full((2, 4, 3, 6), POISON, F32))
+    with pytest.raises(TypeError, match=r"^out: dtype float64 differs"):
+        op(x, m, v, s, out=np.full(X, POISON, F64))
+    # a parameter given as a list takes the descriptor's dtype; a list input is np.asarray'd (float64)
+    y = op(x, m, v, s)
+    np.testing.assert_array_equal(op(x, m.tolist(), v, s), y)
+    with pytest.raises(TypeError, match=r"^input: dtype float64 does not match"):
+        op(x.tolist(), m, v, s)
+
+
+def test_compiled_explicit_strides_are_checked():
+    rng = np.random.default_rng(2)
+    x, m, v, s, b = arrays(rng)
+    xt = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)  # channels-last memory
+    strides = tuple(st // 4 for st in xt.strides)
+    d = BND(td(strides=strides), td((4,)), td((4,)), output=td(strides=strides))
+    op = simdnorm.compile(d)
+    y = op(xt, m, v)
+    np.testing.assert_array_equal(y, simdnorm.batch_normalization(x, m, v))
+    with pytest.raises(ValueError, match=r"^input: strides \(240, 60, 20, 4\) \(bytes\) do not match the compiled "
+                                         r"descriptor's strides \(60, 1, 20, 4\) \(elements\) = "
+                                         r"\(240, 4, 80, 16\) bytes"):
+        op(x, m, v)
+    out = np.full(X, POISON, F32)
+    with pytest.raises(ValueError, match=r"^out: strides \(240, 60, 20, 4\) \(bytes\) do not match the compiled "
+                                         r"output descriptor's"):
+        op(xt, m, v, out=out)
+    assert np.all(out == POISON)
+    good = np.empty_like(xt)
+    assert op(xt, m, v, out=good) is good
+
+
+def test_compiled_mvn():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(X).astype(F32)
+    s = rng.standard_normal((3, 5)).astype(F32)
+    d = MVND(td(), [-2, -1], td((3, 5)), None, epsilon=1e-3, epsilon_mode="outside", activation="tanh")
+    op = simdnorm.compile(d)
+    ref = simdnorm.mean_variance_normalization(x, (2, 3), s, epsilon=1e-3, epsilon_mode="outside",
+                                               activation="tanh", return_stats=True)
+    y, mu, inv = op(x, s, return_stats=True)
+    for a, r in zip((y, mu, inv), ref):
+        np.testing.assert_array_equal(a, r)
+    assert mu.shape == (2, 4, 1, 1)
+    out = np.full(X, POISON, F32)
+    assert op(x, s, out=out) is out
+    np.testing.assert_array_equal(out, y)
+    with pytest.raises(ValueError, match=r"^bias: the descriptor has no bias tensor; pass None"):
+        op(x, s, s, out=out)
+    with pytest.raises(ValueError, match=r"^scale: the descriptor has a scale tensor"):
+        op(x, out=out)
+    np.testing.assert_array_equal(out, y)
+    # overlap: out shifted against the input inside one buffer
+    buf = rng.standard_normal((2, 4, 3, 6)).astype(F32)
+    want = op(buf[..., :5].copy(), s)
+    o = buf[..., 1:]
+    op(buf[..., :5], s, out=o)
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)  # another input address: equal to a few ulp
+
+
+def test_compiled_in_place_with_parameter_inside_input():
+    rng = np.random.default_rng(6)
+    x = np.abs(rng.standard_normal((5, 4)).astype(F32)) + 0.5
+    op = simdnorm.compile(BND(td((5, 4)), td((4,)), td((4,)), td((4,)), td((4,))))
+    want = op(x, x[0].copy(), x[1].copy(), x[2].copy(), x[3].copy())
+    x2 = x.copy()
+    assert op(x2, x2[0], x2[1], x2[2], x2[3], out=x2) is x2
+    np.testing.assert_allclose(x2, want, rtol=1e-6, atol=1e-6)
+    opm = simdnorm.compile(MVND(td((5, 4)), -1, td((4,)), td((4,))))
+    want = opm(x, x[0].copy(), x[1].copy())
+    x3 = x.copy()
+    opm(x3, x3[0], x3[1], out=x3)
+    np.testing.assert_allclose(x3, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_op_repr_and_desc():
+    d = mvnd()
+    op = simdnorm.compile(d)
+    assert op.desc is d and "mean_variance_normalization" in repr(op)
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation
+# ----------------------------------------------------------------------------------------------
+
+def test_activation_defaults_and_identity():
+    a = Activation("leaky_relu")
+    assert a.name == "leaky_relu" and dict(a.params) == {"alpha": 0.01}
+    assert a == Activation("leaky_relu", alpha=0.01) and hash(a) == hash(Activation("LEAKY_RELU"))
+    assert a != Activation("leaky_relu", alpha=0.02) and a != "leaky_relu"
+    assert repr(a) == "Activation('leaky_relu', alpha=0.01)"
+    assert repr(Activation("relu")) == "Activation('relu')"
+    assert dict(Activation("scaled_elu").params) == {"alpha": 1.67326, "gamma": 1.0507}
+    assert dict(Activation("linear").params) == {"alpha": 1.0, "beta": 0.0}
+    assert dict(Activation("parametric_softplus").params) == {"alpha": 1.0, "beta": 1.0}
+    assert dict(Activation("clip").params) == {"min": -math.inf, "max": math.inf}
+    assert dict(Activation("shrink").params) == {"bias": 0.0, "threshold": 0.5}
+    assert pickle.loads(pickle.dumps(a)) == a
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.name = "relu"
+    assert list(simdnorm.ACTIVATIONS) == [
+        "identity", "linear", "relu", "leaky_relu", "thresholded_relu", "elu", "celu", "scaled_elu", "sigmoid",
+        "hard_sigmoid", "tanh", "scaled_tanh", "softplus", "parametric_softplus", "softsign", "shrink", "gelu",
+        "clip", "silu", "hard_swish"]
+
+
+def test_activation_core_tuple_order():
+    # the kernel receives (kind index in ACTIVATIONS order, p0, p1)
+    names = list(simdnorm.ACTIVATIONS)
+    for name in names:
+        a = Activation(name)
+        assert a._core[0] == names.index(name)
+    assert Activation("scaled_elu", alpha=2.0, gamma=3.0)._core == (7, 2.0, 3.0)
+    assert Activation("clip", min=-1, max=2)._core == (17, -1.0, 2.0)
+    assert Activation("softplus", steepness=2)._core == (12, 2.0, 0.0)
+
+
+@pytest.mark.parametrize("args,kw,exc,msg", [
+    (("swish",), {}, ValueError, r"^activation: unknown name 'swish'; valid names: identity, linear, relu, "
+                                 r"leaky_relu, thresholded_relu, elu, celu, scaled_elu, sigmoid, hard_sigmoid, tanh, "
+                                 r"scaled_tanh, softplus, parametric_softplus, softsign, shrink, gelu, clip, silu, "
+                                 r"hard_swish$"),
+    ((3,), {}, TypeError, r"^activation: the name must be a str, got int"),
+    (("relu",), dict(alpha=0.5), ValueError, r"^activation 'relu': unknown parameter\(s\) 'alpha'; 'relu' takes no "
+                                             r"parameters"),
+    (("elu",), dict(beta=1.0), ValueError, r"^activation 'elu': unknown parameter\(s\) 'beta'; 'elu' takes alpha=1.0"),
+    (("hard_sigmoid",), dict(gamma=1.0), ValueError, r"'hard_sigmoid' takes alpha=0.2, beta=0.5"),
+    (("softplus",), dict(steepness=0.0), ValueError, r"^activation 'softplus': parameter 'steepness' is 0.0; it must "
+                                                     r"be > 0"),
+    (("softplus",), dict(steepness=-1), ValueError, r"'steepness' is -1.0; it must be > 0"),
+    (("celu",), dict(alpha=0), ValueError, r"'alpha' is 0.0; it must be non-zero"),
+    (("shrink",), dict(threshold=-0.1), ValueError, r"'threshold' is -0.1; it must be >= 0"),
+    (("clip",), dict(min=1.0, max=0.0), ValueError, r"^activation 'clip': min=1.0 > max=0.0; it must be min <= max"),
+    (("clip",), dict(min=math.nan), ValueError, r"^activation 'clip': min is NaN"),
+    (("elu",), dict(alpha=math.inf), ValueError, r"^activation 'elu': parameter 'alpha' is inf; it must be finite"),
+    (("linear",), dict(beta=math.nan), ValueError, r"parameter 'beta' is nan; it must be finite"),
+    (("linear",), dict(alpha="2"), TypeError,
+     r"^activation 'linear': parameter 'alpha' must be a real number, got str"),
+    (("linear",), dict(alpha=True), TypeError, r"parameter 'alpha' must be a real number, got bool"),
+])
+def test_activation_invalid(args, kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        Activation(*args, **kw)
+
+
+def test_activation_accepts_numpy_scalars_and_inf_clip():
+    a = Activation("clip", min=np.float32(-1), max=math.inf)
+    assert a.params["max"] == math.inf and type(a.params["min"]) is float
+    Activation("clip", min=-math.inf, max=-math.inf)
+    Activation("softplus", steepness=0.25)
+
+
+def test_compiled_param_memo_follows_the_arrays():
+    # the operator remembers its last parameter arrays (and their views) by identity: new values in
+    # the same arrays, other arrays, and lists must all be seen
+    rng = np.random.default_rng(4)
+    x, m, v, s, b = arrays(rng)
+    op = simdnorm.compile(BND(td(), td((4,)), td((4,)), td((4,)), td((4,))))
+    bn = simdnorm.batch_normalization
+    np.testing.assert_array_equal(op(x, m, v, s, b), bn(x, m, v, s, b))
+    m[:] = rng.standard_normal(4)
+    np.testing.assert_array_equal(op(x, m, v, s, b), bn(x, m, v, s, b))
+    m2 = m + 1
+    np.testing.assert_array_equal(op(x, m2, v, s, b), bn(x, m2, v, s, b))
+    lst = [0.0, 1.0, 2.0, 3.0]
+    np.testing.assert_array_equal(op(x, lst, v, s, b), bn(x, np.array(lst, F32), v, s, b))
+    lst[0] = 5.0
+    np.testing.assert_array_equal(op(x, lst, v, s, b), bn(x, np.array(lst, F32), v, s, b))
+    # a remembered array still cannot be swapped for a mismatching one
+    with pytest.raises(ValueError, match=r"^mean: shape \(5,\) does not match"):
+        op(x, np.ones(5, F32), v, s, b)
+
+
+def test_compiled_op_from_many_threads():
+    import threading
+
+    rng = np.random.default_rng(5)
+    op = simdnorm.compile(BND(td(), td((4,)), td((4,)), td((4,)), td((4,))))
+    sets = [arrays(rng) for _ in range(8)]
+    want = [simdnorm.batch_normalization(*a) for a in sets]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(200):
+                np.testing.assert_array_equal(op(*sets[i]), want[i])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(sets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

@@ -1,0 +1,307 @@
+"""batch_normalization on every memory layout SPEC §1 allows, for the input, the output and the
+parameters: contiguous, channels-last (both ways), transposed, permuted, negative steps, strided,
+zero strides, unaligned; odd innermost lengths 1..67 at unaligned starts on every ISA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import simdnorm
+from cases import (
+    LAYOUTS,
+    PARAM_NAMES,
+    WRITABLE_LAYOUTS,
+    bits,
+    bn_param_1d,
+    channels_last_nhwc,
+    layout_empty,
+    make_input,
+    make_out,
+    odd_sizes,
+    param_values,
+    unaligned_empty,
+)
+from reference import BF16, DTYPES, F16, F32, F64, assert_like_empty_like, check_bn, check_mvn, dtype_id
+
+bn = simdnorm.batch_normalization
+DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+
+
+def p1d(rng, shape, dtype, channel_axis=1):
+    return {n: bn_param_1d(rng, n, shape, channel_axis, dtype) for n in PARAM_NAMES}
+
+
+def test_layout_generators_do_what_they_say(rng):
+    shape = (2, 3, 4, 5)
+    x = make_input(rng, shape, F32, "channels_last")
+    assert x.shape == shape and x.strides[1] == 4 and x.base is not None
+    assert make_input(rng, shape, F32, "transposed").flags.f_contiguous
+    assert min(make_input(rng, shape, F32, "negative").strides) < 0
+    assert 0 in make_input(rng, shape, F32, "zero_stride").strides
+    u = make_input(rng, shape, F16, "unaligned")
+    assert not u.flags.aligned and u.flags.c_contiguous
+    assert u.ctypes.data % 2 == 1
+    us = make_input(rng, shape, BF16, "unaligned_strided")
+    assert not us.flags.aligned and not us.flags.c_contiguous
+    for lay in WRITABLE_LAYOUTS:
+        o = make_out(shape, F32, lay)
+        assert o.shape == shape and np.isnan(o).all() and o.flags.writeable
+
+
+@DT
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_input_layouts(rng, dtype, layout):
+    shape = (3, 5, 4, 7)
+    x = make_input(rng, shape, dtype, layout)
+    p = p1d(rng, shape, dtype)
+    y = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="leaky_relu")
+    assert_like_empty_like(y, x)
+    check_bn(y, x, p["mean"], p["variance"], p["scale"], p["bias"], activation="leaky_relu",
+             context=f"layout={layout} strides={x.strides}")
+    # out= in the same layout (a contiguous one for zero strides)
+    out = make_out(shape, dtype, layout if layout != "zero_stride" else "contiguous")
+    r = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="leaky_relu", out=out)
+    assert r is out
+    np.testing.assert_array_equal(bits(out), bits(y))
+
+
+@DT
+@pytest.mark.parametrize("out_layout", WRITABLE_LAYOUTS)
+def test_out_layouts(rng, dtype, out_layout):
+    shape = (2, 6, 3, 9)
+    x = make_input(rng, shape, dtype)
+    p = p1d(rng, shape, dtype)
+    out = make_out(shape, dtype, out_layout)
+    r = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], out=out)
+    assert r is out
+    check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], context=f"out layout={out_layout}")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
+@pytest.mark.parametrize("in_layout,out_layout", [
+    ("channels_last", "contiguous"), ("contiguous", "channels_last"), ("negative", "unaligned"),
+    ("unaligned_strided", "transposed"), ("zero_stride", "negative"), ("permuted", "strided")])
+def test_mixed_in_out_layouts(rng, dtype, in_layout, out_layout):
+    shape = (2, 7, 5, 3)
+    x = make_input(rng, shape, dtype, in_layout)
+    p = p1d(rng, shape, dtype)
+    out = make_out(shape, dtype, out_layout)
+    bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="hard_swish", out=out)
+    check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], activation="hard_swish")
+
+
+@DT
+@pytest.mark.parametrize("ndim", [3, 4, 5])
+def test_channels_last_both_ways(rng, dtype, ndim):
+    shape = (2, 19) + tuple(int(s) for s in rng.integers(2, 6, size=ndim - 2))
+    # (a) a genuinely NHWC array with channel_axis=-1
+    nhwc = channels_last_nhwc(rng, shape, dtype)
+    p = p1d(rng, shape, dtype)
+    y = bn(nhwc, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=-1)
+    assert y.flags.c_contiguous
+    check_bn(y, nhwc, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=-1)
+    # (b) the same memory viewed as NCHW via transpose, channel_axis=1: the same numbers, and the
+    # output is channels-last in memory too
+    perm = (0, ndim - 1) + tuple(range(1, ndim - 1))
+    nchw = nhwc.transpose(perm)
+    y2 = bn(nchw, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=1)
+    assert_like_empty_like(y2, nchw)
+    assert y2.transpose(np.argsort(perm)).flags.c_contiguous
+    np.testing.assert_array_equal(bits(y2.transpose(np.argsort(perm))), bits(y))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+@pytest.mark.parametrize("ndim", [5, 6, 7, 8])
+@pytest.mark.parametrize("layout", ["permuted", "negative", "unaligned_strided", "zero_stride"])
+def test_high_rank_layouts(rng, dtype, ndim, layout):
+    shape = tuple(int(s) for s in rng.integers(1, 4, size=ndim))
+    shape = (shape[0], 3) + shape[2:]
+    x = make_input(rng, shape, dtype, layout)
+    for ca in (1, -1, ndim // 2):
+        p = p1d(rng, shape, dtype, ca)
+        y = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=ca)
+        assert_like_empty_like(y, x)
+        check_bn(y, x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=ca)
+
+
+# ----------------------------------------------------------------------------------------------
+# parameters in unusual layouts
+# ----------------------------------------------------------------------------------------------
+
+
+def view_1d(rng, values, how):
+    """A 1-D view with the given values: negative step, strided, unaligned, or zero stride."""
+    c = values.shape[0]
+    dt = values.dtype
+    if how == "negative":
+        base = np.empty(2 * c, dt)
+        v = base[::-2]
+    elif how == "strided":
+        base = np.empty(3 * c, dt)
+        v = base[1::3]
+    elif how == "unaligned":
+        v = unaligned_empty((c,), dt, offset=1)
+    elif how == "zero_stride":
+        return np.broadcast_to(values[:1], (c,))
+    else:
+        raise ValueError(how)
+    v[...] = values
+    return v
+
+
+@DT
+@pytest.mark.parametrize("how", ["negative", "strided", "unaligned", "zero_stride"])
+def test_param_views_1d(rng, dtype, how):
+    shape = (2, 9, 5, 6)
+    x = make_input(rng, shape, dtype)
+    for pdt in ([dtype] if dtype == F32 else [dtype, F32]):
+        p = {n: view_1d(rng, bn_param_1d(rng, n, shape, 1, pdt), how) for n in PARAM_NAMES}
+        y = bn(x, p["mean"], p["variance"], p["scale"], p["bias"])
+        check_bn(y, x, p["mean"], p["variance"], p["scale"], p["bias"], context=f"params {how} {dtype_id(pdt)}")
+        # channels-last (vector coefficients along the run)
+        xl = make_input(rng, (2, 5, 6, 9), dtype)
+        y = bn(xl, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=-1)
+        check_bn(y, xl, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, F64], ids=dtype_id)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_param_layouts_full_size(rng, dtype, layout):
+    # same-rank parameters as large as the input, each stored in the given layout
+    shape = (2, 3, 5, 7)
+    x = make_input(rng, shape, dtype, "contiguous")
+    p = {}
+    for n in PARAM_NAMES:
+        vals = param_values(rng, n, shape, dtype)
+        if layout == "zero_stride":
+            p[n] = np.broadcast_to(vals[:, :, :1, :], shape)  # stride 0 along axis 2
+        else:
+            a = layout_empty(shape, dtype, layout)
+            a[...] = vals
+            p[n] = a
+    y = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="softsign")
+    check_bn(y, x, p["mean"], p["variance"], p["scale"], p["bias"], activation="softsign",
+             context=f"param layout {layout}")
+
+
+def test_zero_stride_same_rank_params_of_full_shape(rng):
+    # (1, C, 1, 1) values broadcast to the full input shape: every stride 0 but the channel's
+    shape = (3, 4, 6, 5)
+    x = make_input(rng, shape, F32, "channels_last")
+    p = {n: np.broadcast_to(param_values(rng, n, (1, 4, 1, 1), F32), shape) for n in PARAM_NAMES}
+    y = bn(x, p["mean"], p["variance"], p["scale"], p["bias"])
+    check_bn(y, x, p["mean"], p["variance"], p["scale"], p["bias"])
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
+def test_everything_unaligned(rng, dtype):
+    shape = (2, 5, 3, 33)
+    x = make_input(rng, shape, dtype, "unaligned")
+    p = {n: view_1d(rng, bn_param_1d(rng, n, shape, 1, dtype), "unaligned") for n in PARAM_NAMES}
+    out = make_out(shape, dtype, "unaligned")
+    bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="silu", out=out)
+    check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], activation="silu")
+
+
+# ----------------------------------------------------------------------------------------------
+# odd innermost lengths and unaligned starts, every ISA: the SIMD heads and tails
+# ----------------------------------------------------------------------------------------------
+
+
+def _offset_array(rng, n_shape, dtype, elem_offset, byte_offset):
+    """A C-ordered array starting elem_offset elements (+ byte_offset bytes) into a 64-aligned
+    buffer."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(n_shape))
+    raw = np.empty((count + elem_offset + 2) * dtype.itemsize + 64 + byte_offset, np.uint8)
+    start = (-raw.ctypes.data) % 64 + elem_offset * dtype.itemsize + byte_offset
+    a = np.frombuffer(raw[start:start + count * dtype.itemsize], dtype=dtype, count=count).reshape(n_shape)
+    return a
+
+
+@DT
+def test_odd_inner_sizes(isa, rng, dtype):
+    starts = [(0, 0), (1, 0), (3, 0), (0, 1)]  # (elements, bytes) past a 64-byte boundary
+    for n in odd_sizes():
+        for (eo, bo) in starts:
+            for variant in ("scalar_coeff", "vector_coeff", "full_params"):
+                if variant == "scalar_coeff":
+                    shape, ca = (2, 3, n), 1
+                    p = {k: bn_param_1d(rng, k, shape, ca, dtype) for k in PARAM_NAMES}
+                elif variant == "vector_coeff":
+                    shape, ca = (2, n), -1
+                    p = {k: bn_param_1d(rng, k, shape, ca, dtype) for k in PARAM_NAMES}
+                else:
+                    shape, ca = (2, n), 1
+                    p = {k: param_values(rng, k, shape, dtype) for k in PARAM_NAMES}
+                x = _offset_array(rng, shape, dtype, eo, bo)
+                x[...] = make_input(rng, shape, dtype)
+                out = _offset_array(rng, shape, dtype, (eo + 1) % 3, bo)
+                out[...] = np.nan
+                r = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=ca, out=out)
+                assert r is out
+                check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=ca,
+                         context=f"n={n} start={(eo, bo)} {variant} isa={isa}")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_odd_sizes_strided_inner(isa, rng, dtype):
+    # innermost run with a non-unit stride (step 2 and a negative step) for every length
+    for n in odd_sizes():
+        base = make_input(rng, (3, 2 * n), dtype)
+        x = base[:, ::-2]
+        mean = param_values(rng, "mean", (3,), dtype)
+        var = param_values(rng, "variance", (3,), dtype)
+        out = make_out((3, n), dtype, "strided")
+        bn(x, mean, var, channel_axis=0, out=out)
+        check_bn(out, x, mean, var, channel_axis=0, context=f"n={n} isa={isa}")
+
+
+def test_out_untouched_outside_view(rng):
+    # writing through a strided out must not touch the elements between its strides
+    base = np.full((4, 40), 7.0, F32)
+    out = base[:, 1::2]
+    x = make_input(rng, (4, 20), F32)
+    mean = param_values(rng, "mean", (4,), F32)
+    var = param_values(rng, "variance", (4,), F32)
+    bn(x, mean, var, channel_axis=0, out=out)
+    assert (base[:, 0::2] == 7.0).all()
+    check_bn(out, x, mean, var, channel_axis=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# byte extents past 2**31 (64-bit strides): views over a large virtual allocation, a few elements
+# ----------------------------------------------------------------------------------------------
+
+
+def _sparse_view(base, rows, cols, row_stride_bytes):
+    return np.lib.stride_tricks.as_strided(base, shape=(rows, cols), strides=(row_stride_bytes, base.itemsize),
+                                           writeable=True)
+
+
+def test_byte_extent_over_2gib(rng):
+    # 3 GiB of address space each (never touched beyond a few pages, so little resident memory)
+    row = 2**30 - 4  # bytes between rows: the last row starts past 2**31 + 2**30
+    fx = np.empty(3 * 2**28 + 64, np.float32)
+    fo = np.empty(3 * 2**28 + 64, np.float32)
+    x = _sparse_view(fx, 4, 7, row)
+    out = _sparse_view(fo, 4, 7, row)
+    vals = make_input(rng, (4, 7), F32)
+    x[...] = vals
+    assert x.strides[0] * 3 > 2**31
+    mean = bn_param_1d(rng, "mean", (4, 7), 0, F32)
+    var = bn_param_1d(rng, "variance", (4, 7), 0, F32)
+    out[...] = np.nan
+    bn(x, mean, var, channel_axis=0, out=out)
+    check_bn(out, vals, mean, var, channel_axis=0)
+    # negative strides from the far end, and the allocation's own output
+    xr, outr = x[::-1], out[::-1]
+    outr[...] = np.nan
+    bn(xr, mean, var, channel_axis=0, out=outr)
+    check_bn(outr, vals[::-1], mean, var, channel_axis=0)
+    # the MVN path (statistics per column across rows 1 GiB apart, and per row)
+    check_mvn(simdnorm.mean_variance_normalization(x, 0), vals, 0)
+    out[...] = np.nan
+    simdnorm.mean_variance_normalization(xr, 1, out=out)
+    check_mvn(out, vals[::-1], 1)

@@ -1,0 +1,419 @@
+"""mean_variance_normalization (SPEC §3, §6) against the float64 reference: any subset of axes in
+any order, normalize_mean / normalize_variance, epsilon_mode, scale/bias broadcasting and dtypes,
+return_stats, activations, every layout, out= / in place / overlap, zero-size dims, every ISA."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import simdnorm
+from cases import (
+    LAYOUTS,
+    WRITABLE_LAYOUTS,
+    act_arg,
+    bits,
+    make_input,
+    make_out,
+    rand_values,
+)
+from reference import (
+    BF16,
+    DTYPES,
+    F16,
+    F32,
+    F64,
+    NONDEFAULT_PARAMS,
+    assert_like_empty_like,
+    check_mvn,
+    compute_dtype,
+    dtype_id,
+    mvn_ref,
+)
+
+mvn = simdnorm.mean_variance_normalization
+DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+
+
+def sb_values(rng, shape, dtype, kind):
+    if kind == "scale":
+        v = rng.uniform(0.5, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    else:
+        v = rng.normal(0.0, 1.0, size=shape)
+    return np.asarray(v).astype(dtype)
+
+
+def group_input(rng, shape, dtype, layout="contiguous"):
+    """Random data with a non-zero mean (loc 1.5), so mean subtraction matters."""
+    return make_input(rng, shape, dtype, layout, loc=1.5, scale=2.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference on hand-derived values
+# ----------------------------------------------------------------------------------------------
+
+
+def test_reference_hand_derived():
+    x = np.array([2.0, 4, 4, 4, 5, 5, 7, 9])  # mean 5, population variance 4
+    out, mean, inv = mvn_ref(x, 0, epsilon=0.0)
+    np.testing.assert_array_equal(out, [-1.5, -0.5, -0.5, -0.5, 0, 0, 1, 2])
+    assert mean.shape == (1,) and mean[0] == 5.0 and inv[0] == 0.5
+    out, _, inv = mvn_ref(x, 0, epsilon=1.0, epsilon_mode="outside")  # divide by 2 + 1
+    np.testing.assert_allclose(out, (x - 5) / 3, rtol=1e-15)
+    out, _, inv = mvn_ref(x, 0, epsilon=5.0)  # sqrt(4 + 5) = 3
+    np.testing.assert_allclose(out, (x - 5) / 3, rtol=1e-15)
+    out, mean, inv = mvn_ref(x, 0, normalize_mean=False, epsilon=0.0)  # rms = sqrt(232 / 8)
+    assert mean is None
+    np.testing.assert_allclose(out, x / np.sqrt(29.0), rtol=1e-15)
+    out, mean, inv = mvn_ref(x, 0, normalize_variance=False)
+    assert inv is None
+    np.testing.assert_array_equal(out, x - 5)
+    # two groups over axis 1 of a (2, 2) input, with scale and bias broadcast
+    out, mean, inv = mvn_ref(np.array([[1.0, 3.0], [10.0, 20.0]]), 1, np.array([2.0, 2.0]), np.array([[1.0], [-1.0]]),
+                             epsilon=0.0)
+    np.testing.assert_array_equal(out, [[-1.0, 3.0], [-3.0, 1.0]])
+    np.testing.assert_array_equal(mean, [[2.0], [15.0]])
+    np.testing.assert_array_equal(inv, [[1.0], [0.2]])
+
+
+# ----------------------------------------------------------------------------------------------
+# axes
+# ----------------------------------------------------------------------------------------------
+
+
+def all_axes_subsets(nd):
+    for r in range(1, nd + 1):
+        yield from itertools.combinations(range(nd), r)
+
+
+@DT
+def test_every_axes_subset_4d(rng, dtype):
+    shape = (3, 4, 5, 6)
+    x = group_input(rng, shape, dtype)
+    for axes in all_axes_subsets(4):
+        # any order, and negative spellings
+        order = list(rng.permutation(axes))
+        spelled = tuple(int(a) - 4 if rng.integers(0, 2) else int(a) for a in order)
+        y, m, inv = mvn(x, spelled, return_stats=True)
+        assert_like_empty_like(y, x)
+        check_mvn(y, x, axes, stats=(m, inv), context=f"axes={spelled}")
+
+
+@DT
+@pytest.mark.parametrize("ndim", range(1, 9))
+def test_ranks_random_axes(rng, dtype, ndim):
+    shape = tuple(int(s) for s in rng.integers(1, 5, size=ndim))
+    while int(np.prod(shape)) > 3000:
+        shape = shape[:-1] + (max(1, shape[-1] // 2),)
+    x = group_input(rng, shape, dtype)
+    for _ in range(3):
+        k = int(rng.integers(1, ndim + 1))
+        axes = tuple(int(a) for a in rng.choice(ndim, size=k, replace=False))
+        y, m, inv = mvn(x, axes, return_stats=True)
+        check_mvn(y, x, axes, stats=(m, inv), context=f"shape={shape} axes={axes}")
+    # an int axis
+    y = mvn(x, -1)
+    check_mvn(y, x, (-1,))
+
+
+def test_axes_spellings_agree(rng):
+    # an int, a tuple, a list, numpy integers, negative and in any order: the same groups
+    x = group_input(rng, (3, 4, 5), F32)
+    want = mvn(x, (1, 2))
+    for axes in ([2, 1], (-1, -2), (np.int64(1), np.int32(2)), np.array([1, 2])):
+        np.testing.assert_array_equal(bits(mvn(x, axes)), bits(want), err_msg=repr(axes))
+    np.testing.assert_array_equal(bits(mvn(x, 2)), bits(mvn(x, (2,))))
+    np.testing.assert_array_equal(bits(mvn(x, np.int64(-1))), bits(mvn(x, [2])))
+
+
+# ----------------------------------------------------------------------------------------------
+# normalize_mean / normalize_variance / epsilon / epsilon_mode
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("normalize_mean", [True, False])
+@pytest.mark.parametrize("normalize_variance", [True, False])
+@pytest.mark.parametrize("epsilon_mode", ["inside", "outside"])
+def test_flags_and_epsilon_mode(rng, dtype, normalize_mean, normalize_variance, epsilon_mode):
+    shape = (2, 3, 7, 9)
+    x = group_input(rng, shape, dtype)
+    scale = sb_values(rng, (3, 1, 1), dtype, "scale")
+    bias = sb_values(rng, (9,), dtype, "bias")
+    for axes, eps in [((2, 3), 1e-5), ((1, 2, 3), 0.3), ((0, 2, 3), 0.0), ((-1,), 2.0)]:
+        res = mvn(x, axes, scale, bias, normalize_mean=normalize_mean, normalize_variance=normalize_variance,
+                  epsilon=eps, epsilon_mode=epsilon_mode, return_stats=True)
+        y, m, inv = res
+        check_mvn(y, x, axes, scale, bias, normalize_mean=normalize_mean, normalize_variance=normalize_variance,
+                  epsilon=eps, epsilon_mode=epsilon_mode, stats=(m, inv), context=f"axes={axes} eps={eps}")
+
+
+def test_epsilon_mode_changes_result(rng):
+    x = group_input(rng, (4, 16), F32)
+    a = mvn(x, 1, epsilon=0.5, epsilon_mode="inside")
+    b = mvn(x, 1, epsilon=0.5, epsilon_mode="outside")
+    assert np.abs(a - b).max() > 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# scale / bias broadcasting and dtypes
+# ----------------------------------------------------------------------------------------------
+
+SB_SHAPES = [
+    (2, 3, 4, 5),  # as large as the input
+    (1, 3, 1, 1),
+    (3, 1, 1),     # fewer leading dims
+    (4, 5),        # LayerNorm's normalized shape
+    (5,),
+    (1,),
+    (2, 1, 1, 5),
+    (1, 1, 4, 1),
+]
+
+
+@DT
+@pytest.mark.parametrize("scale_shape", SB_SHAPES, ids=str)
+def test_scale_bias_broadcasting(rng, dtype, scale_shape):
+    shape = (2, 3, 4, 5)
+    x = group_input(rng, shape, dtype)
+    bias_shape = SB_SHAPES[(SB_SHAPES.index(scale_shape) + 3) % len(SB_SHAPES)]
+    for pdt_s, pdt_b in [(dtype, dtype), (F32, dtype), (dtype, F32)]:
+        scale = sb_values(rng, scale_shape, pdt_s, "scale")
+        bias = sb_values(rng, bias_shape, pdt_b, "bias")
+        for axes in [(2, 3), (1,), (0, 2, 3)]:
+            y = mvn(x, axes, scale, bias)
+            assert y.dtype == dtype
+            check_mvn(y, x, axes, scale, bias,
+                      context=f"scale {scale_shape} {dtype_id(pdt_s)} bias {bias_shape} {dtype_id(pdt_b)} axes={axes}")
+
+
+@DT
+@pytest.mark.parametrize("which", ["none", "scale", "bias"])
+def test_scale_bias_optional_independently(rng, dtype, which):
+    shape = (3, 4, 10)
+    x = group_input(rng, shape, dtype)
+    scale = sb_values(rng, (4, 10), dtype, "scale") if which == "scale" else None
+    bias = sb_values(rng, (10,), dtype, "bias") if which == "bias" else None
+    y = mvn(x, (1, 2), scale, bias) if which != "bias" else mvn(x, (1, 2), bias=bias)
+    check_mvn(y, x, (1, 2), scale, bias)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_scale_bias_strided_views(rng, dtype):
+    x = group_input(rng, (2, 3, 6, 8), dtype)
+    sbase = sb_values(rng, (6, 16), dtype, "scale")
+    scale = sbase[::-1, ::2]                       # negative and strided
+    bias = np.broadcast_to(sb_values(rng, (1, 8), F32, "bias"), (6, 8))  # zero stride
+    y = mvn(x, (2, 3), scale, bias)
+    check_mvn(y, x, (2, 3), scale, bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# return_stats
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+def test_return_stats_shapes_and_types(rng, dtype):
+    x = group_input(rng, (2, 3, 4, 5), dtype)
+    ct = compute_dtype(dtype)
+    y, m, inv = mvn(x, (1, 3), return_stats=True)
+    assert m.shape == inv.shape == (2, 1, 4, 1) and m.dtype == inv.dtype == ct
+    check_mvn(y, x, (1, 3), stats=(m, inv))
+    y2, m2, inv2 = mvn(x, (1, 3), normalize_mean=False, return_stats=True)
+    assert m2 is None and inv2.shape == (2, 1, 4, 1)
+    check_mvn(y2, x, (1, 3), normalize_mean=False, stats=(m2, inv2))
+    y3, m3, inv3 = mvn(x, (1, 3), normalize_variance=False, return_stats=True)
+    assert inv3 is None and m3.shape == (2, 1, 4, 1)
+    check_mvn(y3, x, (1, 3), normalize_variance=False, stats=(m3, inv3))
+    # without return_stats: a bare array, the same numbers
+    y4 = mvn(x, (1, 3))
+    assert isinstance(y4, np.ndarray)
+    np.testing.assert_array_equal(bits(y4), bits(y))
+
+
+# ----------------------------------------------------------------------------------------------
+# activations
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("name", ["relu", "leaky_relu", "elu", "sigmoid", "tanh", "gelu", "silu",
+                                  "softplus", "shrink", "clip", "hard_swish", "thresholded_relu"])
+def test_activations(isa, rng, dtype, name):
+    params = NONDEFAULT_PARAMS.get(name)
+    x = group_input(rng, (2, 3, 5, 11), dtype)
+    scale = sb_values(rng, (5, 11), dtype, "scale")
+    bias = sb_values(rng, (3, 1, 1), dtype, "bias")
+    for axes in [(2, 3), (0, 2, 3)]:
+        out = make_out(x.shape, dtype)
+        r = mvn(x, axes, scale, bias, activation=act_arg(name, params), out=out)
+        assert r is out
+        check_mvn(out, x, axes, scale, bias, activation=name, act_params=params, context=f"isa={isa} axes={axes}")
+
+
+# ----------------------------------------------------------------------------------------------
+# layouts (input and out), every ISA
+# ----------------------------------------------------------------------------------------------
+
+AXES_CASES = [(3,), (2, 3), (1, 2, 3), (0, 2, 3), (1,), (0,), (0, 1, 2, 3)]
+
+
+@DT
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_input_layouts(isa, rng, dtype, layout):
+    shape = (3, 4, 6, 17)
+    x = group_input(rng, shape, dtype, layout)
+    for axes in AXES_CASES:
+        y, m, inv = mvn(x, axes, return_stats=True)
+        assert_like_empty_like(y, x)
+        check_mvn(y, x, axes, stats=(m, inv), context=f"isa={isa} layout={layout} axes={axes}")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
+@pytest.mark.parametrize("out_layout", WRITABLE_LAYOUTS)
+def test_out_layouts(rng, dtype, out_layout):
+    shape = (2, 5, 4, 9)
+    x = group_input(rng, shape, dtype, "channels_last")
+    for axes in [(3,), (1,), (0, 2, 3)]:
+        out = make_out(shape, dtype, out_layout)
+        r = mvn(x, axes, out=out)
+        assert r is out
+        check_mvn(out, x, axes, context=f"out={out_layout} axes={axes}")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_odd_group_sizes(isa, rng, dtype):
+    # rows (reduce innermost) and columns (reduce outer, keep innermost) of every length 1..67
+    for n in range(1, 68):
+        x = group_input(rng, (3, n), dtype)
+        y, m, inv = mvn(x, 1, return_stats=True)
+        check_mvn(y, x, 1, stats=(m, inv), context=f"rows n={n} isa={isa}")
+        y, m, inv = mvn(x, 0, return_stats=True)
+        check_mvn(y, x, 0, stats=(m, inv), context=f"columns n={n} isa={isa}")
+        xu = make_input(rng, (2, n), dtype, "unaligned", loc=1.5)
+        s = sb_values(rng, (n,), dtype, "scale")
+        y = mvn(xu, -1, s)
+        check_mvn(y, xu, -1, s, context=f"unaligned n={n} isa={isa}")
+
+
+# ----------------------------------------------------------------------------------------------
+# out=, in place, overlap
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("axes", [(2,), (0, 2), (1,)], ids=str)
+def test_in_place(rng, dtype, axes):
+    x = group_input(rng, (4, 6, 33), dtype)
+    x0 = x.copy()
+    r = mvn(x, axes, out=x)
+    assert r is x
+    check_mvn(x, x0, axes)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+@pytest.mark.parametrize("shift", [1, -1, 5, -40])
+@pytest.mark.parametrize("axes", [(2,), (0, 2)], ids=str)
+def test_overlap_shifted_output(rng, dtype, shift, axes):
+    shape = (3, 4, 40)
+    n = int(np.prod(shape))
+    buf = rand_values(rng, (n + abs(shift),), dtype, loc=1.0)
+    x = (buf[shift:] if shift > 0 else buf[:n]).reshape(shape)
+    out = (buf[:n] if shift > 0 else buf[-shift:]).reshape(shape)
+    x0 = x.copy()
+    scale = sb_values(rng, (40,), dtype, "scale")
+    r = mvn(x, axes, scale, out=out)
+    assert r is out
+    check_mvn(out, x0, axes, scale, context=f"shift={shift}")
+
+
+@pytest.mark.parametrize("which", ["scale", "bias"])
+def test_overlap_output_with_parameter(rng, which):
+    shape = (4, 32)
+    x = group_input(rng, shape, F32)
+    buf = np.empty(int(np.prod(shape)) + 32 + 5, F32)
+    out = buf[:128].reshape(shape)
+    pv = buf[5:37]
+    vals = sb_values(rng, (32,), F32, which)
+    pv[...] = vals
+    kw = {which: pv}
+    r = mvn(x, 1, out=out, **kw)
+    assert r is out
+    check_mvn(out, x, 1, **{which: vals})
+
+
+# ----------------------------------------------------------------------------------------------
+# zero-size dims, constant groups, NaN
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("shape,axes", [((0, 3, 4), (1, 2)), ((2, 0, 4), (2,)), ((2, 3, 0), (2,)),
+                                        ((2, 3, 0), (0, 1)), ((0,), (0,))], ids=str)
+def test_zero_size(dtype, shape, axes):
+    x = np.empty(shape, dtype)
+    y = mvn(x, axes)
+    assert y.shape == shape and y.dtype == dtype
+    out = np.empty(shape, dtype)
+    assert mvn(x, axes, out=out) is out
+    y, m, inv = mvn(x, axes, return_stats=True)
+    kept = tuple(1 if d in axes else s for d, s in enumerate(shape))
+    assert y.shape == shape and m.shape == kept and inv.shape == kept
+
+
+@DT
+def test_constant_groups(dtype):
+    # zero variance: with epsilon > 0 the output is exactly bias (finite), scale notwithstanding
+    x = np.empty((3, 4, 50), dtype)
+    x[0] = 3.25
+    x[1] = -7.5
+    x[2] = 0.125
+    bias = np.array([0.5, -1.0, 2.0, 0.0], dtype).reshape(4, 1)
+    scale = np.array([2.0, -3.0, 1.0, 0.5], dtype).reshape(4, 1)
+    y, m, inv = mvn(x, (1, 2), scale, bias, return_stats=True)
+    assert np.isfinite(y.astype(np.float64)).all()
+    check_mvn(y, x, (1, 2), scale, bias, stats=(m, inv))
+    np.testing.assert_array_equal(m.ravel(), np.array([3.25, -7.5, 0.125]))
+    # and without scale: exactly bias up to the rounding of x * (1/sqrt(eps))
+    y = mvn(x, (1, 2), bias=bias, epsilon=1e-3).astype(np.float64)
+    np.testing.assert_allclose(y, np.broadcast_to(bias.astype(np.float64), y.shape), rtol=0, atol=1e-2)
+
+
+def test_nan_in_group_stays_in_group(rng):
+    x = group_input(rng, (3, 20), F32)
+    x[1, 7] = np.nan
+    y = mvn(x, 1)
+    assert np.isnan(y[1]).all()
+    check_mvn(y[[0, 2]], x[[0, 2]], 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the checker rejects near-miss semantics
+# ----------------------------------------------------------------------------------------------
+
+
+def test_checker_rejects_wrong_semantics(rng):
+    x = group_input(rng, (4, 6, 9), F32)
+    axes = (2,)
+    good = mvn_ref(x, axes)[0].astype(F32)
+    check_mvn(good, x, axes)
+    xs = x.astype(np.float64)
+    m = xs.mean(axis=2, keepdims=True)
+    wrong = {
+        "sample variance": (xs - m) / np.sqrt(xs.var(axis=2, ddof=1, keepdims=True) + 1e-5),
+        "epsilon outside": (xs - m) / (np.sqrt(xs.var(axis=2, keepdims=True)) + 1e-5) * 1.0001,
+        "other axes": mvn_ref(x, (1, 2))[0],
+        "no mean": mvn_ref(x, axes, normalize_mean=False)[0],
+    }
+    for what, w in wrong.items():
+        with pytest.raises(AssertionError):
+            check_mvn(w.astype(F32), x, axes, context=what)
+    # statistics: a mean off by 1e-3 of the standard deviation is caught
+    _, mean, inv = mvn_ref(x, axes)
+    with pytest.raises(AssertionError):
+        check_mvn(good, x, axes, stats=((mean + 1e-3 * 2.0).astype(F32), inv.astype(F32)))
+    with pytest.raises(AssertionError):
+        check_mvn(good, x, axes, stats=(mean.astype(F32), (inv * (1 + 1e-3)).astype(F32)))

@@ -1,0 +1,208 @@
+"""Every instruction set this machine has, forced with simdnorm.set_isa, against the reference; and
+1 vs 2 threads bitwise equal (SPEC §8) on inputs big enough that two threads split the work, and
+on odd sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import simdnorm
+from cases import PARAM_NAMES, act_arg, bits, bn_param_1d, make_input, make_out, param_values
+from reference import BF16, DTYPES, F16, F32, F64, NONDEFAULT_PARAMS, assert_like_empty_like, check_bn, dtype_id
+
+bn = simdnorm.batch_normalization
+DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+
+
+def test_isa_runtime_basics():
+    isas = simdnorm.available_isas()
+    assert len(isas) >= 1 and len(set(isas)) == len(isas)
+    assert simdnorm.isa() in isas
+    with pytest.raises(ValueError):
+        simdnorm.set_isa("no-such-isa")
+    assert simdnorm.isa() in isas
+
+
+def test_isa_fixture_restores(isa):
+    # the fixture forced this ISA; the autouse safety net and the fixture put the previous back
+    assert simdnorm.isa() == isa
+
+
+@DT
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "negative", "unaligned", "zero_stride"])
+def test_every_isa_matches_reference(isa, rng, dtype, layout):
+    shape = (2, 5, 6, 37)
+    x = make_input(rng, shape, dtype, layout)
+    p = {n: bn_param_1d(rng, n, shape, 1, dtype) for n in PARAM_NAMES}
+    y = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="gelu")
+    assert_like_empty_like(y, x)
+    check_bn(y, x, p["mean"], p["variance"], p["scale"], p["bias"], activation="gelu",
+             context=f"isa={isa} layout={layout}")
+    # full-size parameters (folded on the fly), channels-last coefficients
+    q = {n: param_values(rng, n, shape, dtype) for n in PARAM_NAMES}
+    y = bn(x, q["mean"], q["variance"], q["scale"], q["bias"])
+    check_bn(y, x, q["mean"], q["variance"], q["scale"], q["bias"], context=f"isa={isa} full params")
+    r = {n: bn_param_1d(rng, n, shape, -1, dtype) for n in PARAM_NAMES}
+    y = bn(x, r["mean"], r["variance"], r["scale"], r["bias"], channel_axis=-1)
+    check_bn(y, x, r["mean"], r["variance"], r["scale"], r["bias"], channel_axis=-1, context=f"isa={isa} NXC")
+
+
+def test_isas_agree_closely(rng):
+    # every ISA computes the same float32 math: results within a few ulp of each other
+    shape = (3, 4, 8, 29)
+    x = make_input(rng, shape, F32)
+    p = {n: bn_param_1d(rng, n, shape, 1, F32) for n in PARAM_NAMES}
+    prev = simdnorm.isa()
+    results = {}
+    try:
+        for name in simdnorm.available_isas():
+            simdnorm.set_isa(name)
+            results[name] = bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="tanh")
+    finally:
+        simdnorm.set_isa(prev)
+    first = next(iter(results.values()))
+    for name, y in results.items():
+        np.testing.assert_allclose(y, first, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# threads: 1 and 2 bitwise equal, and correct
+# ----------------------------------------------------------------------------------------------
+
+
+def test_set_num_threads_returns_previous(threads):
+    threads(1)
+    assert simdnorm.set_num_threads(2) == 1
+    assert simdnorm.get_num_threads() == 2
+    assert simdnorm.set_num_threads(1) == 2
+
+
+def _run_with_threads(threads_fixture, n, fn):
+    threads_fixture(n)
+    return fn()
+
+
+BIG_CASES = {
+    # name: (shape, channel_axis, layout, activation, full-size params)
+    "nchw": ((4, 32, 96, 96), 1, "contiguous", None, False),
+    "nhwc_axis": ((4, 96, 96, 32), -1, "contiguous", "silu", False),
+    "nhwc_view": ((4, 32, 96, 96), 1, "channels_last", "elu", False),
+    "odd": ((3, 7, 311, 193), 1, "contiguous", "gelu", False),
+    "odd_strided": ((3, 7, 311, 193), 1, "negative", "softplus", False),
+    "full_params": ((2, 8, 280, 263), 1, "contiguous", "relu", True),
+}
+
+
+def _big_variants():
+    """Every case for float32 and float16 on the default ISA; the two main cases for bfloat16 and
+    float64, and for the other ISAs (time budget)."""
+    out = []
+    for dt in (F32, F16, BF16, F64):
+        for case in BIG_CASES:
+            for which in ("default", "other"):
+                main = case in ("nchw", "odd_strided")
+                if dt in (BF16, F64) and not main:
+                    continue
+                if which == "other" and not main:
+                    continue
+                out.append(pytest.param(case, dt, which, id=f"{case}-{dtype_id(dt)}-{which}_isas"))
+    return out
+
+
+@pytest.mark.parametrize("case,dtype,which_isas", _big_variants())
+def test_threads_bitwise_equal_big(rng, threads, case, dtype, which_isas):
+    isas = simdnorm.available_isas()
+    isas = isas[:1] if which_isas == "default" else isas[1:]
+    for isa in isas:
+        simdnorm.set_isa(isa)
+        _big_case(rng, threads, case, dtype, isa)
+
+
+def _big_case(rng, threads, case, dtype, isa):
+    shape, ca, layout, act, full = BIG_CASES[case]
+    assert int(np.prod(shape)) > 1_000_000
+    x = make_input(rng, shape, dtype, layout, scale=2.0)
+    if full:
+        p = {n: param_values(rng, n, shape, dtype) for n in PARAM_NAMES}
+    else:
+        p = {n: bn_param_1d(rng, n, shape, ca, dtype) for n in PARAM_NAMES}
+    params = NONDEFAULT_PARAMS.get(act) if act else None
+    call = lambda: bn(x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=ca,  # noqa: E731
+                      activation=act_arg(act, params))
+    y1 = _run_with_threads(threads, 1, call)
+    y2 = _run_with_threads(threads, 2, call)
+    assert y1.shape == y2.shape == shape
+    np.testing.assert_array_equal(bits(y1), bits(y2), err_msg=f"1 vs 2 threads differ ({case})")
+    # the same through out= in the input's layout
+    out = make_out(shape, dtype, layout if layout != "zero_stride" else "contiguous")
+    threads(2)
+    bn(x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=ca, activation=act_arg(act, params), out=out)
+    np.testing.assert_array_equal(bits(out), bits(y1))
+    # correctness on the first sample (the reference in float64 is the slow part)
+    p0 = {k: (v[:1] if v.ndim == len(shape) else v) for k, v in p.items()}
+    check_bn(y2[:1], x[:1], p0["mean"], p0["variance"], p0["scale"], p0["bias"], channel_axis=ca, activation=act,
+             act_params=params, context=f"{case} 2 threads isa={isa}")
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 63, 64, 65, 1023, 4097, 65537])
+def test_threads_bitwise_equal_odd_sizes(rng, threads, n):
+    # any size, including sizes that do not split evenly: the same bits with 1 and 2 threads
+    x = make_input(rng, (3, n, 5), F32)
+    p = {k: bn_param_1d(rng, k, x.shape, 1, F32) for k in PARAM_NAMES}
+    call = lambda: bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="sigmoid")  # noqa: E731
+    y1 = _run_with_threads(threads, 1, call)
+    y2 = _run_with_threads(threads, 2, call)
+    np.testing.assert_array_equal(bits(y1), bits(y2))
+    check_bn(y1, x, p["mean"], p["variance"], p["scale"], p["bias"], activation="sigmoid")
+
+
+def test_more_threads_than_cores(rng, threads):
+    # 3 and 5 threads on 2 cores: still correct and bitwise the same as 1
+    shape = (2, 3, 509, 1031)
+    x = make_input(rng, shape, F32)
+    p = {k: bn_param_1d(rng, k, shape, 1, F32) for k in PARAM_NAMES}
+    call = lambda: bn(x, p["mean"], p["variance"], p["scale"], p["bias"])  # noqa: E731
+    y1 = _run_with_threads(threads, 1, call)
+    for n in (3, 5):
+        np.testing.assert_array_equal(bits(_run_with_threads(threads, n, call)), bits(y1))
+
+
+# ----------------------------------------------------------------------------------------------
+# float16 / bfloat16 conversions on every ISA: subnormals, inf, NaN, overflow, ties to even
+# ----------------------------------------------------------------------------------------------
+
+
+def _special_values(dtype):
+    import ml_dtypes
+
+    fi = ml_dtypes.finfo(dtype)
+    tiny_sub = float(fi.smallest_subnormal)
+    vals = [tiny_sub, 2 * tiny_sub, 3 * tiny_sub, 5 * tiny_sub, float(fi.tiny) - tiny_sub, float(fi.tiny),
+            float(fi.max), float(fi.max) * 0.75, 1.0, 1.5, 3.0, 1000.0, np.inf, np.nan]
+    vals += [-v for v in vals]
+    # every bit pattern of a few binades, so the mantissa rounding sees odd and even neighbours
+    one = 0x3C00 if dtype == F16 else 0x3F80
+    grid = np.arange(one, one + 300, dtype=np.uint16).view(dtype).astype(np.float64)
+    return np.concatenate([np.array(vals, np.float64), grid, -grid]).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+@pytest.mark.parametrize("mul", [1.0, 0.5, 0.25, 1.0 + 2.0 ** -8, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -12, 1.0003])
+def test_half_conversions_exact(isa, dtype, mul):
+    # y = x * mul with mean 0, variance 1, epsilon 0 and a float32 scale: the float32 product is
+    # exact, so the only rounding is the final one to the output type, which must be
+    # round-to-nearest-even exactly (with subnormals, overflow to inf, and NaN kept NaN)
+    x = _special_values(dtype)
+    n = x.size
+    x = x.reshape(1, 1, n)
+    scale = np.array([mul], np.float32)
+    y = bn(x, np.zeros(1, dtype), np.ones(1, dtype), scale, epsilon=0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = (x.astype(np.float32) * np.float32(mul)).astype(dtype)
+    yf, wf = y.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    same = (yf == wf) | (np.isnan(yf) & np.isnan(wf))
+    if not same.all():
+        i = np.flatnonzero(~same)[:6]
+        raise AssertionError(f"{(~same).sum()} conversions differ (isa={isa}): x={x.ravel()[i]} "
+                             f"got={yf[i]} want={wf[i]}")
