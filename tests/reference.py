@@ -143,8 +143,16 @@ def apply_activation(z, name: str | None = None, params: dict | None = None) -> 
     if name is None:
         return z
     _, fn = ACTIVATIONS[name]
+    kw = activation_params(name, params)
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.asarray(fn(z, **activation_params(name, params)), dtype=np.float64)
+        y = np.asarray(fn(z, **kw), dtype=np.float64)
+        # At z = +-inf the activation takes its limit (softsign(inf) = 1, gelu(-inf) = 0, ...), where
+        # the formulas above give inf/inf or inf*0; the limit is the value far out on that side.
+        limit_needed = np.isinf(z) & np.isnan(y)
+        if limit_needed.any():
+            far = np.asarray(fn(np.where(z > 0, 1e300, -1e300), **kw), dtype=np.float64)
+            y = np.where(limit_needed, far, y)
+    return y
 
 
 # --------------------------------------------------------------------------------------------

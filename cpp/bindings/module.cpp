@@ -17,36 +17,58 @@ namespace {
 
 int g_bfloat16_num = -1;  // numpy type number of ml_dtypes.bfloat16, registered at import
 
-DType dtype_of(const py::array& a, const char* name) {
-  const py::dtype dt = a.dtype();
-  if (dt.byteorder() == '>') throw py::type_error(std::string(name) + ": non-native byte order");
-  const int num = dt.num();
+// Reads the array struct directly (pybind11's numpy proxies): a call stays free of reference
+// counting and temporary objects, which is most of the per-call cost for small inputs.
+DType dtype_of(const py::handle& arr, const char* name) {
+  const auto* descr = py::detail::array_descriptor_proxy(py::detail::array_proxy(arr.ptr())->descr);
+  if (descr->byteorder == '>') throw py::type_error(std::string(name) + ": non-native byte order");
+  const int num = descr->type_num;
   if (num == py::detail::npy_api::NPY_FLOAT_) return DType::f32;
   if (num == py::detail::npy_api::NPY_DOUBLE_) return DType::f64;
   if (num == 23 /* NPY_HALF */) return DType::f16;
   if (num == g_bfloat16_num && g_bfloat16_num >= 0) return DType::bf16;
-  throw py::type_error(std::string(name) + ": unsupported dtype " + py::str(dt).cast<std::string>() +
+  throw py::type_error(std::string(name) + ": unsupported dtype " +
+                       py::str(py::reinterpret_borrow<py::array>(arr).dtype()).cast<std::string>() +
                        " (accepted: float32, float16, bfloat16, float64)");
 }
 
 TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
-  if (!py::isinstance<py::array>(obj)) throw py::type_error(std::string(name) + " must be a numpy.ndarray");
-  const auto a = py::reinterpret_borrow<py::array>(obj);
+  if (!py::detail::npy_api::get().PyArray_Check_(obj.ptr()))
+    throw py::type_error(std::string(name) + " must be a numpy.ndarray");
+  const auto* a = py::detail::array_proxy(obj.ptr());
   TensorView v;
-  v.dtype = dtype_of(a, name);
-  v.ndim = static_cast<int>(a.ndim());
+  v.dtype = dtype_of(obj, name);
+  v.ndim = a->nd;
   if (v.ndim < 1 || v.ndim > kMaxDims)
     throw py::value_error(std::string(name) + ": expected 1 to 8 dimensions, got " + std::to_string(v.ndim));
-  if (writeable && !a.writeable()) throw py::value_error(std::string(name) + " is read-only");
-  v.data = static_cast<char*>(const_cast<void*>(a.data()));
+  if (writeable && !(a->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
+    throw py::value_error(std::string(name) + " is read-only");
+  v.data = a->data;
   for (int d = 0; d < v.ndim; ++d) {
-    v.sizes[d] = a.shape(d);
-    v.strides[d] = a.strides(d);
+    v.sizes[d] = a->dimensions[d];
+    v.strides[d] = a->strides[d];
   }
   return v;
 }
 
-std::optional<TensorView> optional_view(const py::object& obj, const char* name) {
+int64_t element_count(const TensorView& v) {
+  int64_t n = 1;
+  for (int d = 0; d < v.ndim; ++d) n *= v.sizes[d];
+  return n;
+}
+
+// Below this many elements a call is over in microseconds: releasing and retaking the GIL would
+// cost more than any other Python thread could gain.
+constexpr int64_t kReleaseGilElements = 1 << 14;
+
+template <class F>
+void run_without_gil(int64_t elements, F&& f) {
+  if (elements < kReleaseGilElements) return f();
+  py::gil_scoped_release release;
+  f();
+}
+
+std::optional<TensorView> optional_view(py::handle obj, const char* name) {
   if (obj.is_none()) return std::nullopt;
   return view_of(obj, name, false);
 }
@@ -65,19 +87,34 @@ void check_param(const TensorView& x, const TensorView& p, const char* name) {
     throw py::type_error(std::string(name) + ": dtype must be the input's or float32");
 }
 
-Activation activation_of(const py::tuple& t) {
+Activation activation_of(const py::handle& obj) {
+  if (!PyTuple_Check(obj.ptr()) || PyTuple_GET_SIZE(obj.ptr()) != 3)
+    throw py::type_error("activation must be a (kind, p0, p1) tuple");
   Activation act;
-  const int kind = t[0].cast<int>();
+  const long kind = PyLong_AsLong(PyTuple_GET_ITEM(obj.ptr(), 0));
+  if (kind == -1 && PyErr_Occurred()) throw py::error_already_set();
   if (kind < 0 || kind >= kNumActs) throw py::value_error("activation: unknown kind");
   act.kind = static_cast<ActKind>(kind);
-  act.p0 = t[1].cast<double>();
-  act.p1 = t[2].cast<double>();
+  act.p0 = PyFloat_AsDouble(PyTuple_GET_ITEM(obj.ptr(), 1));
+  act.p1 = PyFloat_AsDouble(PyTuple_GET_ITEM(obj.ptr(), 2));
+  if (PyErr_Occurred()) throw py::error_already_set();
   return act;
 }
 
-void py_batch_norm(const py::object& x, const py::object& mean, const py::object& variance,
-                   const py::object& scale, const py::object& bias, const py::object& out, double epsilon,
-                   const py::tuple& activation) {
+double double_of(const py::handle& obj, const char* name) {
+  const double v = PyFloat_AsDouble(obj.ptr());
+  if (v == -1.0 && PyErr_Occurred()) throw py::type_error(std::string(name) + " must be a float");
+  return v;
+}
+
+bool bool_of(const py::handle& obj, const char* name) {
+  const int v = PyObject_IsTrue(obj.ptr());
+  if (v < 0) throw py::type_error(std::string(name) + " must be a bool");
+  return v != 0;
+}
+
+void py_batch_norm(py::handle x, py::handle mean, py::handle variance, py::handle scale, py::handle bias,
+                   py::handle out, py::handle epsilon, py::handle activation) {
   BatchNormArgs a;
   a.input = view_of(x, "input", false);
   a.output = view_of(out, "out", true);
@@ -91,22 +128,21 @@ void py_batch_norm(const py::object& x, const py::object& mean, const py::object
   check_param(a.input, a.variance, "variance");
   if (a.scale) check_param(a.input, *a.scale, "scale");
   if (a.bias) check_param(a.input, *a.bias, "bias");
-  a.epsilon = epsilon;
+  a.epsilon = double_of(epsilon, "epsilon");
   a.activation = activation_of(activation);
-  py::gil_scoped_release release;
-  batch_norm(a);
+  run_without_gil(element_count(a.input), [&] { batch_norm(a); });
 }
 
-void py_mvn(const py::object& x, const py::tuple& axes, const py::object& scale, const py::object& bias,
-            const py::object& out, double epsilon, bool normalize_mean, bool normalize_variance,
-            bool epsilon_outside, const py::tuple& activation, const py::object& mean_out,
-            const py::object& inv_std_out) {
+void py_mvn(py::handle x, py::handle axes, py::handle scale, py::handle bias, py::handle out, py::handle epsilon,
+            py::handle normalize_mean, py::handle normalize_variance, py::handle epsilon_outside,
+            py::handle activation, py::handle mean_out, py::handle inv_std_out) {
   MvnArgs a;
   a.input = view_of(x, "input", false);
   a.output = view_of(out, "out", true);
   if (a.output.dtype != a.input.dtype) throw py::type_error("out: dtype differs from the input's");
   check_same_shape(a.input, a.output, "out", true);
-  for (const py::handle& h : axes) {
+  if (!PyTuple_Check(axes.ptr())) throw py::type_error("axes must be a tuple of ints");
+  for (const py::handle h : py::reinterpret_borrow<py::tuple>(axes)) {
     const int axis = h.cast<int>();
     if (axis < 0 || axis >= a.input.ndim) throw py::value_error("axes: out of range");
     a.reduced |= 1u << axis;
@@ -116,7 +152,7 @@ void py_mvn(const py::object& x, const py::tuple& axes, const py::object& scale,
   if (a.scale) check_param(a.input, *a.scale, "scale");
   if (a.bias) check_param(a.input, *a.bias, "bias");
   const DType stats = a.input.dtype == DType::f64 ? DType::f64 : DType::f32;
-  auto stats_view = [&](const py::object& obj, const char* name) -> std::optional<TensorView> {
+  auto stats_view = [&](py::handle obj, const char* name) -> std::optional<TensorView> {
     if (obj.is_none()) return std::nullopt;
     TensorView v = view_of(obj, name, true);
     if (v.dtype != stats) throw py::type_error(std::string(name) + ": must be float32 (float64 for float64 input)");
@@ -128,25 +164,62 @@ void py_mvn(const py::object& x, const py::tuple& axes, const py::object& scale,
   };
   a.mean_out = stats_view(mean_out, "mean_out");
   a.inv_std_out = stats_view(inv_std_out, "inv_std_out");
-  a.epsilon = epsilon;
-  a.normalize_mean = normalize_mean;
-  a.normalize_variance = normalize_variance;
-  a.epsilon_outside = epsilon_outside;
+  a.epsilon = double_of(epsilon, "epsilon");
+  a.normalize_mean = bool_of(normalize_mean, "normalize_mean");
+  a.normalize_variance = bool_of(normalize_variance, "normalize_variance");
+  a.epsilon_outside = bool_of(epsilon_outside, "epsilon_outside");
   a.activation = activation_of(activation);
-  py::gil_scoped_release release;
-  mean_variance_normalization(a);
+  run_without_gil(element_count(a.input), [&] { mean_variance_normalization(a); });
 }
+
+// The two hot entry points are plain METH_FASTCALL functions: pybind11's general dispatcher costs
+// more than the rest of a small call put together.
+template <size_t N, class F>
+PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
+  try {
+    if (nargs != static_cast<Py_ssize_t>(N))
+      throw py::type_error(std::string(name) + "() takes " + std::to_string(N) + " positional arguments");
+    f(args);
+    Py_RETURN_NONE;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyObject* fast_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall<8>(args, nargs, "batch_norm", [](PyObject* const* a) {
+    py_batch_norm(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+  });
+}
+
+PyObject* fast_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall<12>(args, nargs, "mvn", [](PyObject* const* a) {
+    py_mvn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
+  });
+}
+
+PyMethodDef g_fast_methods[] = {
+    {"batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_batch_norm)), METH_FASTCALL,
+     "batch_norm(x, mean, variance, scale, bias, out, epsilon, activation)"},
+    {"mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn)), METH_FASTCALL,
+     "mvn(x, axes, scale, bias, out, epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, "
+     "mean_out, inv_std_out)"},
+    {nullptr, nullptr, 0, nullptr},
+};
 
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "simdnorm kernels (see the simdnorm package for the public API)";
   m.attr("__version__") = SIMDNORM_VERSION;
-  m.def("batch_norm", &py_batch_norm, py::arg("x"), py::arg("mean"), py::arg("variance"), py::arg("scale"),
-        py::arg("bias"), py::arg("out"), py::arg("epsilon"), py::arg("activation"));
-  m.def("mvn", &py_mvn, py::arg("x"), py::arg("axes"), py::arg("scale"), py::arg("bias"), py::arg("out"),
-        py::arg("epsilon"), py::arg("normalize_mean"), py::arg("normalize_variance"),
-        py::arg("epsilon_outside"), py::arg("activation"), py::arg("mean_out"), py::arg("inv_std_out"));
+  if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0) throw py::error_already_set();
   m.def("isa", &active_isa, "The active instruction set.");
   m.def("available_isas", &available_isas, "Instruction sets this CPU and OS run, best first.");
   m.def(

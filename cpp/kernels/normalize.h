@@ -99,25 +99,37 @@ struct NormalizeKernel {
     }
   }
 
+  // `rows` runs of n elements, run r at p + r * rs; the loop is chosen once for all of them.
   template <class Act>
-  static void run(const Act& act, int64_t n, char* const* p, const int64_t* s, bool stream) {
+  static void run_rows(const Act& act, int64_t rows, int64_t n, char* const* p, const int64_t* s,
+                       const int64_t* rs, bool stream) {
+    char* q[kNumOperands];
+    std::memcpy(q, p, sizeof q);
+    auto each_row = [&](auto&& one_row) {
+      for (int64_t r = 0; r < rows; ++r) {
+        one_row(q);
+        for (int op = 0; op < kNumOperands; ++op) q[op] += rs[op];
+      }
+    };
     constexpr int64_t ts = sizeof(T), cs = sizeof(C);
     if (s[kIn] == ts && s[kOut] == ts) {
       const bool st_const = s[kShift] == 0 && s[kMul] == 0, st_vary = s[kShift] == cs && s[kMul] == cs;
       const bool af_const = s[kScale] == 0 && s[kBias] == 0, af_vary = s[kScale] == cs && s[kBias] == cs;
-      if (st_const && af_const) return run_contiguous<false, false>(act, n, p, stream);
-      if (st_const && af_vary) return run_contiguous<false, true>(act, n, p, stream);
-      if (st_vary && af_const) return run_contiguous<true, false>(act, n, p, stream);
-      if (st_vary && af_vary) return run_contiguous<true, true>(act, n, p, stream);
+      if (st_const && af_const) return each_row([&](char* const* r) { run_contiguous<false, false>(act, n, r, stream); });
+      if (st_const && af_vary) return each_row([&](char* const* r) { run_contiguous<false, true>(act, n, r, stream); });
+      if (st_vary && af_const) return each_row([&](char* const* r) { run_contiguous<true, false>(act, n, r, stream); });
+      if (st_vary && af_vary) return each_row([&](char* const* r) { run_contiguous<true, true>(act, n, r, stream); });
     }
-    run_strided(act, n, p, s);
+    each_row([&](char* const* r) { run_strided(act, n, r, s); });
   }
 
   static void execute(const NormalizeTask& task, int64_t begin, int64_t end) {
     const bool stream = task.stream_stores;
     visit_activation<V>(task.act, [&](const auto& act) {
-      for_each_run(task.loop, begin, end,
-                   [&](int64_t len, char* const* p, const int64_t* s) { run(act, len, p, s, stream); });
+      for_each_block(task.loop, begin, end,
+                     [&](int64_t rows, int64_t len, char* const* p, const int64_t* s, const int64_t* rs) {
+                       run_rows(act, rows, len, p, s, rs, stream);
+                     });
     });
     if (stream) stream_fence();
   }

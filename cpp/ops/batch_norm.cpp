@@ -11,12 +11,14 @@ namespace simdnorm {
 namespace {
 
 // in: mean, variance, scale, bias; out: shift, mul, scale, bias.
-void fold_batch_norm(const double* in, double* out, const void* ctx) {
+void fold_batch_norm(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   const double eps = *static_cast<const double*>(ctx);
-  out[0] = in[0];
-  out[1] = 1.0 / std::sqrt(in[1] + eps);  // negative -> NaN, zero -> inf, as SPEC §2 requires
-  out[2] = in[2];
-  out[3] = in[3];
+  for (int64_t k = 0; k < n; ++k) {
+    out[0][k] = in[0][k];
+    out[1][k] = 1.0 / std::sqrt(in[1][k] + eps);  // negative -> NaN, zero -> inf, as SPEC §2 requires
+    out[2][k] = in[2][k];
+    out[3][k] = in[3][k];
+  }
 }
 
 }  // namespace
@@ -42,7 +44,7 @@ void batch_norm(const BatchNormArgs& a) {
   p.data[kIn] = x.data;
   for (int op = kShift; op <= kBias; ++op) p.data[op] = folded.data(op - kShift);
   NormalizeTask task;
-  task.loop = plan_elementwise(p);
+  plan_elementwise(p, task.loop);
   task.dtype = x.dtype;
   task.act = a.activation;
   run_normalize(task);

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include <algorithm>
+
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
 
@@ -35,50 +37,94 @@ double load_scalar(DType dtype, const char* p) {
   return 0.0;
 }
 
-FoldedParams::FoldedParams(int ndim, const int64_t* sizes, const std::vector<Input>& inputs, int outputs,
+FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs, int outputs,
                            DType compute, Fold fold, const void* ctx) {
   elsize_ = itemsize(compute);
-  int64_t shape[kMaxDims];
+  const int nin = static_cast<int>(inputs.size());
+  const Input* in = inputs.begin();
+  // The broadcast shape, reduced to its dims of size > 1, with each input's byte stride on them.
+  int nd = 0;
+  int64_t shape[kMaxDims], in_strides[kMaxInputs][kMaxDims];
   for (int d = 0; d < ndim; ++d) {
-    shape[d] = 1;
-    for (const Input& in : inputs)
-      if (in.view != nullptr && in.view->sizes[d] != 1) shape[d] = sizes[d];
-    count_ *= shape[d];
+    bool varies = false;
+    for (int i = 0; i < nin; ++i) varies |= in[i].view != nullptr && in[i].view->sizes[d] != 1;
+    int64_t step = 1;
+    for (int e = d + 1; e < ndim; ++e) {
+      bool v = false;
+      for (int i = 0; i < nin; ++i) v |= in[i].view != nullptr && in[i].view->sizes[e] != 1;
+      if (v) step *= sizes[e];
+    }
+    strides_[d] = varies && sizes[d] != 1 ? step * elsize_ : 0;
+    if (!varies || sizes[d] == 1) continue;
+    shape[nd] = sizes[d];
+    for (int i = 0; i < nin; ++i)
+      in_strides[i][nd] = in[i].view != nullptr && in[i].view->sizes[d] != 1 ? in[i].view->strides[d] : 0;
+    count_ *= sizes[d];
+    ++nd;
   }
-  for (int d = ndim - 1, step = 1; d >= 0; --d) {
-    strides_[d] = shape[d] == 1 ? 0 : step * elsize_;
-    step *= static_cast<int>(shape[d]);
+  const size_t bytes = static_cast<size_t>(count_ * elsize_ * outputs);
+  if (bytes > sizeof local_) {
+    heap_.reset(new char[bytes]);
+    storage_ = heap_.get();
   }
-  storage_.resize(static_cast<size_t>(count_ * elsize_ * outputs));
-  const size_t nparams = inputs.size();
-  std::vector<double> in(nparams), out(outputs);
-  int64_t idx[kMaxDims] = {};
-  for (int64_t flat = 0; flat < count_; ++flat) {
-    for (size_t i = 0; i < nparams; ++i) {
-      const TensorView* t = inputs[i].view;
-      if (t == nullptr) {
-        in[i] = inputs[i].absent_value;
+  // Chunks of the flat broadcast index: gather each input (its dtype switch outside the loop),
+  // fold the chunk, store it; no temporaries beyond the stack.
+  constexpr int64_t kChunk = 256;
+  double vin[kMaxInputs][kChunk], vout[kMaxInputs][kChunk];
+  const double* in_rows[kMaxInputs];
+  double* out_rows[kMaxInputs];
+  for (int i = 0; i < kMaxInputs; ++i) {
+    in_rows[i] = vin[i];
+    out_rows[i] = vout[i];
+  }
+  for (int64_t c0 = 0; c0 < count_; c0 += kChunk) {
+    const int64_t n = count_ - c0 < kChunk ? count_ - c0 : kChunk;
+    for (int i = 0; i < nin; ++i) {
+      if (in[i].view == nullptr) {
+        std::fill(vin[i], vin[i] + n, in[i].absent_value);
         continue;
       }
-      const char* p = t->data;
-      for (int d = 0; d < ndim; ++d)
-        if (t->sizes[d] != 1) p += idx[d] * t->strides[d];
-      in[i] = load_scalar(t->dtype, p);
+      // Position of element c0 of the broadcast shape in input i.
+      const char* p = in[i].view->data;
+      int64_t rem = c0, idx[kMaxDims];
+      for (int d = nd - 1; d >= 0; --d) {
+        idx[d] = rem % shape[d];
+        rem /= shape[d];
+        p += idx[d] * in_strides[i][d];
+      }
+      auto gather = [&](auto load) {
+        for (int64_t k = 0; k < n; ++k) {
+          vin[i][k] = load(p);
+          for (int d = nd - 1; d >= 0; --d) {  // odometer over the broadcast shape
+            p += in_strides[i][d];
+            if (++idx[d] < shape[d]) break;
+            p -= idx[d] * in_strides[i][d];
+            idx[d] = 0;
+          }
+        }
+      };
+      switch (in[i].view->dtype) {
+        case DType::f32: gather([](const char* q) { float v; std::memcpy(&v, q, 4); return double(v); }); break;
+        case DType::f64: gather([](const char* q) { double v; std::memcpy(&v, q, 8); return v; }); break;
+        case DType::f16: gather([](const char* q) { return load_scalar(DType::f16, q); }); break;
+        case DType::bf16: gather([](const char* q) { return load_scalar(DType::bf16, q); }); break;
+      }
     }
-    fold(in.data(), out.data(), ctx);
+    fold(in_rows, out_rows, n, ctx);
     for (int o = 0; o < outputs; ++o) {
-      char* dst = data(o) + flat * elsize_;
-      if (compute == DType::f64) std::memcpy(dst, &out[o], 8);
-      else { const float f = static_cast<float>(out[o]); std::memcpy(dst, &f, 4); }
-    }
-    for (int d = ndim - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
+      char* dst = data(o) + c0 * elsize_;
+      if (compute == DType::f64) {
+        std::memcpy(dst, vout[o], static_cast<size_t>(n) * 8);
+      } else {
+        float f[kChunk];
+        for (int64_t k = 0; k < n; ++k) f[k] = static_cast<float>(vout[o][k]);
+        std::memcpy(dst, f, static_cast<size_t>(n) * 4);
+      }
     }
   }
 }
 
-void run_normalize(NormalizeTask task) {
+void run_normalize(NormalizeTask& task) {
   const int64_t total = element_count(task.loop);
   task.stream_stores = task.loop.data[kOut] != task.loop.data[kIn] &&
                        total * itemsize(task.dtype) >= kStreamingStoreBytes;

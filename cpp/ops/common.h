@@ -3,7 +3,8 @@
 // flags (baseline), like everything outside cpp/kernels.
 #pragma once
 #include <cstring>
-#include <vector>
+#include <initializer_list>
+#include <memory>
 
 #include "plan/plan.h"
 #include "simdnorm/kernel_table.h"
@@ -20,22 +21,28 @@ inline DType compute_type(DType dtype) { return dtype == DType::f64 ? DType::f64
 // arrays laid out contiguously over their common broadcast shape (usually just C values).
 class FoldedParams {
  public:
+  static constexpr int kMaxInputs = 4;
   struct Input {
     const TensorView* view;  // nullptr: absent, reads as `absent_value`
     double absent_value;
   };
-  using Fold = void (*)(const double* in, double* out, const void* ctx);
-  // For each element of the broadcast shape, fold(in, out, ctx) maps one value per input to
-  // `outputs` values, stored in the compute type.
-  FoldedParams(int ndim, const int64_t* sizes, const std::vector<Input>& inputs, int outputs, DType compute,
+  // fold(in, out, n, ctx) maps n elements of the broadcast shape, given as one array per input
+  // (in[i][k]), to one array per output (out[o][k]); the results are stored in the compute type.
+  using Fold = void (*)(const double* const* in, double* const* out, int64_t n, const void* ctx);
+  FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs, int outputs, DType compute,
                Fold fold, const void* ctx);
+  FoldedParams(const FoldedParams&) = delete;
+  FoldedParams& operator=(const FoldedParams&) = delete;
   // Byte strides of output `i` over the input's dims (0 where the broadcast shape is 1).
   const int64_t* strides() const { return strides_; }
-  char* data(int i) { return storage_.data() + i * count_ * elsize_; }
+  char* data(int i) { return storage_ + i * count_ * elsize_; }
   int64_t count() const { return count_; }
 
  private:
-  std::vector<char> storage_;
+  // Per-channel parameters (the common case) fit here, so a small call does not allocate.
+  alignas(64) char local_[4096];
+  std::unique_ptr<char[]> heap_;
+  char* storage_ = local_;
   int64_t strides_[kMaxDims] = {};
   int64_t count_ = 1;
   int64_t elsize_ = 4;
@@ -43,7 +50,7 @@ class FoldedParams {
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges; picks
 // streaming stores by output size.
-void run_normalize(NormalizeTask task);
+void run_normalize(NormalizeTask& task);
 
 // Outputs at least this large are written with non-temporal stores (measured: see DESIGN.md).
 constexpr int64_t kStreamingStoreBytes = int64_t(16) << 20;

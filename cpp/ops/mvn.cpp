@@ -71,16 +71,17 @@ class MvnRunner {
 
  private:
   // ---- setup ----------------------------------------------------------------------------------
-  static void identity2(const double* in, double* out, const void*) {
-    out[0] = in[0];
-    out[1] = in[1];
+  static void identity2(const double* const* in, double* const* out, int64_t n, const void*) {
+    std::copy(in[0], in[0] + n, out[0]);
+    std::copy(in[1], in[1] + n, out[1]);
   }
 
   void fold_affine() {
     if (!a_.scale && !a_.bias) return;
     affine_ = std::make_unique<FoldedParams>(
         a_.input.ndim, a_.input.sizes,
-        std::vector<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0}, {a_.bias ? &*a_.bias : nullptr, 0.0}},
+        std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
+                                                   {a_.bias ? &*a_.bias : nullptr, 0.0}},
         2, compute_, identity2, nullptr);
   }
 

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <vector>
 
 namespace simdnorm {
 namespace {
@@ -13,8 +12,28 @@ struct Dim {
   bool reduced;
 };
 
-std::vector<Dim> collect(const Problem& p, uint32_t reduced_mask) {
-  std::vector<Dim> dims;
+// At most kMaxDims dims: a fixed array, so that planning a call allocates nothing.
+struct DimList {
+  Dim items[kMaxDims];
+  int n = 0;
+  void push_back(const Dim& d) { items[n++] = d; }
+  void insert_front(const Dim& d) {
+    for (int i = n; i > 0; --i) items[i] = items[i - 1];
+    items[0] = d;
+    ++n;
+  }
+  void pop_back() { --n; }
+  bool empty() const { return n == 0; }
+  Dim& back() { return items[n - 1]; }
+  const Dim& back() const { return items[n - 1]; }
+  Dim* begin() { return items; }
+  Dim* end() { return items + n; }
+  const Dim* begin() const { return items; }
+  const Dim* end() const { return items + n; }
+};
+
+DimList collect(const Problem& p, uint32_t reduced_mask) {
+  DimList dims;
   for (int d = 0; d < p.ndim; ++d) {
     if (p.sizes[d] == 1) continue;
     Dim dim{p.sizes[d], {}, ((reduced_mask >> d) & 1u) != 0};
@@ -34,8 +53,8 @@ void flip(Dim& d, char** data) {
 
 // dims are outermost first; a dim merges into the one before it when every operand steps through
 // the pair as through one dim.
-std::vector<Dim> merge(const std::vector<Dim>& dims) {
-  std::vector<Dim> out;
+DimList merge(const DimList& dims) {
+  DimList out;
   for (const Dim& d : dims) {
     if (!out.empty()) {
       Dim& o = out.back();
@@ -58,25 +77,28 @@ bool outer_first(const Dim& a, const Dim& b, Operand primary, Operand secondary)
   return std::llabs(a.stride[secondary]) > std::llabs(b.stride[secondary]);
 }
 
-void sort_outer_first(std::vector<Dim>& dims, Operand primary, Operand secondary) {
-  std::stable_sort(dims.begin(), dims.end(),
-                   [&](const Dim& a, const Dim& b) { return outer_first(a, b, primary, secondary); });
+// Stable insertion sort: at most 8 dims.
+void sort_outer_first(DimList& dims, Operand primary, Operand secondary) {
+  for (int i = 1; i < dims.n; ++i) {
+    const Dim d = dims.items[i];
+    int j = i;
+    for (; j > 0 && outer_first(d, dims.items[j - 1], primary, secondary); --j) dims.items[j] = dims.items[j - 1];
+    dims.items[j] = d;
+  }
 }
 
-LoopNest to_nest(const std::vector<Dim>& dims, char* const* data) {
-  LoopNest nest;
-  nest.ndim = static_cast<int>(dims.size());
+void to_nest(const DimList& dims, char* const* data, LoopNest& nest) {
+  nest.ndim = dims.n;
   for (int d = 0; d < nest.ndim; ++d) {
-    nest.sizes[d] = dims[d].size;
-    for (int op = 0; op < kNumOperands; ++op) nest.strides[op][d] = dims[d].stride[op];
+    nest.sizes[d] = dims.items[d].size;
+    for (int op = 0; op < kNumOperands; ++op) nest.strides[op][d] = dims.items[d].stride[op];
   }
   for (int op = 0; op < kNumOperands; ++op) nest.data[op] = data[op];
-  return nest;
 }
 
 Dim unit_dim(bool reduced) { return Dim{1, {}, reduced}; }
 
-int64_t product(const std::vector<Dim>& dims) {
+int64_t product(const DimList& dims) {
   int64_t n = 1;
   for (const Dim& d : dims) n *= d.size;
   return n;
@@ -84,26 +106,26 @@ int64_t product(const std::vector<Dim>& dims) {
 
 }  // namespace
 
-LoopNest plan_elementwise(const Problem& p) {
+void plan_elementwise(const Problem& p, LoopNest& nest) {
   char* data[kNumOperands];
   std::copy(p.data, p.data + kNumOperands, data);
-  std::vector<Dim> dims = collect(p, 0);
+  DimList dims = collect(p, 0);
   for (Dim& d : dims)
     if (d.stride[kOut] < 0 || (d.stride[kOut] == 0 && d.stride[kIn] < 0)) flip(d, data);
   sort_outer_first(dims, kOut, kIn);
   dims = merge(dims);
   if (dims.empty()) dims.push_back(unit_dim(false));
-  return to_nest(dims, data);
+  to_nest(dims, data, nest);
 }
 
 ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t itemsize) {
   char* data[kNumOperands];
   std::copy(p.data, p.data + kNumOperands, data);
-  std::vector<Dim> dims = collect(p, reduced_mask);
+  DimList dims = collect(p, reduced_mask);
   // Direction does not matter to a reduction or to the elementwise pass after it: read forwards.
   for (Dim& d : dims)
     if (d.stride[kIn] < 0) flip(d, data);
-  std::vector<Dim> kept, reduced;
+  DimList kept, reduced;
   for (const Dim& d : dims) (d.reduced ? reduced : kept).push_back(d);
   sort_outer_first(kept, kIn, kOut);
   sort_outer_first(reduced, kIn, kOut);
@@ -123,15 +145,15 @@ ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t it
   reduced = merge(reduced);
   if (kept.empty()) kept.push_back(unit_dim(false));
   if (reduced.empty()) reduced.push_back(unit_dim(true));
-  plan.kept_dims = static_cast<int>(kept.size());
-  plan.reduced_dims = static_cast<int>(reduced.size());
+  plan.kept_dims = kept.n;
+  plan.reduced_dims = reduced.n;
   plan.groups = product(kept);
   plan.group_size = product(reduced);
   plan.lane_count = lanes_dim.size;
-  std::vector<Dim> all = kept;
-  all.insert(all.end(), reduced.begin(), reduced.end());
+  DimList all = kept;
+  for (const Dim& d : reduced) all.push_back(d);
   if (plan.lanes) all.push_back(lanes_dim);
-  plan.nest = to_nest(all, data);
+  to_nest(all, data, plan.nest);
   return plan;
 }
 

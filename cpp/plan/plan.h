@@ -18,7 +18,7 @@ struct Problem {
 
 // Elementwise: order by the output's strides (ties by the input's), flip dims the output walks
 // backwards, merge.
-LoopNest plan_elementwise(const Problem& problem);
+void plan_elementwise(const Problem& problem, LoopNest& nest);
 
 // A reduction over the dims in `reduced` (bit mask over problem dims).
 struct ReductionPlan {
