@@ -238,15 +238,22 @@ def mvn_terms(x, axes, scale=None, bias=None, *, normalize_mean=True, normalize_
     b = mvn_param(bias, xs.shape)
     s = np.ones(xs.shape) if s is None else s
     b = np.zeros(xs.shape) if b is None else b
+    # The statistics in extended precision (80-bit on x86), so that the reference's own rounding
+    # (a mean of identical float64 values that is not exactly that value) does not show up as a
+    # variance of 1e-33 and move inv_std by 1e-11 relative where epsilon is tiny.
+    xl = xs.astype(np.longdouble)
     if normalize_mean:
-        mean = xs.mean(axis=axes, keepdims=True)
+        mean_l = xl.mean(axis=axes, keepdims=True)
+        mean = mean_l.astype(np.float64)
         centered = xs - mean
+        centered_l = xl - mean_l
     else:
         mean = None
         centered = xs
-    with np.errstate(divide="ignore", invalid="ignore"):
+        centered_l = xl
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         if normalize_variance:
-            m2 = np.mean(centered * centered, axis=axes, keepdims=True)
+            m2 = np.mean(centered_l * centered_l, axis=axes, keepdims=True).astype(np.float64)
             if epsilon_mode == "inside":
                 inv = 1.0 / np.sqrt(m2 + epsilon)
             elif epsilon_mode == "outside":

@@ -3,8 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
@@ -32,6 +35,24 @@ DType dtype_of(const py::handle& arr, const char* name) {
                        " (accepted: float32, float16, bfloat16, float64)");
 }
 
+// numpy does not stop a view (as_strided) whose element count or byte extent passes what 64-bit
+// arithmetic can hold; every offset computed inside would wrap, so such a view is refused here.
+void check_extent(const TensorView& v, const char* name) {
+  int64_t count = 1, extent = 0;
+  bool overflow = false;
+  for (int d = 0; d < v.ndim; ++d) {
+    if (v.sizes[d] == 0) return;  // no element: nothing is addressed
+    overflow |= __builtin_mul_overflow(count, v.sizes[d], &count);
+    int64_t term;
+    const int64_t stride = v.strides[d] == INT64_MIN ? INT64_MAX : (v.strides[d] < 0 ? -v.strides[d] : v.strides[d]);
+    overflow |= __builtin_mul_overflow(v.sizes[d] - 1, stride, &term);
+    overflow |= __builtin_add_overflow(extent, term, &extent);
+  }
+  overflow |= __builtin_add_overflow(extent, int64_t{8}, &extent);
+  if (overflow)
+    throw py::value_error(std::string(name) + ": the byte extent of its sizes and strides overflows 64-bit arithmetic");
+}
+
 TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
   if (!py::detail::npy_api::get().PyArray_Check_(obj.ptr()))
     throw py::type_error(std::string(name) + " must be a numpy.ndarray");
@@ -48,6 +69,7 @@ TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
     v.sizes[d] = a->dimensions[d];
     v.strides[d] = a->strides[d];
   }
+  check_extent(v, name);
   return v;
 }
 
@@ -114,7 +136,7 @@ bool bool_of(const py::handle& obj, const char* name) {
 }
 
 void py_batch_norm(py::handle x, py::handle mean, py::handle variance, py::handle scale, py::handle bias,
-                   py::handle out, py::handle epsilon, py::handle activation) {
+                   py::handle out, py::handle epsilon, py::handle activation, std::string* explain) {
   BatchNormArgs a;
   a.input = view_of(x, "input", false);
   a.output = view_of(out, "out", true);
@@ -130,12 +152,13 @@ void py_batch_norm(py::handle x, py::handle mean, py::handle variance, py::handl
   if (a.bias) check_param(a.input, *a.bias, "bias");
   a.epsilon = double_of(epsilon, "epsilon");
   a.activation = activation_of(activation);
+  if (explain != nullptr) return batch_norm(a, explain);
   run_without_gil(element_count(a.input), [&] { batch_norm(a); });
 }
 
 void py_mvn(py::handle x, py::handle axes, py::handle scale, py::handle bias, py::handle out, py::handle epsilon,
             py::handle normalize_mean, py::handle normalize_variance, py::handle epsilon_outside,
-            py::handle activation, py::handle mean_out, py::handle inv_std_out) {
+            py::handle activation, py::handle mean_out, py::handle inv_std_out, std::string* explain) {
   MvnArgs a;
   a.input = view_of(x, "input", false);
   a.output = view_of(out, "out", true);
@@ -169,18 +192,24 @@ void py_mvn(py::handle x, py::handle axes, py::handle scale, py::handle bias, py
   a.normalize_variance = bool_of(normalize_variance, "normalize_variance");
   a.epsilon_outside = bool_of(epsilon_outside, "epsilon_outside");
   a.activation = activation_of(activation);
+  if (explain != nullptr) return mean_variance_normalization(a, explain);
   run_without_gil(element_count(a.input), [&] { mean_variance_normalization(a); });
 }
 
 // The two hot entry points are plain METH_FASTCALL functions: pybind11's general dispatcher costs
 // more than the rest of a small call put together.
+// f returns nothing (the call returns None) or a string (returned as str).
 template <size_t N, class F>
 PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
   try {
     if (nargs != static_cast<Py_ssize_t>(N))
       throw py::type_error(std::string(name) + "() takes " + std::to_string(N) + " positional arguments");
-    f(args);
-    Py_RETURN_NONE;
+    if constexpr (std::is_void_v<decltype(f(args))>) {
+      f(args);
+      Py_RETURN_NONE;
+    } else {
+      return py::str(f(args)).release().ptr();
+    }
   } catch (py::error_already_set& e) {
     e.restore();
   } catch (py::builtin_exception& e) {
@@ -195,13 +224,29 @@ PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&
 
 PyObject* fast_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall<8>(args, nargs, "batch_norm", [](PyObject* const* a) {
-    py_batch_norm(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+    py_batch_norm(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], nullptr);
   });
 }
 
 PyObject* fast_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall<12>(args, nargs, "mvn", [](PyObject* const* a) {
-    py_mvn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11]);
+    py_mvn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], nullptr);
+  });
+}
+
+PyObject* explain_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall<8>(args, nargs, "explain_batch_norm", [](PyObject* const* a) {
+    std::string s;
+    py_batch_norm(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], &s);
+    return s;
+  });
+}
+
+PyObject* explain_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall<12>(args, nargs, "explain_mvn", [](PyObject* const* a) {
+    std::string s;
+    py_mvn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], &s);
+    return s;
   });
 }
 
@@ -211,6 +256,10 @@ PyMethodDef g_fast_methods[] = {
     {"mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn)), METH_FASTCALL,
      "mvn(x, axes, scale, bias, out, epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, "
      "mean_out, inv_std_out)"},
+    {"explain_batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_batch_norm)),
+     METH_FASTCALL, "explain_batch_norm(<batch_norm's arguments>) -> the plan batch_norm would run, as text"},
+    {"explain_mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_mvn)), METH_FASTCALL,
+     "explain_mvn(<mvn's arguments>) -> the plan mvn would run, as text"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -48,34 +48,38 @@ struct NormalizeKernel {
       L::store_partial(y + i, r, m);
       i += m;
     };
-    // Peel a masked head so that every full store is vector-aligned: on this hardware stores that
-    // straddle cache lines cost up to 2x, numpy hands out 16/32-byte aligned buffers, and
-    // non-temporal stores require it. An element pointer that is not even element-aligned cannot
-    // be peeled into alignment: it takes plain stores.
-    constexpr uintptr_t vbytes = W * sizeof(T);
+    // Peel a masked head up to a 64-byte boundary, so that full stores never straddle a cache
+    // line (on this hardware that costs up to 2x, and numpy hands out 16/32-byte aligned buffers)
+    // and each pair of vectors below covers whole lines (what non-temporal stores need to avoid
+    // partial-line writes). An element pointer that is not even element-aligned cannot be peeled
+    // into alignment: it takes plain stores.
     const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
     const bool aligned_elements = addr % sizeof(T) == 0;
     stream = stream && aligned_elements;
     if constexpr (W > 1) {
       if (aligned_elements) {
-        int64_t head = static_cast<int64_t>(((vbytes - addr % vbytes) % vbytes) / sizeof(T));
+        int64_t head = static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T));
         if (head > n) head = n;
-        if (head > 0) partial(static_cast<int>(head));
+        while (head > 0) {
+          const int m = static_cast<int>(head < W ? head : W);
+          partial(m);
+          head -= m;
+        }
       }
     }
-    auto store = [&](T* q, V v) {
-      if (stream) L::store_stream(q, v);  // a predictable branch: cheaper than twice the code
-      else L::store(q, v);
-    };
     for (; i + 2 * W <= n; i += 2 * W) {
       const V r0 = compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
       const V r1 = compute(act, L::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
                            af.second(i + W));
-      store(y + i, r0);
-      store(y + i + W, r1);
+      if (stream) {  // a predictable branch: cheaper than twice the code
+        L::store2_stream(y + i, r0, r1);
+      } else {
+        L::store(y + i, r0);
+        L::store(y + i + W, r1);
+      }
     }
     for (; i + W <= n; i += W) {
-      store(y + i, compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
+      L::store(y + i, compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
     }
     if (i < n) partial(static_cast<int>(n - i));
   }

@@ -23,10 +23,13 @@ void fold_batch_norm(const double* const* in, double* const* out, int64_t n, con
 
 }  // namespace
 
-void batch_norm(const BatchNormArgs& a) {
+void batch_norm(const BatchNormArgs& a, std::string* explain) {
   const TensorView& x = a.input;
   for (int d = 0; d < x.ndim; ++d)
-    if (x.sizes[d] == 0) return;
+    if (x.sizes[d] == 0) {
+      if (explain != nullptr) *explain = "empty";
+      return;
+    }
   const DType compute = compute_type(x.dtype);
   FoldedParams folded(x.ndim, x.sizes,
                       {{&a.mean, 0.0}, {&a.variance, 0.0}, {a.scale ? &*a.scale : nullptr, 1.0},
@@ -47,6 +50,11 @@ void batch_norm(const BatchNormArgs& a) {
   plan_elementwise(p, task.loop);
   task.dtype = x.dtype;
   task.act = a.activation;
+  task.stream_stores = wants_stream_stores(task);
+  if (explain != nullptr) {
+    *explain = describe_normalize(task);
+    return;
+  }
   run_normalize(task);
 }
 

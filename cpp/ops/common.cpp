@@ -124,10 +124,33 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
   }
 }
 
+bool wants_stream_stores(const NormalizeTask& task) {
+  return task.loop.data[kOut] != task.loop.data[kIn] &&
+         element_count(task.loop) * itemsize(task.dtype) >= kStreamingStoreBytes;
+}
+
+std::string describe_normalize(const NormalizeTask& task) {
+  const LoopNest& n = task.loop;
+  const int inner = n.ndim - 1;
+  const int64_t ts = itemsize(task.dtype), cs = itemsize(compute_type(task.dtype));
+  const int64_t* s[kNumOperands];
+  for (int op = 0; op < kNumOperands; ++op) s[op] = n.strides[op];
+  auto pair = [&](int a, int b) -> std::string {
+    if (s[a][inner] == 0 && s[b][inner] == 0) return "const";
+    if (s[a][inner] == cs && s[b][inner] == cs) return "vary";
+    return "strided";
+  };
+  std::string loop;
+  if (s[kIn][inner] == ts && s[kOut][inner] == ts && pair(kShift, kMul) != "strided" &&
+      pair(kScale, kBias) != "strided")
+    loop = "contiguous(stats=" + pair(kShift, kMul) + ",affine=" + pair(kScale, kBias) + ")";
+  else
+    loop = "strided";
+  return "nest=" + describe(n) + " inner=" + loop + (task.stream_stores ? " stream" : "");
+}
+
 void run_normalize(NormalizeTask& task) {
   const int64_t total = element_count(task.loop);
-  task.stream_stores = task.loop.data[kOut] != task.loop.data[kIn] &&
-                       total * itemsize(task.dtype) >= kStreamingStoreBytes;
   const int parts = parts_for(total, kMinElementsPerThread);
   const KernelTable& k = kernels();
   if (parts == 1) return k.normalize(task, 0, total);

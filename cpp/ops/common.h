@@ -48,12 +48,16 @@ class FoldedParams {
   int64_t elsize_ = 4;
 };
 
-// Runs the normalize kernel over the whole nest, split over threads in element ranges; picks
-// streaming stores by output size.
+// Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);
+// Non-temporal stores: for outputs much larger than the caches, never in place.
+bool wants_stream_stores(const NormalizeTask& task);
+
+// "nest=... inner=<loop>": the loop nest and the inner loop the normalize kernel picks for it.
+std::string describe_normalize(const NormalizeTask& task);
 
 // Outputs at least this large are written with non-temporal stores (measured: see DESIGN.md).
-constexpr int64_t kStreamingStoreBytes = int64_t(16) << 20;
+constexpr int64_t kStreamingStoreBytes = int64_t(4) << 20;
 
 // Minimum elements per thread before a second thread is worth waking (measured: ~30 us of work).
 constexpr int64_t kMinElementsPerThread = 1 << 15;

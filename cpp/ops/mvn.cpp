@@ -31,8 +31,12 @@ namespace {
 
 // Rows: elements per statistics block (the unit of work when groups are split between threads).
 constexpr int64_t kBlock = 1 << 15;
-// Columns: a task's lanes are chosen so that its rows x lanes block stays in L2 between the passes.
-constexpr int64_t kColumnBlockBytes = 512 << 10;
+// Rows: groups smaller than this are normalized in batches of about this many bytes (L1/L2-sized:
+// the batch is still cached when the normalize pass reads it back).
+constexpr int64_t kFusedBatchBytes = 32 << 10;
+// Columns: a task's lanes are chosen so that its rows x lanes block stays in cache (L2, or the large
+// shared L3) between the statistics and the normalize pass, while rows stay long enough for SIMD.
+constexpr int64_t kColumnBlockBytes = 4 << 20;
 constexpr double kOverflowScale = 7.888609052210118e-31;  // 2^-100
 
 struct Pass {
@@ -53,18 +57,32 @@ class MvnRunner {
  public:
   explicit MvnRunner(const MvnArgs& a) : a_(a), compute_(compute_type(a.input.dtype)), csize_(itemsize(compute_)) {}
 
-  void run() {
+  void run(std::string* explain) {
     const TensorView& x = a_.input;
     bool empty = false, reduced_empty = false;
     for (int d = 0; d < x.ndim; ++d)
       if (x.sizes[d] == 0) (((a_.reduced >> d) & 1u) ? reduced_empty : empty) = true;
-    if (empty) return;
-    if (reduced_empty) return fill_stats_nan();  // statistics of nothing; the output is empty
+    if (empty || reduced_empty) {
+      if (explain != nullptr) *explain = "empty";
+      else if (reduced_empty) fill_stats_nan();  // statistics of nothing; the output is empty
+      return;
+    }
 
     fold_affine();
     build_plan();
-    const int64_t total = plan_.groups * plan_.lane_count * plan_.group_size;
-    task_.stream_stores = a_.output.data != a_.input.data && total * itemsize(x.dtype) >= kStreamingStoreBytes;
+    task_.stream_stores = wants_stream_stores(task_);
+    if (explain != nullptr) {
+      *explain = (plan_.lanes ? "columns" : "rows") + std::string(" groups=") + std::to_string(plan_.groups) +
+                 " lanes=" + std::to_string(plan_.lane_count) + " group_size=" + std::to_string(plan_.group_size) +
+                 (plan_.lanes ? " lanes_per_task=" + std::to_string(lanes_per_task())
+                              : std::string(rows_fused() ? " fused" : " split")) +
+                 " " + describe_normalize(task_);
+      return;
+    }
+    if (!a_.normalize_mean && !a_.normalize_variance) {  // no statistics needed: scale and bias only
+      for (int64_t i = 0; i < plan_.groups * plan_.lane_count; ++i) store_stats(i, GroupResult{0.0, 0.0}, nullptr, nullptr);
+      return run_normalize(task_);
+    }
     if (plan_.lanes) run_columns();
     else run_rows();
   }
@@ -154,7 +172,8 @@ class MvnRunner {
         pass.scale = kOverflowScale;
         return false;
       }
-      out = {NAN, NAN};  // an inf or NaN in the data: the whole group is NaN
+      // An inf or NaN in the data: the group's statistics are NaN (those that are used at all).
+      out = {a_.normalize_mean ? NAN : 0.0, NAN};
       return true;
     }
     const double m1 = s.s1 / n;  // mean of d, in scaled units
@@ -233,30 +252,44 @@ class MvnRunner {
                 user_inv_std_ + user_offset(user_inv_std_strides_, group));
   }
 
+  // Enough groups to give every thread whole groups (the statistics and normalization of a group
+  // then run back to back, while it is cached)?
+  bool rows_fused() const {
+    const int parts = parts_for(plan_.groups * plan_.group_size, kMinElementsPerThread);
+    return parts == 1 || plan_.groups >= 2 * parts;
+  }
+
   void run_rows() {
     const int64_t groups = plan_.groups, nblocks = blocks_per_group();
     const double n = static_cast<double>(plan_.group_size);
     const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
     const KernelTable& k = kernels();
-    if (parts == 1 || groups >= 2 * parts) {
-      // Whole groups per thread; each normalized right after its statistics, while cached.
+    if (rows_fused()) {
+      // Whole groups per thread, in batches that stay in cache: the statistics of a batch, then
+      // one normalize call over the batch (one call per group would cost more than a short
+      // group's arithmetic).
       const int64_t per = (groups + parts - 1) / parts;
+      const int64_t group_bytes = plan_.group_size * itemsize(a_.input.dtype);
+      const int64_t batch = group_bytes >= kFusedBatchBytes ? 1 : kFusedBatchBytes / group_bytes;
       parallel_for(parts, [&](int part) {
         const int64_t g0 = part * per, g1 = g0 + per < groups ? g0 + per : groups;
-        for (int64_t g = g0; g < g1; ++g) {
-          Pass pass = first_pass(group_first_element(g));
-          GroupResult r;
-          for (;;) {
-            Sums total;
-            for (int64_t b = 0; b < nblocks; ++b) {
-              const Sums s = block_sums(g, b, pass);
-              total.s1 += s.s1;
-              total.s2 += s.s2;
+        for (int64_t b0 = g0; b0 < g1; b0 += batch) {
+          const int64_t b1 = b0 + batch < g1 ? b0 + batch : g1;
+          for (int64_t g = b0; g < b1; ++g) {
+            Pass pass = first_pass(group_first_element(g));
+            GroupResult r;
+            for (;;) {
+              Sums total;
+              for (int64_t b = 0; b < nblocks; ++b) {
+                const Sums s = block_sums(g, b, pass);
+                total.s1 += s.s1;
+                total.s2 += s.s2;
+              }
+              if (judge(total, n, pass, r)) break;
             }
-            if (judge(total, n, pass, r)) break;
+            finish_group(g, r);
           }
-          finish_group(g, r);
-          k.normalize(task_, g * plan_.group_size, (g + 1) * plan_.group_size);
+          k.normalize(task_, b0 * plan_.group_size, b1 * plan_.group_size);
         }
       });
       return;
@@ -330,19 +363,25 @@ class MvnRunner {
     std::vector<GroupResult> results(static_cast<size_t>(nb));
     const char* first = group_first_element(ko) + c0 * nest.strides[kIn][lanes_dim];
     for (int64_t c = 0; c < nb; ++c) passes[c] = first_pass(first + c * nest.strides[kIn][lanes_dim]);
-    for (int round = 0;; ++round) {
-      // One scale for the whole block: the kernel takes one. Lanes that were already good are
-      // summed again around their mean, which keeps them good.
-      double scale = 1.0;
-      for (const Pass& p : passes) scale = std::fmin(scale, p.scale);
-      for (int64_t c = 0; c < nb; ++c) pivots[c] = passes[c].pivot;
-      column_sums(ko, c0, nb, pivots.data(), scale, s1.data(), s2.data());
-      bool all_good = true;
-      for (int64_t c = 0; c < nb; ++c) {
-        passes[c].scale = scale;
-        if (!judge(Sums{s1[c], s2[c]}, n, passes[c], results[c])) all_good = false;
+    // Every lane starts unscaled around its first element; a lane whose sums overflow or whose
+    // pivot was far from its mean is summed again (the kernel takes one scale per call, so lanes
+    // needing the overflow scale get a pass of their own: applied to ordinary lanes, that scale
+    // would underflow their squares).
+    std::vector<char> done(static_cast<size_t>(nb), 0);
+    std::fill(results.begin(), results.end(), GroupResult{NAN, NAN});
+    for (int round = 0; round < 3; ++round) {
+      bool pending = false;
+      for (const double scale : {1.0, kOverflowScale}) {
+        bool any = false;
+        for (int64_t c = 0; c < nb; ++c) any |= !done[c] && passes[c].scale == scale;
+        if (!any) continue;
+        for (int64_t c = 0; c < nb; ++c) pivots[c] = passes[c].pivot;
+        column_sums(ko, c0, nb, pivots.data(), scale, s1.data(), s2.data());
+        for (int64_t c = 0; c < nb; ++c)
+          if (!done[c] && passes[c].scale == scale) done[c] = judge(Sums{s1[c], s2[c]}, n, passes[c], results[c]);
       }
-      if (all_good || round == 2) break;
+      for (int64_t c = 0; c < nb; ++c) pending |= !done[c];
+      if (!pending) break;
     }
     const int64_t mean_lane_stride = user_mean_strides_[lanes_dim], istd_lane_stride = user_inv_std_strides_[lanes_dim];
     const char* um = user_mean_ + user_offset(user_mean_strides_, ko);
@@ -369,11 +408,15 @@ class MvnRunner {
     kernels().normalize(sub, 0, plan_.group_size * nb);
   }
 
-  void run_columns() {
+  int64_t lanes_per_task() const {
     const int64_t row_bytes = plan_.group_size * itemsize(a_.input.dtype);
-    int64_t lanes_per_task = kColumnBlockBytes / (row_bytes > 0 ? row_bytes : 1);
-    lanes_per_task = lanes_per_task < 16 ? 16 : lanes_per_task / 16 * 16;
-    if (lanes_per_task > plan_.lane_count) lanes_per_task = plan_.lane_count;
+    int64_t lanes = kColumnBlockBytes / (row_bytes > 0 ? row_bytes : 1);
+    lanes = lanes < 16 ? 16 : lanes / 16 * 16;
+    return lanes > plan_.lane_count ? plan_.lane_count : lanes;
+  }
+
+  void run_columns() {
+    const int64_t lanes_per_task = this->lanes_per_task();
     const int64_t blocks = (plan_.lane_count + lanes_per_task - 1) / lanes_per_task;
     const int64_t tasks = plan_.groups * blocks;
     int parts = parts_for(plan_.groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
@@ -425,6 +468,6 @@ class MvnRunner {
 
 }  // namespace
 
-void mean_variance_normalization(const MvnArgs& args) { MvnRunner(args).run(); }
+void mean_variance_normalization(const MvnArgs& args, std::string* explain) { MvnRunner(args).run(explain); }
 
 }  // namespace simdnorm

@@ -151,17 +151,21 @@ template <> struct Lanes<float> {
     return v;
   }
   static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
-  // Non-temporal store of a full vector to a vector-aligned address (bypasses the cache: no
-  // read-for-ownership of the destination line). The caller fences with stream_fence().
-  static void store_stream(float* p, V v) {
+  // Non-temporal stores of two consecutive vectors to a 64-byte aligned address (bypasses the
+  // cache: no read-for-ownership of the destination lines). The caller fences with stream_fence().
+  static void store2_stream(float* p, V v0, V v1) {
 #if defined(__AVX512F__)
-    _mm512_stream_ps(p, (__m512)v);
+    _mm512_stream_ps(p, (__m512)v0);
+    _mm512_stream_ps(p + W, (__m512)v1);
 #elif defined(__AVX2__)
-    _mm256_stream_ps(p, (__m256)v);
+    _mm256_stream_ps(p, (__m256)v0);
+    _mm256_stream_ps(p + W, (__m256)v1);
 #elif defined(__SSE2__)
-    _mm_stream_ps(p, (__m128)v);
+    _mm_stream_ps(p, (__m128)v0);
+    _mm_stream_ps(p + W, (__m128)v1);
 #else
-    store(p, v);
+    store(p, v0);
+    store(p + W, v1);
 #endif
   }
   static V load_partial(const float* p, int n) {
@@ -242,14 +246,18 @@ struct Lanes16 {
     const vh h = FromFloat(v);
     std::memcpy(p, &h, sizeof h);
   }
-  static void store_stream(Tag* p, V v) {
-    const vh h = FromFloat(v);
+  // Two vectors of 16-bit values make one full-width (64-byte on AVX-512) non-temporal store.
+  static void store2_stream(Tag* p, V v0, V v1) {
+    const vh h0 = FromFloat(v0), h1 = FromFloat(v1);
 #if defined(__AVX512F__)
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)h);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p),
+                        _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)h0), (__m256i)h1, 1));
 #elif defined(__AVX2__)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), (__m128i)h);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                        _mm256_inserti128_si256(_mm256_castsi128_si256((__m128i)h0), (__m128i)h1, 1));
 #else
-    std::memcpy(p, &h, sizeof h);
+    std::memcpy(p, &h0, sizeof h0);
+    std::memcpy(p + W, &h1, sizeof h1);
 #endif
   }
   static V load_partial(const Tag* p, int n) { return ToFloat(raw_load_partial(p, n)); }
@@ -276,7 +284,10 @@ template <> struct Lanes<double> {
   static constexpr int W = 1;
   static V load(const double* p) { double x; std::memcpy(&x, p, 8); return x; }
   static void store(double* p, V v) { std::memcpy(p, &v, 8); }
-  static void store_stream(double* p, V v) { store(p, v); }
+  static void store2_stream(double* p, V v0, V v1) {
+    store(p, v0);
+    store(p + 1, v1);
+  }
   static V load_partial(const double* p, int) { return load(p); }
   static void store_partial(double* p, V v, int) { store(p, v); }
   static double load_one(const double* p) { return load(p); }

@@ -243,7 +243,7 @@ static const ActCase kActs[] = {
     {"scaled_tanh(1.7,0.66)", mk(ActKind::scaled_tanh, 1.7, 0.66), 4.0},
     {"softplus(1)", mk(ActKind::softplus, 1.0), 4.0},
     {"softplus(3)", mk(ActKind::softplus, 3.0), 3.0},
-    {"softplus(0.1)", mk(ActKind::softplus, 0.1), 6.0},  // max at results ~1e-38 (see ACCURACY.md)
+    {"softplus(0.1)", mk(ActKind::softplus, 0.1), 8.0},  // max at results ~2e-38 (see ACCURACY.md)
     {"parametric_softplus(1,1)", mk(ActKind::parametric_softplus, 1.0, 1.0), 4.0},
     {"parametric_softplus(0.75,2)", mk(ActKind::parametric_softplus, 0.75, 2.0), 3.0},
     {"softsign", mk(ActKind::softsign), 2.0},

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "simdnorm/types.h"
 
@@ -37,7 +38,9 @@ struct MvnArgs {
   std::optional<TensorView> mean_out, inv_std_out;  // compute type, input's shape with reduced dims 1
 };
 
-void batch_norm(const BatchNormArgs& args);
-void mean_variance_normalization(const MvnArgs& args);
+// With `explain` set, nothing runs: the plan that would run is described there instead (which loop
+// nest, which inner loop), so tests can check that a layout takes the path meant for it.
+void batch_norm(const BatchNormArgs& args, std::string* explain = nullptr);
+void mean_variance_normalization(const MvnArgs& args, std::string* explain = nullptr);
 
 }  // namespace simdnorm

@@ -1,0 +1,442 @@
+"""The hostile-input catalogue: one table of invalid calls, each with its exception type and message
+regex, and in every case a poisoned ``out`` (a view at an odd byte offset inside a padded, byte-
+poisoned buffer) compared byte for byte afterwards: no error path writes anything.
+
+tests/test_validation.py already covers, and this table does not repeat:
+  * input dtypes int32/int64/uint8/bool/complex64/object/>f4/>f2 on all six functions
+    (test_unsupported_input_dtype_is_type_error), ranks 0 and 9 without out
+    (test_rank_zero_and_nine_are_value_errors);
+  * batch-norm parameter shapes and the (input, parameter) dtype matrix (test_bn_param_*);
+  * epsilon NaN/inf/-inf/negative/non-real on all six functions (test_bad_epsilon_is_value_error,
+    test_epsilon_type), epsilon_mode;
+  * axes out of range/duplicate/empty/float/bool/str/None/2-D (test_axes_errors);
+  * unknown activation names and non-activation types (test_activation_errors);
+  * out as a list, of the wrong dtype or shape, read-only, broadcast (test_out_errors);
+  * the conveniences' own rules (num_groups, per-channel shapes, channel_axis 0).
+tests/test_descriptors.py covers TensorDesc rules and compiled-operator argument mismatches.
+What is here: the remaining dtypes (ml_dtypes' others, datetime, str, structured, longdouble, big-
+endian float64, un-convertible Python objects), ranks 0/9 with out and for parameters, channel
+mismatches by channel_axis, parameter dtypes outside SPEC §2/§3 (bool, complex, object, big-endian,
+the wrong half type) on every function, epsilon through the descriptor/compile path, axes spelled
+in numpy types, bad activation parameters, out objects that are not arrays or are read-only views,
+and sizes/strides whose byte extent overflows 64-bit arithmetic (run in a subprocess each: a
+package without that check crashes, which must show as a failure, not kill pytest).
+"""
+
+from __future__ import annotations
+
+import fractions
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import simdnorm
+from simdnorm import (
+    Activation,
+    BatchNormalizationDesc,
+    MeanVarianceNormalizationDesc,
+    TensorDesc,
+)
+
+try:
+    from numpy.exceptions import AxisError
+except ImportError:  # pragma: no cover
+    from numpy import AxisError
+
+F32 = np.dtype(np.float32)
+F16 = np.dtype(np.float16)
+F64 = np.dtype(np.float64)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+POISON = 0xA5
+PAD = 64
+
+bn = simdnorm.batch_normalization
+mvn = simdnorm.mean_variance_normalization
+ln = simdnorm.layer_norm
+rms = simdnorm.rms_norm
+inorm = simdnorm.instance_norm
+gn = simdnorm.group_norm
+
+SHAPE = (2, 4, 3, 5)
+X = np.random.default_rng(0).standard_normal(SHAPE).astype(F32)
+C4 = np.linspace(0.5, 2.0, 4).astype(F32)
+ACCEPTED = r"accepted: float32, float16, bfloat16.*float64"
+PARAM_RULE = r"a parameter's dtype must be the input's \({dt}\) or float32"
+
+
+def p(shape=(4,), dtype=F32, value=1.0):
+    return np.full(shape, value, dtype)
+
+
+def x_as(dtype, shape=SHAPE):
+    return np.ones(shape).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# poisoned out inside a padded buffer
+# ----------------------------------------------------------------------------------------------
+
+class Padded:
+    """`array`: a view at an odd byte offset inside a uint8 buffer with PAD poisoned bytes either
+    side; the whole buffer (padding and array) is poisoned and `untouched()` checks every byte."""
+
+    def __init__(self, shape, dtype=F32, writeable=True):
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.buf = np.full(n + 2 * PAD + 1, POISON, np.uint8)
+        self.array = np.ndarray(shape, dtype, buffer=self.buf, offset=PAD + 1)
+        if not writeable:
+            self.array.flags.writeable = False
+
+    def untouched(self) -> bool:
+        return bool((self.buf == POISON).all())
+
+
+class Opaque:
+    """An out that is not a writeable ndarray (bytearray, memoryview, read-only memory ...): the
+    bytes it shows are compared afterwards."""
+
+    def __init__(self, obj, raw):
+        self.array, self.raw = obj, raw
+        self.before = bytes(raw)
+
+    def untouched(self) -> bool:
+        return bytes(self.raw) == self.before
+
+
+@dataclass
+class Row:
+    id: str
+    call: Callable[..., Any]  # call(out=...) runs the op; out=None runs it without out
+    exc: type
+    msg: str
+    out: Optional[Callable[[], Any]] = None  # the poisoned out to pass (default: like SHAPE, F32)
+    without_out: bool = True  # also run it without out (same error expected)
+
+
+ROWS: list = []
+
+
+def row(id, call, exc, msg, out=None, without_out=True):
+    ROWS.append(Row(id, call, exc, msg, out, without_out))
+
+
+def out_like(shape=SHAPE, dtype=F32):
+    return lambda: Padded(shape, dtype)
+
+
+# ---- 1. input dtypes and objects (SPEC §1: TypeError naming the dtype and what is accepted) ------
+for _dt, _name, _fn in [
+    (np.int8, "int8", mvn), (np.uint64, "uint64", bn), (np.longdouble, None, ln), (np.complex128, "complex128", rms),
+    ("datetime64[s]", r"datetime64\[s\]", inorm), ("timedelta64[ms]", r"timedelta64\[ms\]", gn),
+    ("<U3", "<U3", mvn), ("S3", r"\|S3", bn), ([("a", "<f4")], r"\[\('a', '<f4'\)\]", ln),
+    (">f8", r">f8 \(non-native byte order\)", mvn), (ml_dtypes.float8_e5m2, "float8_e5m2", bn),
+    (ml_dtypes.float8_e4m3fn, "float8_e4m3fn", ln), (ml_dtypes.int4, "int4", mvn),
+]:
+    _d = np.dtype(_dt)
+    if _name is None:
+        if _d == F64:  # pragma: no cover - platforms where long double is double
+            continue
+        _name = str(_d)
+    _call = {mvn: lambda x, **k: mvn(x, -1, **k), bn: lambda x, **k: bn(x, C4, C4, **k), ln: ln, rms: rms,
+             inorm: inorm, gn: lambda x, **k: gn(x, 2, **k)}[_fn]
+    row(f"dtype-{_d.str}-{_fn.__name__}", (lambda c, d: lambda **k: c(np.zeros(SHAPE, d), **k))(_call, _d),
+        TypeError, rf"^input: dtype {_name} is not supported; {ACCEPTED}")
+
+row("input-None", lambda **k: ln(None, **k), TypeError, rf"^input: dtype object is not supported; {ACCEPTED}")
+row("input-object", lambda **k: mvn(object(), 0, **k), TypeError, r"^input: dtype object is not supported")
+row("input-ragged-list", lambda **k: ln([[1.0, 2.0], [3.0]], **k), TypeError, r"^input: cannot convert list")
+row("input-list-of-str", lambda **k: bn([["a", "b"]], [0.0], [1.0], **k), TypeError,
+    r"^input: dtype <U1 is not supported")
+row("input-list-of-complex", lambda **k: rms([[1j, 2.0]], **k), TypeError, r"^input: dtype complex128 is not supported")
+row("compiled-input-int", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE), -1))(
+    x_as(np.int64), **k), TypeError, r"^input: dtype int64 does not match the compiled descriptor's float32")
+
+# ---- 2. ranks 0 and 9 (SPEC §1), with out, and for parameters ------------------------------------
+row("rank0-bn", lambda **k: bn(np.array(1.0, F32), p((1,)), p((1,)), **k), ValueError,
+    r"^input: 0 dimensions .*1 to 8 dimensions", out=out_like(()))
+row("rank0-mvn", lambda **k: mvn(np.array(1.0, F32), 0, **k), ValueError, r"^input: 0 dimensions", out=out_like(()))
+row("rank9-mvn", lambda **k: mvn(np.ones((1,) * 9, F32), -1, **k), ValueError, r"^input: 9 dimensions .*1 to 8",
+    out=out_like((1,) * 9))
+row("rank9-bn", lambda **k: bn(np.ones((1,) * 8 + (2,), F32), p((1,)), p((1,)), **k), ValueError,
+    r"^input: 9 dimensions", out=out_like((1,) * 8 + (2,)))
+row("rank9-compiled", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, (1,) * 9), 0))(
+    np.ones((1,) * 9, F32), **k), ValueError, r"^input: 9 dimensions", out=out_like((1,) * 9))
+row("param-rank0-mean", lambda **k: bn(X, 0.5, C4, **k), ValueError, r"^mean: 0 dimensions")
+row("param-rank0-scale", lambda **k: mvn(X, -1, np.float32(2.0), **k), ValueError, r"^scale: 0 dimensions")
+row("param-rank9-variance", lambda **k: bn(X, C4, p((1,) * 9), **k), ValueError, r"^variance: 9 dimensions")
+row("param-rank9-bias", lambda **k: ln(X, bias=p((1,) * 9), **k), ValueError, r"^bias: 9 dimensions")
+
+# ---- 3. shape and channel mismatches ----------------------------------------------------------------
+BOTH_RULES = r"a parameter must either have the input's 4 dims, each equal to the input's or 1 .*or be 1-D of length C = input.shape\[channel_axis\]"
+row("bn-channels-last-C", lambda **k: bn(X, C4, C4, channel_axis=-1, **k), ValueError,
+    rf"^mean: shape \(4,\) does not fit the input's shape \(2, 4, 3, 5\): {BOTH_RULES} = 5 \(channel_axis=3\)")
+row("bn-channel-axis-2", lambda **k: bn(X, p((3,)), p((4,)), channel_axis=2, **k), ValueError,
+    rf"^variance: shape \(4,\) does not fit .*{BOTH_RULES} = 3 \(channel_axis=2\)")
+row("bn-scale-C-by-1", lambda **k: bn(X, C4, C4, p((4, 1)), **k), ValueError, r"^scale: shape \(4, 1\) does not fit")
+row("bn-bias-same-rank-wrong", lambda **k: bn(X, C4, C4, None, p((1, 4, 3, 2)), **k), ValueError,
+    r"^bias: shape \(1, 4, 3, 2\) does not fit")
+row("bn-1d-input-2d-param", lambda **k: bn(X[0, 0, 0], p((1, 5)), p((5,)), **k), ValueError,
+    r"^mean: shape \(1, 5\) does not fit the input's shape \(5,\)", out=out_like((5,)))
+row("mvn-bias-too-many-dims", lambda **k: mvn(X, -1, None, p((1, 2, 4, 3, 5)), **k), ValueError,
+    r"^bias: shape \(1, 2, 4, 3, 5\) does not broadcast to the input's shape \(2, 4, 3, 5\) without enlarging it")
+row("mvn-scale-enlarges", lambda **k: mvn(X, (2, 3), p((2, 1, 3, 6)), **k), ValueError,
+    r"^scale: shape \(2, 1, 3, 6\) does not broadcast")
+row("layer_norm-scale-wrong-last", lambda **k: ln(X, p((3,)), **k), ValueError, r"^scale: shape \(3,\) does not broadcast")
+row("rms_norm-scale-2d", lambda **k: rms(X, p((5, 5)), **k), ValueError, r"^scale: shape \(5, 5\) does not broadcast")
+row("instance_norm-channels-last-C", lambda **k: inorm(X, C4, channel_axis=-1, **k), ValueError,
+    r"^scale: shape \(4,\); instance_norm takes a per-channel scale of shape \(C,\) = \(5,\)")
+row("group_norm-channels-last-groups", lambda **k: gn(X, 2, channel_axis=-1, **k), ValueError,
+    r"^num_groups: 2 does not divide the number of channels C = 5")
+
+# ---- 4. parameter dtypes outside SPEC §2/§3 (the input's dtype or float32 only) ----------------------
+for _i, (_fn, _name, _pdt, _xdt, _shown) in enumerate([
+    ("bn", "mean", np.bool_, F32, "bool"), ("bn", "variance", np.complex64, F32, "complex64"),
+    ("bn", "scale", object, F32, "object"), ("bn", "bias", ">f4", F32, r">f4 \(non-native byte order\)"),
+    ("bn", "mean", BF16, F32, "bfloat16"), ("bn", "variance", F16, BF16, "float16"),
+    ("bn", "scale", F64, F16, "float64"), ("mvn", "scale", np.int64, F32, "int64"),
+    ("mvn", "bias", F16, F64, "float16"), ("mvn", "scale", F64, F32, "float64"),
+    ("layer_norm", "scale", BF16, F16, "bfloat16"), ("layer_norm", "bias", "<U1", F32, "<U1"),
+    ("rms_norm", "scale", F64, BF16, "float64"), ("instance_norm", "bias", np.int32, F32, "int32"),
+    ("group_norm", "scale", np.uint8, F32, "uint8"), ("group_norm", "bias", F16, F64, "float16"),
+]):
+    def _mk(fn, name, pdt, xdt):
+        x = np.ones(SHAPE, xdt)
+        val = "1" if np.dtype(pdt).kind == "U" else 1
+        par = np.full(SHAPE[-1:] if fn in ("mvn", "layer_norm", "rms_norm") else (4,), val, pdt)
+        good = np.ones(par.shape, F32)
+        kw = {n: (par if n == name else good) for n in (("mean", "variance", "scale", "bias") if fn == "bn" else
+                                                       ("scale", "bias") if fn != "rms_norm" else ("scale",))}
+        f = {"bn": lambda **k: bn(x, **kw, **k), "mvn": lambda **k: mvn(x, -1, **kw, **k),
+             "layer_norm": lambda **k: ln(x, **kw, **k), "rms_norm": lambda **k: rms(x, **kw, **k),
+             "instance_norm": lambda **k: inorm(x, **kw, **k), "group_norm": lambda **k: gn(x, 2, **kw, **k)}[fn]
+        return f
+
+    _xn = {F32: "float32", F16: "float16", BF16: "bfloat16", F64: "float64"}[_xdt]
+    row(f"param-dtype-{_i}-{_fn}-{_name}-{np.dtype(_pdt).str}", _mk(_fn, _name, _pdt, _xdt), TypeError,
+        rf"^{_name}: dtype {_shown} is not accepted with a {_xn} input; " + PARAM_RULE.format(dt=_xn),
+        out=out_like(SHAPE, _xdt))
+row("param-list-of-str", lambda **k: mvn(X, -1, ["a"] * 5, **k), TypeError, r"^scale: cannot convert list")
+row("param-ragged-list", lambda **k: bn(X, [[1.0], [1.0, 2.0]], C4, **k), TypeError, r"^mean: cannot convert list")
+
+# ---- 5. epsilon through the descriptor / compile path, and other real types ----------------------------
+_BND = lambda eps: BatchNormalizationDesc(TensorDesc(F32, SHAPE), TensorDesc(F32, (4,)),  # noqa: E731
+                                          TensorDesc(F32, (4,)), epsilon=eps)
+_EPS = r"epsilon must be finite and >= 0"
+row("eps-compile-nan", lambda **k: simdnorm.compile(_BND(float("nan")))(X, C4, C4, **k), ValueError, rf"^epsilon: nan .*{_EPS}")
+row("eps-compile-inf", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE), -1,
+    epsilon=np.inf))(X, **k), ValueError, rf"^epsilon: inf .*{_EPS}")
+row("eps-desc-negative", lambda **k: _BND(-1e-3).validate(), ValueError, rf"^epsilon: -0.001 is not allowed; {_EPS}",
+    without_out=False)
+row("eps-fraction-negative", lambda **k: bn(X, C4, C4, epsilon=fractions.Fraction(-1, 10), **k), ValueError,
+    rf"^epsilon: Fraction\(-1, 10\) is not allowed")
+row("eps-float16-inf", lambda **k: bn(X.astype(F16), C4, C4, epsilon=np.float16(np.inf), **k), ValueError,
+    rf"^epsilon: .*inf.* is not allowed", out=out_like(SHAPE, F16))
+
+# ---- 6. axes spelled in numpy / Python types ----------------------------------------------------------
+row("axes-huge-int", lambda **k: mvn(X, 2 ** 70, **k), AxisError, r"^axes: axis 1180591620717411303424 is out of range")
+row("axes-all-plus-one", lambda **k: mvn(X, (0, 1, 2, 3, 4), **k), AxisError, r"^axes: axis 4 is out of range")
+row("axes-float-array", lambda **k: mvn(X, np.array([1.5]), **k), TypeError, r"^axes: expected ints, got float")
+row("axes-bool-array", lambda **k: mvn(X, np.array([True, False]), **k), TypeError, r"^axes: expected ints, got bool")
+row("axes-nested", lambda **k: mvn(X, [[1]], **k), TypeError, r"^axes: expected ints, got list")
+row("axes-empty-array", lambda **k: mvn(X, np.array([], np.int64), **k), ValueError, r"^axes: empty")
+row("axes-np-duplicate", lambda **k: mvn(X, (np.int64(1), np.int32(-3)), **k), ValueError,
+    r"^axes: axis 1 appears twice")
+row("layer_norm-axis-tuple", lambda **k: ln(X, axis=(1, 2), **k), TypeError, r"^axis: expected an int, got tuple")
+row("instance_norm-channel-axis-float", lambda **k: inorm(X, channel_axis=1.0, **k), TypeError,
+    r"^channel_axis: expected an int, got float")
+row("compiled-axes-out-of-range", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE),
+    (5,))), AxisError, r"^axes: axis 5 is out of range", without_out=False)
+
+# ---- 7. activations: unknown names, bad parameters (SPEC §5: ValueError listing the valid ones) --------
+_NAMES = r"valid names: identity, linear, relu, .*hard_swish"
+for _i, (_act, _exc, _msg) in enumerate([
+    (lambda: "", ValueError, rf"^activation: unknown name ''; {_NAMES}"),
+    (lambda: "relu6", ValueError, rf"^activation: unknown name 'relu6'; {_NAMES}"),
+    (lambda: Activation("leaky_relu", alpha=float("inf")), ValueError,
+     r"^activation 'leaky_relu': parameter 'alpha' is inf; it must be finite"),
+    (lambda: Activation("elu", alpha=float("nan")), ValueError, r"^activation 'elu': parameter 'alpha' is nan"),
+    (lambda: Activation("softplus", steepness=-np.inf), ValueError, r"^activation 'softplus': parameter 'steepness'"),
+    (lambda: Activation("celu", alpha=0.0), ValueError, r"^activation 'celu': parameter 'alpha' is 0.0; it must be non-zero"),
+    (lambda: Activation("shrink", threshold=-0.5), ValueError, r"^activation 'shrink': parameter 'threshold' .* >= 0"),
+    (lambda: Activation("clip", min=2.0, max=1.0), ValueError, r"^activation 'clip': min=2.0 > max=1.0"),
+    (lambda: Activation("clip", min=float("nan")), ValueError, r"^activation 'clip': min is NaN"),
+    (lambda: Activation("linear", gamma=1.0), ValueError,
+     r"^activation 'linear': unknown parameter\(s\) 'gamma'; 'linear' takes alpha=1.0, beta=0.0"),
+    (lambda: Activation("hard_sigmoid", alpha=True), TypeError, r"parameter 'alpha' must be a real number, got bool"),
+    (lambda: Activation("scaled_elu", alpha="1"), TypeError, r"parameter 'alpha' must be a real number, got str"),
+    (lambda: Activation("thresholded_relu", alpha=1j), TypeError, r"must be a real number, got complex"),
+    (lambda: Activation(None), TypeError, rf"^activation: the name must be a str, got NoneType; {_NAMES}"),
+    (lambda: ("relu",), TypeError, r"^activation: expected None, an activation name \(str\) or simdnorm.Activation"),
+    (lambda: Activation, TypeError, r"^activation: expected None, an activation name .* got type"),
+]):
+    _fn = [lambda a, **k: bn(X, C4, C4, activation=a(), **k), lambda a, **k: mvn(X, (1, 2), activation=a(), **k),
+           lambda a, **k: gn(X, 2, activation=a(), **k), lambda a, **k: rms(X, activation=a(), **k)][_i % 4]
+    row(f"activation-{_i}", (lambda f, a: lambda **k: f(a, **k))(_fn, _act), _exc, _msg)
+row("activation-desc", lambda **k: BatchNormalizationDesc(TensorDesc(F32, SHAPE), TensorDesc(F32, (4,)),
+    TensorDesc(F32, (4,)), activation="nope").validate(), ValueError, r"^activation: unknown name 'nope'",
+    without_out=False)
+
+
+# ---- 8. out: not an array, wrong shape/dtype, read-only (SPEC §6: a clear error, nothing written) -------
+def _opaque_bytearray():
+    raw = bytearray([POISON]) * X.nbytes
+    return Opaque(raw, raw)
+
+
+def _opaque_memoryview():
+    raw = bytearray([POISON]) * X.nbytes
+    return Opaque(memoryview(raw).cast("f", SHAPE), raw)
+
+
+def _readonly_view():
+    pad = Padded(SHAPE)
+    pad.array = pad.array[...]
+    pad.array.flags.writeable = False
+    return pad
+
+
+def _frombuffer():
+    a = np.frombuffer(bytes([POISON]) * X.nbytes, F32).reshape(SHAPE)  # read-only: immutable memory
+    return Opaque(a, memoryview(a).cast("B"))
+
+
+OUT_ROWS = [
+    ("bytearray", lambda **k: ln(X, **k), TypeError, r"^out: expected a numpy.ndarray, got bytearray", _opaque_bytearray),
+    ("memoryview", lambda **k: bn(X, C4, C4, **k), TypeError, r"^out: expected a numpy.ndarray, got memoryview",
+     _opaque_memoryview),
+    ("numpy-scalar", lambda **k: mvn(X, -1, **k), TypeError, r"^out: expected a numpy.ndarray, got float32",
+     lambda: Opaque(np.float32(POISON), bytearray(b"x"))),
+    ("rank0", lambda **k: rms(X, **k), ValueError, r"^out: shape \(\) differs from the input's \(2, 4, 3, 5\)",
+     out_like(())),
+    ("transposed-shape", lambda **k: gn(X, 2, **k), ValueError, r"^out: shape \(5, 3, 4, 2\) differs", out_like(SHAPE[::-1])),
+    ("extra-dim", lambda **k: inorm(X, **k), ValueError, r"^out: shape \(1, 2, 4, 3, 5\) differs", out_like((1,) + SHAPE)),
+    ("big-endian", lambda **k: ln(X, **k), TypeError,
+     r"^out: dtype >f4 \(non-native byte order\) differs from the input's float32", out_like(SHAPE, ">f4")),
+    ("bf16-for-f16", lambda **k: mvn(X.astype(F16), -1, **k), TypeError,
+     r"^out: dtype bfloat16 differs from the input's float16", out_like(SHAPE, BF16)),
+    ("f16-for-bf16", lambda **k: bn(X.astype(BF16), C4, C4, **k), TypeError,
+     r"^out: dtype float16 differs from the input's bfloat16", out_like(SHAPE, F16)),
+    ("readonly-view", lambda **k: gn(X, 4, **k), ValueError, r"^out: the array is read-only", _readonly_view),
+    ("readonly-frombuffer", lambda **k: bn(X, C4, C4, **k), ValueError, r"^out: the array is read-only", _frombuffer),
+    ("return-stats-wrong-dtype", lambda **k: ln(X, return_stats=True, **k), TypeError, r"^out: dtype float64 differs",
+     out_like(SHAPE, F64)),
+    ("compiled-list", lambda **k: simdnorm.compile(_BND(1e-5))(X, C4, C4, **k), TypeError,
+     r"^out: expected a numpy.ndarray, got list", lambda: Opaque(X.tolist(), bytearray(b"x"))),
+    ("compiled-readonly", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE), (1, 3)))(
+        X, **k), ValueError, r"^out: the array is read-only", lambda: Padded(SHAPE, writeable=False)),
+]
+for _id, _call, _exc, _msg, _out in OUT_ROWS:
+    row(f"out-{_id}", _call, _exc, _msg, out=_out, without_out=False)
+
+
+@pytest.mark.parametrize("r", ROWS, ids=[r.id for r in ROWS])
+def test_hostile_input(r):
+    out = (r.out or out_like())()
+    with pytest.raises(r.exc, match=r.msg):
+        r.call(out=out.array)
+    assert out.untouched(), f"{r.id}: out (or the padding around it) was written before the error"
+    if r.without_out:
+        with pytest.raises(r.exc, match=r.msg):
+            r.call()
+
+
+def test_catalogue_ids_unique():
+    ids = [r.id for r in ROWS]
+    assert len(ids) == len(set(ids))
+
+
+# ----------------------------------------------------------------------------------------------
+# byte extents that overflow 64-bit arithmetic: rejected before any work (one subprocess per case)
+# ----------------------------------------------------------------------------------------------
+
+# Each case builds arrays with np.lib.stride_tricks.as_strided over a tiny buffer (numpy checks
+# neither the strides nor the memory); without the package's own check the op would read or write
+# at data + 2**62 and crash: the subprocess reports that as a failure of this test.
+OVERFLOW_DRIVER = r"""
+import json, sys
+import numpy as np
+import simdnorm
+from numpy.lib.stride_tricks import as_strided
+
+case = sys.argv[1]
+F32 = np.float32
+POISON = 0xA5
+tiny = np.full(64, POISON, np.uint8)          # the memory every hostile view starts in
+t32 = tiny[:32].view(F32)
+out_buf = np.full(256, POISON, np.uint8)      # a poisoned out (or the hostile out's memory)
+good_out = out_buf[:12].view(F32)
+H = 2 ** 62
+
+def hostile(shape, strides, writeable=False):
+    return as_strided(t32, shape=shape, strides=strides, writeable=writeable)
+
+x3 = np.array([1.0, 2.0, 4.0], F32)
+c3 = np.ones(3, F32)
+if case == "bn-input-stride":        # extent 2 * 2**62 = 2**63
+    name, call = "input", lambda: simdnorm.batch_normalization(hostile((3,), (H,)), c3, c3, out=good_out)
+elif case == "bn-input-negative":    # extent -3 * 2**62
+    name, call = "input", lambda: simdnorm.batch_normalization(hostile((4,), (-H,)), np.ones(4, F32),
+                                                               np.ones(4, F32), out=out_buf[:16].view(F32))
+elif case == "mvn-input-sum":        # each dim fits, their sum does not: (2**62 - 4) * 3
+    name, call = "input", lambda: simdnorm.mean_variance_normalization(
+        hostile((2, 2, 2), (H - 4, H - 4, H - 4)), -1, out=out_buf[:32].view(F32).reshape(2, 2, 2))
+elif case == "layer_norm-input":
+    name, call = "input", lambda: simdnorm.layer_norm(hostile((3, 3), (H, 4)), out=out_buf[:36].view(F32).reshape(3, 3))
+elif case == "bn-out-stride":
+    name, call = "out", lambda: simdnorm.batch_normalization(
+        x3, c3, c3, out=as_strided(out_buf[:4].view(F32), shape=(3,), strides=(H,), writeable=True))
+elif case == "mvn-out-stride":
+    name, call = "out", lambda: simdnorm.mean_variance_normalization(
+        np.ones((3, 2), F32), 0, out=as_strided(out_buf[:4].view(F32), shape=(3, 2), strides=(H, 4), writeable=True))
+elif case == "bn-mean-stride":
+    name, call = "mean", lambda: simdnorm.batch_normalization(np.ones((2, 3), F32), hostile((3,), (H,)), c3,
+                                                              out=out_buf[:24].view(F32).reshape(2, 3))
+elif case == "layer_norm-scale-stride":
+    name, call = "scale", lambda: simdnorm.layer_norm(np.ones((2, 3), F32), hostile((3,), (H,)),
+                                                      out=out_buf[:24].view(F32).reshape(2, 3))
+elif case == "compiled-input":
+    op = simdnorm.compile(simdnorm.BatchNormalizationDesc(*[simdnorm.TensorDesc(F32, (3,))] * 3))
+    name, call = "input", lambda: op(hostile((3,), (H,)), c3, c3, out=good_out)
+else:
+    raise SystemExit(f"unknown case {case}")
+try:
+    call()
+    res = {"raised": None}
+except Exception as e:
+    res = {"raised": type(e).__name__, "value_error": isinstance(e, (ValueError, OverflowError)), "msg": str(e)}
+res["name"] = name
+res["untouched"] = bool((tiny == POISON).all() and (out_buf == POISON).all())
+print(json.dumps(res))
+"""
+
+OVERFLOW_CASES = ["bn-input-stride", "bn-input-negative", "mvn-input-sum", "layer_norm-input", "bn-out-stride",
+                  "mvn-out-stride", "bn-mean-stride", "layer_norm-scale-stride", "compiled-input"]
+
+
+@pytest.mark.parametrize("case", OVERFLOW_CASES)
+def test_byte_extent_overflow_is_rejected(case, tmp_path):
+    script = tmp_path / "overflow_driver.py"
+    script.write_text(textwrap.dedent(OVERFLOW_DRIVER))
+    env = dict(os.environ)
+    env.setdefault("SIMDNORM_NUM_THREADS", "1")
+    try:
+        r = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=300, env=env)
+    except subprocess.TimeoutExpired:  # pragma: no cover - reported as a failure
+        pytest.fail(f"{case}: the call did not return within 300 s (it ran on the hostile strides)")
+    assert r.returncode == 0, (
+        f"{case}: the process died (exit {r.returncode}): the op ran on a view whose byte extent overflows "
+        f"int64 instead of rejecting it\n{r.stderr[-3000:]}")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["raised"] is not None, f"{case}: no error for a byte extent that overflows int64"
+    assert res["value_error"], f"{case}: {res['raised']} is not a ValueError/OverflowError: {res['msg']}"
+    assert res["name"] in res["msg"], f"{case}: the message does not name {res['name']!r}: {res['msg']}"
+    assert res["untouched"], f"{case}: memory was written before the error"

@@ -1,0 +1,88 @@
+"""The planner picks the loop meant for each layout that matters (the debug hook
+`_core.explain_batch_norm` / `_core.explain_mvn` describes the plan a call would run, without
+running it). A fast path that silently fell back to the strided loop would still pass every
+numeric test; these tests catch that."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simdnorm import _core
+
+IDENTITY = (0, 0.0, 0.0)
+
+
+def bn_plan(x, param_shape, out=None):
+    p = np.ones(param_shape, np.float32)
+    out = np.empty_like(x) if out is None else out
+    return _core.explain_batch_norm(x, p, p, p, p, out, 1e-5, IDENTITY)
+
+
+def mvn_plan(x, axes, scale=None, out=None):
+    out = np.empty_like(x) if out is None else out
+    return _core.explain_mvn(x, axes, scale, scale, out, 1e-5, True, True, False, IDENTITY, None, None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_nchw_batch_norm_runs_constant_coefficients_over_contiguous_planes(dtype):
+    x = np.zeros((2, 8, 5, 7), dtype)
+    plan = bn_plan(x, (1, 8, 1, 1))
+    assert "inner=contiguous(stats=const,affine=const)" in plan
+    assert "sizes=(2,8,35)" in plan  # H and W merged into one run
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_channels_last_batch_norm_runs_coefficients_along_the_run(dtype):
+    x = np.zeros((2, 5, 7, 8), dtype).transpose(0, 3, 1, 2)  # NHWC memory, NCHW view
+    plan = bn_plan(x, (1, 8, 1, 1))
+    assert "inner=contiguous(stats=vary,affine=vary)" in plan
+    assert "sizes=(70,8)" in plan  # N, H, W merged; C innermost
+
+
+def test_reversed_input_is_flipped_back_to_a_contiguous_run():
+    x = np.zeros((3, 4, 50), np.float32)[:, :, ::-1]
+    out = np.zeros((3, 4, 50), np.float32)[:, :, ::-1]
+    assert "inner=contiguous" in bn_plan(x, (1, 4, 1), out=out)
+
+
+def test_strided_views_fall_back_to_the_strided_loop():
+    x = np.zeros((2, 4, 10), np.float32)[:, :, ::2]
+    assert "inner=strided" in bn_plan(x, (1, 4, 1), out=np.empty((2, 4, 5), np.float32))
+
+
+def test_streaming_stores_only_for_large_out_of_place_outputs():
+    small = np.zeros((2, 4, 16), np.float32)
+    assert "stream" not in bn_plan(small, (1, 4, 1))
+    big = np.zeros((4, 8, 256, 256), np.float32)  # 8 MB
+    assert bn_plan(big, (1, 8, 1, 1)).endswith("stream")
+    assert "stream" not in bn_plan(big, (1, 8, 1, 1), out=big)  # in place: the lines are cached
+
+
+def test_layer_norm_is_fused_rows_with_scale_and_bias_along_the_row():
+    x = np.zeros((4, 6, 96), np.float32)
+    plan = mvn_plan(x, (2,), scale=np.ones((1, 1, 96), np.float32))
+    assert plan.startswith("rows groups=24 lanes=1 group_size=96 fused")
+    assert "inner=contiguous(stats=const,affine=vary)" in plan
+
+
+def test_instance_norm_nchw_is_rows_over_each_plane():
+    x = np.zeros((2, 8, 5, 7), np.float32)
+    assert mvn_plan(x, (2, 3)).startswith("rows groups=16 lanes=1 group_size=35 fused")
+
+
+def test_channels_last_instance_norm_accumulates_across_channel_lanes():
+    x = np.zeros((2, 5, 7, 32), np.float32).transpose(0, 3, 1, 2)
+    plan = mvn_plan(x, (2, 3))
+    assert plan.startswith("columns groups=2 lanes=32 group_size=35")
+    assert "inner=contiguous(stats=vary,affine=const)" in plan
+
+
+def test_mvn_over_batch_and_space_groups_each_channel():
+    x = np.zeros((4, 8, 5, 7), np.float32)
+    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=8 lanes=1 group_size=140")
+
+
+def test_a_single_huge_group_is_split_over_blocks():
+    x = np.zeros((1, 1 << 20), np.float32)
+    assert "rows groups=1 lanes=1 group_size=1048576" in mvn_plan(x, (1,))
