@@ -2,10 +2,13 @@
 # The sanitizer run: build simdnorm with -fsanitize=address,undefined (CMake option SIMDNORM_SANITIZE,
 # its own build dir build/sanitize) into its own fresh virtual environment, then run the test suite
 # (all of tests/ but the benchmark harness and the slow tests) with the ASan runtime preloaded into
-# Python. Fails on any sanitizer report, in pytest's process or in any subprocess a test starts, and
-# also when the self-test (tests/sanitize/asan_canary.py) is NOT caught. See docs/RELIABILITY.md.
+# Python. Fails on any sanitizer report (ASan reports are written to one file per process, so one in a
+# subprocess that a test starts counts too; UBSan's go to stderr, which is scanned), on any test
+# failure, and when the self-test (tests/sanitize/asan_canary.py) is NOT caught. See
+# docs/RELIABILITY.md.
 #
-# Environment: SIMDNORM_SANITIZE_TESTS  pytest arguments instead of the default selection
+# Environment: SIMDNORM_SANITIZE_TESTS  test files to run instead of all tests/test_*.py but the
+#                                       benchmark harness (space-separated; slow tests never run)
 #              SIMDNORM_SANITIZE_KEEP=1 keep the work directory (venv, reports) for inspection
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +36,7 @@ py="$venv/bin/python"
 stamp "building the sanitized package (build dir build/sanitize)"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 "$py" -m pip install --quiet ".[test]" \
-  -Ccmake.define.SIMDNORM_SANITIZE=ON -Cbuild-dir=build/sanitize
+  -Ccmake.define.SIMDNORM_SANITIZE=ON -Cbuild-dir=build/sanitize -Cinstall.strip=false
 stamp "built"
 
 reports="$work/reports"
@@ -69,26 +72,53 @@ for which in read write; do
 done
 stamp "self-test: ASan caught the canary read and write"
 
-# 2. the suite under the sanitizers
+# 2. the suite under the sanitizers, one pytest process per test file: a report aborts its process
+# (halt_on_error), and the other files still run and report.
+# --capture=sys: the runtime writes a report to file descriptor 2; with pytest's default fd-level
+# capture it would vanish with the aborted test. stderr goes to a file that is scanned afterwards.
 if [[ -n "${SIMDNORM_SANITIZE_TESTS:-}" ]]; then
-  read -r -a args <<<"$SIMDNORM_SANITIZE_TESTS"
+  read -r -a groups <<<"$SIMDNORM_SANITIZE_TESTS"
 else
-  args=(tests -m "not slow" --ignore=tests/test_bench_harness.py --ignore=tests/sanitize)
+  groups=()
+  for f in tests/test_*.py; do
+    [[ "$f" == tests/test_bench_harness.py ]] || groups+=("$f")
+  done
 fi
-stamp "pytest ${args[*]}"
-set +e
-run_sanitized "$reports" "$py" -m pytest -p no:cacheprovider -q "${args[@]}"
-rc=$?
-set -e
+rc=0
+failed=()
+: >"$work/stderr.log"
+for g in "${groups[@]}"; do
+  stamp "pytest $g"
+  set +e
+  run_sanitized "$reports" "$py" -m pytest -p no:cacheprovider -q --capture=sys -m "not slow" "$g" \
+    2>>"$work/stderr.log"
+  r=$?
+  set -e
+  if [[ $r -ne 0 && $r -ne 5 ]]; then  # 5: nothing collected (a file of slow tests only)
+    rc=1
+    failed+=("$g (exit $r)")
+  fi
+done
+cat "$work/stderr.log" >&2
 shopt -s nullglob
 found=("$reports"/*)
 if (( ${#found[@]} )); then
-  echo "sanitize: ${#found[@]} sanitizer report(s):" >&2
+  echo "sanitize: ${#found[@]} ASan report file(s):" >&2
   for f in "${found[@]}"; do
     echo "===== $f" >&2
     cat "$f" >&2
   done
   rc=1
+fi
+if grep -qE "runtime error:|ERROR: AddressSanitizer|SUMMARY: (AddressSanitizer|UndefinedBehaviorSanitizer)" \
+    "$work/stderr.log"; then
+  echo "sanitize: sanitizer report(s) on stderr:" >&2
+  grep -E "runtime error:|ERROR: AddressSanitizer|SUMMARY: " "$work/stderr.log" >&2
+  rc=1
+fi
+if [[ $rc -ne 0 ]]; then
+  echo "sanitize: FAILED (a test failed, pytest was aborted by a report, or a report was written)" >&2
+  for f in "${failed[@]}"; do echo "  failed: $f" >&2; done
 fi
 stamp "done (pytest and reports: exit $rc)"
 exit $rc

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -37,7 +37,6 @@ from reference import (
     ACTIVATION_NAMES,
     DTYPES,
     F32,
-    F64,
     NONDEFAULT_PARAMS,
     assert_like_empty_like,
     check_bn,
@@ -423,7 +422,7 @@ def test_fuzz_batch_normalization(case):
     def call(x, p, out):
         args = [p.get(n) for n in ("mean", "variance", "scale", "bias")]
         if c["compiled"]:
-            td = lambda a: None if a is None else simdnorm.TensorDesc(a.dtype, a.shape)  # noqa: E731
+            td = lambda a: None if a is None else simdnorm.TensorDesc(a.dtype, a.shape)
             op = simdnorm.compile(simdnorm.BatchNormalizationDesc(td(x), *map(td, args), **kw))
             return op(x, *args, out=out)
         return simdnorm.batch_normalization(x, *args, out=out, **kw)
@@ -496,7 +495,7 @@ def test_fuzz_mean_variance_normalization(case):
     def call(x, p, out):
         s, b = p.get("scale"), p.get("bias")
         if c["compiled"]:
-            td = lambda a: None if a is None else simdnorm.TensorDesc(a.dtype, a.shape)  # noqa: E731
+            td = lambda a: None if a is None else simdnorm.TensorDesc(a.dtype, a.shape)
             op = simdnorm.compile(simdnorm.MeanVarianceNormalizationDesc(
                 td(x), c["axes"], td(s), td(b), activation=act_arg(act, params, as_obj), **kw))
             return op(x, s, b, out=out, return_stats=c["return_stats"])
@@ -574,7 +573,7 @@ def _group_reference(x0, g, scale, bias, ca, eps):
     s = None if scale is None else f64(scale).reshape(pshape)
     b = None if bias is None else f64(bias).reshape(pshape)
     z, zs, mean, inv = mvn_terms(xs.reshape(vshape), tuple(range(2, len(vshape))), s, b, epsilon=eps)
-    back = lambda a: np.moveaxis(a.reshape(xs.shape), 1, ca)  # noqa: E731
+    back = lambda a: np.moveaxis(a.reshape(xs.shape), 1, ca)
     return back(z), back(zs), mean.reshape(n, g), inv.reshape(n, g), xs.reshape(vshape)
 
 
@@ -623,7 +622,7 @@ def test_fuzz_conveniences(case):
     if which == "instance_norm":
         ca = extra["channel_axis"] % nd
         axes = tuple(d for d in range(1, nd) if d != ca)
-        chan = lambda a: None if a is None else f64(a).reshape([-1 if d == ca else 1 for d in range(nd)])  # noqa
+        chan = lambda a: None if a is None else f64(a).reshape([-1 if d == ca else 1 for d in range(nd)])
         s, b = chan(s), chan(b)
         nm = True
     else:

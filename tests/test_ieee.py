@@ -14,9 +14,12 @@ import pytest
 
 import simdnorm
 from reference import (
+    ACTIVATION_NAMES,
     BF16,
     DTYPES,
     F32,
+    F64,
+    apply_activation,
     batch_norm_terms,
     check_close,
     compute_dtype,
@@ -297,3 +300,42 @@ def test_mvn_constant_group_with_zero_epsilon_is_not_finite(rng, threads, dtype,
     y2 = mvn(x, axes, normalize_variance=False, **{k: v for k, v in kw.items() if k != "epsilon_mode"})
     assert np.isfinite(f64(y2)).all()
 
+
+
+# ----------------------------------------------------------------------------------------------
+# every fused activation on NaN, +-inf and the edges of its vector math, on every ISA
+# ----------------------------------------------------------------------------------------------
+
+EDGE_VALUES = [np.nan, np.inf, -np.inf, 3e38, -3e38, 1e30, -1e30, 120.0, -120.0, 104.0, -104.0, 89.0, -89.0,
+               88.7, -88.7, 20.0, -20.0, 9.1, -9.1, 0.0, -0.0, 1e-45, -1e-45, 1e-38, 1.0, -1.0]
+
+
+@pytest.mark.parametrize("act", ACTIVATION_NAMES)
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+def test_activation_of_nonfinite_and_extreme_values(isa, act, dtype):
+    # x = z exactly (mean 0, variance 1, epsilon 0): the activation sees NaN, +-inf, values that
+    # overflow exp, and signed zeros / subnormals. NaN must stay NaN; every other value must be the
+    # activation's value there (its limit at +-inf). Under the sanitizer build this also checks the
+    # vector math for undefined behaviour (integer overflow on NaN lanes, shifts ...).
+    v = np.array(EDGE_VALUES * 3, np.float64)  # 78 values: full vectors, heads and tails
+    if dtype == F32:
+        v = v.astype(F32)
+    x = v.reshape(1, 1, -1)
+    y = f64(bn(x, np.zeros(1, dtype), np.ones(1, dtype), epsilon=0.0, activation=act)).ravel()
+    z = f64(v)
+    nan = np.isnan(z)
+    assert np.isnan(y[nan]).all(), f"{act}: NaN in, not NaN out (isa={isa})"
+    fin = np.isfinite(z)
+    with np.errstate(invalid="ignore", over="ignore"):
+        zs = np.abs(z)
+    check_close(y[fin], z[fin], zs[fin], act, dtype=dtype, scale_floor=1.0, context=f"isa={isa}")
+    # at +-inf the limit: the reference evaluated at +-1e300 (inf/inf and -inf*0 are NaN in numpy)
+    for sign in (1.0, -1.0):
+        i = np.flatnonzero(z == sign * np.inf)
+        want = apply_activation(np.array([sign * 1e300]), act)[0]
+        got = y[i]
+        if abs(want) > 1e200:
+            assert (got == np.sign(want) * np.inf).all(), f"{act}({sign * np.inf}) = {got[:1]}, want {want:+.0e} -> inf"
+        else:
+            assert np.allclose(got, want, rtol=1e-6, atol=1e-30), \
+                f"{act}({sign * np.inf}) = {got[:1]}, want the limit {want} (isa={isa})"

@@ -21,7 +21,10 @@
 // mpmath, i.e. near-minimax in relative error), then rounded to float.
 
 // 2^n as a float, for -126 <= n <= 127 (n = -127 gives 0, which expm1 relies on).
-static inline vf vm_pow2i(vi n) { return vfrom_bits((n + 127) << 23); }
+// Unsigned lane arithmetic: lanes of NaN inputs carry INT_MIN here, and signed overflow or a left
+// shift of a negative value would be undefined behaviour (UBSan reports it) although the lane's
+// result is discarded.
+static inline vf vm_pow2i(vi n) { return vfrom_bits((vi)(((vu)n + 127u) << 23)); }
 
 // v * 2^n for -173 <= n <= 128 in two exact-until-the-last steps: v * 2^(n>>1) stays normal for the
 // v the callers pass (|v| >= ~2^-4), so only the second multiplication rounds.
@@ -71,15 +74,19 @@ static inline vf vexp(vf x) {
   return vm_exp_finish(q, n);
 }
 
-// expm1 = 2^n q + (2^n - 1): exact 2^n - 1 for the n near 0 where it matters; below x = -88 the
-// result is -1 (2^-127 -> 0 in vm_pow2i); n = 128 (x in (88.38, 88.72]) scales 2^127 by 2 at the end.
+// expm1 = 2^n q + (2^n - 1), with 2^n - 1 exact for the n near 0 where relative accuracy needs it;
+// below x = -88 the result is -1 (2^-127 -> 0 in vm_pow2i); n = 128 (x in (88.38, 88.72]) scales
+// 2^127 by 2 at the end.
 static inline vf vexpm1(vf x) {
   vi n;
   const vf xc = vmin(vbroadcast(89.0f), vmax(vbroadcast(-88.0f), x));
   const vf q = vm_expm1_core<false>(xc, vf{}, n);
   const vi big = n > 127;
-  const vf s = vm_pow2i(big ? n - 1 : n);
-  const vf r = vfma(s, q, s - vbroadcast(1.0f));
+  const vf s = vm_pow2i(big ? (vi)((vu)n - 1u) : n);
+  // 2^n - 1 is exact only for -24 <= n <= 24; beyond, s (1 + q) - 1 rounds better (at n = -25,
+  // 2^n - 1 is a rounding tie that would make expm1 reach -1 at x = -16.98 instead of -17.33).
+  const vi far = (n < -24) | (n > 24);
+  const vf r = vselect(far, vfma(s, q, s) - vbroadcast(1.0f), vfma(s, q, s - vbroadcast(1.0f)));
   return r * vselect(big, vbroadcast(2.0f), vbroadcast(1.0f));
 }
 
@@ -89,7 +96,7 @@ static inline vf vexpm1(vf x) {
 static inline vf vlog1p(vf x) {
   const vf one = vbroadcast(1.0f);
   const vf u = one + x;
-  const vi iu = vbits(u) + (0x3f800000 - 0x3f3504f3);
+  const vi iu = (vi)((vu)vbits(u) + (0x3f800000u - 0x3f3504f3u));  // unsigned: NaN bits would overflow
   const vi k = (iu >> 23) - 127;
   const vf f = vfrom_bits((iu & 0x007fffff) + 0x3f3504f3) - one;
   const vf kf = vto_float(k);
@@ -115,8 +122,8 @@ static inline vf vlog1p(vf x) {
 }
 
 // tanh: |x| < 0.625: x + x^3 P(x^2), P fitted to relative error 4.6e-11 (0.003 ulp); above,
-// e / (e + 2) with e = expm1(2|x|) (errors of e are damped by 2 / (e + 2) < 0.45 there); |x| > 9.1 is
-// exactly +-1 (tanh(9.01) already rounds to 1), which also avoids inf / inf.
+// 1 - 2 / (e + 2) with e = expm1(2|x|) (not e / (e + 2): once e > 2^25, e + 2 rounds to e and that
+// form reaches 1 at 8.66 instead of 9.01). |x| > 9.1 is exactly +-1, which also avoids inf.
 static inline vf vtanh(vf x) {
   const vf a = vabs(x);
   const vf z = x * x;
@@ -128,7 +135,8 @@ static inline vf vtanh(vf x) {
   p = vfma(p, z, vbroadcast(-0.333333313f));
   const vf small = vfma(x * z, p, x);
   const vf e = vexpm1(a + a);
-  const vf big = vselect(a > vbroadcast(9.1f), vbroadcast(1.0f), e / (e + vbroadcast(2.0f)));
+  const vf big = vselect(a > vbroadcast(9.1f), vbroadcast(1.0f),
+                         vbroadcast(1.0f) - vbroadcast(2.0f) / (e + vbroadcast(2.0f)));
   return vselect(a < vbroadcast(0.625f), small, vm_with_sign_of(big, x));
 }
 

@@ -240,7 +240,7 @@ static const ActCase kActs[] = {
     {"hard_sigmoid(0.35,0.4)", mk(ActKind::hard_sigmoid, 0.35, 0.4), -1},
     {"tanh", mk(ActKind::tanh), 3.0},
     {"scaled_tanh(1,0.5)", mk(ActKind::scaled_tanh, 1.0, 0.5), 4.0},
-    {"scaled_tanh(1.7,0.66)", mk(ActKind::scaled_tanh, 1.7, 0.66), 4.0},
+    {"scaled_tanh(1.7,0.66)", mk(ActKind::scaled_tanh, 1.7, 0.66), 5.0},  // mostly parameter rounding
     {"softplus(1)", mk(ActKind::softplus, 1.0), 4.0},
     {"softplus(3)", mk(ActKind::softplus, 3.0), 3.0},
     {"softplus(0.1)", mk(ActKind::softplus, 0.1), 8.0},  // max at results ~2e-38 (see ACCURACY.md)
