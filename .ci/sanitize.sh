@@ -35,8 +35,11 @@ py="$venv/bin/python"
 
 stamp "building the sanitized package (build dir build/sanitize)"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+# RelWithDebInfo and no install strip: pybind11 strips Release modules, and reports need symbols
+# (the SIMDNORM_SANITIZE flags come after the build type's and set -O1 -g1)
 "$py" -m pip install --quiet ".[test]" \
-  -Ccmake.define.SIMDNORM_SANITIZE=ON -Cbuild-dir=build/sanitize -Cinstall.strip=false
+  -Ccmake.define.SIMDNORM_SANITIZE=ON -Cbuild-dir=build/sanitize -Ccmake.build-type=RelWithDebInfo \
+  -Cinstall.strip=false
 stamp "built"
 
 reports="$work/reports"
@@ -46,6 +49,11 @@ mkdir -p "$reports" "$work/canary"
 # subprocess that a test swallowed still fails the run.
 asan_common="detect_leaks=0:halt_on_error=1:abort_on_error=0:allocator_may_return_null=1"
 ubsan_common="halt_on_error=1:print_stacktrace=1"
+symbolizer="$(command -v llvm-symbolizer || command -v addr2line || true)"
+if [[ -n "$symbolizer" ]]; then  # stack frames with function, file and line
+  asan_common+=":external_symbolizer_path=$symbolizer"
+  ubsan_common+=":external_symbolizer_path=$symbolizer"
+fi
 run_sanitized() {  # run_sanitized REPORT_DIR command...
   local dir="$1"
   shift
