@@ -17,7 +17,7 @@ import numpy as np
 
 from .cases import CaseData, NotAvailable
 
-__all__ = ["Prepared", "Impl", "CopyImpl", "NumpyImpl", "SimdnormImpl", "NotAvailable",
+__all__ = ["Prepared", "Impl", "LazyPeerImpl", "CopyImpl", "NumpyImpl", "SimdnormImpl", "NotAvailable",
            "all_impls", "IMPL_NAMES"]
 
 
@@ -49,6 +49,53 @@ class Impl:
 
     def shutdown(self) -> None:
         pass
+
+
+class LazyPeerImpl(Impl):
+    """A peer whose modules are imported on first use, once; if that fails, the peer is unavailable
+    (with the reason) instead of the whole run failing.
+
+    Subclasses name what they import in `requires` (for the message), import it in
+    :meth:`_import` (anything that can fail with the import, too) and say in :meth:`_version` what
+    version of it runs.
+    """
+
+    requires = "?"
+
+    def __init__(self) -> None:
+        self.threads = 1
+        self._mods: Any = None
+        self._err: Optional[str] = None
+
+    def _import(self) -> Any:
+        raise NotImplementedError
+
+    def _version(self, mods: Any) -> str:
+        raise NotImplementedError
+
+    def _load(self) -> Any:
+        if self._mods is None and self._err is None:
+            try:
+                self._mods = self._import()
+            except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+                self._err = f"{self.requires} not importable: {type(e).__name__}: {e}"
+        if self._mods is None:
+            raise NotAvailable(self._err)
+        return self._mods
+
+    def unavailable(self) -> Optional[str]:
+        try:
+            self._load()
+        except NotAvailable as e:
+            return str(e)
+        return None
+
+    def version(self) -> Optional[str]:
+        try:
+            mods = self._load()
+        except NotAvailable:
+            return None
+        return self._version(mods)
 
 
 def prepared_out(fn: Callable[[], Any], out: np.ndarray, note: str = "") -> Prepared:

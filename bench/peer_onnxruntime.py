@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .cases import CaseData, NotAvailable
-from .impls import Impl, Prepared, prepared_out  # noqa: F401
+from .impls import LazyPeerImpl, Prepared, prepared_out  # noqa: F401
 
 OPSET = 23  # RMSNormalization-23; BatchNormalization-15, LayerNormalization-17, GroupNormalization-21
 ONNX_OP = {
@@ -39,39 +39,19 @@ def _elem_type(TensorProto, dtype_name: str) -> int:
             "bfloat16": TensorProto.BFLOAT16}[dtype_name]
 
 
-class OnnxRuntimeImpl(Impl):
+class OnnxRuntimeImpl(LazyPeerImpl):
     name = "onnxruntime"
     footnote = ("onnxruntime: in-memory ONNX model (parameters as initializers), CPU EP, io binding "
                 "onto preallocated numpy arrays")
+    requires = "onnxruntime/onnx"
 
-    def __init__(self) -> None:
-        self.threads = 1
-        self._mods = None
-        self._err: Optional[str] = None
+    def _import(self):
+        mods = _import()
+        mods[1].set_default_logger_severity(3)
+        return mods
 
-    def _load(self):
-        if self._mods is None and self._err is None:
-            try:
-                self._mods = _import()
-                self._mods[1].set_default_logger_severity(3)
-            except Exception as e:  # noqa: BLE001
-                self._err = f"onnxruntime/onnx not importable: {type(e).__name__}: {e}"
-        if self._mods is None:
-            raise NotAvailable(self._err)
-        return self._mods
-
-    def unavailable(self) -> Optional[str]:
-        try:
-            self._load()
-        except NotAvailable as e:
-            return str(e)
-        return None
-
-    def version(self) -> Optional[str]:
-        try:
-            onnx, ort, *_ = self._load()
-        except NotAvailable:
-            return None
+    def _version(self, mods) -> str:
+        onnx, ort, *_ = mods
         return f"{ort.__version__} (onnx {onnx.__version__})"
 
     # ---------------------------------------------------------------------------------- model

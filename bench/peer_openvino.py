@@ -4,12 +4,10 @@ shared-memory tensors with one reused infer request. The layer types of the exec
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from .cases import CaseData, NotAvailable
-from .impls import Impl, Prepared, prepared_out  # noqa: F401
+from .impls import LazyPeerImpl, Prepared, prepared_out  # noqa: F401
 
 
 def _import():
@@ -35,41 +33,23 @@ def exec_layer_types(compiled) -> list[str]:
     return out
 
 
-class OpenVinoImpl(Impl):
+class OpenVinoImpl(LazyPeerImpl):
     name = "openvino"
     footnote = ("openvino: opset model, CPU plugin, INFERENCE_PRECISION_HINT=f32, shared-memory "
                 "tensors, one reused infer request; 'exec:' lists the layers it ran")
+    requires = "openvino"
 
     def __init__(self) -> None:
-        self.threads = 1
-        self._mods = None
-        self._err: Optional[str] = None
+        super().__init__()
         self._core = None
 
-    def _load(self):
-        if self._mods is None and self._err is None:
-            try:
-                self._mods = _import()
-                self._core = self._mods[0].Core()
-            except Exception as e:  # noqa: BLE001
-                self._err = f"openvino not importable: {type(e).__name__}: {e}"
-        if self._mods is None:
-            raise NotAvailable(self._err)
-        return self._mods
+    def _import(self):
+        mods = _import()
+        self._core = mods[0].Core()
+        return mods
 
-    def unavailable(self) -> Optional[str]:
-        try:
-            self._load()
-        except NotAvailable as e:
-            return str(e)
-        return None
-
-    def version(self) -> Optional[str]:
-        try:
-            ov, _ = self._load()
-        except NotAvailable:
-            return None
-        return ov.__version__.split("-")[0]
+    def _version(self, mods) -> str:
+        return mods[0].__version__.split("-")[0]
 
     def config(self) -> dict:
         return {

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
 
 import numpy as np
 
 from .cases import CaseData, NotAvailable
-from .impls import Impl, Prepared
+from .impls import LazyPeerImpl, Prepared
 from .timing import run_reps
 
 
@@ -32,38 +31,16 @@ def to_numpy(torch, t, like: np.ndarray) -> np.ndarray:
     return t.numpy()
 
 
-class TorchImpl(Impl):
+class TorchImpl(LazyPeerImpl):
     name = "torch"
     footnote = "torch: torch.nn.functional on zero-copy views; allocates its output (no out= in F.*)"
+    requires = "torch"
 
-    def __init__(self) -> None:
-        self.threads = 1
-        self._err: Optional[str] = None
-        self._mods = None
+    def _import(self):
+        return _import_torch()
 
-    def _load(self):
-        if self._mods is None and self._err is None:
-            try:
-                self._mods = _import_torch()
-            except Exception as e:  # noqa: BLE001
-                self._err = f"torch not importable: {type(e).__name__}: {e}"
-        if self._mods is None:
-            raise NotAvailable(self._err)
-        return self._mods
-
-    def unavailable(self) -> Optional[str]:
-        try:
-            self._load()
-        except NotAvailable as e:
-            return str(e)
-        return None
-
-    def version(self) -> Optional[str]:
-        try:
-            torch, _ = self._load()
-        except NotAvailable:
-            return None
-        return torch.__version__
+    def _version(self, mods) -> str:
+        return mods[0].__version__
 
     def set_threads(self, n: int) -> None:
         self.threads = n

@@ -7,9 +7,20 @@ layout differs, so one reference serves all of them."""
 
 from __future__ import annotations
 
-import numpy as np
+import threading
 
-from reference import BF16, F16, F32, F64  # noqa: F401  (re-exported for the tests)
+import numpy as np
+import pytest
+
+from reference import ACTIVATION_NAMES, BF16, DTYPES, F16, F32, F64, NONDEFAULT_PARAMS, dtype_id  # noqa: F401
+
+try:
+    from numpy.exceptions import AxisError  # noqa: F401  (re-exported for the tests)
+except ImportError:  # pragma: no cover - numpy < 1.25
+    from numpy import AxisError  # noqa: F401
+
+# a test parametrized over the four element types
+DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 
 # layouts of an input of logical shape `shape`
 LAYOUTS = (
@@ -123,6 +134,21 @@ def make_input(rng, shape, dtype, layout="contiguous", *, loc=0.0, scale=2.0):
     return a
 
 
+def offset_input(rng, shape, dtype, layout="contiguous"):
+    """Random input with a non-zero mean (loc 1.5), so that mean subtraction matters."""
+    return make_input(rng, shape, dtype, layout, loc=1.5, scale=2.0)
+
+
+def scale_bias_values(rng, shape, dtype, kind="scale"):
+    """Scale or bias of an MVN-family op: for "scale" a magnitude in [0.5, 2] of random sign,
+    otherwise standard normal values."""
+    if kind == "scale":
+        v = rng.uniform(0.5, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    else:
+        v = rng.normal(0.0, 1.0, size=shape)
+    return np.asarray(v).astype(dtype)
+
+
 def make_out(shape, dtype, layout="contiguous"):
     """A NaN-poisoned writeable output in `layout`."""
     o = layout_empty(shape, dtype, layout)
@@ -202,6 +228,39 @@ def act_arg(name, params=None, *, as_object=None):
     import simdnorm
 
     return simdnorm.Activation(name, **(params or {}))
+
+
+def activation_draws(none_weight=1):
+    """A hypothesis strategy of (activation name or None, its non-default parameters or None): None
+    `none_weight` times as likely as each activation; the non-default parameters, where the
+    activation has any, half of the time."""
+    from hypothesis import strategies as st  # only the property and fuzz tests need hypothesis
+
+    @st.composite
+    def draws(draw):
+        name = draw(st.sampled_from((None,) * none_weight + ACTIVATION_NAMES))
+        params = NONDEFAULT_PARAMS.get(name) if name and draw(st.booleans()) else None
+        return name, params
+
+    return draws()
+
+
+def run_in_threads(work, n):
+    """Run work(0), ..., work(n - 1) in n threads at once; fail with what any of them raised."""
+    errors = []
+
+    def guarded(i):
+        try:
+            work(i)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 def bits(a):

@@ -11,6 +11,7 @@ import pytest
 
 import simdnorm
 from cases import (
+    DT,
     PARAM_NAMES,
     bits,
     bn_param_1d,
@@ -23,7 +24,6 @@ from cases import (
 )
 from reference import (
     BF16,
-    DTYPES,
     F16,
     F32,
     F64,
@@ -34,7 +34,6 @@ from reference import (
 )
 
 bn = simdnorm.batch_normalization
-DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 
 
 def random_shape(rng, ndim, max_elems=4096, lo=1, hi=7):

@@ -8,10 +8,17 @@ import numpy as np
 import pytest
 
 import simdnorm
-from cases import act_arg, bits, channels_last_nhwc, make_input, make_out
+from cases import (
+    DT,
+    act_arg,
+    bits,
+    channels_last_nhwc,
+    make_out,
+    offset_input,
+    scale_bias_values,
+)
 from reference import (
     BF16,
-    DTYPES,
     F16,
     F32,
     F64,
@@ -27,20 +34,6 @@ from reference import (
     layer_norm_axes,
     mvn_ref,
 )
-
-DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-
-
-def vals(rng, shape, dtype, kind="scale"):
-    if kind == "scale":
-        v = rng.uniform(0.5, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
-    else:
-        v = rng.normal(0.0, 1.0, size=shape)
-    return np.asarray(v).astype(dtype)
-
-
-def inp(rng, shape, dtype, layout="contiguous"):
-    return make_input(rng, shape, dtype, layout, loc=1.5, scale=2.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,11 +107,11 @@ def test_group_norm_reference_hand_derived():
 @pytest.mark.parametrize("axis", [-1, -2, 1, 0])
 def test_layer_norm(rng, dtype, axis):
     shape = (3, 4, 5, 6)
-    x = inp(rng, shape, dtype)
+    x = offset_input(rng, shape, dtype)
     axes = layer_norm_axes(4, axis)
     norm_shape = shape[axis % 4:]
-    scale = vals(rng, norm_shape, dtype)
-    bias = vals(rng, norm_shape, F32, "bias")
+    scale = scale_bias_values(rng, norm_shape, dtype)
+    bias = scale_bias_values(rng, norm_shape, F32, "bias")
     y, m, inv = simdnorm.layer_norm(x, scale, bias, axis=axis, epsilon=1e-4, return_stats=True)
     assert_like_empty_like(y, x)
     check_mvn(y, x, axes, scale, bias, epsilon=1e-4, stats=(m, inv), context=f"axis={axis}")
@@ -135,9 +128,9 @@ def test_layer_norm(rng, dtype, axis):
 def test_layer_norm_transformer_shape_layouts(rng, dtype):
     # (batch, tokens, hidden) with a hidden size that is not a multiple of any vector width
     for layout in ("contiguous", "negative", "unaligned", "transposed"):
-        x = inp(rng, (2, 7, 100), dtype, layout)
-        g = vals(rng, (100,), dtype)
-        b = vals(rng, (100,), dtype, "bias")
+        x = offset_input(rng, (2, 7, 100), dtype, layout)
+        g = scale_bias_values(rng, (100,), dtype)
+        b = scale_bias_values(rng, (100,), dtype, "bias")
         out = make_out(x.shape, dtype, "contiguous")
         r = simdnorm.layer_norm(x, g, b, activation="gelu", out=out)
         assert r is out
@@ -153,9 +146,9 @@ def test_layer_norm_transformer_shape_layouts(rng, dtype):
 @pytest.mark.parametrize("axis", [-1, -2, 0])
 def test_rms_norm(rng, dtype, axis):
     shape = (4, 5, 6)
-    x = inp(rng, shape, dtype)
+    x = offset_input(rng, shape, dtype)
     axes = layer_norm_axes(3, axis)
-    scale = vals(rng, shape[axis % 3:], dtype)
+    scale = scale_bias_values(rng, shape[axis % 3:], dtype)
     res = simdnorm.rms_norm(x, scale, axis=axis, epsilon=1e-3, return_stats=True)
     assert len(res) == 3
     y, m, inv = res
@@ -168,7 +161,7 @@ def test_rms_norm(rng, dtype, axis):
 
 
 def test_rms_norm_is_not_mean_subtracting(rng):
-    x = inp(rng, (3, 64), F32) + 5.0
+    x = offset_input(rng, (3, 64), F32) + 5.0
     y = simdnorm.rms_norm(x)
     # all positive inputs stay positive: the mean was not subtracted
     assert (y > 0).all()
@@ -184,9 +177,9 @@ def test_rms_norm_is_not_mean_subtracting(rng):
 @pytest.mark.parametrize("ndim", [3, 4, 5])
 def test_instance_norm_channels_first(rng, dtype, ndim):
     shape = (2, 5) + tuple(int(s) for s in rng.integers(2, 7, size=ndim - 2))
-    x = inp(rng, shape, dtype)
-    scale = vals(rng, (5,), dtype)
-    bias = vals(rng, (5,), dtype, "bias")
+    x = offset_input(rng, shape, dtype)
+    scale = scale_bias_values(rng, (5,), dtype)
+    bias = scale_bias_values(rng, (5,), dtype, "bias")
     y, m, inv = simdnorm.instance_norm(x, scale, bias, return_stats=True)
     axes = instance_norm_axes(ndim, 1)
     assert m.shape == (2, 5) + (1,) * (ndim - 2)
@@ -197,8 +190,8 @@ def test_instance_norm_channels_first(rng, dtype, ndim):
 def test_instance_norm_channels_last(rng, dtype):
     nchw = (2, 6, 5, 7)
     nhwc = channels_last_nhwc(rng, nchw, dtype)
-    scale = vals(rng, (6,), dtype)
-    bias = vals(rng, (6,), F32, "bias")
+    scale = scale_bias_values(rng, (6,), dtype)
+    bias = scale_bias_values(rng, (6,), F32, "bias")
     # (a) NHWC array, channel_axis=-1
     y, m, inv = simdnorm.instance_norm(nhwc, scale, bias, channel_axis=-1, return_stats=True)
     assert m.shape == (2, 1, 1, 6)
@@ -220,9 +213,9 @@ def test_instance_norm_channels_last(rng, dtype):
 @pytest.mark.parametrize("num_groups", [1, 2, 3, 6])
 def test_group_norm_channels_first(rng, dtype, num_groups):
     shape = (3, 6, 4, 5)
-    x = inp(rng, shape, dtype)
-    scale = vals(rng, (6,), dtype)
-    bias = vals(rng, (6,), dtype, "bias")
+    x = offset_input(rng, shape, dtype)
+    scale = scale_bias_values(rng, (6,), dtype)
+    bias = scale_bias_values(rng, (6,), dtype, "bias")
     y, m, inv = simdnorm.group_norm(x, num_groups, scale, bias, epsilon=1e-4, return_stats=True)
     assert_like_empty_like(y, x)
     ref, rm, rinv = group_norm_ref(x, num_groups, scale, bias, epsilon=1e-4)
@@ -258,8 +251,8 @@ def _group_zscale(x, G, scale, bias, channel_axis, eps):
 def test_group_norm_channels_last(rng, dtype, num_groups):
     nchw = (2, 8, 3, 5)
     nhwc = channels_last_nhwc(rng, nchw, dtype)
-    scale = vals(rng, (8,), dtype)
-    bias = vals(rng, (8,), dtype, "bias")
+    scale = scale_bias_values(rng, (8,), dtype)
+    bias = scale_bias_values(rng, (8,), dtype, "bias")
     y, m, inv = simdnorm.group_norm(nhwc, num_groups, scale, bias, channel_axis=-1, return_stats=True)
     ref, rm, rinv = group_norm_ref(nhwc, num_groups, scale, bias, channel_axis=-1)
     check_close(y, ref, _group_zscale(nhwc, num_groups, scale, bias, -1, 1e-5), dtype=dtype)
@@ -275,7 +268,7 @@ def test_group_norm_channels_last(rng, dtype, num_groups):
 
 def test_group_norm_no_copy_of_input(rng):
     # the input is not modified and a 2-D (N, C) input works (groups of channels only)
-    x = inp(rng, (4, 12), F32)
+    x = offset_input(rng, (4, 12), F32)
     x0 = x.copy()
     y = simdnorm.group_norm(x, 3)
     np.testing.assert_array_equal(x, x0)
@@ -291,7 +284,7 @@ def test_group_norm_no_copy_of_input(rng):
 @pytest.mark.parametrize("which", ["layer_norm", "rms_norm", "instance_norm", "group_norm"])
 @pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
 def test_activation_out_return_stats(rng, which, dtype):
-    x = inp(rng, (2, 4, 3, 5), dtype)
+    x = offset_input(rng, (2, 4, 3, 5), dtype)
     name, params = "elu", NONDEFAULT_PARAMS["elu"]
     act = act_arg(name, params)
     out = make_out(x.shape, dtype, "strided")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import simdnorm
+from cases import BF16, F16, F32, F64, AxisError, run_in_threads
 from simdnorm import (
     Activation,
     BatchNormalizationDesc as BND,
@@ -22,15 +23,6 @@ from simdnorm import (
     TensorDesc as TD,
 )
 
-try:
-    from numpy.exceptions import AxisError
-except ImportError:  # pragma: no cover
-    from numpy import AxisError
-
-F32 = np.dtype(np.float32)
-F16 = np.dtype(np.float16)
-F64 = np.dtype(np.float64)
-BF16 = np.dtype(ml_dtypes.bfloat16)
 POISON = 1536.0  # exact in float16 and bfloat16 too
 X = (2, 4, 3, 5)
 
@@ -53,6 +45,15 @@ def mvnd(**kw):
     args = dict(input=td(), axes=(2, 3))
     args.update(kw)
     return MVND(**args)
+
+
+def assert_invalid(d, exc, msg):
+    """validate() raises exc, a DescriptorError, with a message matching msg; so does compile."""
+    with pytest.raises(exc, match=msg) as info:
+        d.validate()
+    assert isinstance(info.value, DescriptorError)
+    with pytest.raises(DescriptorError, match=msg):
+        simdnorm.compile(d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,12 +179,7 @@ def test_bn_desc_valid(kw):
     (dict(input="x"), TypeError, r"^input: expected a TensorDesc, got str"),
 ])
 def test_bn_desc_invalid(kw, exc, msg):
-    d = bnd(**kw)
-    with pytest.raises(exc, match=msg) as info:
-        d.validate()
-    assert isinstance(info.value, DescriptorError)
-    with pytest.raises(DescriptorError, match=msg):
-        simdnorm.compile(d)
+    assert_invalid(bnd(**kw), exc, msg)
 
 
 def test_bn_desc_output_defaults_to_input_and_is_frozen():
@@ -234,12 +230,7 @@ def test_mvn_desc_valid(kw):
     (dict(input=td(dtype=np.uint16), output=td(dtype=np.uint16)), TypeError, r"^input: dtype uint16 is not supported"),
 ])
 def test_mvn_desc_invalid(kw, exc, msg):
-    d = mvnd(**kw)
-    with pytest.raises(exc, match=msg) as info:
-        d.validate()
-    assert isinstance(info.value, DescriptorError)
-    with pytest.raises(DescriptorError, match=msg):
-        simdnorm.compile(d)
+    assert_invalid(mvnd(**kw), exc, msg)
 
 
 def test_mvn_desc_axes_normalized_and_hashable():
@@ -485,24 +476,13 @@ def test_compiled_param_memo_follows_the_arrays():
 
 
 def test_compiled_op_from_many_threads():
-    import threading
-
     rng = np.random.default_rng(5)
     op = simdnorm.compile(BND(td(), td((4,)), td((4,)), td((4,)), td((4,))))
     sets = [arrays(rng) for _ in range(8)]
     want = [simdnorm.batch_normalization(*a) for a in sets]
-    errors = []
 
     def work(i):
-        try:
-            for _ in range(200):
-                np.testing.assert_array_equal(op(*sets[i]), want[i])
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for _ in range(200):
+            np.testing.assert_array_equal(op(*sets[i]), want[i])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(sets))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_in_threads(work, len(sets))

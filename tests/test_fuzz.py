@@ -33,11 +33,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import simdnorm
+from cases import act_arg, activation_draws
 from reference import (
-    ACTIVATION_NAMES,
     DTYPES,
     F32,
-    NONDEFAULT_PARAMS,
     assert_like_empty_like,
     check_bn,
     check_close,
@@ -230,18 +229,9 @@ def shapes(draw, min_ndim=1, max_ndim=5, zero_ok=True):
 
 @st.composite
 def activations(draw):
-    name = draw(st.sampled_from((None,) * 4 + ACTIVATION_NAMES))
-    params = NONDEFAULT_PARAMS.get(name) if name and draw(st.booleans()) else None
+    name, params = draw(activation_draws(none_weight=4))
     as_object = draw(st.booleans())
     return name, params, as_object
-
-
-def act_arg(name, params, as_object):
-    if name is None:
-        return None
-    if params or as_object:
-        return simdnorm.Activation(name, **(params or {}))
-    return name
 
 
 DATA_KINDS = [(0.0, 1.0), (1.5, 2.0), (-20.0, 3.0), (300.0, 30.0), (0.0, 0.01)]
@@ -417,7 +407,7 @@ def test_fuzz_batch_normalization(case):
             continue
         pshape = (shape[ca % nd],) if rule == "1d" else tuple(s if k else 1 for s, k in zip(shape, keep))
         run.param(name, pshape, c["dtype"] if pdt == "input" else F32, lay, name)
-    kw = dict(epsilon=c["epsilon"], activation=act_arg(act, params, as_obj), channel_axis=ca)
+    kw = dict(epsilon=c["epsilon"], activation=act_arg(act, params, as_object=as_obj), channel_axis=ca)
 
     def call(x, p, out):
         args = [p.get(n) for n in ("mean", "variance", "scale", "bias")]
@@ -494,12 +484,13 @@ def test_fuzz_mean_variance_normalization(case):
 
     def call(x, p, out):
         s, b = p.get("scale"), p.get("bias")
+        activation = act_arg(act, params, as_object=as_obj)
         if c["compiled"]:
             td = lambda a: None if a is None else simdnorm.TensorDesc(a.dtype, a.shape)
             op = simdnorm.compile(simdnorm.MeanVarianceNormalizationDesc(
-                td(x), c["axes"], td(s), td(b), activation=act_arg(act, params, as_obj), **kw))
+                td(x), c["axes"], td(s), td(b), activation=activation, **kw))
             return op(x, s, b, out=out, return_stats=c["return_stats"])
-        return simdnorm.mean_variance_normalization(x, c["axes"], s, b, activation=act_arg(act, params, as_obj),
+        return simdnorm.mean_variance_normalization(x, c["axes"], s, b, activation=activation,
                                                     out=out, return_stats=c["return_stats"], **kw)
 
     res, x0, p0, ctx = run.run(call, f"mvn axes={c['axes']!r}" + (" compiled" if c["compiled"] else ""))
@@ -587,7 +578,7 @@ def test_fuzz_conveniences(case):
     for name, (pshape, pdt, lay) in c["params"].items():
         run.param(name, pshape, c["dtype"] if pdt == "input" else F32, lay, name)
     act, params, as_obj = c["act"]
-    kw = dict(epsilon=c["epsilon"], activation=act_arg(act, params, as_obj), return_stats=c["return_stats"])
+    kw = dict(epsilon=c["epsilon"], activation=act_arg(act, params, as_object=as_obj), return_stats=c["return_stats"])
     fn = getattr(simdnorm, which)
 
     def call(x, p, out):

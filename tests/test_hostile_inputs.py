@@ -39,6 +39,7 @@ import numpy as np
 import pytest
 
 import simdnorm
+from cases import BF16, F16, F32, F64, AxisError
 from simdnorm import (
     Activation,
     BatchNormalizationDesc,
@@ -46,15 +47,6 @@ from simdnorm import (
     TensorDesc,
 )
 
-try:
-    from numpy.exceptions import AxisError
-except ImportError:  # pragma: no cover
-    from numpy import AxisError
-
-F32 = np.dtype(np.float32)
-F16 = np.dtype(np.float16)
-F64 = np.dtype(np.float64)
-BF16 = np.dtype(ml_dtypes.bfloat16)
 POISON = 0xA5
 PAD = 64
 

@@ -9,6 +9,7 @@ import pytest
 
 import simdnorm
 from cases import (
+    DT,
     LAYOUTS,
     PARAM_NAMES,
     WRITABLE_LAYOUTS,
@@ -22,10 +23,9 @@ from cases import (
     param_values,
     unaligned_empty,
 )
-from reference import BF16, DTYPES, F16, F32, F64, assert_like_empty_like, check_bn, check_mvn, dtype_id
+from reference import BF16, F16, F32, F64, assert_like_empty_like, check_bn, check_mvn, dtype_id
 
 bn = simdnorm.batch_normalization
-DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 
 
 def p1d(rng, shape, dtype, channel_axis=1):

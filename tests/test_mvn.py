@@ -11,17 +11,19 @@ import pytest
 
 import simdnorm
 from cases import (
+    DT,
     LAYOUTS,
     WRITABLE_LAYOUTS,
     act_arg,
     bits,
     make_input,
     make_out,
+    offset_input,
     rand_values,
+    scale_bias_values,
 )
 from reference import (
     BF16,
-    DTYPES,
     F16,
     F32,
     F64,
@@ -34,20 +36,6 @@ from reference import (
 )
 
 mvn = simdnorm.mean_variance_normalization
-DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-
-
-def sb_values(rng, shape, dtype, kind):
-    if kind == "scale":
-        v = rng.uniform(0.5, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
-    else:
-        v = rng.normal(0.0, 1.0, size=shape)
-    return np.asarray(v).astype(dtype)
-
-
-def group_input(rng, shape, dtype, layout="contiguous"):
-    """Random data with a non-zero mean (loc 1.5), so mean subtraction matters."""
-    return make_input(rng, shape, dtype, layout, loc=1.5, scale=2.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,7 +79,7 @@ def all_axes_subsets(nd):
 @DT
 def test_every_axes_subset_4d(rng, dtype):
     shape = (3, 4, 5, 6)
-    x = group_input(rng, shape, dtype)
+    x = offset_input(rng, shape, dtype)
     for axes in all_axes_subsets(4):
         # any order, and negative spellings
         order = list(rng.permutation(axes))
@@ -107,7 +95,7 @@ def test_ranks_random_axes(rng, dtype, ndim):
     shape = tuple(int(s) for s in rng.integers(1, 5, size=ndim))
     while int(np.prod(shape)) > 3000:
         shape = shape[:-1] + (max(1, shape[-1] // 2),)
-    x = group_input(rng, shape, dtype)
+    x = offset_input(rng, shape, dtype)
     for _ in range(3):
         k = int(rng.integers(1, ndim + 1))
         axes = tuple(int(a) for a in rng.choice(ndim, size=k, replace=False))
@@ -120,7 +108,7 @@ def test_ranks_random_axes(rng, dtype, ndim):
 
 def test_axes_spellings_agree(rng):
     # an int, a tuple, a list, numpy integers, negative and in any order: the same groups
-    x = group_input(rng, (3, 4, 5), F32)
+    x = offset_input(rng, (3, 4, 5), F32)
     want = mvn(x, (1, 2))
     for axes in ([2, 1], (-1, -2), (np.int64(1), np.int32(2)), np.array([1, 2])):
         np.testing.assert_array_equal(bits(mvn(x, axes)), bits(want), err_msg=repr(axes))
@@ -139,9 +127,9 @@ def test_axes_spellings_agree(rng):
 @pytest.mark.parametrize("epsilon_mode", ["inside", "outside"])
 def test_flags_and_epsilon_mode(rng, dtype, normalize_mean, normalize_variance, epsilon_mode):
     shape = (2, 3, 7, 9)
-    x = group_input(rng, shape, dtype)
-    scale = sb_values(rng, (3, 1, 1), dtype, "scale")
-    bias = sb_values(rng, (9,), dtype, "bias")
+    x = offset_input(rng, shape, dtype)
+    scale = scale_bias_values(rng, (3, 1, 1), dtype, "scale")
+    bias = scale_bias_values(rng, (9,), dtype, "bias")
     for axes, eps in [((2, 3), 1e-5), ((1, 2, 3), 0.3), ((0, 2, 3), 0.0), ((-1,), 2.0)]:
         res = mvn(x, axes, scale, bias, normalize_mean=normalize_mean, normalize_variance=normalize_variance,
                   epsilon=eps, epsilon_mode=epsilon_mode, return_stats=True)
@@ -151,7 +139,7 @@ def test_flags_and_epsilon_mode(rng, dtype, normalize_mean, normalize_variance, 
 
 
 def test_epsilon_mode_changes_result(rng):
-    x = group_input(rng, (4, 16), F32)
+    x = offset_input(rng, (4, 16), F32)
     a = mvn(x, 1, epsilon=0.5, epsilon_mode="inside")
     b = mvn(x, 1, epsilon=0.5, epsilon_mode="outside")
     assert np.abs(a - b).max() > 1e-2
@@ -177,11 +165,11 @@ SB_SHAPES = [
 @pytest.mark.parametrize("scale_shape", SB_SHAPES, ids=str)
 def test_scale_bias_broadcasting(rng, dtype, scale_shape):
     shape = (2, 3, 4, 5)
-    x = group_input(rng, shape, dtype)
+    x = offset_input(rng, shape, dtype)
     bias_shape = SB_SHAPES[(SB_SHAPES.index(scale_shape) + 3) % len(SB_SHAPES)]
     for pdt_s, pdt_b in [(dtype, dtype), (F32, dtype), (dtype, F32)]:
-        scale = sb_values(rng, scale_shape, pdt_s, "scale")
-        bias = sb_values(rng, bias_shape, pdt_b, "bias")
+        scale = scale_bias_values(rng, scale_shape, pdt_s, "scale")
+        bias = scale_bias_values(rng, bias_shape, pdt_b, "bias")
         for axes in [(2, 3), (1,), (0, 2, 3)]:
             y = mvn(x, axes, scale, bias)
             assert y.dtype == dtype
@@ -193,19 +181,19 @@ def test_scale_bias_broadcasting(rng, dtype, scale_shape):
 @pytest.mark.parametrize("which", ["none", "scale", "bias"])
 def test_scale_bias_optional_independently(rng, dtype, which):
     shape = (3, 4, 10)
-    x = group_input(rng, shape, dtype)
-    scale = sb_values(rng, (4, 10), dtype, "scale") if which == "scale" else None
-    bias = sb_values(rng, (10,), dtype, "bias") if which == "bias" else None
+    x = offset_input(rng, shape, dtype)
+    scale = scale_bias_values(rng, (4, 10), dtype, "scale") if which == "scale" else None
+    bias = scale_bias_values(rng, (10,), dtype, "bias") if which == "bias" else None
     y = mvn(x, (1, 2), scale, bias) if which != "bias" else mvn(x, (1, 2), bias=bias)
     check_mvn(y, x, (1, 2), scale, bias)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
 def test_scale_bias_strided_views(rng, dtype):
-    x = group_input(rng, (2, 3, 6, 8), dtype)
-    sbase = sb_values(rng, (6, 16), dtype, "scale")
+    x = offset_input(rng, (2, 3, 6, 8), dtype)
+    sbase = scale_bias_values(rng, (6, 16), dtype, "scale")
     scale = sbase[::-1, ::2]                       # negative and strided
-    bias = np.broadcast_to(sb_values(rng, (1, 8), F32, "bias"), (6, 8))  # zero stride
+    bias = np.broadcast_to(scale_bias_values(rng, (1, 8), F32, "bias"), (6, 8))  # zero stride
     y = mvn(x, (2, 3), scale, bias)
     check_mvn(y, x, (2, 3), scale, bias)
 
@@ -217,7 +205,7 @@ def test_scale_bias_strided_views(rng, dtype):
 
 @DT
 def test_return_stats_shapes_and_types(rng, dtype):
-    x = group_input(rng, (2, 3, 4, 5), dtype)
+    x = offset_input(rng, (2, 3, 4, 5), dtype)
     ct = compute_dtype(dtype)
     y, m, inv = mvn(x, (1, 3), return_stats=True)
     assert m.shape == inv.shape == (2, 1, 4, 1) and m.dtype == inv.dtype == ct
@@ -244,9 +232,9 @@ def test_return_stats_shapes_and_types(rng, dtype):
                                   "softplus", "shrink", "clip", "hard_swish", "thresholded_relu"])
 def test_activations(isa, rng, dtype, name):
     params = NONDEFAULT_PARAMS.get(name)
-    x = group_input(rng, (2, 3, 5, 11), dtype)
-    scale = sb_values(rng, (5, 11), dtype, "scale")
-    bias = sb_values(rng, (3, 1, 1), dtype, "bias")
+    x = offset_input(rng, (2, 3, 5, 11), dtype)
+    scale = scale_bias_values(rng, (5, 11), dtype, "scale")
+    bias = scale_bias_values(rng, (3, 1, 1), dtype, "bias")
     for axes in [(2, 3), (0, 2, 3)]:
         out = make_out(x.shape, dtype)
         r = mvn(x, axes, scale, bias, activation=act_arg(name, params), out=out)
@@ -265,7 +253,7 @@ AXES_CASES = [(3,), (2, 3), (1, 2, 3), (0, 2, 3), (1,), (0,), (0, 1, 2, 3)]
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_input_layouts(isa, rng, dtype, layout):
     shape = (3, 4, 6, 17)
-    x = group_input(rng, shape, dtype, layout)
+    x = offset_input(rng, shape, dtype, layout)
     for axes in AXES_CASES:
         y, m, inv = mvn(x, axes, return_stats=True)
         assert_like_empty_like(y, x)
@@ -276,7 +264,7 @@ def test_input_layouts(isa, rng, dtype, layout):
 @pytest.mark.parametrize("out_layout", WRITABLE_LAYOUTS)
 def test_out_layouts(rng, dtype, out_layout):
     shape = (2, 5, 4, 9)
-    x = group_input(rng, shape, dtype, "channels_last")
+    x = offset_input(rng, shape, dtype, "channels_last")
     for axes in [(3,), (1,), (0, 2, 3)]:
         out = make_out(shape, dtype, out_layout)
         r = mvn(x, axes, out=out)
@@ -288,13 +276,13 @@ def test_out_layouts(rng, dtype, out_layout):
 def test_odd_group_sizes(isa, rng, dtype):
     # rows (reduce innermost) and columns (reduce outer, keep innermost) of every length 1..67
     for n in range(1, 68):
-        x = group_input(rng, (3, n), dtype)
+        x = offset_input(rng, (3, n), dtype)
         y, m, inv = mvn(x, 1, return_stats=True)
         check_mvn(y, x, 1, stats=(m, inv), context=f"rows n={n} isa={isa}")
         y, m, inv = mvn(x, 0, return_stats=True)
         check_mvn(y, x, 0, stats=(m, inv), context=f"columns n={n} isa={isa}")
         xu = make_input(rng, (2, n), dtype, "unaligned", loc=1.5)
-        s = sb_values(rng, (n,), dtype, "scale")
+        s = scale_bias_values(rng, (n,), dtype, "scale")
         y = mvn(xu, -1, s)
         check_mvn(y, xu, -1, s, context=f"unaligned n={n} isa={isa}")
 
@@ -307,7 +295,7 @@ def test_odd_group_sizes(isa, rng, dtype):
 @DT
 @pytest.mark.parametrize("axes", [(2,), (0, 2), (1,)], ids=str)
 def test_in_place(rng, dtype, axes):
-    x = group_input(rng, (4, 6, 33), dtype)
+    x = offset_input(rng, (4, 6, 33), dtype)
     x0 = x.copy()
     r = mvn(x, axes, out=x)
     assert r is x
@@ -324,7 +312,7 @@ def test_overlap_shifted_output(rng, dtype, shift, axes):
     x = (buf[shift:] if shift > 0 else buf[:n]).reshape(shape)
     out = (buf[:n] if shift > 0 else buf[-shift:]).reshape(shape)
     x0 = x.copy()
-    scale = sb_values(rng, (40,), dtype, "scale")
+    scale = scale_bias_values(rng, (40,), dtype, "scale")
     r = mvn(x, axes, scale, out=out)
     assert r is out
     check_mvn(out, x0, axes, scale, context=f"shift={shift}")
@@ -333,11 +321,11 @@ def test_overlap_shifted_output(rng, dtype, shift, axes):
 @pytest.mark.parametrize("which", ["scale", "bias"])
 def test_overlap_output_with_parameter(rng, which):
     shape = (4, 32)
-    x = group_input(rng, shape, F32)
+    x = offset_input(rng, shape, F32)
     buf = np.empty(int(np.prod(shape)) + 32 + 5, F32)
     out = buf[:128].reshape(shape)
     pv = buf[5:37]
-    vals = sb_values(rng, (32,), F32, which)
+    vals = scale_bias_values(rng, (32,), F32, which)
     pv[...] = vals
     kw = {which: pv}
     r = mvn(x, 1, out=out, **kw)
@@ -383,7 +371,7 @@ def test_constant_groups(dtype):
 
 
 def test_nan_in_group_stays_in_group(rng):
-    x = group_input(rng, (3, 20), F32)
+    x = offset_input(rng, (3, 20), F32)
     x[1, 7] = np.nan
     y = mvn(x, 1)
     assert np.isnan(y[1]).all()
@@ -396,7 +384,7 @@ def test_nan_in_group_stays_in_group(rng):
 
 
 def test_checker_rejects_wrong_semantics(rng):
-    x = group_input(rng, (4, 6, 9), F32)
+    x = offset_input(rng, (4, 6, 9), F32)
     axes = (2,)
     good = mvn_ref(x, axes)[0].astype(F32)
     check_mvn(good, x, axes)

@@ -11,12 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import simdnorm
-from cases import act_arg, param_values, rand_values, unaligned_empty
+from cases import act_arg, activation_draws, param_values, rand_values, scale_bias_values, unaligned_empty
 from reference import (
-    ACTIVATION_NAMES,
     DTYPES,
     F32,
-    NONDEFAULT_PARAMS,
     assert_like_empty_like,
     check_bn,
     check_mvn,
@@ -85,8 +83,7 @@ def bn_cases(draw):
         mask = tuple(draw(st.lists(st.booleans(), min_size=ndim, max_size=ndim)))
         reverse = draw(st.booleans())
         params[name] = (kind, pdt, mask, reverse)
-    act = draw(st.sampled_from((None,) + ACTIVATION_NAMES))
-    act_params = NONDEFAULT_PARAMS.get(act) if act and draw(st.booleans()) else None
+    act, act_params = draw(activation_draws())
     epsilon = draw(st.sampled_from([0.0, 1e-5, 1e-3, 0.5]))
     out_kind = draw(st.sampled_from(["none", "none", "layout", "in_place"]))
     out_layout = draw(layouts(ndim))
@@ -94,6 +91,14 @@ def bn_cases(draw):
     return dict(shape=shape, dtype=dtype, channel_axis=channel_axis, x_layout=x_layout, params=params,
                 act=act, act_params=act_params, epsilon=epsilon, out_kind=out_kind, out_layout=out_layout,
                 seed=seed)
+
+
+def negative_step_view(a):
+    """The same values behind a view whose innermost step is negative."""
+    base = np.empty(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+    v = base[..., ::-2]
+    v[...] = a
+    return v
 
 
 def make_param(rng, name, spec, shape, channel_axis):
@@ -105,13 +110,7 @@ def make_param(rng, name, spec, shape, channel_axis):
         p = param_values(rng, name, (c,), pdt)
     else:
         p = param_values(rng, name, tuple(s if m else 1 for s, m in zip(shape, mask)), pdt)
-    if reverse and p.size:
-        # the same values behind a negative-step view
-        base = np.empty(p.shape[:-1] + (2 * p.shape[-1],), p.dtype)
-        v = base[..., ::-2]
-        v[...] = p
-        p = v
-    return p
+    return negative_step_view(p) if reverse and p.size else p
 
 
 @SETTINGS
@@ -158,12 +157,12 @@ def mvn_cases(draw):
         keep = tuple(draw(st.lists(st.booleans(), min_size=ndim - lead, max_size=ndim - lead)))
         pshape = tuple(s if k else 1 for s, k in zip(shape[lead:], keep))
         params[name] = (pshape, np.dtype(draw(st.sampled_from([dtype, F32]))), draw(st.booleans()))
-    act = draw(st.sampled_from((None,) + ACTIVATION_NAMES))
+    act, act_params = draw(activation_draws())
     return dict(
         shape=shape, dtype=dtype, axes=tuple(axes), x_layout=draw(layouts(ndim)), params=params,
         normalize_mean=draw(st.booleans()), normalize_variance=draw(st.booleans()),
         epsilon=draw(st.sampled_from([1e-5, 1e-3, 0.5])), epsilon_mode=draw(st.sampled_from(["inside", "outside"])),
-        act=act, act_params=NONDEFAULT_PARAMS.get(act) if act and draw(st.booleans()) else None,
+        act=act, act_params=act_params,
         out_kind=draw(st.sampled_from(["none", "none", "layout", "in_place"])), out_layout=draw(layouts(ndim)),
         return_stats=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)))
 
@@ -172,16 +171,8 @@ def make_sb(rng, name, spec):
     if spec is None:
         return None
     pshape, pdt, reverse = spec
-    if name == "scale":
-        v = (rng.uniform(0.5, 2.0, size=pshape) * rng.choice([-1.0, 1.0], size=pshape)).astype(pdt)
-    else:
-        v = rng.normal(0.0, 1.0, size=pshape).astype(pdt)
-    if reverse and v.size:
-        base = np.empty(v.shape[:-1] + (2 * v.shape[-1],), pdt)
-        w = base[..., ::-2]
-        w[...] = v
-        v = w
-    return v
+    v = scale_bias_values(rng, pshape, pdt, name)
+    return negative_step_view(v) if reverse and v.size else v
 
 
 @SETTINGS

@@ -8,16 +8,14 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import types
 
 import numpy as np
 import pytest
 
 import simdnorm
+from cases import F32, run_in_threads
 from simdnorm import _core
-
-F32 = np.dtype(np.float32)
 
 
 def run_py(code: str, env_update: dict, drop=("SIMDNORM_NUM_THREADS", "OMP_NUM_THREADS", "SIMDNORM_ISA")):
@@ -272,22 +270,13 @@ def test_concurrent_calls_from_python_threads():
     p = np.linspace(0.5, 1.5, 8).astype(F32)
     want = [(simdnorm.batch_normalization(x, p, p, p, p), simdnorm.group_norm(x, 4, p, p),
              simdnorm.layer_norm(x)) for x in xs]
-    errors = []
 
     def work(i):
-        try:
-            for _ in range(20):
-                x = xs[i]
-                got = (simdnorm.batch_normalization(x, p, p, p, p), simdnorm.group_norm(x, 4, p, p),
-                       simdnorm.layer_norm(x))
-                for g, w in zip(got, want[i]):
-                    np.testing.assert_array_equal(g, w)
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        for _ in range(20):
+            x = xs[i]
+            got = (simdnorm.batch_normalization(x, p, p, p, p), simdnorm.group_norm(x, 4, p, p),
+                   simdnorm.layer_norm(x))
+            for g, w in zip(got, want[i]):
+                np.testing.assert_array_equal(g, w)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(work, len(xs))

@@ -8,22 +8,13 @@ from __future__ import annotations
 import math
 import re
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import simdnorm
+from cases import BF16, F16, F32, F64, AxisError
 from simdnorm import _api
 
-try:
-    from numpy.exceptions import AxisError
-except ImportError:  # pragma: no cover
-    from numpy import AxisError
-
-F32 = np.dtype(np.float32)
-F16 = np.dtype(np.float16)
-F64 = np.dtype(np.float64)
-BF16 = np.dtype(ml_dtypes.bfloat16)
 POISON = 1536.0  # exact in float16 and bfloat16 too
 
 bn = simdnorm.batch_normalization
