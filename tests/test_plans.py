@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import simdnorm
 from simdnorm import _core
 
 IDENTITY = (0, 0.0, 0.0)
@@ -16,12 +17,12 @@ IDENTITY = (0, 0.0, 0.0)
 def bn_plan(x, param_shape, out=None):
     p = np.ones(param_shape, np.float32)
     out = np.empty_like(x) if out is None else out
-    return _core.explain_batch_norm(x, p, p, p, p, out, 1e-5, IDENTITY)
+    return _core.explain_batch_norm(x, p, p, p, p, out, 1e-5, IDENTITY, 0, False)
 
 
 def mvn_plan(x, axes, scale=None, out=None):
     out = np.empty_like(x) if out is None else out
-    return _core.explain_mvn(x, axes, scale, scale, out, 1e-5, True, True, False, IDENTITY, None, None)
+    return _core.explain_mvn(x, axes, scale, scale, out, 1e-5, True, True, False, IDENTITY, None, None, -1, False)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -37,7 +38,53 @@ def test_channels_last_batch_norm_runs_coefficients_along_the_run(dtype):
     x = np.zeros((2, 5, 7, 8), dtype).transpose(0, 3, 1, 2)  # NHWC memory, NCHW view
     plan = bn_plan(x, (1, 8, 1, 1))
     assert "inner=contiguous(stats=vary,affine=vary)" in plan
-    assert "sizes=(70,8)" in plan  # N, H, W merged; C innermost
+    # N, H, W merged; C innermost, and with so few channels the coefficients are repeated so that
+    # one run covers all 70 pixels (8 channels each) instead of one pixel per run
+    assert "sizes=(1,560)" in plan
+
+
+def test_channels_last_runs_are_lengthened_by_a_divisor_of_the_pixel_count():
+    x = np.zeros((1, 2, 131, 8), np.float32).transpose(0, 3, 1, 2)  # 262 pixels = 2 x 131
+    plan = bn_plan(x, (1, 8, 1, 1))
+    assert "sizes=(131,16)" in plan  # 131 pixels per run would exceed the target run: 2 per run
+
+
+def test_channels_last_with_many_channels_keeps_one_pixel_per_run():
+    x = np.zeros((2, 3, 3, 1024), np.float32).transpose(0, 3, 1, 2)
+    assert "sizes=(18,1024)" in bn_plan(x, (1, 1024, 1, 1))
+
+
+def overlap_call(x, out, p):
+    return _core.explain_batch_norm(x, p, p, p, p, out, 1e-5, IDENTITY, 1, True)
+
+
+def test_kernel_declines_when_out_may_overlap_an_operand():
+    buf = np.zeros((2, 4, 64), np.float32)
+    p = np.ones(4, np.float32)
+    assert overlap_call(buf[..., ::2], buf[..., 1::2], p).startswith("declined")  # interleaved
+    assert overlap_call(buf[:, :, :32], buf[:, :, 16:48], p).startswith("declined")  # shifted
+    params = np.ones(64, np.float32)
+    out = params[:8].reshape(2, 4, 1)
+    assert _core.explain_batch_norm(np.zeros((2, 4, 1), np.float32), params[4:8], p, p, p, out, 1e-5,
+                                    IDENTITY, 1, True).startswith("declined")  # a parameter under out
+    assert overlap_call(buf, buf, p).startswith("nest=")  # in place is not an overlap
+    assert overlap_call(buf, np.zeros_like(buf), p).startswith("nest=")
+    assert overlap_call(buf[..., ::2], buf[..., 1::2].copy(), p).startswith("nest=")
+
+
+def test_interleaved_out_declined_by_the_kernel_still_runs_into_out():
+    # Disjoint elements within one byte range: the kernel declines, numpy finds no overlap, and the
+    # call runs straight into out (whose other lanes must stay untouched).
+    rng = np.random.default_rng(5)
+    buf = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    x, out = buf[..., ::2], buf[..., 1::2]
+    before_x = x.copy()
+    mean, var = rng.standard_normal(4).astype(np.float32), rng.random(4).astype(np.float32) + 0.5
+    got = simdnorm.batch_normalization(x, mean, var, out=out)
+    assert got is out
+    want = (before_x - mean[:, None]) / np.sqrt(var[:, None] + 1e-5)
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(x, before_x)
 
 
 def test_reversed_input_is_flipped_back_to_a_contiguous_run():

@@ -5,6 +5,8 @@
 
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -90,11 +92,6 @@ void run_without_gil(int64_t elements, F&& f) {
   f();
 }
 
-std::optional<TensorView> optional_view(py::handle obj, const char* name) {
-  if (obj.is_none()) return std::nullopt;
-  return view_of(obj, name, false);
-}
-
 void check_same_shape(const TensorView& x, const TensorView& other, const char* name, bool exact) {
   if (other.ndim != x.ndim) throw py::value_error(std::string(name) + ": rank differs from the input's");
   for (int d = 0; d < x.ndim; ++d) {
@@ -107,6 +104,72 @@ void check_param(const TensorView& x, const TensorView& p, const char* name) {
   check_same_shape(x, p, name, false);
   if (p.dtype != x.dtype && p.dtype != DType::f32)
     throw py::type_error(std::string(name) + ": dtype must be the input's or float32");
+}
+
+// A parameter of lower rank than the input, seen with the input's rank without a numpy view (a
+// view costs about as much as the rest of a small call): a 1-D parameter goes to channel_axis when
+// one is given (batch norm's (C,) parameters), otherwise dims align right (numpy broadcasting).
+TensorView param_view(py::handle obj, const char* name, const TensorView& x, int channel_axis) {
+  const TensorView p = view_of(obj, name, false);
+  TensorView v = p;
+  if (p.ndim != x.ndim) {
+    if (p.ndim > x.ndim) throw py::value_error(std::string(name) + ": more dims than the input");
+    const int first = channel_axis >= 0 && p.ndim == 1 ? channel_axis : x.ndim - p.ndim;
+    if (first + p.ndim > x.ndim) throw py::value_error(std::string(name) + ": channel_axis out of range");
+    v.ndim = x.ndim;
+    for (int d = 0; d < x.ndim; ++d) {
+      const bool own = d >= first && d < first + p.ndim;
+      v.sizes[d] = own ? p.sizes[d - first] : 1;
+      v.strides[d] = own ? p.strides[d - first] : 0;
+    }
+  }
+  check_param(x, v, name);
+  return v;
+}
+
+std::optional<TensorView> optional_param(py::handle obj, const char* name, const TensorView& x, int channel_axis) {
+  if (obj.is_none()) return std::nullopt;
+  return param_view(obj, name, x, channel_axis);
+}
+
+int64_t item_bytes(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
+
+// Could out share memory with `other`? Compares the byte ranges the two address, so it may say
+// yes where numpy's exact test (np.shares_memory) says no: the caller then asks numpy.
+bool may_overlap(const TensorView& out, const TensorView& other) {
+  auto range = [](const TensorView& v, uintptr_t& lo, uintptr_t& hi) {
+    int64_t below = 0, above = 0;
+    for (int d = 0; d < v.ndim; ++d) {
+      if (v.sizes[d] == 0) return false;
+      const int64_t span = (v.sizes[d] - 1) * v.strides[d];  // fits: check_extent passed
+      (span < 0 ? below : above) += span;
+    }
+    lo = reinterpret_cast<uintptr_t>(v.data) + below;
+    hi = reinterpret_cast<uintptr_t>(v.data) + above + item_bytes(v.dtype);
+    return true;
+  };
+  uintptr_t lo0, hi0, lo1, hi1;
+  if (!range(out, lo0, hi0) || !range(other, lo1, hi1)) return false;
+  return lo0 < hi1 && lo1 < hi0;
+}
+
+// In place (out is the input: same memory, same strides) is allowed; any other overlap of out
+// with an operand is left to the caller (a temporary).
+bool overlaps_an_operand(const TensorView& out, const TensorView& in,
+                         std::initializer_list<const std::optional<TensorView>*> params) {
+  bool in_place = out.data == in.data;
+  for (int d = 0; d < in.ndim && in_place; ++d) in_place = in.sizes[d] < 2 || out.strides[d] == in.strides[d];
+  if (!in_place && may_overlap(out, in)) return true;
+  for (const auto* p : params)
+    if (*p && may_overlap(out, **p)) return true;
+  return false;
+}
+
+int int_of(const py::handle& obj, const char* name) {
+  const long v = PyLong_AsLong(obj.ptr());
+  if (v == -1 && PyErr_Occurred()) throw py::type_error(std::string(name) + " must be an int");
+  if (v < INT_MIN || v > INT_MAX) throw py::value_error(std::string(name) + ": out of range");
+  return static_cast<int>(v);
 }
 
 Activation activation_of(const py::handle& obj) {
@@ -135,30 +198,38 @@ bool bool_of(const py::handle& obj, const char* name) {
   return v != 0;
 }
 
-void py_batch_norm(py::handle x, py::handle mean, py::handle variance, py::handle scale, py::handle bias,
-                   py::handle out, py::handle epsilon, py::handle activation, std::string* explain) {
+// Returns false, having done nothing, when check_overlap is set and out may share memory with an
+// operand (other than being the input): the Python layer then decides exactly and uses a temporary.
+bool py_batch_norm(PyObject* const* args, std::string* explain) {
   BatchNormArgs a;
-  a.input = view_of(x, "input", false);
-  a.output = view_of(out, "out", true);
+  a.input = view_of(args[0], "input", false);
+  a.output = view_of(args[5], "out", true);
   if (a.output.dtype != a.input.dtype) throw py::type_error("out: dtype differs from the input's");
   check_same_shape(a.input, a.output, "out", true);
-  a.mean = view_of(mean, "mean", false);
-  a.variance = view_of(variance, "variance", false);
-  a.scale = optional_view(scale, "scale");
-  a.bias = optional_view(bias, "bias");
-  check_param(a.input, a.mean, "mean");
-  check_param(a.input, a.variance, "variance");
-  if (a.scale) check_param(a.input, *a.scale, "scale");
-  if (a.bias) check_param(a.input, *a.bias, "bias");
-  a.epsilon = double_of(epsilon, "epsilon");
-  a.activation = activation_of(activation);
-  if (explain != nullptr) return batch_norm(a, explain);
+  const int channel_axis = int_of(args[8], "channel_axis");
+  if (channel_axis < 0 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
+  std::optional<TensorView> mean = param_view(args[1], "mean", a.input, channel_axis);
+  std::optional<TensorView> variance = param_view(args[2], "variance", a.input, channel_axis);
+  a.mean = *mean;
+  a.variance = *variance;
+  a.scale = optional_param(args[3], "scale", a.input, channel_axis);
+  a.bias = optional_param(args[4], "bias", a.input, channel_axis);
+  a.epsilon = double_of(args[6], "epsilon");
+  a.activation = activation_of(args[7]);
+  if (bool_of(args[9], "check_overlap") && overlaps_an_operand(a.output, a.input, {&mean, &variance, &a.scale, &a.bias}))
+    return false;
+  if (explain != nullptr) {
+    batch_norm(a, explain);
+    return true;
+  }
   run_without_gil(element_count(a.input), [&] { batch_norm(a); });
+  return true;
 }
 
-void py_mvn(py::handle x, py::handle axes, py::handle scale, py::handle bias, py::handle out, py::handle epsilon,
-            py::handle normalize_mean, py::handle normalize_variance, py::handle epsilon_outside,
-            py::handle activation, py::handle mean_out, py::handle inv_std_out, std::string* explain) {
+bool py_mvn(PyObject* const* args, std::string* explain) {
+  const py::handle x = args[0], axes = args[1], scale = args[2], bias = args[3], out = args[4], epsilon = args[5],
+                   normalize_mean = args[6], normalize_variance = args[7], epsilon_outside = args[8],
+                   activation = args[9], mean_out = args[10], inv_std_out = args[11];
   MvnArgs a;
   a.input = view_of(x, "input", false);
   a.output = view_of(out, "out", true);
@@ -170,10 +241,11 @@ void py_mvn(py::handle x, py::handle axes, py::handle scale, py::handle bias, py
     if (axis < 0 || axis >= a.input.ndim) throw py::value_error("axes: out of range");
     a.reduced |= 1u << axis;
   }
-  a.scale = optional_view(scale, "scale");
-  a.bias = optional_view(bias, "bias");
-  if (a.scale) check_param(a.input, *a.scale, "scale");
-  if (a.bias) check_param(a.input, *a.bias, "bias");
+  // -1: lower-rank scale/bias align right; an axis: a 1-D one goes there (instance norm's (C,))
+  const int channel_axis = int_of(args[12], "channel_axis");
+  if (channel_axis < -1 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
+  a.scale = optional_param(scale, "scale", a.input, channel_axis);
+  a.bias = optional_param(bias, "bias", a.input, channel_axis);
   const DType stats = a.input.dtype == DType::f64 ? DType::f64 : DType::f32;
   auto stats_view = [&](py::handle obj, const char* name) -> std::optional<TensorView> {
     if (obj.is_none()) return std::nullopt;
@@ -192,21 +264,26 @@ void py_mvn(py::handle x, py::handle axes, py::handle scale, py::handle bias, py
   a.normalize_variance = bool_of(normalize_variance, "normalize_variance");
   a.epsilon_outside = bool_of(epsilon_outside, "epsilon_outside");
   a.activation = activation_of(activation);
-  if (explain != nullptr) return mean_variance_normalization(a, explain);
+  if (bool_of(args[13], "check_overlap") && overlaps_an_operand(a.output, a.input, {&a.scale, &a.bias}))
+    return false;
+  if (explain != nullptr) {
+    mean_variance_normalization(a, explain);
+    return true;
+  }
   run_without_gil(element_count(a.input), [&] { mean_variance_normalization(a); });
+  return true;
 }
 
 // The two hot entry points are plain METH_FASTCALL functions: pybind11's general dispatcher costs
 // more than the rest of a small call put together.
-// f returns nothing (the call returns None) or a string (returned as str).
+// f returns a bool (returned as True/False) or a string (returned as str).
 template <size_t N, class F>
 PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
   try {
     if (nargs != static_cast<Py_ssize_t>(N))
       throw py::type_error(std::string(name) + "() takes " + std::to_string(N) + " positional arguments");
-    if constexpr (std::is_void_v<decltype(f(args))>) {
-      f(args);
-      Py_RETURN_NONE;
+    if constexpr (std::is_same_v<decltype(f(args)), bool>) {
+      return py::bool_(f(args)).release().ptr();
     } else {
       return py::str(f(args)).release().ptr();
     }
@@ -222,40 +299,38 @@ PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&
   return nullptr;
 }
 
+constexpr size_t kBatchNormArgs = 10, kMvnArgs = 14;
+
 PyObject* fast_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return fastcall<8>(args, nargs, "batch_norm", [](PyObject* const* a) {
-    py_batch_norm(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], nullptr);
-  });
+  return fastcall<kBatchNormArgs>(args, nargs, "batch_norm", [](PyObject* const* a) { return py_batch_norm(a, nullptr); });
 }
 
 PyObject* fast_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return fastcall<12>(args, nargs, "mvn", [](PyObject* const* a) {
-    py_mvn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], nullptr);
-  });
+  return fastcall<kMvnArgs>(args, nargs, "mvn", [](PyObject* const* a) { return py_mvn(a, nullptr); });
+}
+
+// The explain hooks run the same checks, then describe the plan instead of running it (or say
+// "overlap" when the call would have declined).
+template <bool (*Op)(PyObject* const*, std::string*)>
+std::string explain(PyObject* const* a) {
+  std::string s;
+  return Op(a, &s) ? s : std::string("declined: out may overlap an operand");
 }
 
 PyObject* explain_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return fastcall<8>(args, nargs, "explain_batch_norm", [](PyObject* const* a) {
-    std::string s;
-    py_batch_norm(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], &s);
-    return s;
-  });
+  return fastcall<kBatchNormArgs>(args, nargs, "explain_batch_norm", explain<py_batch_norm>);
 }
 
 PyObject* explain_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return fastcall<12>(args, nargs, "explain_mvn", [](PyObject* const* a) {
-    std::string s;
-    py_mvn(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], &s);
-    return s;
-  });
+  return fastcall<kMvnArgs>(args, nargs, "explain_mvn", explain<py_mvn>);
 }
 
 PyMethodDef g_fast_methods[] = {
     {"batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_batch_norm)), METH_FASTCALL,
-     "batch_norm(x, mean, variance, scale, bias, out, epsilon, activation)"},
+     "batch_norm(x, mean, variance, scale, bias, out, epsilon, activation, channel_axis, check_overlap) -> ran"},
     {"mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn)), METH_FASTCALL,
      "mvn(x, axes, scale, bias, out, epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, "
-     "mean_out, inv_std_out)"},
+     "mean_out, inv_std_out, channel_axis, check_overlap) -> ran"},
     {"explain_batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_batch_norm)),
      METH_FASTCALL, "explain_batch_norm(<batch_norm's arguments>) -> the plan batch_norm would run, as text"},
     {"explain_mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_mvn)), METH_FASTCALL,

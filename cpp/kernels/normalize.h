@@ -84,6 +84,65 @@ struct NormalizeKernel {
     if (i < n) partial(static_cast<int>(n - i));
   }
 
+  // Rows of n >= W contiguous elements that follow each other in memory (NCHW batch norm over
+  // small images, per-group MVN over short rows), coefficients constant along each row and
+  // stepping by rs per row: one stream of rows * n elements, so that stores stay 64-byte aligned
+  // across rows and a row costs no head and tail of its own. A vector that straddles two rows
+  // takes each lane's coefficients from its row (n >= W: at most one boundary per vector).
+  template <class Act>
+  static void run_row_stream(const Act& act, int64_t rows, int64_t n, char* const* p, const int64_t* rs,
+                             bool stream) {
+    T* y = reinterpret_cast<T*>(p[kOut]);
+    const T* x = reinterpret_cast<const T*>(p[kIn]);
+    const int64_t total = rows * n;
+    auto coefficients = [&](int64_t row, V* c) {
+      for (int k = 0; k < 4; ++k)
+        c[k] = splat<V>(LC::load_one(reinterpret_cast<const C*>(p[kShift + k] + row * rs[kShift + k])));
+    };
+    V cur[4];
+    coefficients(0, cur);
+    int64_t row = 0, row_end = n, i = 0;
+    // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
+    auto vector_at = [&](int64_t at, int m, bool partial) {
+      const V in = partial ? L::load_partial(x + at, m) : L::load(x + at);
+      if (at + m <= row_end) return compute(act, in, cur[0], cur[1], cur[2], cur[3]);
+      V next[4], mixed[4];
+      coefficients(++row, next);
+      const auto own = vlanes_below(static_cast<int>(row_end - at));
+      for (int k = 0; k < 4; ++k) {
+        mixed[k] = vselect(own, cur[k], next[k]);
+        cur[k] = next[k];
+      }
+      row_end += n;
+      return compute(act, in, mixed[0], mixed[1], mixed[2], mixed[3]);
+    };
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
+    const bool aligned_elements = addr % sizeof(T) == 0;
+    stream = stream && aligned_elements;
+    if (aligned_elements) {
+      int64_t head = static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T));
+      if (head > total) head = total;
+      while (head > 0) {
+        const int m = static_cast<int>(head < W ? head : W);
+        L::store_partial(y + i, vector_at(i, m, true), m);
+        i += m;
+        head -= m;
+      }
+    }
+    for (; i + 2 * W <= total; i += 2 * W) {
+      const V r0 = vector_at(i, W, false);
+      const V r1 = vector_at(i + W, W, false);
+      if (stream) {
+        L::store2_stream(y + i, r0, r1);
+      } else {
+        L::store(y + i, r0);
+        L::store(y + i + W, r1);
+      }
+    }
+    for (; i + W <= total; i += W) L::store(y + i, vector_at(i, W, false));
+    if (i < total) L::store_partial(y + i, vector_at(i, static_cast<int>(total - i), true), static_cast<int>(total - i));
+  }
+
   // Any other strides: gather a vector's worth into buffers and run the same arithmetic, so an
   // element gets the same bits whichever path it takes.
   template <class Act>
@@ -119,7 +178,13 @@ struct NormalizeKernel {
     if (s[kIn] == ts && s[kOut] == ts) {
       const bool st_const = s[kShift] == 0 && s[kMul] == 0, st_vary = s[kShift] == cs && s[kMul] == cs;
       const bool af_const = s[kScale] == 0 && s[kBias] == 0, af_vary = s[kScale] == cs && s[kBias] == cs;
-      if (st_const && af_const) return each_row([&](char* const* r) { run_contiguous<false, false>(act, n, r, stream); });
+      if (st_const && af_const) {
+        if constexpr (W > 1) {
+          if (rows > 1 && n >= W && rs[kIn] == n * ts && rs[kOut] == n * ts)
+            return run_row_stream(act, rows, n, p, rs, stream);
+        }
+        return each_row([&](char* const* r) { run_contiguous<false, false>(act, n, r, stream); });
+      }
       if (st_const && af_vary) return each_row([&](char* const* r) { run_contiguous<false, true>(act, n, r, stream); });
       if (st_vary && af_const) return each_row([&](char* const* r) { run_contiguous<true, false>(act, n, r, stream); });
       if (st_vary && af_vary) return each_row([&](char* const* r) { run_contiguous<true, true>(act, n, r, stream); });

@@ -48,6 +48,7 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
   for (int op = kShift; op <= kBias; ++op) p.data[op] = folded.data(op - kShift);
   NormalizeTask task;
   plan_elementwise(p, task.loop);
+  lengthen_repeating_runs(task.loop, folded, x.dtype);
   task.dtype = x.dtype;
   task.act = a.activation;
   task.stream_stores = wants_stream_stores(task);

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <utility>
 
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
@@ -40,6 +41,7 @@ double load_scalar(DType dtype, const char* p) {
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs, int outputs,
                            DType compute, Fold fold, const void* ctx) {
   elsize_ = itemsize(compute);
+  outputs_ = outputs;
   const int nin = static_cast<int>(inputs.size());
   const Input* in = inputs.begin();
   // The broadcast shape, reduced to its dims of size > 1, with each input's byte stride on them.
@@ -84,18 +86,29 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
         std::fill(vin[i], vin[i] + n, in[i].absent_value);
         continue;
       }
-      // Position of element c0 of the broadcast shape in input i.
+      // Position of element c0 of the broadcast shape in input i (no dims: one element).
       const char* p = in[i].view->data;
-      int64_t rem = c0, idx[kMaxDims];
+      int64_t rem = c0, idx[kMaxDims] = {};
       for (int d = nd - 1; d >= 0; --d) {
         idx[d] = rem % shape[d];
         rem /= shape[d];
         p += idx[d] * in_strides[i][d];
       }
+      // A tight loop along the innermost dim; the odometer carries through the outer dims only at
+      // the end of each run (per-channel parameters are one run).
+      const int inner = nd > 0 ? nd - 1 : 0;
+      const int64_t run_len = nd > 0 ? shape[inner] : 1, step = nd > 0 ? in_strides[i][inner] : 0;
       auto gather = [&](auto load) {
-        for (int64_t k = 0; k < n; ++k) {
-          vin[i][k] = load(p);
-          for (int d = nd - 1; d >= 0; --d) {  // odometer over the broadcast shape
+        for (int64_t k = 0; k < n;) {
+          const int64_t run = std::min(n - k, run_len - idx[inner]);
+          for (int64_t j = 0; j < run; ++j) vin[i][k + j] = load(p + j * step);
+          k += run;
+          p += run * step;
+          idx[inner] += run;
+          if (idx[inner] < run_len) continue;
+          p -= run_len * step;
+          idx[inner] = 0;
+          for (int d = inner - 1; d >= 0; --d) {
             p += in_strides[i][d];
             if (++idx[d] < shape[d]) break;
             p -= idx[d] * in_strides[i][d];
@@ -122,6 +135,48 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
       }
     }
   }
+}
+
+void FoldedParams::repeat(int64_t copies) {
+  const size_t array_bytes = static_cast<size_t>(count_ * elsize_);
+  const size_t bytes = array_bytes * static_cast<size_t>(copies * outputs_);
+  std::unique_ptr<char[]> grown(new char[bytes]);
+  char* to = grown.get();
+  for (int o = 0; o < outputs_; ++o)
+    for (int64_t c = 0; c < copies; ++c)
+      std::memcpy(to + (o * copies + c) * array_bytes, storage_ + o * array_bytes, array_bytes);
+  heap_ = std::move(grown);
+  storage_ = to;
+  count_ *= copies;
+}
+
+void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) {
+  // Inner runs of at least this many elements gain nothing more.
+  constexpr int64_t kTargetRun = 1024;
+  const int nd = nest.ndim;
+  if (nd < 2) return;
+  const int inner = nd - 1, outer = nd - 2;
+  const int64_t n = nest.sizes[inner], ts = itemsize(dtype), cs = itemsize(compute_type(dtype));
+  if (n >= kTargetRun / 2 || folded.count() != n) return;
+  for (int op = kOut; op <= kIn; ++op)
+    if (nest.strides[op][inner] != ts || nest.strides[op][outer] != n * ts) return;
+  for (int op = kShift; op <= kBias; ++op)
+    if (nest.strides[op][inner] != cs || nest.strides[op][outer] != 0 ||
+        nest.data[op] != folded.data(op - kShift))
+      return;
+  // The largest number of pixels per run that divides the outer dim (so every run is whole).
+  int64_t copies = 1;
+  for (int64_t k = kTargetRun / n; k >= 2; --k)
+    if (nest.sizes[outer] % k == 0) {
+      copies = k;
+      break;
+    }
+  if (copies == 1) return;
+  folded.repeat(copies);
+  for (int op = kShift; op <= kBias; ++op) nest.data[op] = folded.data(op - kShift);
+  nest.sizes[inner] *= copies;
+  nest.sizes[outer] /= copies;
+  for (int op = kOut; op <= kIn; ++op) nest.strides[op][outer] *= copies;
 }
 
 bool wants_stream_stores(const NormalizeTask& task) {

@@ -37,6 +37,8 @@ class FoldedParams {
   const int64_t* strides() const { return strides_; }
   char* data(int i) { return storage_ + i * count_ * elsize_; }
   int64_t count() const { return count_; }
+  // Repeats every output array `copies` times end to end (count() grows by that factor).
+  void repeat(int64_t copies);
 
  private:
   // Per-channel parameters (the common case) fit here, so a small call does not allocate.
@@ -46,7 +48,14 @@ class FoldedParams {
   int64_t strides_[kMaxDims] = {};
   int64_t count_ = 1;
   int64_t elsize_ = 4;
+  int outputs_ = 0;
 };
+
+// Channels-last layouts with few channels: the nest's inner run is one pixel's channels, with
+// coefficients (the folded arrays, exactly one run long) varying along it and repeating for every
+// pixel. A run that short pays the kernel's per-run costs every few vectors; repeating the
+// coefficients makes the inner run several pixels long. No-op for other nests.
+void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);

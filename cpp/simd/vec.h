@@ -36,7 +36,16 @@ struct bf16_t { uint16_t bits; };
 
 // ---------------------------------------------------------------------------------------------
 // Arithmetic on vf (and the same names on double, so templates serve both).
-static inline vf vbroadcast(float x) { return vf{} + x; }
+// (Not `vf{} + x`: that adds +0.0, which turns -0.0 into +0.0.)
+static inline vf vbroadcast(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX2__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  return (vf){x, x, x, x};
+#endif
+}
 static inline double vbroadcast_d(double x) { return x; }
 
 static inline vf vfma(vf a, vf b, vf c) {

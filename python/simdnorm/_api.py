@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _core
 from ._activation import ActivationLike
-from ._compile import as_input, as_param, check_out, needs_temporary, plan_bn, plan_mvn, channel_index
+from ._compile import as_input, as_param, channel_index, check_out, plan_bn, plan_mvn, run_overlapping
 from ._descriptors import (
     BatchNormalizationDesc,
     DescriptorError,
@@ -117,36 +117,20 @@ def batch_normalization(input: Any, mean: Any, variance: Any, scale: Any = None,
     key = (xd, xs, mean.dtype, mean.shape, variance.dtype, variance.shape, sdt, sshape, bdt, bshape, epsilon,
            activation, channel_axis, channel_axis.__class__)
     try:
-        mi, vi, si, bi, eps, act = _BN_CACHE[key]
+        eps, act, ca = _BN_CACHE[key]
     except KeyError:
-        mi, vi, si, bi, eps, act = _bn_miss(key, x, mean, variance, scale, bias, epsilon, activation,
-                                            channel_axis)
+        eps, act, ca = _bn_miss(key, x, mean, variance, scale, bias, epsilon, activation, channel_axis)
     except TypeError:  # an unhashable attribute: validate without caching (raises or plans)
-        mi, vi, si, bi, eps, act = _bn_miss(None, x, mean, variance, scale, bias, epsilon, activation,
-                                            channel_axis)
-    # The 1-D parameters as views with C at the channel axis (the kernel takes the input's rank).
-    vm = mean if mi is None else mean[mi]
-    vv = variance if vi is None else variance[vi]
-    vs = scale if si is None else scale[si]
-    vb = bias if bi is None else bias[bi]
+        eps, act, ca = _bn_miss(None, x, mean, variance, scale, bias, epsilon, activation, channel_axis)
     if out is None:
         res = _empty_like(x, subok=False)
-        _core.batch_norm(x, vm, vv, vs, vb, res, eps, act)
+        _core.batch_norm(x, mean, variance, scale, bias, res, eps, act, ca, False)
         return res
     if out.__class__ is not _nd or out.shape != xs or out.dtype is not xd or not out.flags.writeable:
         check_out(out, x)
-    # No temporary when every array owns its memory (distinct owners never overlap) and out is the
-    # input or another owner; else ask numpy (np.may_share_memory, then np.shares_memory).
-    if (out.base is None and (out is x or x.base is None) and mean.base is None and mean is not out
-            and variance.base is None and variance is not out
-            and (scale is None or (scale.base is None and scale is not out))
-            and (bias is None or (bias.base is None and bias is not out))) \
-            or not needs_temporary(out, x, mean, variance, scale, bias):
-        _core.batch_norm(x, vm, vv, vs, vb, out, eps, act)
-        return out
-    res = _empty_like(x, subok=False)
-    _core.batch_norm(x, vm, vv, vs, vb, res, eps, act)
-    _copyto(out, res)
+    if not _core.batch_norm(x, mean, variance, scale, bias, out, eps, act, ca, True):
+        run_overlapping(lambda o, check: _core.batch_norm(x, mean, variance, scale, bias, o, eps, act, ca, check),
+                        out, x, mean, variance, scale, bias)
     return out
 
 
@@ -163,37 +147,22 @@ def _mvn_miss(key: Any, x, axes, scale, bias, nm, nv, epsilon, epsilon_mode, act
     return plan
 
 
-def _run_mvn(x, scale, bias, out, return_stats, plan, p_orig0=None, p_orig1=None, x_orig=None, out_orig=None,
-             fresh=False):
-    """Run a planned MVN; scale and bias are given as the caller has them (the plan pads them);
-    ``out`` was checked by the caller. x/out may be views of x_orig/out_orig (the conveniences):
-    the overlap rule is then decided on the originals, and out_orig is returned; ``fresh``: out was
-    just allocated (no overlap)."""
-    axes, si, bi, stats_shape, sdt, eps, nm, nv, eo, act = plan
+def _run_mvn(x, scale, bias, out, return_stats, plan, channel_axis=-1):
+    """Run a planned MVN; ``out`` was checked by the caller (None: a new array). scale/bias of lower
+    rank align right, or (1-D) at channel_axis when one is given."""
+    axes, stats_shape, sdt, eps, nm, nv, eo, act = plan
     if return_stats:
         mo = _empty(stats_shape, sdt) if nm else None
         so = _empty(stats_shape, sdt) if nv else None
     else:
         mo = so = None
     if out is None:
-        res = _empty_like(x, subok=False)
-        _core.mvn(x, axes, scale if si is None else scale[si], bias if bi is None else bias[bi], res, eps, nm, nv,
-                  eo, act, mo, so)
-        return (res, mo, so) if return_stats else res
-    if x_orig is None:
-        x_orig, out_orig, p_orig0, p_orig1 = x, out, scale, bias
-    if fresh or (out_orig.base is None and (out_orig is x_orig or x_orig.base is None)
-                 and (p_orig0 is None or (p_orig0.base is None and p_orig0 is not out_orig))
-                 and (p_orig1 is None or (p_orig1.base is None and p_orig1 is not out_orig))) \
-            or not needs_temporary(out_orig, x_orig, p_orig0, p_orig1):
-        _core.mvn(x, axes, scale if si is None else scale[si], bias if bi is None else bias[bi], out, eps, nm, nv,
-                  eo, act, mo, so)
-    else:
-        res = _empty_like(x, subok=False)
-        _core.mvn(x, axes, scale if si is None else scale[si], bias if bi is None else bias[bi], res, eps, nm, nv,
-                  eo, act, mo, so)
-        _copyto(out, res)
-    return (out_orig, mo, so) if return_stats else out_orig
+        out = _empty_like(x, subok=False)
+        _core.mvn(x, axes, scale, bias, out, eps, nm, nv, eo, act, mo, so, channel_axis, False)
+    elif not _core.mvn(x, axes, scale, bias, out, eps, nm, nv, eo, act, mo, so, channel_axis, True):
+        run_overlapping(lambda o, check: _core.mvn(x, axes, scale, bias, o, eps, nm, nv, eo, act, mo, so,
+                                                   channel_axis, check), out, x, scale, bias)
+    return (out, mo, so) if return_stats else out
 
 
 def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: Any = None, *,
@@ -358,10 +327,8 @@ def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
     idx = channel_index(ca, nd)
     s = None if scale is None else scale[idx]
     b = None if bias is None else bias[idx]
-    plan = _mvn_miss(None, x, axes, s, b, True, True, epsilon, "inside", activation)
-    # The parameters are viewed by the channel index here, so the MVN plan's own (padding) index is
-    # not needed: the views already have the input's rank.
-    return (idx, plan)
+    # Validated on views with C at the channel axis; a call passes the (C,) arrays and ca instead.
+    return (ca, _mvn_miss(None, x, axes, s, b, True, True, epsilon, "inside", activation))
 
 
 def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5, channel_axis: int = 1,
@@ -385,18 +352,14 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
         bk = (bias.dtype, bias.shape)
     key = ("instance", x.dtype, x.shape, channel_axis, channel_axis.__class__, sk, bk, epsilon, activation)
     try:
-        idx, plan = _CONV_CACHE[key]
+        ca, plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
-        idx, plan = _instance_plan(x, scale, bias, epsilon, channel_axis, activation)
-        _store_hashable(key, (idx, plan))
+        ca, plan = _instance_plan(x, scale, bias, epsilon, channel_axis, activation)
+        _store_hashable(key, (ca, plan))
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
         check_out(out, x)
-    s = None if scale is None else scale[idx]
-    b = None if bias is None else bias[idx]
-    if out is None:
-        return _run_mvn(x, s, b, None, return_stats, plan)
-    return _run_mvn(x, s, b, out, return_stats, plan, scale, bias, x, out)
+    return _run_mvn(x, scale, bias, out, return_stats, plan, ca)
 
 
 # group norm ------------------------------------------------------------------------------------------
@@ -479,12 +442,10 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
         ca, g, k, vshape, pshape, plan, nshape = gp
     if out is None:
         res = _empty_like(x, subok=False)
-        fresh = True
     else:
         if out.__class__ is not _nd or out.shape != xs or out.dtype is not x.dtype or not out.flags.writeable:
             check_out(out, x)
         res = out
-        fresh = False
     # views, never copies: x and res split at the channel dim; scale/bias (C,) -> (G, C/G) there
     xv = x.reshape(vshape)
     rv = res.reshape(vshape)
@@ -492,7 +453,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
         xv = _split_view(x, ca, g, k)
         rv = _split_view(res, ca, g, k)
     r = _run_mvn(xv, None if scale is None else scale.reshape(pshape), None if bias is None else bias.reshape(pshape),
-                 rv, return_stats, plan, scale, bias, x, res, fresh)
+                 rv, return_stats, plan)
     if not return_stats:
         return res
     _, mo, so = r

@@ -2,11 +2,16 @@
 
 A plan is a plain tuple, so that a call unpacks it in one step:
 
-* batch norm: ``(mean_index, variance_index, scale_index, bias_index, epsilon, activation)``; an
-  index is None (the parameter has the input's rank) or the tuple that views a 1-D parameter with
-  C at the channel axis (``mean[index]``, a view, never a copy);
-* MVN: ``(axes, scale_index, bias_index, stats_shape, stats_dtype, epsilon, normalize_mean,
-  normalize_variance, epsilon_outside, activation)``; an index left-pads scale/bias with 1s (a view).
+* batch norm: ``(epsilon, activation, channel_axis)``; the kernel takes 1-D parameters as they
+  are and places them at ``channel_axis`` itself (a numpy view per parameter would cost as much
+  as the rest of a small call);
+* MVN: ``(axes, stats_shape, stats_dtype, epsilon, normalize_mean, normalize_variance,
+  epsilon_outside, activation)``; the kernel aligns lower-rank scale/bias to the right (numpy
+  broadcasting), or a 1-D one at a channel axis when the caller gives one (instance norm).
+
+Every call first asks the kernel to run with ``check_overlap``: the kernel declines (returns False,
+having done nothing) when ``out`` may share memory with an operand other than being the input; the
+exact decision (numpy) and the temporary are then ``run_overlapping``'s.
 
 The functional API (``_api``) caches plans by (dtypes, shapes, attributes); a compiled operator
 keeps its plan and only checks, per call, that the arrays match its descriptors.
@@ -113,18 +118,24 @@ def _overlaps(out: np.ndarray, a: np.ndarray) -> bool:
         return True
 
 
-def needs_temporary(out: np.ndarray, x: np.ndarray, p0: Any = None, p1: Any = None, p2: Any = None,
-                    p3: Any = None) -> bool:
+def needs_temporary(out: np.ndarray, x: np.ndarray, *params: Any) -> bool:
     """True when out overlaps the input (other than being it: same buffer, same strides) or a
     parameter: the call then computes into a temporary and copies (SPEC section 6)."""
-    own = out.base is None
-    if x is not out and not (own and x.base is None) and _may_share(out, x):
+    if x is not out and _may_share(out, x):
         if not (out.strides == x.strides and _data_ptr(out) == _data_ptr(x)) and _overlaps(out, x):
             return True
-    for p in (p0, p1, p2, p3):
-        if p is not None and (p is out or not (own and p.base is None)) and _overlaps(out, p):
-            return True
-    return False
+    return any(p is not None and _overlaps(out, p) for p in params)
+
+
+def run_overlapping(run: Any, out: np.ndarray, x: np.ndarray, *params: Any) -> None:
+    """The kernel declined ``run(out, check_overlap=True)``: out may share memory with an operand.
+    Decide exactly; run into out, or into a temporary copied to out when they do overlap."""
+    if not needs_temporary(out, x, *params):
+        run(out, False)
+        return
+    res = _empty_like(x, subok=False)
+    run(res, False)
+    np.copyto(out, res)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,25 +146,16 @@ def channel_index(ca: int, ndim: int) -> Tuple[Any, ...]:
     return (None,) * ca + (slice(None),) + (None,) * (ndim - 1 - ca)
 
 
-def pad_index(pndim: int, ndim: int) -> Optional[Tuple[Any, ...]]:
-    """The index that left-pads an array of pndim dims with 1s to ndim dims (None: nothing to do)."""
-    return None if pndim == ndim else (None,) * (ndim - pndim) + (Ellipsis,)
-
-
 def plan_bn(info: BNInfo) -> tuple:
-    nd = info.input.ndim
-    idx = [None if e is None or e[1] is None else channel_index(e[1], nd) for e in info.params]
-    return (idx[0], idx[1], idx[2], idx[3], info.epsilon, core_tuple(info.activation))
+    axes = [e[1] for e in info.params if e is not None and e[1] is not None]
+    return (info.epsilon, core_tuple(info.activation), axes[0] if axes else 0)
 
 
 def plan_mvn(info: MVNInfo) -> tuple:
     x = info.input
-    nd = x.ndim
     axes = info.axes
-    si = None if info.scale is None else pad_index(info.scale.ndim, nd)
-    bi = None if info.bias is None else pad_index(info.bias.ndim, nd)
     stats_shape = tuple(1 if d in axes else n for d, n in enumerate(x.sizes))
-    return (axes, si, bi, stats_shape, stats_dtype(x.dtype), info.epsilon, info.normalize_mean,
+    return (axes, stats_shape, stats_dtype(x.dtype), info.epsilon, info.normalize_mean,
             info.normalize_variance, info.epsilon_outside, core_tuple(info.activation))
 
 
@@ -246,33 +248,30 @@ def _gen_conditions(specs, ns) -> str:
 _NO_ARRAY = object()  # a memo key that is never an argument
 
 
-def _param_binder(name: str, d: Optional[TensorDesc], idx: Optional[tuple]):
+def _param_binder(name: str, d: Optional[TensorDesc]):
     """The slow path of one parameter: check/convert it against its descriptor and return the memo
-    entry (key, array as the kernel takes it, owns its memory). Only an ndarray argument is
-    remembered (a list may change between calls)."""
+    entry (key, array as checked). Only an ndarray argument is remembered (a list may change between
+    calls)."""
 
     def bind(a):
         arr = _check_arg(name, a, d)
-        view = arr if idx is None else arr[idx]
-        key = a if isinstance(a, _nd) else _NO_ARRAY
-        return (key, view, arr.base is None, arr)
+        return (a if isinstance(a, _nd) else _NO_ARRAY, arr)
 
     return bind
 
 
 def _gen_params(params, ns) -> str:
-    """Per parameter, code that binds e_<name> = (key, kernel view, owns memory, array), through a
-    one-entry memo keyed by the argument's identity: calling again with the same arrays skips
-    their checks and views. An absent parameter (descriptor None) must be None."""
+    """Per parameter, code that binds e_<name> = (key, checked array) through a one-entry memo keyed
+    by the argument's identity: calling again with the same arrays skips their checks. An absent
+    parameter (descriptor None) must be None."""
     lines = []
     glob = []
-    for arg, d, idx in params:
+    for arg, d in params:
+        ns[f"{arg}_bind"] = _param_binder(arg, d)
         if d is None:
-            ns[f"{arg}_bind"] = _param_binder(arg, None, None)
             lines.append(f"    if {arg} is not None:\n        {arg}_bind({arg})")
             continue
-        ns[f"{arg}_bind"] = _param_binder(arg, d, idx)
-        ns[f"{arg}_M"] = (_NO_ARRAY, None, False, None)
+        ns[f"{arg}_M"] = (_NO_ARRAY, None)
         glob.append(f"{arg}_M")
         lines += [
             f"    e_{arg} = {arg}_M",
@@ -285,40 +284,56 @@ def _gen_params(params, ns) -> str:
 
 
 def _kernel_args(params) -> str:
-    return ", ".join("None" if d is None else f"e_{a}[1]" for a, d, _ in params)
+    return ", ".join("None" if d is None else f"e_{a}[1]" for a, d in params)
 
 
-def _gen_out(params, ns, call_into, out_desc: TensorDesc, ret: str) -> str:
-    """Code for the out= path: fast checks (the slow path raises), the overlap rule, the kernel."""
+def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> str:
+    """The rest of a compiled operator after its argument checks: a new output, or out= with its fast
+    checks (the slow path raises) and the overlap rule (SPEC section 6). kernel_call has the
+    placeholders {target} and {check}."""
     ost = out_desc.byte_strides()
     st_cond = ""
     if ost is not None:
         ns["OUT_T"] = ost
         st_cond = " or out.strides != OUT_T"
-    present = [a for a, d, _ in params if d is not None]
-    owners = " and ".join(["out.base is None", "(out is input or input.base is None)"]
-                          + [f"e_{a}[2] and e_{a}[3] is not out" for a in present])
-    plist = "".join(f", e_{a}[3]" for a in present)
-    return f"""    if (out.__class__ is not _nd or out.shape != input_S or out.dtype is not input_D{st_cond}
+    ns["_run_overlapping"] = run_overlapping
+    plist = "".join(f", e_{a}[1]" for a, d in params if d is not None)
+    return f"""    if out is None:
+        out = _empty_like(input, subok=False)
+        {kernel_call.format(target="out", check="False")}
+        return {ret}
+    if (out.__class__ is not _nd or out.shape != input_S or out.dtype is not input_D{st_cond}
             or not out.flags.writeable):
         _check_out(out, input, OUT_DESC)
-    if ({owners}) or not _needs_temporary(out, input{plist}):
-{call_into('out')}
-        return {ret}
-    res = _empty_like(input, subok=False)
-{call_into('res', 4)}
-    _copyto(out, res)
+    if not {kernel_call.format(target="out", check="True")}:
+        _run_overlapping(lambda o, check: {kernel_call.format(target="o", check="check")}, out, input{plist})
     return {ret}
 """
 
 
-def _compile_source(src: str, ns: dict, name: str, desc: Any):
-    ns.update(_nd=_nd, _empty_like=_empty_like, _empty=_empty, _copyto=np.copyto, _check_out=_check_out_compiled,
-              _needs_temporary=needs_temporary, _core=_core)
+def _gen_operator(name: str, signature: str, info: Any, params, kernel_call: str, ns: dict,
+                  before_call: str = "", ret: str = "out"):
+    """Generate one compiled operator: the input's fast check, the parameters' memos, the body."""
+    ns["input_slow"] = lambda a: _check_arg("input", a, info.input)
+    ns["OUT_DESC"] = info.output
+    cond = _gen_conditions([("input", info.input)], ns)
+    src = f"""def {name}({signature}):
+    try:
+        slow = ({cond})
+    except AttributeError:
+        slow = True
+    if slow:
+        input = input_slow(input)
+{_gen_params(params, ns)}
+{before_call}{_gen_body(params, ns, kernel_call.replace("ARGS", _kernel_args(params)), info.output, ret)}"""
+    return _compile_source(src, ns, name)
+
+
+def _compile_source(src: str, ns: dict, name: str):
+    ns.update(_nd=_nd, _empty_like=_empty_like, _empty=_empty, _check_out=_check_out_compiled, _core=_core)
     code = builtins.compile(src, f"<simdnorm compiled {name}>", "exec")
     exec(code, ns)  # noqa: S102 - generated from the descriptor's own (validated) values only
     fn = ns[name]
-    fn.desc = desc
     fn.__qualname__ = f"compiled.{name}"
     fn.__module__ = "simdnorm"
     fn.__source__ = src
@@ -327,67 +342,32 @@ def _compile_source(src: str, ns: dict, name: str, desc: Any):
 
 def _compile_bn(desc: BatchNormalizationDesc):
     info = desc._validated()
-    mi, vi, si, bi, eps, act = plan_bn(info)
-    descs = [None if e is None else e[0] for e in info.params]
-    ns = {"OUT_DESC": info.output, "EPS": eps, "ACT": act, "input_slow": lambda a: _check_arg("input", a, info.input)}
-    params = list(zip(("mean", "variance", "scale", "bias"), descs, (mi, vi, si, bi)))
-    cond = _gen_conditions([("input", info.input)], ns)
-    kargs = _kernel_args(params)
-
-    def call_into(target: str, indent: int = 8) -> str:
-        return " " * indent + f"_core.batch_norm(input, {kargs}, {target}, EPS, ACT)"
-
-    src = f"""def batch_normalization(input, mean, variance, scale=None, bias=None, *, out=None):
-    try:
-        slow = ({cond})
-    except AttributeError:
-        slow = True
-    if slow:
-        input = input_slow(input)
-{_gen_params(params, ns)}
-    if out is None:
-        res = _empty_like(input, subok=False)
-{call_into('res')}
-        return res
-{_gen_out(params, ns, call_into, info.output, 'out')}"""
-    fn = _compile_source(src, ns, "batch_normalization", desc)
+    eps, act, ca = plan_bn(info)
+    params = list(zip(("mean", "variance", "scale", "bias"), [None if e is None else e[0] for e in info.params]))
+    ns = {"EPS": eps, "ACT": act, "CA": ca}
+    fn = _gen_operator("batch_normalization", "input, mean, variance, scale=None, bias=None, *, out=None", info,
+                       params, "_core.batch_norm(input, ARGS, {target}, EPS, ACT, CA, {check})", ns)
+    fn.desc = desc
     fn.__doc__ = "op(input, mean, variance, scale=None, bias=None, *, out=None): a compiled batch normalization."
     return fn
 
 
 def _compile_mvn(desc: MeanVarianceNormalizationDesc):
     info = desc._validated()
-    axes, si, bi, stats_shape, sdt, eps, nm, nv, eo, act = plan_mvn(info)
-    ns = {"OUT_DESC": info.output, "AXES": axes, "EPS": eps, "NM": nm, "NV": nv, "EO": eo, "ACT": act,
-          "STATS_S": stats_shape, "STATS_D": sdt, "input_slow": lambda a: _check_arg("input", a, info.input)}
-    params = [("scale", info.scale, si), ("bias", info.bias, bi)]
-    cond = _gen_conditions([("input", info.input)], ns)
-    kargs = _kernel_args(params)
-
-    def call_into(target: str, indent: int = 8) -> str:
-        return " " * indent + f"_core.mvn(input, AXES, {kargs}, {target}, EPS, NM, NV, EO, ACT, mo, so)"
-
-    mo = "_empty(STATS_S, STATS_D)" if nm else "None"
-    so = "_empty(STATS_S, STATS_D)" if nv else "None"
-    src = f"""def mean_variance_normalization(input, scale=None, bias=None, *, out=None, return_stats=False):
-    try:
-        slow = ({cond})
-    except AttributeError:
-        slow = True
-    if slow:
-        input = input_slow(input)
-{_gen_params(params, ns)}
-    if return_stats:
-        mo = {mo}
-        so = {so}
+    axes, stats_shape, sdt, eps, nm, nv, eo, act = plan_mvn(info)
+    ns = {"AXES": axes, "EPS": eps, "NM": nm, "NV": nv, "EO": eo, "ACT": act, "STATS_S": stats_shape, "STATS_D": sdt}
+    stats = f"""    if return_stats:
+        mo = {"_empty(STATS_S, STATS_D)" if nm else "None"}
+        so = {"_empty(STATS_S, STATS_D)" if nv else "None"}
     else:
         mo = so = None
-    if out is None:
-        res = _empty_like(input, subok=False)
-{call_into('res')}
-        return (res, mo, so) if return_stats else res
-{_gen_out(params, ns, call_into, info.output, '(out, mo, so) if return_stats else out')}"""
-    fn = _compile_source(src, ns, "mean_variance_normalization", desc)
+"""
+    fn = _gen_operator("mean_variance_normalization",
+                       "input, scale=None, bias=None, *, out=None, return_stats=False", info,
+                       [("scale", info.scale), ("bias", info.bias)],
+                       "_core.mvn(input, AXES, ARGS, {target}, EPS, NM, NV, EO, ACT, mo, so, -1, {check})", ns,
+                       before_call=stats, ret="(out, mo, so) if return_stats else out")
+    fn.desc = desc
     fn.__doc__ = ("op(input, scale=None, bias=None, *, out=None, return_stats=False): a compiled "
                   "mean-variance normalization.")
     return fn
