@@ -133,3 +133,44 @@ def test_mvn_over_batch_and_space_groups_each_channel():
 def test_a_single_huge_group_is_split_over_blocks():
     x = np.zeros((1, 1 << 20), np.float32)
     assert "rows groups=1 lanes=1 group_size=1048576" in mvn_plan(x, (1,))
+
+
+# The NCHW loops for short planes (a row stream for 16-bit data, unpeeled rows for float32) and
+# the lengthened channels-last runs, checked against the float64 reference: every plane length
+# around the vector widths (4, 8, 16 lanes), offsets that put rows at every alignment, and a
+# fused activation whose lanes must take their own row's coefficients.
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("plane", [(1, 7), (3, 5), (4, 4), (1, 17), (7, 7), (3, 11), (5, 13)])
+def test_short_planes_match_the_reference(isa, rng, dtype, plane):
+    import ml_dtypes
+    from reference import check_bn
+
+    dt = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    shape = (3, 37) + plane
+
+    def at_offset(a, k):  # a copy of a starting k elements past numpy's alignment
+        buf = np.empty(a.size + k, a.dtype)
+        v = buf[k:].reshape(a.shape)
+        v[...] = a
+        return v
+
+    for offset in (0, 1, 5):
+        x = at_offset(rng.standard_normal(shape).astype(dt), offset)
+        mean, var, scale, bias = (rng.standard_normal(37).astype(np.float32) for _ in range(4))
+        var = np.abs(var) + 0.5
+        out = at_offset(np.full(shape, np.nan, dt), (offset * 3) % 7)
+        simdnorm.batch_normalization(x, mean, var, scale, bias, activation="leaky_relu", out=out)
+        check_bn(out, x, mean, var, scale, bias, activation="leaky_relu", context=f"offset {offset}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("channels", [1, 3, 8, 24, 64, 100])
+def test_lengthened_channels_last_runs_match_the_reference(isa, rng, dtype, channels):
+    from reference import check_bn
+
+    x = rng.standard_normal((2, 6, 10, channels)).astype(dtype).transpose(0, 3, 1, 2)
+    mean, var, scale, bias = (rng.standard_normal(channels).astype(np.float32) for _ in range(4))
+    var = np.abs(var) + 0.5
+    out = np.full((2, 6, 10, channels), np.nan, dtype).transpose(0, 3, 1, 2)
+    simdnorm.batch_normalization(x, mean, var, scale, bias, activation="elu", out=out)
+    check_bn(out, x, mean, var, scale, bias, activation="elu")
