@@ -132,8 +132,6 @@ std::optional<TensorView> optional_param(py::handle obj, const char* name, const
   return param_view(obj, name, x, channel_axis);
 }
 
-int64_t item_bytes(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
-
 // Could out share memory with `other`? Compares the byte ranges the two address, so it may say
 // yes where numpy's exact test (np.shares_memory) says no: the caller then asks numpy.
 bool may_overlap(const TensorView& out, const TensorView& other) {
@@ -145,7 +143,7 @@ bool may_overlap(const TensorView& out, const TensorView& other) {
       (span < 0 ? below : above) += span;
     }
     lo = reinterpret_cast<uintptr_t>(v.data) + below;
-    hi = reinterpret_cast<uintptr_t>(v.data) + above + item_bytes(v.dtype);
+    hi = reinterpret_cast<uintptr_t>(v.data) + above + itemsize(v.dtype);
     return true;
   };
   uintptr_t lo0, hi0, lo1, hi1;
@@ -153,15 +151,17 @@ bool may_overlap(const TensorView& out, const TensorView& other) {
   return lo0 < hi1 && lo1 < hi0;
 }
 
+const TensorView* optional_ptr(const std::optional<TensorView>& v) { return v ? &*v : nullptr; }
+
 // In place (out is the input: same memory, same strides) is allowed; any other overlap of out
 // with an operand is left to the caller (a temporary).
 bool overlaps_an_operand(const TensorView& out, const TensorView& in,
-                         std::initializer_list<const std::optional<TensorView>*> params) {
+                         std::initializer_list<const TensorView*> params) {
   bool in_place = out.data == in.data;
   for (int d = 0; d < in.ndim && in_place; ++d) in_place = in.sizes[d] < 2 || out.strides[d] == in.strides[d];
   if (!in_place && may_overlap(out, in)) return true;
   for (const auto* p : params)
-    if (*p && may_overlap(out, **p)) return true;
+    if (p != nullptr && may_overlap(out, *p)) return true;
   return false;
 }
 
@@ -208,15 +208,13 @@ bool py_batch_norm(PyObject* const* args, std::string* explain) {
   check_same_shape(a.input, a.output, "out", true);
   const int channel_axis = int_of(args[8], "channel_axis");
   if (channel_axis < 0 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
-  std::optional<TensorView> mean = param_view(args[1], "mean", a.input, channel_axis);
-  std::optional<TensorView> variance = param_view(args[2], "variance", a.input, channel_axis);
-  a.mean = *mean;
-  a.variance = *variance;
+  a.mean = param_view(args[1], "mean", a.input, channel_axis);
+  a.variance = param_view(args[2], "variance", a.input, channel_axis);
   a.scale = optional_param(args[3], "scale", a.input, channel_axis);
   a.bias = optional_param(args[4], "bias", a.input, channel_axis);
   a.epsilon = double_of(args[6], "epsilon");
   a.activation = activation_of(args[7]);
-  if (bool_of(args[9], "check_overlap") && overlaps_an_operand(a.output, a.input, {&mean, &variance, &a.scale, &a.bias}))
+  if (bool_of(args[9], "check_overlap") && overlaps_an_operand(a.output, a.input, {&a.mean, &a.variance, optional_ptr(a.scale), optional_ptr(a.bias)}))
     return false;
   if (explain != nullptr) {
     batch_norm(a, explain);
@@ -264,7 +262,7 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
   a.normalize_variance = bool_of(normalize_variance, "normalize_variance");
   a.epsilon_outside = bool_of(epsilon_outside, "epsilon_outside");
   a.activation = activation_of(activation);
-  if (bool_of(args[13], "check_overlap") && overlaps_an_operand(a.output, a.input, {&a.scale, &a.bias}))
+  if (bool_of(args[13], "check_overlap") && overlaps_an_operand(a.output, a.input, {optional_ptr(a.scale), optional_ptr(a.bias)}))
     return false;
   if (explain != nullptr) {
     mean_variance_normalization(a, explain);

@@ -13,7 +13,6 @@
 namespace simdnorm {
 
 double load_scalar(DType dtype, const char* p);
-int64_t itemsize(DType dtype);
 // float32 for the float formats, float64 for float64.
 inline DType compute_type(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
 

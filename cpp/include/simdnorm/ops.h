@@ -9,6 +9,9 @@
 
 namespace simdnorm {
 
+// Bytes per element of a storage type.
+int64_t itemsize(DType dtype);
+
 // A strided N-d array as numpy describes it: sizes in elements, strides in bytes.
 struct TensorView {
   char* data = nullptr;
