@@ -9,7 +9,8 @@ import pytest
 
 import simdnorm
 from cases import PARAM_NAMES, act_arg, bits, bn_param_1d, make_input, make_out, param_values
-from reference import BF16, DTYPES, F16, F32, F64, NONDEFAULT_PARAMS, assert_like_empty_like, check_bn, dtype_id
+from reference import (BF16, DTYPES, F16, F32, F64, NONDEFAULT_PARAMS, assert_like_empty_like, check_bn, check_mvn,
+                       dtype_id)
 
 bn = simdnorm.batch_normalization
 DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -206,3 +207,31 @@ def test_half_conversions_exact(isa, dtype, mul):
         i = np.flatnonzero(~same)[:6]
         raise AssertionError(f"{(~same).sum()} conversions differ (isa={isa}): x={x.ravel()[i]} "
                              f"got={yf[i]} want={wf[i]}")
+
+
+# Layer-norm rows at 1 thread take the fused path, where a row is normalized in the loop that sums
+# the next (kernels/fused_rows.h); at 2 threads, three rows this long are split into blocks over
+# both threads (ops/mvn.cpp). The statistics must agree bitwise, including when the first element
+# is an outlier and the group is summed a second time around its mean.
+@DT
+@pytest.mark.parametrize("n", [24583, 32768])
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier_first"])
+def test_fused_and_split_rows_agree_bitwise(isa, rng, threads, dtype, n, outlier):
+    from simdnorm import _core
+
+    x = make_input(rng, (3, n), dtype, loc=50.0, scale=2.0)
+    if outlier:
+        x[:, 0] = 5000.0
+    g = make_input(rng, (n,), dtype)
+    explain = lambda: _core.explain_mvn(x, (1,), g, g, np.empty_like(x), 1e-5, True, True, False,  # noqa: E731
+                                        (0, 0.0, 0.0), None, None, -1, False)
+    call = lambda: simdnorm.layer_norm(x, g, g, return_stats=True)  # noqa: E731
+    threads(1)
+    assert " fused " in explain()
+    y1, m1, s1 = call()
+    threads(2)
+    assert " split " in explain()
+    y2, m2, s2 = call()
+    for a, b in ((y1, y2), (m1, m2), (s1, s2)):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    check_mvn(y1, x, (1,), g, g)

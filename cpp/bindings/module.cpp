@@ -354,6 +354,9 @@ PYBIND11_MODULE(_core, m) {
         }
       },
       py::arg("name"));
+  m.def("last_level_cache_bytes", &last_level_cache_bytes,
+        "Bytes of the largest cache the cores share; operations moving more than this (input plus output) "
+        "write with non-temporal stores.");
   m.def("get_num_threads", &get_num_threads);
   m.def(
       "set_num_threads",

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -22,10 +23,12 @@ namespace {
 #include "kernels/iterate.h"
 #include "kernels/normalize.h"
 #include "kernels/moments.h"
+#include "kernels/fused_rows.h"
 }  // namespace
 
 extern const KernelTable kernel_table;
-const KernelTable kernel_table = {kIsaName, normalize_entry, row_moments_entry, col_moments_entry};
+const KernelTable kernel_table = {kIsaName,        normalize_entry,   normalize_run_entry,
+                                   row_moments_entry, col_moments_entry, normalize_run_and_sum_entry};
 
 }  // namespace SIMDNORM_ISA_NS
 }  // namespace simdnorm

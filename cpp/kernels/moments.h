@@ -14,24 +14,18 @@ struct MomentsKernel {
   static constexpr int W = L::W;
   static constexpr int64_t kChunkSteps = kMomentChunk / W;  // vector steps per float chunk
 
-  static void row(const RowMomentsArgs& a) {
-    const V pivot = splat<V>(a.pivot), scale = splat<V>(a.scale), zero = splat<V>(0.0);
-    V s1a = zero, s1b = zero, s2a = zero, s2b = zero;
+  // The shifted sums of one contiguous run, as a cursor: a caller may interleave its steps with
+  // other work (kernels/normalize.h normalizes the previous row in the same loop) and gets the same
+  // bits as row(), which runs the same steps back to back.
+  struct ContiguousSums {
+    const T* x;
+    int64_t n, i = 0, steps = 0;
+    V pivot, scale, s1a, s1b, s2a, s2b;
     double sum = 0.0, sum_sq = 0.0;
-    auto flush = [&] {
-      sum += static_cast<double>(vreduce_add(s1a + s1b));
-      sum_sq += static_cast<double>(vreduce_add(s2a + s2b));
-      s1a = s1b = s2a = s2b = zero;
-    };
-    auto add_partial = [&](V x, int m) {
-      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), (x - pivot) * scale, zero);
-      s1a += d;
-      s2a = vfma(d, d, s2a);
-    };
-    const int64_t n = a.len;
-    if (a.stride == static_cast<int64_t>(sizeof(T))) {
-      const T* x = reinterpret_cast<const T*>(a.data);
-      int64_t i = 0;
+
+    SIMDNORM_CURSOR_METHOD explicit ContiguousSums(const RowMomentsArgs& a)
+        : x(reinterpret_cast<const T*>(a.data)), n(a.len), pivot(splat<V>(a.pivot)), scale(splat<V>(a.scale)) {
+      s1a = s1b = s2a = s2b = splat<V>(0.0);
       if constexpr (W > 1) {  // align the loads (line-straddling loads cost on this hardware)
         constexpr uintptr_t vbytes = W * sizeof(T);
         const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
@@ -42,19 +36,24 @@ struct MomentsKernel {
           i = head;
         }
       }
-      int64_t steps = 0;
-      for (; i + 2 * W <= n; i += 2 * W) {
-        const V d0 = (L::load(x + i) - pivot) * scale;
-        const V d1 = (L::load(x + i + W) - pivot) * scale;
-        s1a += d0;
-        s1b += d1;
-        s2a = vfma(d0, d0, s2a);
-        s2b = vfma(d1, d1, s2b);
-        if ((steps += 2) >= kChunkSteps) {
-          flush();
-          steps = 0;
-        }
+    }
+    SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
+    SIMDNORM_CURSOR_METHOD void step() {
+      const V d0 = (L::load(x + i) - pivot) * scale;
+      const V d1 = (L::load(x + i + W) - pivot) * scale;
+      s1a += d0;
+      s1b += d1;
+      s2a = vfma(d0, d0, s2a);
+      s2b = vfma(d1, d1, s2b);
+      i += 2 * W;
+      if ((steps += 2) >= kChunkSteps) {
+        flush();
+        steps = 0;
       }
+    }
+    // The rest of the run; adds the totals to the caller's.
+    SIMDNORM_CURSOR_METHOD void finish(double* total, double* total_sq) {
+      while (can_step()) step();
       if (i + W <= n) {
         const V d = (L::load(x + i) - pivot) * scale;
         s1a += d;
@@ -62,20 +61,44 @@ struct MomentsKernel {
         i += W;
       }
       if (i < n) add_partial(L::load_partial(x + i, static_cast<int>(n - i)), static_cast<int>(n - i));
-    } else {
-      T buf[W];
-      int64_t steps = 0;
-      for (int64_t i = 0; i < n; i += W) {
-        const int m = static_cast<int>(n - i < W ? n - i : W);
-        for (int k = 0; k < m; ++k) std::memcpy(&buf[k], a.data + (i + k) * a.stride, sizeof(T));
-        add_partial(L::load_partial(buf, m), m);
-        if (++steps >= kChunkSteps) {
-          flush();
-          steps = 0;
-        }
+      flush();
+      *total += sum;
+      *total_sq += sum_sq;
+    }
+    SIMDNORM_CURSOR_METHOD void add_partial(V x_part, int m) {
+      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), (x_part - pivot) * scale, splat<V>(0.0));
+      s1a += d;
+      s2a = vfma(d, d, s2a);
+    }
+    SIMDNORM_CURSOR_METHOD void flush() {
+      sum += static_cast<double>(vreduce_add(s1a + s1b));
+      sum_sq += static_cast<double>(vreduce_add(s2a + s2b));
+      s1a = s1b = s2a = s2b = splat<V>(0.0);
+    }
+  };
+
+  static void row(const RowMomentsArgs& a) {
+    if (a.stride == static_cast<int64_t>(sizeof(T))) return ContiguousSums(a).finish(a.sum, a.sum_sq);
+    const V pivot = splat<V>(a.pivot), scale = splat<V>(a.scale), zero = splat<V>(0.0);
+    V s1 = zero, s2 = zero;
+    double sum = 0.0, sum_sq = 0.0;
+    T buf[W];
+    int64_t steps = 0;
+    for (int64_t i = 0; i < a.len; i += W) {
+      const int m = static_cast<int>(a.len - i < W ? a.len - i : W);
+      for (int k = 0; k < m; ++k) std::memcpy(&buf[k], a.data + (i + k) * a.stride, sizeof(T));
+      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), (L::load_partial(buf, m) - pivot) * scale, zero);
+      s1 += d;
+      s2 = vfma(d, d, s2);
+      if (++steps >= kChunkSteps) {
+        sum += static_cast<double>(vreduce_add(s1));
+        sum_sq += static_cast<double>(vreduce_add(s2));
+        s1 = s2 = zero;
+        steps = 0;
       }
     }
-    flush();
+    sum += static_cast<double>(vreduce_add(s1));
+    sum_sq += static_cast<double>(vreduce_add(s2));
     *a.sum += sum;
     *a.sum_sq += sum_sq;
   }

@@ -38,39 +38,43 @@ struct NormalizeKernel {
     V second(int64_t i, int m) const { if constexpr (Vary) return LC::load_partial(b + i, m); else return vb; }
   };
 
+  // One contiguous run, as a cursor: kernels/fused_rows.h interleaves its steps with the sums of
+  // the next row; run_contiguous() runs them back to back.
   template <bool StatsVary, bool AffineVary, class Act>
-  static void run_contiguous(const Act& act, int64_t n, char* const* p, bool stream, bool peel = true) {
-    T* y = reinterpret_cast<T*>(p[kOut]);
-    const T* x = reinterpret_cast<const T*>(p[kIn]);
-    const Pair<StatsVary> st(p[kShift], p[kMul]);
-    const Pair<AffineVary> af(p[kScale], p[kBias]);
-    int64_t i = 0;
-    auto partial = [&](int m) {
-      const V r = compute(act, L::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
-                          af.second(i, m));
-      L::store_partial(y + i, r, m);
-      i += m;
-    };
-    // Peel a masked head up to a 64-byte boundary, so that full stores never straddle a cache
+  struct ContiguousRun {
+    const Act& act;
+    T* y;
+    const T* x;
+    const Pair<StatsVary> st;
+    const Pair<AffineVary> af;
+    int64_t n, i = 0;
+    bool stream;
+
+    // Peels a masked head up to a 64-byte boundary, so that full stores never straddle a cache
     // line (on this hardware that costs up to 2x, and numpy hands out 16/32-byte aligned buffers)
     // and each pair of vectors below covers whole lines (what non-temporal stores need to avoid
     // partial-line writes). An element pointer that is not even element-aligned cannot be peeled
     // into alignment: it takes plain stores.
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
-    const bool aligned_elements = addr % sizeof(T) == 0;
-    stream = stream && aligned_elements;
-    if constexpr (W > 1) {
-      if (aligned_elements && (peel || stream)) {
-        int64_t head = static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T));
-        if (head > n) head = n;
-        while (head > 0) {
-          const int m = static_cast<int>(head < W ? head : W);
-          partial(m);
-          head -= m;
+    SIMDNORM_CURSOR_METHOD ContiguousRun(const Act& a, int64_t len, char* const* p, bool streaming, bool peel)
+        : act(a), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const T*>(p[kIn])), st(p[kShift], p[kMul]),
+          af(p[kScale], p[kBias]), n(len) {
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
+      const bool aligned_elements = addr % sizeof(T) == 0;
+      stream = streaming && aligned_elements;
+      if constexpr (W > 1) {
+        if (aligned_elements && (peel || stream)) {
+          int64_t head = static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T));
+          if (head > n) head = n;
+          while (head > 0) {
+            const int m = static_cast<int>(head < W ? head : W);
+            partial(m);
+            head -= m;
+          }
         }
       }
     }
-    for (; i + 2 * W <= n; i += 2 * W) {
+    SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
+    SIMDNORM_CURSOR_METHOD void step() {
       const V r0 = compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
       const V r1 = compute(act, L::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
                            af.second(i + W));
@@ -80,11 +84,25 @@ struct NormalizeKernel {
         L::store(y + i, r0);
         L::store(y + i + W, r1);
       }
+      i += 2 * W;
     }
-    for (; i + W <= n; i += W) {
-      L::store(y + i, compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
+    SIMDNORM_CURSOR_METHOD void finish() {
+      while (can_step()) step();
+      for (; i + W <= n; i += W)
+        L::store(y + i, compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
+      if (i < n) partial(static_cast<int>(n - i));
     }
-    if (i < n) partial(static_cast<int>(n - i));
+    SIMDNORM_CURSOR_METHOD void partial(int m) {
+      const V r = compute(act, L::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
+                          af.second(i, m));
+      L::store_partial(y + i, r, m);
+      i += m;
+    }
+  };
+
+  template <bool StatsVary, bool AffineVary, class Act>
+  static void run_contiguous(const Act& act, int64_t n, char* const* p, bool stream, bool peel = true) {
+    ContiguousRun<StatsVary, AffineVary, Act>(act, n, p, stream, peel).finish();
   }
 
   // Rows of n >= W contiguous elements that follow each other in memory (NCHW batch norm over
@@ -210,7 +228,25 @@ struct NormalizeKernel {
     });
     if (stream) stream_fence();
   }
+
+  // One run of n elements at p (inner strides from the task's nest); no fence (the caller orders
+  // its streaming stores once, after its last run).
+  static void execute_run(const NormalizeTask& task, char* const* p, int64_t n) {
+    int64_t s[kNumOperands];
+    for (int op = 0; op < kNumOperands; ++op) s[op] = task.loop.strides[op][task.loop.ndim - 1];
+    const int64_t no_step[kNumOperands] = {};
+    visit_activation<V>(task.act, [&](const auto& act) { run_rows(act, 1, n, p, s, no_step, task.stream_stores); });
+  }
 };
+
+static void normalize_run_entry(const NormalizeTask& task, char* const* p, int64_t n) {
+  switch (task.dtype) {
+    case DType::f32: return NormalizeKernel<float>::execute_run(task, p, n);
+    case DType::f16: return NormalizeKernel<f16_t>::execute_run(task, p, n);
+    case DType::bf16: return NormalizeKernel<bf16_t>::execute_run(task, p, n);
+    case DType::f64: return NormalizeKernel<double>::execute_run(task, p, n);
+  }
+}
 
 static void normalize_entry(const NormalizeTask& task, int64_t begin, int64_t end) {
   switch (task.dtype) {

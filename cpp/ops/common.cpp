@@ -181,7 +181,13 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) 
 
 bool wants_stream_stores(const NormalizeTask& task) {
   return task.loop.data[kOut] != task.loop.data[kIn] &&
-         element_count(task.loop) * itemsize(task.dtype) >= kStreamingStoreBytes;
+         2 * element_count(task.loop) * itemsize(task.dtype) > last_level_cache_bytes();
+}
+
+void fence_streaming_stores() {
+#if defined(__x86_64__) || defined(__SSE2__)
+  __builtin_ia32_sfence();
+#endif
 }
 
 std::string describe_normalize(const NormalizeTask& task) {

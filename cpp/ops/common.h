@@ -58,14 +58,16 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);
-// Non-temporal stores: for outputs much larger than the caches, never in place.
+// Non-temporal stores: for operations that move more bytes than the last-level cache holds (input
+// plus output: smaller ones stay cached between calls, and their output is cached for its reader),
+// never in place.
 bool wants_stream_stores(const NormalizeTask& task);
+// Orders this thread's non-temporal stores before what it does next (kernels that take single runs
+// leave this to their caller).
+void fence_streaming_stores();
 
 // "nest=... inner=<loop>": the loop nest and the inner loop the normalize kernel picks for it.
 std::string describe_normalize(const NormalizeTask& task);
-
-// Outputs at least this large are written with non-temporal stores (measured: see DESIGN.md).
-constexpr int64_t kStreamingStoreBytes = int64_t(4) << 20;
 
 // Minimum elements per thread before a second thread is worth waking (measured: ~30 us of work).
 constexpr int64_t kMinElementsPerThread = 1 << 15;

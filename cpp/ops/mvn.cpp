@@ -31,9 +31,12 @@ namespace {
 
 // Rows: elements per statistics block (the unit of work when groups are split between threads).
 constexpr int64_t kBlock = 1 << 15;
-// Rows: groups smaller than this are normalized in batches of about this many bytes (L1/L2-sized:
-// the batch is still cached when the normalize pass reads it back).
-constexpr int64_t kFusedBatchBytes = 32 << 10;
+// Rows: groups smaller than this are normalized in batches of about this many bytes (one kernel
+// call per batch instead of per short group). Larger groups run one at a time: the statistics of a
+// group, then its normalization while it is in L1. Measured on 8x512x768 float32 (AMD EPYC, 32 MB
+// L3): batches of 8 rows (24 KB) took 1.6x the time of single rows, whose reads and writes
+// interleave finely enough to run at the speed of a copy.
+constexpr int64_t kFusedBatchBytes = 2 << 10;
 // Columns: a task's lanes are chosen so that its rows x lanes block stays in cache (L2, or the large
 // shared L3) between the statistics and the normalize pass, while rows stay long enough for SIMD.
 constexpr int64_t kColumnBlockBytes = 4 << 20;
@@ -196,9 +199,13 @@ class MvnRunner {
 
   // Stores a group's (or lane's) statistics: internal shift/mul at `index`, and the user's arrays.
   void store_stats(int64_t index, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
+    store_stats(shift_.data() + index * csize_, mul_.data() + index * csize_, r, user_mean, user_inv_std);
+  }
+
+  void store_stats(char* shift, char* mul, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
     const double istd = inv_std(r.var);
-    store_compute(shift_.data() + index * csize_, r.mean);
-    store_compute(mul_.data() + index * csize_, istd);
+    store_compute(shift, r.mean);
+    store_compute(mul, istd);
     if (a_.mean_out && a_.normalize_mean) store_compute(const_cast<char*>(user_mean), r.mean);
     if (a_.inv_std_out && a_.normalize_variance) store_compute(const_cast<char*>(user_inv_std), istd);
   }
@@ -223,11 +230,19 @@ class MvnRunner {
   }
 
   // ---- rows ---------------------------------------------------------------------------------------
-  Sums block_sums(int64_t group, int64_t block, const Pass& pass) const {
+  // Sums of block `block` of group `group` (whose first element, when known, is at `first`).
+  Sums block_sums(int64_t group, int64_t block, const Pass& pass, const char* first = nullptr) const {
     const int64_t begin = group * plan_.group_size + block * kBlock;
     const int64_t end = begin + kBlock < (group + 1) * plan_.group_size ? begin + kBlock : (group + 1) * plan_.group_size;
     Sums s;
     const KernelTable& k = kernels();
+    if (first != nullptr && plan_.reduced_dims == 1) {  // one run: no index arithmetic
+      const int64_t stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1];
+      RowMomentsArgs args{first + block * kBlock * stride, a_.input.dtype, end - begin, stride, pass.pivot, pass.scale,
+                          &s.s1, &s.s2};
+      k.row_moments(args);
+      return s;
+    }
     for_each_run(plan_.nest, begin, end, [&](int64_t len, char* const* p, const int64_t* st) {
       RowMomentsArgs args{p[kIn], a_.input.dtype, len, st[kIn], pass.pivot, pass.scale, &s.s1, &s.s2};
       k.row_moments(args);
@@ -236,6 +251,58 @@ class MvnRunner {
   }
 
   int64_t blocks_per_group() const { return (plan_.group_size + kBlock - 1) / kBlock; }
+
+  // Statistics of group g, whose first element is at `first`. Summed block by block as the split
+  // path does, so the two paths agree bitwise.
+  // `first_sums`, when given, are the sums of the first pass, already taken.
+  GroupResult group_stats(int64_t g, const char* first, const Sums* first_sums = nullptr) const {
+    const int64_t nblocks = blocks_per_group();
+    Pass pass = first_pass(first);
+    GroupResult r;
+    for (;; first_sums = nullptr) {
+      Sums total;
+      if (first_sums != nullptr) total = *first_sums;
+      else for (int64_t b = 0; b < nblocks; ++b) {
+        const Sums s = block_sums(g, b, pass, first);
+        total.s1 += s.s1;
+        total.s2 += s.s2;
+      }
+      if (judge(total, static_cast<double>(plan_.group_size), pass, r)) return r;
+    }
+  }
+
+  // Pointers of consecutive groups: the nest's operands, then the user's mean and inv_std arrays,
+  // stepped by an odometer over the kept dims (no division per group).
+  static constexpr int kUserMean = kNumOperands, kUserInvStd = kNumOperands + 1, kGroupPointers = kNumOperands + 2;
+  struct GroupCursor {
+    const MvnRunner& r;
+    char* p[kGroupPointers];
+    int64_t idx[kMaxDims] = {};
+    GroupCursor(const MvnRunner& runner, int64_t g) : r(runner) {
+      for (int d = r.plan_.kept_dims - 1; d >= 0; --d) {
+        idx[d] = g % r.plan_.nest.sizes[d];
+        g /= r.plan_.nest.sizes[d];
+      }
+      for (int op = 0; op < kGroupPointers; ++op) {
+        p[op] = r.group_base(op);
+        for (int d = 0; d < r.plan_.kept_dims; ++d) p[op] += idx[d] * r.group_stride(op, d);
+      }
+    }
+    void next() {
+      for (int d = r.plan_.kept_dims - 1; d >= 0; --d) {
+        for (int op = 0; op < kGroupPointers; ++op) p[op] += r.group_stride(op, d);
+        if (++idx[d] < r.plan_.nest.sizes[d]) return;
+        for (int op = 0; op < kGroupPointers; ++op) p[op] -= idx[d] * r.group_stride(op, d);
+        idx[d] = 0;
+      }
+    }
+  };
+  char* group_base(int op) const {
+    return op == kUserMean ? user_mean_ : op == kUserInvStd ? user_inv_std_ : plan_.nest.data[op];
+  }
+  int64_t group_stride(int op, int d) const {
+    return op == kUserMean ? user_mean_strides_[d] : op == kUserInvStd ? user_inv_std_strides_[d] : plan_.nest.strides[op][d];
+  }
 
   const char* group_first_element(int64_t group) const {
     const char* p = plan_.nest.data[kIn];
@@ -265,30 +332,49 @@ class MvnRunner {
     const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
     const KernelTable& k = kernels();
     if (rows_fused()) {
-      // Whole groups per thread, in batches that stay in cache: the statistics of a batch, then
-      // one normalize call over the batch (one call per group would cost more than a short
-      // group's arithmetic).
+      // Whole groups per thread, each group's statistics and then its normalization while it is
+      // cached; short groups in batches (one normalize call per batch).
       const int64_t per = (groups + parts - 1) / parts;
       const int64_t group_bytes = plan_.group_size * itemsize(a_.input.dtype);
       const int64_t batch = group_bytes >= kFusedBatchBytes ? 1 : kFusedBatchBytes / group_bytes;
+      const bool run_per_group = batch == 1 && plan_.reduced_dims == 1;
       parallel_for(parts, [&](int part) {
         const int64_t g0 = part * per, g1 = g0 + per < groups ? g0 + per : groups;
+        if (g0 >= g1) return;
+        GroupCursor cursor(*this, g0);
+        auto take_stats = [&](int64_t g) {
+          store_stats(cursor.p[kShift], cursor.p[kMul], group_stats(g, cursor.p[kIn]), cursor.p[kUserMean],
+                      cursor.p[kUserInvStd]);
+          cursor.next();
+        };
+        if (run_per_group) {
+          // Group g is normalized (from L1) in the loop that takes the first-pass sums of group
+          // g + 1 (from memory), so that reads and writes overlap as in a copy; a second pass, when
+          // one is needed, runs on its own. Measured on 4096 x 768 rows against running the two
+          // loops one after the other: float32 0.72 vs 0.88-1.04 ms, float16 0.46 vs 0.53-0.73 ms.
+          const int64_t n = plan_.group_size, stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1];
+          GroupCursor normalizing = cursor;
+          take_stats(g0);
+          for (int64_t g = g0; g < g1; ++g, normalizing.next()) {
+            if (g + 1 == g1 || nblocks > 1) {
+              if (g + 1 < g1) take_stats(g + 1);
+              k.normalize_run(task_, normalizing.p, n);
+              continue;
+            }
+            const Pass pass = first_pass(cursor.p[kIn]);
+            Sums sums;
+            const RowMomentsArgs next{cursor.p[kIn], a_.input.dtype, n, stride, pass.pivot, pass.scale, &sums.s1, &sums.s2};
+            k.normalize_run_and_sum(task_, normalizing.p, n, next);
+            store_stats(cursor.p[kShift], cursor.p[kMul], group_stats(g + 1, cursor.p[kIn], &sums), cursor.p[kUserMean],
+                        cursor.p[kUserInvStd]);
+            cursor.next();
+          }
+          if (task_.stream_stores) fence_streaming_stores();
+          return;
+        }
         for (int64_t b0 = g0; b0 < g1; b0 += batch) {
           const int64_t b1 = b0 + batch < g1 ? b0 + batch : g1;
-          for (int64_t g = b0; g < b1; ++g) {
-            Pass pass = first_pass(group_first_element(g));
-            GroupResult r;
-            for (;;) {
-              Sums total;
-              for (int64_t b = 0; b < nblocks; ++b) {
-                const Sums s = block_sums(g, b, pass);
-                total.s1 += s.s1;
-                total.s2 += s.s2;
-              }
-              if (judge(total, n, pass, r)) break;
-            }
-            finish_group(g, r);
-          }
+          for (int64_t g = b0; g < b1; ++g) take_stats(g);
           k.normalize(task_, b0 * plan_.group_size, b1 * plan_.group_size);
         }
       });

@@ -3,6 +3,8 @@
 #include "runtime/cpu.h"
 
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -110,6 +112,33 @@ void set_isa(const std::string& name) {
   for (const std::string& n : available_isas()) usable += (usable.empty() ? "" : ", ") + n;
   throw std::invalid_argument("unknown or unavailable ISA '" + name + "': this CPU runs " + usable +
                               " (built: " + known + ")");
+}
+
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = [] {
+    int best_level = 0;
+    int64_t best_size = int64_t(8) << 20;
+    for (int index = 0; index < 16; ++index) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+      int level = 0;
+      long long kib = 0;
+      char unit = 0;
+      FILE* f = std::fopen((dir + "level").c_str(), "r");
+      if (f == nullptr) break;
+      const bool got_level = std::fscanf(f, "%d", &level) == 1;
+      std::fclose(f);
+      f = std::fopen((dir + "size").c_str(), "r");
+      if (f == nullptr) continue;
+      const bool got_size = std::fscanf(f, "%lld%c", &kib, &unit) == 2 && unit == 'K';
+      std::fclose(f);
+      if (got_level && got_size && level > best_level && kib > 0) {
+        best_level = level;
+        best_size = static_cast<int64_t>(kib) << 10;
+      }
+    }
+    return best_size;
+  }();
+  return bytes;
 }
 
 }  // namespace simdnorm

@@ -1,5 +1,6 @@
 // Instruction-set detection and the active kernel table.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -14,5 +15,10 @@ const KernelTable& kernels();
 std::string active_isa();
 // Throws std::invalid_argument naming the valid choices when name is unknown or unavailable.
 void set_isa(const std::string& name);
+
+// Size of one instance of the largest cache this CPU's cores share (L3 on current x86), in bytes,
+// from /sys/devices/system/cpu/cpu0/cache; 8 MiB where that is not readable. (glibc's
+// sysconf(_SC_LEVEL3_CACHE_SIZE) reports the whole socket on AMD: 384 MiB for twelve 32 MiB L3s.)
+int64_t last_level_cache_bytes();
 
 }  // namespace simdnorm

@@ -252,7 +252,13 @@ struct Lanes16 {
     return ToFloat(h);
   }
   static void store(Tag* p, V v) {
-    const vh h = FromFloat(v);
+    vh h = FromFloat(v);
+#if defined(__AVX2__)
+    // Keeps the compiler from folding the store into vcvtps2ph's memory form, which costs several
+    // times the register form on AMD Zen 4/5 (measured: the store was the hottest instruction of
+    // the float16 layer-norm loop).
+    __asm__("" : "+x"(h));
+#endif
     std::memcpy(p, &h, sizeof h);
   }
   // Two vectors of 16-bit values make one full-width (64-byte on AVX-512) non-temporal store.
@@ -302,6 +308,10 @@ template <> struct Lanes<double> {
   static double load_one(const double* p) { return load(p); }
   static void store_one(double* p, double x) { store(p, x); }
 };
+
+// For the methods of loop cursors (ContiguousRun, ContiguousSums): their state must stay in
+// registers, which it does only when every method is inlined into the loop that drives them.
+#define SIMDNORM_CURSOR_METHOD inline __attribute__((always_inline))
 
 // Orders this thread's non-temporal stores before whatever it does next (e.g. signalling "done").
 static inline void stream_fence() {

@@ -41,8 +41,15 @@ struct KernelTable {
   const char* name;
   // out = act(fma((in - shift) * mul, scale, bias)) over the flat index range [begin, end) of the nest.
   void (*normalize)(const NormalizeTask& task, int64_t begin, int64_t end);
+  // The same over one run of n elements at `pointers` (one per Operand), with the nest's innermost
+  // strides. Streaming stores are not fenced: the caller fences once after its last run.
+  void (*normalize_run)(const NormalizeTask& task, char* const* pointers, int64_t n);
   void (*row_moments)(const RowMomentsArgs& args);
   void (*col_moments)(const ColMomentsArgs& args);
+  // normalize_run(task, pointers, n), and row_moments(next) in the same loop: the sums are
+  // bitwise those row_moments gives.
+  void (*normalize_run_and_sum)(const NormalizeTask& task, char* const* pointers, int64_t n,
+                                const RowMomentsArgs& next);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }
