@@ -64,8 +64,7 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
     count_ *= sizes[d];
     ++nd;
   }
-  set_pitch();
-  const size_t bytes = static_cast<size_t>(pitch_ * outputs);
+  const size_t bytes = static_cast<size_t>(count_ * elsize_ * outputs);
   if (bytes > sizeof local_) {
     heap_.reset(new char[bytes]);
     storage_ = heap_.get();
@@ -140,16 +139,15 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
 
 void FoldedParams::repeat(int64_t copies) {
   const size_t array_bytes = static_cast<size_t>(count_ * elsize_);
-  const int64_t old_pitch = pitch_;
-  count_ *= copies;
-  set_pitch();
-  std::unique_ptr<char[]> grown(new char[static_cast<size_t>(pitch_ * outputs_)]);
+  const size_t bytes = array_bytes * static_cast<size_t>(copies * outputs_);
+  std::unique_ptr<char[]> grown(new char[bytes]);
   char* to = grown.get();
   for (int o = 0; o < outputs_; ++o)
     for (int64_t c = 0; c < copies; ++c)
-      std::memcpy(to + o * pitch_ + c * array_bytes, storage_ + o * old_pitch, array_bytes);
+      std::memcpy(to + (o * copies + c) * array_bytes, storage_ + o * array_bytes, array_bytes);
   heap_ = std::move(grown);
   storage_ = to;
+  count_ *= copies;
 }
 
 void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) {

@@ -34,7 +34,7 @@ class FoldedParams {
   FoldedParams& operator=(const FoldedParams&) = delete;
   // Byte strides of output `i` over the input's dims (0 where the broadcast shape is 1).
   const int64_t* strides() const { return strides_; }
-  char* data(int i) { return storage_ + i * pitch_; }
+  char* data(int i) { return storage_ + i * count_ * elsize_; }
   int64_t count() const { return count_; }
   // Repeats every output array `copies` times end to end (count() grows by that factor).
   void repeat(int64_t copies);
@@ -47,11 +47,6 @@ class FoldedParams {
   int64_t strides_[kMaxDims] = {};
   int64_t count_ = 1;
   int64_t elsize_ = 4;
-  // Bytes from one output array to the next: whole cache lines plus one, so that the arrays, read
-  // side by side, never start at the same address modulo 4 KiB (loads that alias a pending store
-  // in their low 12 bits wait for it).
-  int64_t pitch_ = 0;
-  void set_pitch() { pitch_ = (count_ * elsize_ + 63) / 64 * 64 + 64; }
   int outputs_ = 0;
 };
 
