@@ -209,23 +209,30 @@ def test_half_conversions_exact(isa, dtype, mul):
                              f"got={yf[i]} want={wf[i]}")
 
 
-# Layer-norm rows at 1 thread take the fused path, where a row is normalized in the loop that sums
-# the next (kernels/fused_rows.h); at 2 threads, three rows this long are split into blocks over
-# both threads (ops/mvn.cpp). The statistics must agree bitwise, including when the first element
-# is an outlier and the group is summed a second time around its mean.
+# Groups at 1 thread take the fused path, where a group is normalized in the loop that sums the
+# next (kernels/fused_rows.h), run by run; at 2 threads, three groups this large are split into
+# blocks over both threads (ops/mvn.cpp). The statistics must agree bitwise, including when the
+# first element is an outlier and the group is summed a second time around its mean. Layer norm
+# rows are one run per group; MVN over (0, 2, 3) has one run per sample and channel.
+FUSED_CASES = {"rows_24583": ((3, 24583), (1,)), "rows_32768": ((3, 32768), (1,)),
+               "planes": ((4, 3, 80, 80), (0, 2, 3))}
+
+
 @DT
-@pytest.mark.parametrize("n", [24583, 32768])
+@pytest.mark.parametrize("case", FUSED_CASES)
 @pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier_first"])
-def test_fused_and_split_rows_agree_bitwise(isa, rng, threads, dtype, n, outlier):
+def test_fused_and_split_groups_agree_bitwise(isa, rng, threads, dtype, case, outlier):
     from simdnorm import _core
 
-    x = make_input(rng, (3, n), dtype, loc=50.0, scale=2.0)
+    shape, axes = FUSED_CASES[case]
+    x = make_input(rng, shape, dtype, loc=50.0, scale=2.0)
     if outlier:
-        x[:, 0] = 5000.0
-    g = make_input(rng, (n,), dtype)
-    explain = lambda: _core.explain_mvn(x, (1,), g, g, np.empty_like(x), 1e-5, True, True, False,  # noqa: E731
+        x[(slice(None),) * (len(shape) - 1) + (0,)] = 5000.0  # every run's first element, each group's too
+    kept = tuple(1 if d in axes else n for d, n in enumerate(shape))
+    g = make_input(rng, kept, dtype)
+    explain = lambda: _core.explain_mvn(x, axes, g, g, np.empty_like(x), 1e-5, True, True, False,  # noqa: E731
                                         (0, 0.0, 0.0), None, None, -1, False)
-    call = lambda: simdnorm.layer_norm(x, g, g, return_stats=True)  # noqa: E731
+    call = lambda: simdnorm.mean_variance_normalization(x, axes, g, g, return_stats=True)  # noqa: E731
     threads(1)
     assert " fused " in explain()
     y1, m1, s1 = call()
@@ -234,4 +241,4 @@ def test_fused_and_split_rows_agree_bitwise(isa, rng, threads, dtype, n, outlier
     y2, m2, s2 = call()
     for a, b in ((y1, y2), (m1, m2), (s1, s2)):
         np.testing.assert_array_equal(bits(a), bits(b))
-    check_mvn(y1, x, (1,), g, g)
+    check_mvn(y1, x, axes, g, g)
