@@ -100,7 +100,7 @@ def test_threads_limited_by_affinity():
 def test_isa_functions():
     avail = simdnorm.available_isas()
     assert isinstance(avail, list) and avail and avail[-1] == "baseline"
-    assert set(avail) <= {"avx512", "avx2", "baseline"}
+    assert set(avail) <= {"avx512bf16", "avx512", "avx2", "baseline"}
     assert simdnorm.isa() in avail
     prev = simdnorm.isa()
     for name in avail:
@@ -128,7 +128,7 @@ def test_set_isa_errors(name, msg):
 
 
 def test_set_isa_unavailable():
-    missing = [n for n in ("avx512", "avx2") if n not in simdnorm.available_isas()]
+    missing = [n for n in ("avx512bf16", "avx512", "avx2") if n not in simdnorm.available_isas()]
     if not missing:
         pytest.skip("every known ISA is available here")
     with pytest.raises(ValueError, match=rf"'{missing[0]}' is not available on this CPU"):
@@ -145,7 +145,7 @@ def test_set_isa_is_case_insensitive():
 CODE_ISA = "import simdnorm; print(simdnorm.isa(), ','.join(simdnorm.available_isas()))"
 
 
-@pytest.mark.parametrize("name", ["baseline", "avx2", "avx512"])
+@pytest.mark.parametrize("name", ["baseline", "avx2", "avx512", "avx512bf16"])
 def test_simdnorm_isa_env_forces(name):
     if name not in simdnorm.available_isas():
         pytest.skip(f"{name} not available")

@@ -14,7 +14,9 @@
 // Normalization is the same elementwise kernel as batch norm, with shift = mean and mul = 1/std per
 // group (stride 0 along the reduced dims). When there are enough groups, each thread takes whole
 // groups and normalizes each right after its statistics, while it is still in cache: the input is
-// read from memory once. With few groups, statistics are split into blocks over all threads first,
+// read from memory once. Groups of 2 KB and more are normalized in the same loop that sums the next
+// group (kernels/fused_rows.h), so that reads from memory and writes overlap; smaller groups in
+// batches of about 2 KB. With few groups, statistics are split into blocks over all threads first,
 // then the normalization pass runs over all threads (the input is read twice).
 #include <algorithm>
 #include <cmath>

@@ -30,6 +30,7 @@ uint64_t read_xcr0() {
 struct X86Features {
   bool avx2_fma_f16c = false;
   bool avx512 = false;  // F, BW, DQ, VL
+  bool avx512_bf16 = false;
 };
 
 X86Features detect() {
@@ -48,6 +49,10 @@ X86Features detect() {
              avx512vl = b & (1u << 31);
   f.avx2_fma_f16c = avx2 && fma && f16c;
   f.avx512 = f.avx2_fma_f16c && zmm_state && avx512f && avx512dq && avx512bw && avx512vl;
+  if (f.avx512 && a >= 1) {  // leaf 7's subleaf count is in EAX of subleaf 0
+    __cpuid_count(7, 1, a, b, c, d);
+    f.avx512_bf16 = a & (1u << 5);
+  }
   return f;
 }
 
@@ -61,6 +66,9 @@ bool always() { return true; }
 
 const std::vector<Candidate>& candidates() {
   static const std::vector<Candidate> list = {
+#if defined(SIMDNORM_HAVE_AVX512BF16)
+      {"avx512bf16", &avx512bf16::kernel_table, [] { return features().avx512_bf16; }},
+#endif
 #if defined(SIMDNORM_HAVE_AVX512)
       {"avx512", &avx512::kernel_table, [] { return features().avx512; }},
 #endif

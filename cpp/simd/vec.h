@@ -14,7 +14,10 @@
 // float64 data, which is not a performance focus. Every helper below has both overloads, so kernels
 // and activations are written once as templates on the compute type.
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+constexpr int kWidth = 16;
+constexpr const char* kIsaName = "avx512bf16";
+#elif defined(__AVX512F__)
 constexpr int kWidth = 16;
 constexpr const char* kIsaName = "avx512";
 #elif defined(__AVX2__)
@@ -225,6 +228,12 @@ static inline vh f16_from_vf(vf v) {
 }
 static inline vf vf_from_bf16(vh h) { return (vf)(widen16(h) << 16); }
 static inline vh bf16_from_vf(vf v) {
+#if defined(__AVX512BF16__)
+  // One instruction rounds to nearest even and quiets NaN as the integer code below does, but it
+  // reads float32 subnormals as zero; a vector holding one (rare) takes the integer code, so every
+  // ISA writes the same bits.
+  if (_mm512_fpclass_ps_mask((__m512)v, 0x20) == 0) return (vh)_mm512_cvtneps_pbh((__m512)v);
+#endif
   const vu x = (vu)v;
   const vu rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
   const vu quiet_nan = (x >> 16) | 0x40u;

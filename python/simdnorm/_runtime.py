@@ -16,7 +16,7 @@ from . import _core
 __all__ = ["set_num_threads", "get_num_threads", "isa", "available_isas", "set_isa"]
 
 #: Every instruction-set name the package knows (those this CPU runs: ``available_isas()``).
-KNOWN_ISAS = ("avx512", "avx2", "baseline")
+KNOWN_ISAS = ("avx512bf16", "avx512", "avx2", "baseline")
 
 #: The most threads set_num_threads accepts (the pool starts that many OS threads).
 MAX_THREADS = 1 << 16
@@ -54,7 +54,7 @@ def isa() -> str:
 
 
 def available_isas() -> List[str]:
-    """The instruction sets this CPU and OS run, best first (e.g. ``['avx512', 'avx2', 'baseline']``)."""
+    """The instruction sets this CPU and OS run, best first (e.g. ``['avx512bf16', 'avx512', 'avx2', 'baseline']``)."""
     return list(_core.available_isas())
 
 

@@ -55,5 +55,6 @@ struct KernelTable {
 namespace baseline { extern const KernelTable kernel_table; }
 namespace avx2 { extern const KernelTable kernel_table; }
 namespace avx512 { extern const KernelTable kernel_table; }
+namespace avx512bf16 { extern const KernelTable kernel_table; }
 
 }  // namespace simdnorm
