@@ -49,6 +49,7 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
   NormalizeTask task;
   plan_elementwise(p, task.loop);
   lengthen_repeating_runs(task.loop, folded, x.dtype);
+  align_coefficients(task.loop, folded, kShift, x.dtype);
   task.dtype = x.dtype;
   task.act = a.activation;
   task.stream_stores = wants_stream_stores(task);

@@ -64,6 +64,7 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
     count_ *= sizes[d];
     ++nd;
   }
+  pitch_ = count_ * elsize_;
   const size_t bytes = static_cast<size_t>(count_ * elsize_ * outputs);
   if (bytes > sizeof local_) {
     heap_.reset(new char[bytes]);
@@ -143,11 +144,44 @@ void FoldedParams::repeat(int64_t copies) {
   std::unique_ptr<char[]> grown(new char[bytes]);
   char* to = grown.get();
   for (int o = 0; o < outputs_; ++o)
-    for (int64_t c = 0; c < copies; ++c)
-      std::memcpy(to + (o * copies + c) * array_bytes, storage_ + o * array_bytes, array_bytes);
+    for (int64_t c = 0; c < copies; ++c) std::memcpy(to + (o * copies + c) * array_bytes, data(o), array_bytes);
   heap_ = std::move(grown);
   storage_ = to;
   count_ *= copies;
+  pitch_ = count_ * elsize_;
+}
+
+void FoldedParams::realign(int64_t phase) {
+  const int64_t array_bytes = count_ * elsize_, pitch = (array_bytes + 63) / 64 * 64;
+  std::unique_ptr<char[]> moved(new char[static_cast<size_t>(pitch * outputs_ + 128)]);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(moved.get());
+  char* to = moved.get() + ((64 - start % 64) % 64) + phase;
+  for (int o = 0; o < outputs_; ++o) std::memcpy(to + o * pitch, data(o), static_cast<size_t>(array_bytes));
+  heap_ = std::move(moved);
+  storage_ = to;
+  pitch_ = pitch;
+}
+
+void align_coefficients(LoopNest& nest, FoldedParams& folded, int first, DType dtype) {
+  const int inner = nest.ndim - 1;
+  const int64_t ts = itemsize(dtype), cs = itemsize(compute_type(dtype));
+  if (inner < 0 || nest.sizes[inner] * cs < 256) return;  // short runs: the copy would cost more
+  const uintptr_t out = reinterpret_cast<uintptr_t>(nest.data[kOut]);
+  if (nest.strides[kOut][inner] != ts || out % ts != 0) return;
+  int64_t offset[kNumOperands];
+  for (int op = first; op <= kBias; ++op) {
+    if (nest.strides[op][inner] != cs) return;
+    offset[op] = nest.data[op] - folded.data(op - first);
+    if (offset[op] < 0 || offset[op] >= folded.count() * cs) return;
+  }
+  // The kernel's first full vector is at element `head` of the run (see ContiguousRun).
+  const int64_t head = static_cast<int64_t>((64 - out % 64) % 64) / ts;
+  const int64_t phase = ((-(offset[first] + head * cs)) % 64 + 64) % 64;
+  if (reinterpret_cast<uintptr_t>(nest.data[first]) % 64 == static_cast<uintptr_t>((phase + offset[first]) % 64) &&
+      (folded.count() * cs) % 64 == 0)
+    return;
+  folded.realign(phase);
+  for (int op = first; op <= kBias; ++op) nest.data[op] = folded.data(op - first) + offset[op];
 }
 
 void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) {

@@ -34,10 +34,12 @@ class FoldedParams {
   FoldedParams& operator=(const FoldedParams&) = delete;
   // Byte strides of output `i` over the input's dims (0 where the broadcast shape is 1).
   const int64_t* strides() const { return strides_; }
-  char* data(int i) { return storage_ + i * count_ * elsize_; }
+  char* data(int i) { return storage_ + i * pitch_; }
   int64_t count() const { return count_; }
   // Repeats every output array `copies` times end to end (count() grows by that factor).
   void repeat(int64_t copies);
+  // Moves the arrays so that each starts `phase` bytes past a 64-byte boundary (0 <= phase < 64).
+  void realign(int64_t phase);
 
  private:
   // Per-channel parameters (the common case) fit here, so a small call does not allocate.
@@ -47,6 +49,7 @@ class FoldedParams {
   int64_t strides_[kMaxDims] = {};
   int64_t count_ = 1;
   int64_t elsize_ = 4;
+  int64_t pitch_ = 0;  // bytes from one output array to the next
   int outputs_ = 0;
 };
 
@@ -55,6 +58,13 @@ class FoldedParams {
 // pixel. A run that short pays the kernel's per-run costs every few vectors; repeating the
 // coefficients makes the inner run several pixels long. No-op for other nests.
 void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype);
+
+// Coefficient arrays read beside the data (the operands from `first` to kBias, taken from `folded`,
+// varying along the inner run) are moved so that their vectors are 64-byte aligned where the
+// kernel's stores are (it peels the output to a 64-byte boundary): a vector load that straddles two
+// cache lines costs about twice as much. Measured on channels-last 8x64x56x56 float32 with 64-byte
+// aligned data: 146 us aligned vs 246 us with the coefficients 16 bytes off.
+void align_coefficients(LoopNest& nest, FoldedParams& folded, int first, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);

@@ -136,6 +136,7 @@ class MvnRunner {
     }
     plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype));
     LoopNest& nest = plan_.nest;
+    if (affine_) align_coefficients(nest, *affine_, kScale, x.dtype);
     user_mean_ = nest.data[kShift];
     user_inv_std_ = nest.data[kMul];
     for (int d = 0; d < nest.ndim; ++d) {
