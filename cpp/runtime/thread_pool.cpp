@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -26,6 +27,29 @@ int default_threads() {
 
 std::atomic<int> g_num_threads{default_threads()};
 
+// A wake-up through the kernel costs tens of microseconds on a VM (measured here: 8x512x7x7 float32
+// batch norm took 25 us at 1 thread and 57 us at 2, sleeping workers), more than a small call's
+// work. So workers poll for the next job, and the caller for the workers' end, for up to kSpin
+// before they block, as OpenMP runtimes do by default.
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Polls ready() for up to kSpin; false if it never became true.
+template <class Ready>
+bool spin_until(Ready ready) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  for (unsigned i = 1;; ++i) {
+    if (ready()) return true;
+    cpu_relax();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return false;
+  }
+}
+
 class Pool {
  public:
   explicit Pool(int workers) {
@@ -40,20 +64,26 @@ class Pool {
       job_ = &fn;
       nparts_ = nparts;
       next_.store(0, std::memory_order_relaxed);
-      busy_ = workers();
-      ++generation_;
+      busy_.store(workers(), std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);  // publishes the job to spinning workers
     }
     wake_.notify_all();
     drain();
-    std::unique_lock<std::mutex> lock(m_);
-    done_.wait(lock, [this] { return busy_ == 0; });
+    auto all_done = [this] { return busy_.load(std::memory_order_acquire) == 0; };
+    std::unique_lock<std::mutex> lock(m_, std::defer_lock);
+    if (!spin_until(all_done)) {
+      lock.lock();
+      done_.wait(lock, all_done);
+    } else {
+      lock.lock();
+    }
     job_ = nullptr;
   }
 
   void stop() {
     {
       std::lock_guard<std::mutex> lock(m_);
-      stopping_ = true;
+      stopping_.store(true, std::memory_order_release);
     }
     wake_.notify_all();
     for (std::thread& t : threads_) t.join();
@@ -68,16 +98,19 @@ class Pool {
 
   void work() {
     uint64_t seen = 0;
+    auto called = [&] {
+      return stopping_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen;
+    };
     for (;;) {
-      {
+      if (!spin_until(called)) {
         std::unique_lock<std::mutex> lock(m_);
-        wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
-        if (stopping_) return;
-        seen = generation_;
+        wake_.wait(lock, called);
       }
+      if (stopping_.load(std::memory_order_acquire)) return;
+      seen = generation_.load(std::memory_order_acquire);
       drain();
       std::lock_guard<std::mutex> lock(m_);
-      if (--busy_ == 0) done_.notify_one();
+      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.notify_one();
     }
   }
 
@@ -87,9 +120,10 @@ class Pool {
   const std::function<void(int)>* job_ = nullptr;
   int nparts_ = 0;
   std::atomic<int> next_{0};
-  int busy_ = 0;
-  uint64_t generation_ = 0;
-  bool stopping_ = false;
+  // Written under m_; read without it by the spinning side.
+  std::atomic<int> busy_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stopping_{false};
 };
 
 // The pool lives on the heap and is never destroyed at exit (joining at static destruction time
