@@ -42,7 +42,7 @@ struct FusedRowsKernel {
       N::execute_run(task, p, n);
       return M::row(next);
     }
-    const bool peel = affine_vary || n * ts >= kPeelMinBytes;  // as NormalizeKernel::run_rows chooses
+    const bool peel = N::peels(n, affine_vary);
     visit_activation<typename N::V>(task.act, [&](const auto& act) {
       using Act = std::decay_t<decltype(act)>;
       if (affine_const)

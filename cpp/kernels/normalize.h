@@ -100,6 +100,13 @@ struct NormalizeKernel {
     }
   };
 
+  // Whether a contiguous run peels its head to a 64-byte boundary. Short rows with constant
+  // coefficients do not: the peel makes each row's loop counts depend on where it starts
+  // (mispredicted branches); without it every row runs the same loop.
+  static bool peels(int64_t n, bool coefficients_vary) {
+    return coefficients_vary || n * static_cast<int64_t>(sizeof(T)) >= kPeelMinBytes;
+  }
+
   template <bool StatsVary, bool AffineVary, class Act>
   static void run_contiguous(const Act& act, int64_t n, char* const* p, bool stream, bool peel = true) {
     ContiguousRun<StatsVary, AffineVary, Act>(act, n, p, stream, peel).finish();
@@ -206,10 +213,7 @@ struct NormalizeKernel {
           if (sizeof(T) == 2 && rows > 1 && n >= W && rs[kIn] == n * ts && rs[kOut] == n * ts)
             return run_row_stream(act, rows, n, p, rs, stream);
         }
-        // Short rows: the alignment peel makes each row's loop counts depend on where it starts
-        // (mispredicted branches); without it every row runs the same loop.
-        const bool peel = n * ts >= kPeelMinBytes;
-        return each_row([&](char* const* r) { run_contiguous<false, false>(act, n, r, stream, peel); });
+        return each_row([&](char* const* r) { run_contiguous<false, false>(act, n, r, stream, peels(n, false)); });
       }
       if (st_const && af_vary) return each_row([&](char* const* r) { run_contiguous<false, true>(act, n, r, stream); });
       if (st_vary && af_const) return each_row([&](char* const* r) { run_contiguous<true, false>(act, n, r, stream); });

@@ -177,9 +177,8 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, int first, DType d
   // The kernel's first full vector is at element `head` of the run (see ContiguousRun).
   const int64_t head = static_cast<int64_t>((64 - out % 64) % 64) / ts;
   const int64_t phase = ((-(offset[first] + head * cs)) % 64 + 64) % 64;
-  if (reinterpret_cast<uintptr_t>(nest.data[first]) % 64 == static_cast<uintptr_t>((phase + offset[first]) % 64) &&
-      (folded.count() * cs) % 64 == 0)
-    return;
+  const bool aligned = (reinterpret_cast<uintptr_t>(nest.data[first]) + head * cs) % 64 == 0;
+  if (aligned && (folded.count() * cs) % 64 == 0) return;  // every array then starts in phase
   folded.realign(phase);
   for (int op = first; op <= kBias; ++op) nest.data[op] = folded.data(op - first) + offset[op];
 }

@@ -255,12 +255,11 @@ class MvnRunner {
 
   int64_t blocks_per_group() const { return (plan_.group_size + kBlock - 1) / kBlock; }
 
-  // Statistics of group g, whose first element is at `first`. Summed block by block as the split
-  // path does, so the two paths agree bitwise.
-  // `first_sums`, when given, are the sums of the first pass, already taken.
-  GroupResult group_stats(int64_t g, const char* first, const Sums* first_sums = nullptr) const {
+  // Statistics of group g, whose first element is at `first`, starting with `pass` (first_pass()).
+  // Summed block by block as the split path does, so the two paths agree bitwise. `first_sums`,
+  // when given, are the sums of that pass, already taken.
+  GroupResult group_stats(int64_t g, const char* first, Pass pass, const Sums* first_sums = nullptr) const {
     const int64_t nblocks = blocks_per_group();
-    Pass pass = first_pass(first);
     GroupResult r;
     for (;; first_sums = nullptr) {
       Sums total;
@@ -366,7 +365,8 @@ class MvnRunner {
         if (g0 >= g1) return;
         GroupCursor cursor(*this, g0);
         auto take_stats = [&](int64_t g) {
-          store_stats(cursor.p[kShift], cursor.p[kMul], group_stats(g, cursor.p[kIn]), cursor.p[kUserMean],
+          store_stats(cursor.p[kShift], cursor.p[kMul], group_stats(g, cursor.p[kIn], first_pass(cursor.p[kIn])),
+                      cursor.p[kUserMean],
                       cursor.p[kUserInvStd]);
           cursor.next();
         };
@@ -398,7 +398,8 @@ class MvnRunner {
                                         &sums.s1, &sums.s2};
               k.normalize_run_and_sum(task_, at(normalizing, off), run, next);
             });
-            store_stats(cursor.p[kShift], cursor.p[kMul], group_stats(g + 1, cursor.p[kIn], &sums), cursor.p[kUserMean],
+            store_stats(cursor.p[kShift], cursor.p[kMul], group_stats(g + 1, cursor.p[kIn], pass, &sums),
+                        cursor.p[kUserMean],
                         cursor.p[kUserInvStd]);
             cursor.next();
           }
