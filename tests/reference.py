@@ -212,10 +212,12 @@ def batch_norm_terms(x, mean, variance, scale=None, bias=None, *, epsilon=1e-5, 
     b = bn_param(bias, shp, channel_axis)
     s = np.ones(shp) if s is None else s
     b = np.zeros(shp) if b is None else b
-    with np.errstate(divide="ignore", invalid="ignore"):
-        a = s / np.sqrt(v + epsilon)
-        z = (xs - m) * a + b
-        zscale = np.abs(xs * a) + np.abs(m * a) + np.abs(b)
+    # Divided before scaled, so that no factor overflows where the result does not (scale 1e300
+    # over a standard deviation of 1e-150, say).
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        std = np.sqrt(v + epsilon)
+        z = (xs - m) / std * s + b
+        zscale = (np.abs(xs) + np.abs(m)) / std * np.abs(s) + np.abs(b)
     return z, zscale
 
 

@@ -1,6 +1,7 @@
 """Accuracy of the statistics (SPEC §3, DESIGN "Mean-variance normalization"): data with a large mean
 (|mean|/std from 1e2 to 1e4), constant groups, float32 values near 1e30, reductions of 10^6
-elements, and 1 vs 2 threads bitwise equal for every MVN strategy (rows, columns, large groups)."""
+elements, and 1 vs 2 threads bitwise equal for every MVN strategy (rows, columns, large groups);
+batch norm's folded coefficients: exact bias at x == mean, and parameters too far apart to fold."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 import simdnorm
 from cases import bits, channels_last_nhwc
-from reference import BF16, F16, F32, F64, check_mvn, check_stats, dtype_id, group_norm_ref, mvn_terms
+from reference import BF16, F16, F32, F64, check_bn, check_mvn, check_stats, dtype_id, group_norm_ref, mvn_terms
 
 mvn = simdnorm.mean_variance_normalization
 EPS32 = float(np.finfo(np.float32).eps)
@@ -214,3 +215,69 @@ def test_tolerance_rejects_naive_float32_moments(rng):
     naive = (x - m) / np.sqrt(var + np.float32(1e-5))
     with pytest.raises(AssertionError):
         assert_abs_close(naive, ref_z, 1e-5 + 4e-7 * ratio)
+
+
+# Batch norm folds scale into 1/sqrt(var + eps) (one coefficient stream fewer). Where that product
+# leaves the compute type's normal range while (x - mean) * inv_std * scale does not, the op keeps
+# the factors apart; the results must not show which form ran.
+_IDENTITY = (0, 0.0, 0.0)
+_FAR = {  # dtype: (x spread, variance, scale) with scale / std out of range, the result in range
+    "overflow": {F32: (1e-10, 1e-20, 1e30), BF16: (1e-10, 1e-20, 1e30), F64: (1e-150, 1e-300, 1e300)},
+    "underflow": {F32: (1e15, 1e30, 1e-30), BF16: (1e15, 1e30, 1e-30), F64: (1e150, 1e300, 1e-300)},
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("kind", list(_FAR))
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_bn_scale_and_inv_std_whose_product_leaves_the_range(rng, threads, dtype, kind, layout):
+    from simdnorm import _core
+
+    spread, var, scale = _FAR[kind][dtype]
+    pdt = np.float64 if dtype == F64 else np.float32
+    c = 48
+    x = (rng.standard_normal((3, 40, 6, c) if layout == "nhwc" else (3, c, 6, 40)) * spread).astype(dtype)
+    if layout == "nhwc":
+        x = x.transpose(0, 3, 1, 2)
+    mean = (rng.standard_normal(c) * spread).astype(pdt)
+    mean[::3] = 0.0
+    variance = np.full(c, var, pdt) * rng.uniform(0.5, 2.0, c).astype(pdt)
+    g = np.full(c, scale, pdt) * rng.uniform(0.5, 2.0, c).astype(pdt)
+    g[5] = -g[5]
+    g[7] = 1.0  # an ordinary channel beside them: one call keeps every channel's factors apart
+    b = rng.standard_normal(c).astype(pdt)
+    out = simdnorm.batch_normalization(x, mean, variance, g, b, epsilon=0.0)
+    check_bn(out, x, mean, variance, g, b, epsilon=0.0)
+    plan = _core.explain_batch_norm(x, mean.reshape(1, c, 1, 1), variance.reshape(1, c, 1, 1), g.reshape(1, c, 1, 1),
+                                    b.reshape(1, c, 1, 1), np.empty_like(x), 0.0, _IDENTITY, 0, False)
+    assert plan.endswith(" scale-apart"), plan
+    # ordinary parameters fold
+    plan = _core.explain_batch_norm(x, mean.reshape(1, c, 1, 1), variance.reshape(1, c, 1, 1) * 0 + 1,
+                                    g.reshape(1, c, 1, 1) * 0 + 1, b.reshape(1, c, 1, 1), np.empty_like(x), 1e-5,
+                                    _IDENTITY, 0, False)
+    assert not plan.endswith(" scale-apart"), plan
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_bn_input_equal_to_the_mean_gives_exactly_bias(rng, dtype, layout):
+    """(x - mean) is kept apart from the folded multiply-add, so x == mean is bias to the last bit
+    (a fold into x * a + b would leave mean * a - mean * a's rounding behind)."""
+    c = 37
+    shape = (2, 5, 7, c) if layout == "nhwc" else (2, c, 5, 7)
+    axis = 3 if layout == "nhwc" else 1
+    bshape = [1] * 4
+    bshape[axis] = c
+    mean = (rng.uniform(100.0, 1000.0, c) * rng.choice([-1, 1], c)).astype(dtype)
+    x = np.broadcast_to(mean.reshape(bshape), shape).copy()
+    x.reshape(-1)[::5] = 0.5  # and ordinary values beside them
+    if layout == "nhwc":
+        x = x.transpose(0, 3, 1, 2)
+    variance = rng.uniform(0.5, 2.0, c).astype(np.float32)
+    g = rng.uniform(0.5, 2.0, c).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    out = simdnorm.batch_normalization(x, mean, variance, g, b)
+    check_bn(out, x, mean, variance, g, b)
+    at_mean = x == mean.reshape(1, c, 1, 1)
+    want = np.broadcast_to(b.astype(dtype).reshape(1, c, 1, 1), x.shape)
+    np.testing.assert_array_equal(bits(out[at_mean]), bits(want[at_mean]))

@@ -38,17 +38,17 @@ struct FusedRowsKernel {
     const bool stats_const = stride(kShift) == 0 && stride(kMul) == 0;
     const bool affine_const = stride(kScale) == 0 && stride(kBias) == 0;
     const bool affine_vary = stride(kScale) == cs && stride(kBias) == cs;
-    if (!contiguous || !stats_const || !(affine_const || affine_vary)) {
+    if (task.scale_folded || !contiguous || !stats_const || !(affine_const || affine_vary)) {
       N::execute_run(task, p, n);
       return M::row(next);
     }
     const bool peel = N::peels(n, affine_vary);
     visit_activation<typename N::V>(task.act, [&](const auto& act) {
-      using Act = std::decay_t<decltype(act)>;
+      using F = typename N::template Formula<std::decay_t<decltype(act)>, false>;
       if (affine_const)
-        interleave(typename N::template ContiguousRun<false, false, Act>(act, n, p, task.stream_stores, peel), next);
+        interleave(typename N::template ContiguousRun<false, false, F>(F{act}, n, p, task.stream_stores, peel), next);
       else
-        interleave(typename N::template ContiguousRun<false, true, Act>(act, n, p, task.stream_stores, peel), next);
+        interleave(typename N::template ContiguousRun<false, true, F>(F{act}, n, p, task.stream_stores, peel), next);
     });
   }
 };

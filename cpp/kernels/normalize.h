@@ -1,4 +1,5 @@
-// The elementwise leaf both ops end in:  out = act(fma((in - shift) * mul, scale, bias)).
+// The elementwise leaf both ops end in:  out = act(fma((in - shift) * mul, scale, bias)), or with
+// the scale folded into mul, act(fma(in - shift, mul, bias)).
 // Included inside an ISA namespace (see vec.h). Templated on the storage type T and the activation;
 // the layout is the planner's business, and reaches this file only as the strides of one run.
 
@@ -13,9 +14,31 @@ struct NormalizeKernel {
   using LC = Lanes<C>;
   static constexpr int W = L::W;
 
-  template <class Act>
-  static inline V compute(const Act& act, V x, V shift, V mul, V scale, V bias) {
-    return act(vfma((x - shift) * mul, scale, bias));
+  // The arithmetic of every path, one vector at a time: act(fma((x - shift) * mul, scale, bias)).
+  // With the scale folded into mul (batch norm, whose parameters share one shape), scale is not
+  // read: act(fma(x - shift, mul, bias)), one multiply and one coefficient stream fewer, and
+  // x == shift still gives exactly bias.
+  template <class Act, bool ScaleFolded>
+  struct Formula {
+    static constexpr bool kScaleFolded = ScaleFolded;
+    Act act;
+    V operator()(V x, V shift, V mul, V scale, V bias) const {
+      if constexpr (ScaleFolded) {
+        (void)scale;
+        return act(vfma(x - shift, mul, bias));
+      } else {
+        return act(vfma((x - shift) * mul, scale, bias));
+      }
+    }
+  };
+  // Calls fn(formula) with the formula the task asks for.
+  template <class Fn>
+  static void visit_formula(const NormalizeTask& task, Fn&& fn) {
+    visit_activation<V>(task.act, [&](const auto& act) {
+      using Act = std::decay_t<decltype(act)>;
+      if (task.scale_folded) fn(Formula<Act, true>{act});
+      else fn(Formula<Act, false>{act});
+    });
   }
 
   // A pair of coefficients along a run of contiguous data: either constant over the run (kept in
@@ -40,9 +63,9 @@ struct NormalizeKernel {
 
   // One contiguous run, as a cursor: kernels/fused_rows.h interleaves its steps with the sums of
   // the next row; run_contiguous() runs them back to back.
-  template <bool StatsVary, bool AffineVary, class Act>
+  template <bool StatsVary, bool AffineVary, class F>
   struct ContiguousRun {
-    const Act& act;
+    const F f;
     T* y;
     const T* x;
     const Pair<StatsVary> st;
@@ -55,8 +78,8 @@ struct NormalizeKernel {
     // and each pair of vectors below covers whole lines (what non-temporal stores need to avoid
     // partial-line writes). An element pointer that is not even element-aligned cannot be peeled
     // into alignment: it takes plain stores.
-    SIMDNORM_CURSOR_METHOD ContiguousRun(const Act& a, int64_t len, char* const* p, bool streaming, bool peel)
-        : act(a), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const T*>(p[kIn])), st(p[kShift], p[kMul]),
+    SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* p, bool streaming, bool peel)
+        : f(formula), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const T*>(p[kIn])), st(p[kShift], p[kMul]),
           af(p[kScale], p[kBias]), n(len) {
       const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
       const bool aligned_elements = addr % sizeof(T) == 0;
@@ -75,8 +98,8 @@ struct NormalizeKernel {
     }
     SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
     SIMDNORM_CURSOR_METHOD void step() {
-      const V r0 = compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
-      const V r1 = compute(act, L::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
+      const V r0 = f(L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
+      const V r1 = f(L::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
                            af.second(i + W));
       if (stream) {  // a predictable branch: cheaper than twice the code
         L::store2_stream(y + i, r0, r1);
@@ -89,11 +112,11 @@ struct NormalizeKernel {
     SIMDNORM_CURSOR_METHOD void finish() {
       while (can_step()) step();
       for (; i + W <= n; i += W)
-        L::store(y + i, compute(act, L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
+        L::store(y + i, f(L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
       if (i < n) partial(static_cast<int>(n - i));
     }
     SIMDNORM_CURSOR_METHOD void partial(int m) {
-      const V r = compute(act, L::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
+      const V r = f(L::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
                           af.second(i, m));
       L::store_partial(y + i, r, m);
       i += m;
@@ -107,9 +130,9 @@ struct NormalizeKernel {
     return coefficients_vary || n * static_cast<int64_t>(sizeof(T)) >= kPeelMinBytes;
   }
 
-  template <bool StatsVary, bool AffineVary, class Act>
-  static void run_contiguous(const Act& act, int64_t n, char* const* p, bool stream, bool peel = true) {
-    ContiguousRun<StatsVary, AffineVary, Act>(act, n, p, stream, peel).finish();
+  template <bool StatsVary, bool AffineVary, class F>
+  static void run_contiguous(const F& f, int64_t n, char* const* p, bool stream, bool peel = true) {
+    ContiguousRun<StatsVary, AffineVary, F>(f, n, p, stream, peel).finish();
   }
 
   // Rows of n >= W contiguous elements that follow each other in memory (NCHW batch norm over
@@ -117,8 +140,8 @@ struct NormalizeKernel {
   // stepping by rs per row: one stream of rows * n elements, so that stores stay 64-byte aligned
   // across rows and a row costs no head and tail of its own. A vector that straddles two rows
   // takes each lane's coefficients from its row (n >= W: at most one boundary per vector).
-  template <class Act>
-  static void run_row_stream(const Act& act, int64_t rows, int64_t n, char* const* p, const int64_t* rs,
+  template <class F>
+  static void run_row_stream(const F& f, int64_t rows, int64_t n, char* const* p, const int64_t* rs,
                              bool stream) {
     T* y = reinterpret_cast<T*>(p[kOut]);
     const T* x = reinterpret_cast<const T*>(p[kIn]);
@@ -133,7 +156,7 @@ struct NormalizeKernel {
     // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
     auto vector_at = [&](int64_t at, int m, bool partial) {
       const V in = partial ? L::load_partial(x + at, m) : L::load(x + at);
-      if (at + m <= row_end) return compute(act, in, cur[0], cur[1], cur[2], cur[3]);
+      if (at + m <= row_end) return f(in, cur[0], cur[1], cur[2], cur[3]);
       V next[4], mixed[4];
       coefficients(++row, next);
       const auto own = vlanes_below(static_cast<int>(row_end - at));
@@ -142,7 +165,7 @@ struct NormalizeKernel {
         cur[k] = next[k];
       }
       row_end += n;
-      return compute(act, in, mixed[0], mixed[1], mixed[2], mixed[3]);
+      return f(in, mixed[0], mixed[1], mixed[2], mixed[3]);
     };
     const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
     const bool aligned_elements = addr % sizeof(T) == 0;
@@ -173,8 +196,8 @@ struct NormalizeKernel {
 
   // Any other strides: gather a vector's worth into buffers and run the same arithmetic, so an
   // element gets the same bits whichever path it takes.
-  template <class Act>
-  static void run_strided(const Act& act, int64_t n, char* const* p, const int64_t* s) {
+  template <class F>
+  static void run_strided(const F& f, int64_t n, char* const* p, const int64_t* s) {
     T xb[W], yb[W];
     C cb[4][W];
     for (int64_t i = 0; i < n; i += W) {
@@ -183,7 +206,7 @@ struct NormalizeKernel {
         std::memcpy(&xb[k], p[kIn] + (i + k) * s[kIn], sizeof(T));
         for (int c = 0; c < 4; ++c) std::memcpy(&cb[c][k], p[kShift + c] + (i + k) * s[kShift + c], sizeof(C));
       }
-      const V r = compute(act, L::load_partial(xb, m), LC::load_partial(cb[0], m), LC::load_partial(cb[1], m),
+      const V r = f(L::load_partial(xb, m), LC::load_partial(cb[0], m), LC::load_partial(cb[1], m),
                           LC::load_partial(cb[2], m), LC::load_partial(cb[3], m));
       L::store_partial(yb, r, m);
       for (int k = 0; k < m; ++k) std::memcpy(p[kOut] + (i + k) * s[kOut], &yb[k], sizeof(T));
@@ -191,8 +214,8 @@ struct NormalizeKernel {
   }
 
   // `rows` runs of n elements, run r at p + r * rs; the loop is chosen once for all of them.
-  template <class Act>
-  static void run_rows(const Act& act, int64_t rows, int64_t n, char* const* p, const int64_t* s,
+  template <class F>
+  static void run_rows(const F& f, int64_t rows, int64_t n, char* const* p, const int64_t* s,
                        const int64_t* rs, bool stream) {
     char* q[kNumOperands];
     std::memcpy(q, p, sizeof q);
@@ -205,29 +228,33 @@ struct NormalizeKernel {
     constexpr int64_t ts = sizeof(T), cs = sizeof(C);
     if (s[kIn] == ts && s[kOut] == ts) {
       const bool st_const = s[kShift] == 0 && s[kMul] == 0, st_vary = s[kShift] == cs && s[kMul] == cs;
-      const bool af_const = s[kScale] == 0 && s[kBias] == 0, af_vary = s[kScale] == cs && s[kBias] == cs;
+      // A folded scale is not read, whatever its strides.
+      const bool scale_const = F::kScaleFolded || s[kScale] == 0, scale_vary = F::kScaleFolded || s[kScale] == cs;
+      const bool af_const = scale_const && s[kBias] == 0, af_vary = scale_vary && s[kBias] == cs;
       if (st_const && af_const) {
         if constexpr (W > 1) {
           // 16-bit data: each row's masked head and tail cost two more conversions; the row
           // stream has neither (measured: NCHW 7x7 bfloat16 2.0-2.4x the copy, 2.9-3.4x per row).
           if (sizeof(T) == 2 && rows > 1 && n >= W && rs[kIn] == n * ts && rs[kOut] == n * ts)
-            return run_row_stream(act, rows, n, p, rs, stream);
+            return run_row_stream(f, rows, n, p, rs, stream);
         }
-        return each_row([&](char* const* r) { run_contiguous<false, false>(act, n, r, stream, peels(n, false)); });
+        return each_row([&](char* const* r) { run_contiguous<false, false>(f, n, r, stream, peels(n, false)); });
       }
-      if (st_const && af_vary) return each_row([&](char* const* r) { run_contiguous<false, true>(act, n, r, stream); });
-      if (st_vary && af_const) return each_row([&](char* const* r) { run_contiguous<true, false>(act, n, r, stream); });
-      if (st_vary && af_vary) return each_row([&](char* const* r) { run_contiguous<true, true>(act, n, r, stream); });
+      if constexpr (!F::kScaleFolded) {  // folded: the coefficients share one shape
+        if (st_const && af_vary) return each_row([&](char* const* r) { run_contiguous<false, true>(f, n, r, stream); });
+        if (st_vary && af_const) return each_row([&](char* const* r) { run_contiguous<true, false>(f, n, r, stream); });
+      }
+      if (st_vary && af_vary) return each_row([&](char* const* r) { run_contiguous<true, true>(f, n, r, stream); });
     }
-    each_row([&](char* const* r) { run_strided(act, n, r, s); });
+    each_row([&](char* const* r) { run_strided(f, n, r, s); });
   }
 
   static void execute(const NormalizeTask& task, int64_t begin, int64_t end) {
     const bool stream = task.stream_stores;
-    visit_activation<V>(task.act, [&](const auto& act) {
+    visit_formula(task, [&](const auto& f) {
       for_each_block(task.loop, begin, end,
                      [&](int64_t rows, int64_t len, char* const* p, const int64_t* s, const int64_t* rs) {
-                       run_rows(act, rows, len, p, s, rs, stream);
+                       run_rows(f, rows, len, p, s, rs, stream);
                      });
     });
     if (stream) stream_fence();
@@ -239,7 +266,7 @@ struct NormalizeKernel {
     int64_t s[kNumOperands];
     for (int op = 0; op < kNumOperands; ++op) s[op] = task.loop.strides[op][task.loop.ndim - 1];
     const int64_t no_step[kNumOperands] = {};
-    visit_activation<V>(task.act, [&](const auto& act) { run_rows(act, 1, n, p, s, no_step, task.stream_stores); });
+    visit_formula(task, [&](const auto& f) { run_rows(f, 1, n, p, s, no_step, task.stream_stores); });
   }
 };
 

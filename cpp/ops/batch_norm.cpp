@@ -1,23 +1,54 @@
-// Batch normalization: fold the four parameters once per call into (shift, mul, scale, bias) over
-// their broadcast shape (usually C values), then one planned elementwise pass:
-//   out = act(fma((in - mean) * 1/sqrt(var + eps), scale, bias))
-// Keeping (in - mean) rather than folding everything into one multiply-add makes in == mean give
-// exactly bias, at no cost in a memory-bound loop.
-#include <algorithm>
+// Batch normalization: fold the four parameters once per call over their broadcast shape (usually
+// C values), then one planned elementwise pass:
+//   out = act(fma(in - mean, scale / sqrt(var + eps), bias))
+// Keeping (in - mean) rather than folding everything into one multiply-add (in * a + b) makes
+// in == mean give exactly bias, and keeps the error of a large mean out of the result.
+#include <cfloat>
 #include <cmath>
+#include <optional>
 
 #include "ops/common.h"
 
 namespace simdnorm {
 namespace {
 
-// in: mean, variance, scale, bias; out: shift, mul, scale, bias.
-void fold_batch_norm(const double* const* in, double* const* out, int64_t n, const void* ctx) {
-  const double eps = *static_cast<const double*>(ctx);
+struct FoldContext {
+  double epsilon;
+  DType compute;
+  bool scale_fits = true;  // set by fold_scale_into_mul
+};
+
+// in: mean, variance, scale, bias; out: shift, mul = scale / sqrt(var + eps), bias.
+// A product that leaves the compute type's normal range while scale and 1/sqrt(var + eps) do not
+// (scale 1e30 over var 1e-20, say) would overflow or lose bits that (in - mean) * mul * scale keeps:
+// such a call clears scale_fits and takes the four-array form below.
+void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n, const void* ctx) {
+  auto& c = *const_cast<FoldContext*>(static_cast<const FoldContext*>(ctx));
+  const double max = c.compute == DType::f64 ? DBL_MAX : FLT_MAX, min = c.compute == DType::f64 ? DBL_MIN : FLT_MIN;
   // Distinct arrays (restrict): the square roots and divisions vectorize.
   const double* __restrict var = in[1];
+  const double* __restrict scale = in[2];
   double* __restrict mul = out[1];
-  for (int64_t k = 0; k < n; ++k) mul[k] = 1.0 / std::sqrt(var[k] + eps);  // < 0 -> NaN, 0 -> inf (SPEC §2)
+  bool fits = true;
+  for (int64_t k = 0; k < n; ++k) {
+    const double inv_std = 1.0 / std::sqrt(var[k] + c.epsilon);  // < 0 -> NaN, 0 -> inf (SPEC §2)
+    mul[k] = scale[k] * inv_std;
+    const double m = std::fabs(mul[k]);
+    // Only finite, nonzero factors can make a product that does not fit.
+    const bool factors_ordinary = std::isfinite(inv_std) && std::isfinite(scale[k]) && inv_std != 0 && scale[k] != 0;
+    fits &= !factors_ordinary || (m >= min && m <= max);
+  }
+  c.scale_fits &= fits;
+  std::copy(in[0], in[0] + n, out[0]);
+  std::copy(in[3], in[3] + n, out[2]);
+}
+
+// in: mean, variance, scale, bias; out: shift, mul = 1 / sqrt(var + eps), scale, bias.
+void fold_separately(const double* const* in, double* const* out, int64_t n, const void* ctx) {
+  const double eps = static_cast<const FoldContext*>(ctx)->epsilon;
+  const double* __restrict var = in[1];
+  double* __restrict mul = out[1];
+  for (int64_t k = 0; k < n; ++k) mul[k] = 1.0 / std::sqrt(var[k] + eps);
   for (int c : {0, 2, 3}) std::copy(in[c], in[c] + n, out[c]);
 }
 
@@ -30,31 +61,44 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
       if (explain != nullptr) *explain = "empty";
       return;
     }
-  const DType compute = compute_type(x.dtype);
-  FoldedParams folded(x.ndim, x.sizes,
-                      {{&a.mean, 0.0}, {&a.variance, 0.0}, {a.scale ? &*a.scale : nullptr, 1.0},
-                       {a.bias ? &*a.bias : nullptr, 0.0}},
-                      4, compute, fold_batch_norm, &a.epsilon);
+  FoldContext ctx{a.epsilon, compute_type(x.dtype)};
+  std::optional<FoldedParams> folded;
+  auto fold = [&](std::initializer_list<int> operands, FoldedParams::Fold f) {
+    folded.emplace(x.ndim, x.sizes,
+                   std::initializer_list<FoldedParams::Input>{{&a.mean, 0.0},
+                                                              {&a.variance, 0.0},
+                                                              {a.scale ? &*a.scale : nullptr, 1.0},
+                                                              {a.bias ? &*a.bias : nullptr, 0.0}},
+                   operands, ctx.compute, f, &ctx);
+  };
+  fold({kShift, kMul, kBias}, fold_scale_into_mul);
+  const bool scale_folded = ctx.scale_fits;
+  if (!scale_folded) fold({kShift, kMul, kScale, kBias}, fold_separately);
+  // A folded scale is not read: one value that any loop may load.
+  static const double unread_scale = 0.0;
   Problem p;
   p.ndim = x.ndim;
   for (int d = 0; d < x.ndim; ++d) {
     p.sizes[d] = x.sizes[d];
     p.strides[kOut][d] = a.output.strides[d];
     p.strides[kIn][d] = x.strides[d];
-    for (int op = kShift; op <= kBias; ++op) p.strides[op][d] = folded.strides()[d];
+    for (int op = kShift; op <= kBias; ++op) p.strides[op][d] = folded->strides()[d];
+    if (scale_folded) p.strides[kScale][d] = 0;
   }
   p.data[kOut] = a.output.data;
   p.data[kIn] = x.data;
-  for (int op = kShift; op <= kBias; ++op) p.data[op] = folded.data(op - kShift);
+  for (int o = 0; o < folded->outputs(); ++o) p.data[folded->operand(o)] = folded->data(o);
+  if (scale_folded) p.data[kScale] = const_cast<char*>(reinterpret_cast<const char*>(&unread_scale));
   NormalizeTask task;
   plan_elementwise(p, task.loop);
-  lengthen_repeating_runs(task.loop, folded, x.dtype);
-  align_coefficients(task.loop, folded, kShift, x.dtype);
+  lengthen_repeating_runs(task.loop, *folded, x.dtype);
+  align_coefficients(task.loop, *folded, x.dtype);
   task.dtype = x.dtype;
   task.act = a.activation;
   task.stream_stores = wants_stream_stores(task);
+  task.scale_folded = scale_folded;
   if (explain != nullptr) {
-    *explain = describe_normalize(task);
+    *explain = describe_normalize(task) + (scale_folded ? "" : " scale-apart");
     return;
   }
   run_normalize(task);

@@ -38,10 +38,12 @@ double load_scalar(DType dtype, const char* p) {
   return 0.0;
 }
 
-FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs, int outputs,
-                           DType compute, Fold fold, const void* ctx) {
+FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
+                           std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx) {
   elsize_ = itemsize(compute);
-  outputs_ = outputs;
+  outputs_ = static_cast<int>(operands.size());
+  std::copy(operands.begin(), operands.end(), operands_);
+  const int outputs = outputs_;
   const int nin = static_cast<int>(inputs.size());
   const Input* in = inputs.begin();
   // The broadcast shape, reduced to its dims of size > 1, with each input's byte stride on them.
@@ -162,25 +164,26 @@ void FoldedParams::realign(int64_t phase) {
   pitch_ = pitch;
 }
 
-void align_coefficients(LoopNest& nest, FoldedParams& folded, int first, DType dtype) {
+void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype) {
   const int inner = nest.ndim - 1;
   const int64_t ts = itemsize(dtype), cs = itemsize(compute_type(dtype));
   if (inner < 0 || nest.sizes[inner] * cs < 256) return;  // short runs: the copy would cost more
   const uintptr_t out = reinterpret_cast<uintptr_t>(nest.data[kOut]);
   if (nest.strides[kOut][inner] != ts || out % ts != 0) return;
-  int64_t offset[kNumOperands];
-  for (int op = first; op <= kBias; ++op) {
+  int64_t offset[FoldedParams::kMaxInputs];
+  for (int o = 0; o < folded.outputs(); ++o) {
+    const int op = folded.operand(o);
     if (nest.strides[op][inner] != cs) return;
-    offset[op] = nest.data[op] - folded.data(op - first);
-    if (offset[op] < 0 || offset[op] >= folded.count() * cs) return;
+    offset[o] = nest.data[op] - folded.data(o);
+    if (offset[o] < 0 || offset[o] >= folded.count() * cs) return;
   }
   // The kernel's first full vector is at element `head` of the run (see ContiguousRun).
   const int64_t head = static_cast<int64_t>((64 - out % 64) % 64) / ts;
-  const int64_t phase = ((-(offset[first] + head * cs)) % 64 + 64) % 64;
-  const bool aligned = (reinterpret_cast<uintptr_t>(nest.data[first]) + head * cs) % 64 == 0;
+  const int64_t phase = ((-(offset[0] + head * cs)) % 64 + 64) % 64;
+  const bool aligned = (reinterpret_cast<uintptr_t>(nest.data[folded.operand(0)]) + head * cs) % 64 == 0;
   if (aligned && (folded.count() * cs) % 64 == 0) return;  // every array then starts in phase
   folded.realign(phase);
-  for (int op = first; op <= kBias; ++op) nest.data[op] = folded.data(op - first) + offset[op];
+  for (int o = 0; o < folded.outputs(); ++o) nest.data[folded.operand(o)] = folded.data(o) + offset[o];
 }
 
 void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) {
@@ -193,10 +196,14 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) 
   if (n >= kTargetRun / 2 || folded.count() != n) return;
   for (int op = kOut; op <= kIn; ++op)
     if (nest.strides[op][inner] != ts || nest.strides[op][outer] != n * ts) return;
-  for (int op = kShift; op <= kBias; ++op)
-    if (nest.strides[op][inner] != cs || nest.strides[op][outer] != 0 ||
-        nest.data[op] != folded.data(op - kShift))
-      return;
+  bool from_folded[kNumOperands] = {};
+  for (int o = 0; o < folded.outputs(); ++o) {
+    const int op = folded.operand(o);
+    from_folded[op] = true;
+    if (nest.strides[op][inner] != cs || nest.strides[op][outer] != 0 || nest.data[op] != folded.data(o)) return;
+  }
+  for (int op = kShift; op <= kBias; ++op)  // any other coefficient must be one value throughout
+    if (!from_folded[op] && (nest.strides[op][inner] != 0 || nest.strides[op][outer] != 0)) return;
   // The largest number of pixels per run that divides the outer dim (so every run is whole).
   int64_t copies = 1;
   for (int64_t k = kTargetRun / n; k >= 2; --k)
@@ -206,7 +213,7 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) 
     }
   if (copies == 1) return;
   folded.repeat(copies);
-  for (int op = kShift; op <= kBias; ++op) nest.data[op] = folded.data(op - kShift);
+  for (int o = 0; o < folded.outputs(); ++o) nest.data[folded.operand(o)] = folded.data(o);
   nest.sizes[inner] *= copies;
   nest.sizes[outer] /= copies;
   for (int op = kOut; op <= kIn; ++op) nest.strides[op][outer] *= copies;
@@ -235,9 +242,10 @@ std::string describe_normalize(const NormalizeTask& task) {
     return "strided";
   };
   std::string loop;
-  if (s[kIn][inner] == ts && s[kOut][inner] == ts && pair(kShift, kMul) != "strided" &&
-      pair(kScale, kBias) != "strided")
-    loop = "contiguous(stats=" + pair(kShift, kMul) + ",affine=" + pair(kScale, kBias) + ")";
+  // A folded scale is not read: the affine pair is the bias alone.
+  const std::string affine = pair(task.scale_folded ? kBias : kScale, kBias);
+  if (s[kIn][inner] == ts && s[kOut][inner] == ts && pair(kShift, kMul) != "strided" && affine != "strided")
+    loop = "contiguous(stats=" + pair(kShift, kMul) + ",affine=" + affine + ")";
   else
     loop = "strided";
   return "nest=" + describe(n) + " inner=" + loop + (task.stream_stores ? " stream" : "");

@@ -27,14 +27,17 @@ class FoldedParams {
   };
   // fold(in, out, n, ctx) maps n elements of the broadcast shape, given as one array per input
   // (in[i][k]), to one array per output (out[o][k]); the results are stored in the compute type.
+  // Output o is the kernel's operand operands[o] (kShift...kBias).
   using Fold = void (*)(const double* const* in, double* const* out, int64_t n, const void* ctx);
-  FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs, int outputs, DType compute,
-               Fold fold, const void* ctx);
+  FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
+               std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx);
   FoldedParams(const FoldedParams&) = delete;
   FoldedParams& operator=(const FoldedParams&) = delete;
   // Byte strides of output `i` over the input's dims (0 where the broadcast shape is 1).
   const int64_t* strides() const { return strides_; }
   char* data(int i) { return storage_ + i * pitch_; }
+  int outputs() const { return outputs_; }
+  int operand(int i) const { return operands_[i]; }
   int64_t count() const { return count_; }
   // Repeats every output array `copies` times end to end (count() grows by that factor).
   void repeat(int64_t copies);
@@ -51,6 +54,7 @@ class FoldedParams {
   int64_t elsize_ = 4;
   int64_t pitch_ = 0;  // bytes from one output array to the next
   int outputs_ = 0;
+  int operands_[kMaxInputs] = {};
 };
 
 // Channels-last layouts with few channels: the nest's inner run is one pixel's channels, with
@@ -59,12 +63,12 @@ class FoldedParams {
 // coefficients makes the inner run several pixels long. No-op for other nests.
 void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype);
 
-// Coefficient arrays read beside the data (the operands from `first` to kBias, taken from `folded`,
-// varying along the inner run) are moved so that their vectors are 64-byte aligned where the
-// kernel's stores are (it peels the output to a 64-byte boundary): a vector load that straddles two
-// cache lines costs about twice as much. Measured on channels-last 8x64x56x56 float32 with 64-byte
-// aligned data: 146 us aligned vs 246 us with the coefficients 16 bytes off.
-void align_coefficients(LoopNest& nest, FoldedParams& folded, int first, DType dtype);
+// Coefficient arrays read beside the data (folded's operands, varying along the inner run) are
+// moved so that their vectors are 64-byte aligned where the kernel's stores are (it peels the
+// output to a 64-byte boundary): a vector load that straddles two cache lines costs about twice as
+// much. Measured on channels-last 8x64x56x56 float32 with 64-byte aligned data: 146 us aligned vs
+// 246 us with the coefficients 16 bytes off.
+void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);

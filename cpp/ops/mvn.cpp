@@ -105,7 +105,7 @@ class MvnRunner {
         a_.input.ndim, a_.input.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
                                                    {a_.bias ? &*a_.bias : nullptr, 0.0}},
-        2, compute_, identity2, nullptr);
+        std::initializer_list<int>{kScale, kBias}, compute_, identity2, nullptr);
   }
 
   void build_plan() {
@@ -136,7 +136,7 @@ class MvnRunner {
     }
     plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype));
     LoopNest& nest = plan_.nest;
-    if (affine_) align_coefficients(nest, *affine_, kScale, x.dtype);
+    if (affine_) align_coefficients(nest, *affine_, x.dtype);
     user_mean_ = nest.data[kShift];
     user_inv_std_ = nest.data[kMul];
     for (int d = 0; d < nest.ndim; ++d) {

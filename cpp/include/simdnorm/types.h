@@ -31,8 +31,9 @@ struct Activation {
 
 // The one elementwise operation both ops end in:
 //   out = act(fma((in - shift) * mul, scale, bias))
-// Batch norm: shift = mean, mul = 1/sqrt(var + eps), scale, bias = its parameters.
 // MVN: shift = group mean, mul = group 1/std, scale and bias = its optional parameters.
+// Batch norm folds its scale into mul (NormalizeTask::scale_folded):
+//   out = act(fma(in - shift, mul, bias)),  shift = mean, mul = scale/sqrt(var + eps), bias.
 // shift/mul/scale/bias point to compute-type (float or double) arrays addressed with byte strides.
 enum Operand : int { kOut = 0, kIn = 1, kShift = 2, kMul = 3, kScale = 4, kBias = 5, kNumOperands = 6 };
 
@@ -51,6 +52,9 @@ struct NormalizeTask {
   // Non-temporal stores for outputs much larger than the caches (never for in-place work, whose
   // lines are already cached).
   bool stream_stores = false;
+  // mul already holds mul * scale: the kernel computes act(fma(in - shift, mul, bias)) and never
+  // reads the scale operand.
+  bool scale_folded = false;
 };
 
 // Moments of one normalization group, the unit that chunks merge into (Chan et al.): count, mean,
