@@ -28,7 +28,8 @@ namespace {
 
 extern const KernelTable kernel_table;
 const KernelTable kernel_table = {kIsaName,        normalize_entry,   normalize_run_entry,
-                                   row_moments_entry, col_moments_entry, normalize_run_and_sum_entry};
+                                   row_moments_entry, col_moments_entry, normalize_run_and_sum_entry,
+                                   normalize_rows_fused_entry};
 
 }  // namespace SIMDNORM_ISA_NS
 }  // namespace simdnorm

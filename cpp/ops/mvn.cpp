@@ -182,16 +182,21 @@ class MvnRunner {
       out = {a_.normalize_mean ? NAN : 0.0, NAN};
       return true;
     }
+    // Every row's statistics end in this chain of dependent operations, which the row's
+    // normalization waits for: no division or call that can be spared. The scale is 1 or 2^-100, so
+    // multiplying by its inverse is exact.
+    const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
     const double m1 = s.s1 / n;  // mean of d, in scaled units
-    const double var_scaled = std::fmax(s.s2 / n - m1 * m1, 0.0);
+    const double excess = s.s2 / n - m1 * m1;
+    const double var_scaled = excess > 0.0 ? excess : 0.0;  // rounding can make it negative
     if (a_.normalize_mean && !pass.refined && m1 * m1 > 64.0 * var_scaled) {
-      pass.pivot += m1 / pass.scale;
+      pass.pivot += m1 * unscale;
       pass.refined = true;
       return false;
     }
-    out.mean = a_.normalize_mean ? pass.pivot + m1 / pass.scale : 0.0;
+    out.mean = a_.normalize_mean ? pass.pivot + m1 * unscale : 0.0;
     const double second = a_.normalize_mean ? var_scaled : s.s2 / n;
-    out.var = second / (pass.scale * pass.scale);
+    out.var = second * (unscale * unscale);
     return true;
   }
 
@@ -319,6 +324,23 @@ class MvnRunner {
       }
     }
   };
+  // FusedRowsArgs::finish: row `row` of a run of rows from group g0 on, whose pointers step by
+  // `step` (GroupCursor's operands).
+  struct FusedRowsContext {
+    MvnRunner* runner;
+    int64_t g0;
+    char* p[kGroupPointers];
+    int64_t step[kGroupPointers];
+  };
+  static void finish_fused_row(void* context, int64_t row, double pivot, double sum, double sum_sq) {
+    const auto& c = *static_cast<const FusedRowsContext*>(context);
+    auto at = [&](int op) { return c.p[op] + row * c.step[op]; };
+    Pass pass;  // first_pass() of the row, as the kernel took it
+    pass.pivot = pivot;
+    const Sums first{sum, sum_sq};
+    c.runner->store_stats(at(kShift), at(kMul), c.runner->group_stats(c.g0 + row, at(kIn), pass, &first),
+                          at(kUserMean), at(kUserInvStd));
+  }
   char* group_base(int op) const {
     return op == kUserMean ? user_mean_ : op == kUserInvStd ? user_inv_std_ : plan_.nest.data[op];
   }
@@ -383,6 +405,22 @@ class MvnRunner {
             for (int op = 0; op < kNumOperands; ++op) q[op] = c.p[op] + offset[op];
             return q;
           };
+          if (plan_.kept_dims == 1 && plan_.reduced_dims == 1 && nblocks == 1) {
+            // Rows at one step (layer and RMS norm): the whole pipeline in one kernel call.
+            FusedRowsContext ctx{this, g0, {}, {}};
+            FusedRowsArgs args{g1 - g0, run, {}, {}, a_.normalize_mean, finish_fused_row, &ctx};
+            for (int op = 0; op < kGroupPointers; ++op) {
+              ctx.p[op] = cursor.p[op];
+              ctx.step[op] = group_stride(op, 0);
+              if (op < kNumOperands) {
+                args.data[op] = cursor.p[op];
+                args.step[op] = group_stride(op, 0);
+              }
+            }
+            k.normalize_rows_fused(task_, args);
+            if (task_.stream_stores) fence_streaming_stores();
+            return;
+          }
           GroupCursor normalizing = cursor;
           take_stats(g0);
           for (int64_t g = g0; g < g1; ++g, normalizing.next()) {

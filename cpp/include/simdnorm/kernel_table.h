@@ -37,6 +37,19 @@ struct ColMomentsArgs {
   double* sum_sq;                  // [cols], +=
 };
 
+// Rows of one run each at fixed byte steps (layer and RMS norm over contiguous rows), statistics and
+// normalization in one call: row r + 1's first-pass sums are taken in the loop that normalizes row
+// r, and finish(ctx, r + 1, pivot, sum, sum_sq) turns them into that row's shift and mul (taking a
+// second pass itself when the sums ask for one) before the row is normalized.
+struct FusedRowsArgs {
+  int64_t rows, len;
+  char* data[kNumOperands];    // row 0's operands (shift and mul: row 0's slots)
+  int64_t step[kNumOperands];  // bytes from one row to the next
+  bool pivot_first;            // the first pass is around the row's first element (else 0), scale 1
+  void (*finish)(void* ctx, int64_t row, double pivot, double sum, double sum_sq);
+  void* ctx;
+};
+
 struct KernelTable {
   const char* name;
   // out = act(fma((in - shift) * mul, scale, bias)) over the flat index range [begin, end) of the nest.
@@ -50,6 +63,7 @@ struct KernelTable {
   // bitwise those row_moments gives.
   void (*normalize_run_and_sum)(const NormalizeTask& task, char* const* pointers, int64_t n,
                                 const RowMomentsArgs& next);
+  void (*normalize_rows_fused)(const NormalizeTask& task, const FusedRowsArgs& args);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }
