@@ -57,25 +57,30 @@ class Pool {
   }
   int workers() const { return static_cast<int>(threads_.size()); }
 
-  // Caller holds region_mutex().
+  // Caller holds region_mutex(). The caller takes parts too, and waits only for the workers that
+  // joined the job: a worker that has not woken yet (its core busy with another process's thread,
+  // or asleep) joins no job that has already been closed, so its lateness costs nothing here.
   void run(int nparts, const std::function<void(int)>& fn) {
+    uint64_t generation;
     {
       std::lock_guard<std::mutex> lock(m_);
       job_ = &fn;
       nparts_ = nparts;
       next_.store(0, std::memory_order_relaxed);
-      busy_.store(workers(), std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);  // publishes the job to spinning workers
+      generation = generation_.load(std::memory_order_relaxed) + 1;
+      open_.store(generation, std::memory_order_relaxed);
+      generation_.store(generation, std::memory_order_release);  // publishes the job to spinning workers
     }
     wake_.notify_all();
     drain();
-    auto all_done = [this] { return busy_.load(std::memory_order_acquire) == 0; };
-    std::unique_lock<std::mutex> lock(m_, std::defer_lock);
-    if (!spin_until(all_done)) {
-      lock.lock();
-      done_.wait(lock, all_done);
-    } else {
-      lock.lock();
+    // Every part is taken. Close the job, then wait for the workers inside it: a worker counts
+    // itself in before it looks whether the job is open (both sequentially consistent), so either
+    // it sees the job closed and leaves it alone, or this side sees it counted in and waits.
+    open_.store(0, std::memory_order_seq_cst);
+    auto all_out = [this] { return active_.load(std::memory_order_seq_cst) == 0; };
+    if (!spin_until(all_out)) {
+      std::unique_lock<std::mutex> lock(m_);
+      done_.wait(lock, all_out);
     }
     job_ = nullptr;
   }
@@ -108,9 +113,10 @@ class Pool {
       }
       if (stopping_.load(std::memory_order_acquire)) return;
       seen = generation_.load(std::memory_order_acquire);
-      drain();
-      std::lock_guard<std::mutex> lock(m_);
-      if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.notify_one();
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      if (open_.load(std::memory_order_seq_cst) == seen) drain();
+      std::lock_guard<std::mutex> lock(m_);  // so that the caller cannot miss the notification
+      if (active_.fetch_sub(1, std::memory_order_seq_cst) == 1) done_.notify_one();
     }
   }
 
@@ -121,8 +127,10 @@ class Pool {
   int nparts_ = 0;
   std::atomic<int> next_{0};
   // Written under m_; read without it by the spinning side.
-  std::atomic<int> busy_{0};
   std::atomic<uint64_t> generation_{0};
+  // The generation that workers may still join (0: closed), and how many are inside a job.
+  std::atomic<uint64_t> open_{0};
+  std::atomic<int> active_{0};
   std::atomic<bool> stopping_{false};
 };
 
