@@ -43,21 +43,29 @@ struct NormalizeKernel {
 
   // A pair of coefficients along a run of contiguous data: either constant over the run (kept in
   // registers: NCHW batch norm, per-group MVN statistics) or contiguous arrays read beside the data
-  // (channels-last batch norm, layer-norm scale and bias).
-  template <bool Vary>
+  // (channels-last batch norm, layer-norm scale and bias). Without ReadFirst the first is never
+  // read (a scale folded into mul: its pointer need not address an array).
+  template <bool Vary, bool ReadFirst = true>
   struct Pair {
     const C* a;
     const C* b;
     V va, vb;
     Pair(const char* pa, const char* pb) : a(reinterpret_cast<const C*>(pa)), b(reinterpret_cast<const C*>(pb)) {
+      va = splat<V>(0.0);
       if (!Vary) {
-        va = splat<V>(LC::load_one(a));
+        if (ReadFirst) va = splat<V>(LC::load_one(a));
         vb = splat<V>(LC::load_one(b));
       }
     }
-    V first(int64_t i) const { if constexpr (Vary) return LC::load(a + i); else return va; }
+    V first(int64_t i) const {
+      if constexpr (Vary && ReadFirst) return LC::load(a + i);
+      else return va;
+    }
     V second(int64_t i) const { if constexpr (Vary) return LC::load(b + i); else return vb; }
-    V first(int64_t i, int m) const { if constexpr (Vary) return LC::load_partial(a + i, m); else return va; }
+    V first(int64_t i, int m) const {
+      if constexpr (Vary && ReadFirst) return LC::load_partial(a + i, m);
+      else return va;
+    }
     V second(int64_t i, int m) const { if constexpr (Vary) return LC::load_partial(b + i, m); else return vb; }
   };
 
@@ -69,7 +77,7 @@ struct NormalizeKernel {
     T* y;
     const T* x;
     const Pair<StatsVary> st;
-    const Pair<AffineVary> af;
+    const Pair<AffineVary, !F::kScaleFolded> af;
     int64_t n, i = 0;
     bool stream;
 

@@ -74,7 +74,8 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
   fold({kShift, kMul, kBias}, fold_scale_into_mul);
   const bool scale_folded = ctx.scale_fits;
   if (!scale_folded) fold({kShift, kMul, kScale, kBias}, fold_separately);
-  // A folded scale is not read: one value that any loop may load.
+  // A folded scale is not used. The contiguous loops never load it; the row stream and the gather
+  // loop load it with stride 0 and ignore it, so one readable value is all it needs to be.
   static const double unread_scale = 0.0;
   Problem p;
   p.ndim = x.ndim;

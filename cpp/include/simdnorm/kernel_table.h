@@ -45,7 +45,9 @@ struct FusedRowsArgs {
   int64_t rows, len;
   char* data[kNumOperands];    // row 0's operands (shift and mul: row 0's slots)
   int64_t step[kNumOperands];  // bytes from one row to the next
-  bool pivot_first;            // the first pass is around the row's first element (else 0), scale 1
+  // The statistics need the mean: the first pass is around the row's first element (else around
+  // 0, RMS norm); its scale is 1.
+  bool centered;
   void (*finish)(void* ctx, int64_t row, double pivot, double sum, double sum_sq);
   void* ctx;
 };
