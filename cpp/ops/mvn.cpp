@@ -183,8 +183,8 @@ class MvnRunner {
       return true;
     }
     // Every row's statistics end in this chain of dependent operations, which the row's
-    // normalization waits for: no division or call that can be spared. The scale is 1 or 2^-100, so
-    // multiplying by its inverse is exact.
+    // normalization waits for: no call, and no division that multiplying by an exact inverse can
+    // replace (the scale is 1 or 2^-100; dividing by n stays, since 1/n is not exact).
     const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
     const double m1 = s.s1 / n;  // mean of d, in scaled units
     const double excess = s.s2 / n - m1 * m1;
@@ -324,22 +324,23 @@ class MvnRunner {
       }
     }
   };
-  // FusedRowsArgs::finish: row `row` of a run of rows from group g0 on, whose pointers step by
-  // `step` (GroupCursor's operands).
+  // FusedRowsArgs::finish: row `row` of the rows from group g0 on; the operands' pointers are the
+  // args', the user's statistics step by `user_step`.
   struct FusedRowsContext {
     MvnRunner* runner;
+    const FusedRowsArgs* args;
     int64_t g0;
-    char* p[kGroupPointers];
-    int64_t step[kGroupPointers];
+    char* user[2];  // mean, inv_std
+    int64_t user_step[2];
   };
   static void finish_fused_row(void* context, int64_t row, double pivot, double sum, double sum_sq) {
     const auto& c = *static_cast<const FusedRowsContext*>(context);
-    auto at = [&](int op) { return c.p[op] + row * c.step[op]; };
+    auto at = [&](int op) { return c.args->data[op] + row * c.args->step[op]; };
     Pass pass;  // first_pass() of the row, as the kernel took it
     pass.pivot = pivot;
     const Sums first{sum, sum_sq};
     c.runner->store_stats(at(kShift), at(kMul), c.runner->group_stats(c.g0 + row, at(kIn), pass, &first),
-                          at(kUserMean), at(kUserInvStd));
+                          c.user[0] + row * c.user_step[0], c.user[1] + row * c.user_step[1]);
   }
   char* group_base(int op) const {
     return op == kUserMean ? user_mean_ : op == kUserInvStd ? user_inv_std_ : plan_.nest.data[op];
@@ -407,16 +408,14 @@ class MvnRunner {
           };
           if (plan_.kept_dims == 1 && plan_.reduced_dims == 1 && nblocks == 1) {
             // Rows at one step (layer and RMS norm): the whole pipeline in one kernel call.
-            FusedRowsContext ctx{this, g0, {}, {}};
-            FusedRowsArgs args{g1 - g0, run, {}, {}, a_.normalize_mean, finish_fused_row, &ctx};
-            for (int op = 0; op < kGroupPointers; ++op) {
-              ctx.p[op] = cursor.p[op];
-              ctx.step[op] = group_stride(op, 0);
-              if (op < kNumOperands) {
-                args.data[op] = cursor.p[op];
-                args.step[op] = group_stride(op, 0);
-              }
+            FusedRowsArgs args{g1 - g0, run, {}, {}, a_.normalize_mean, finish_fused_row, nullptr};
+            for (int op = 0; op < kNumOperands; ++op) {
+              args.data[op] = cursor.p[op];
+              args.step[op] = group_stride(op, 0);
             }
+            FusedRowsContext ctx{this, &args, g0, {cursor.p[kUserMean], cursor.p[kUserInvStd]},
+                                 {group_stride(kUserMean, 0), group_stride(kUserInvStd, 0)}};
+            args.ctx = &ctx;
             k.normalize_rows_fused(task_, args);
             if (task_.stream_stores) fence_streaming_stores();
             return;
