@@ -112,16 +112,27 @@ def test_streaming_stores_only_for_large_out_of_place_outputs():
     assert "stream" not in bn_plan(big, (1, 8, 1, 1), out=big)  # in place: the lines are cached
 
 
-def test_layer_norm_is_fused_rows_with_scale_and_bias_along_the_row():
-    x = np.zeros((4, 6, 96), np.float32)
-    plan = mvn_plan(x, (2,), scale=np.ones((1, 1, 96), np.float32))
-    assert plan.startswith("rows groups=24 lanes=1 group_size=96 fused")
-    assert "inner=contiguous(stats=const,affine=vary)" in plan
+@pytest.mark.parametrize("row", [1, 7, 96, 3000])
+def test_layer_norm_rows_of_any_length_run_as_one_pipeline(row):
+    # short rows too (they used to be batched: a statistics call per row, 1.4-1.7x the time)
+    x = np.zeros((4, 6, row), np.float32)
+    plan = mvn_plan(x, (2,), scale=np.ones((1, 1, row), np.float32))
+    assert plan.startswith(f"rows groups=24 lanes=1 group_size={row} fused pipeline")
+    if row > 1:
+        assert "inner=contiguous(stats=const,affine=vary)" in plan
 
 
-def test_instance_norm_nchw_is_rows_over_each_plane():
+def test_instance_norm_nchw_is_one_pipeline_over_the_planes():
     x = np.zeros((2, 8, 5, 7), np.float32)
-    assert mvn_plan(x, (2, 3)).startswith("rows groups=16 lanes=1 group_size=35 fused")
+    assert mvn_plan(x, (2, 3)).startswith("rows groups=16 lanes=1 group_size=35 fused pipeline")
+
+
+def test_rows_with_unmergeable_kept_dims_are_fused_but_not_one_pipeline():
+    # kept dims (4, 6) in the output's order are (6, 4) in the input's: they cannot merge
+    x = np.zeros((6, 4, 40), np.float32).transpose(1, 0, 2)
+    plan = mvn_plan(x, (2,), out=np.zeros((4, 6, 40), np.float32))
+    assert plan.startswith("rows groups=24 lanes=1 group_size=40 fused ")
+    assert "pipeline" not in plan
 
 
 def test_channels_last_instance_norm_accumulates_across_channel_lanes():

@@ -244,3 +244,32 @@ def test_fused_and_split_groups_agree_bitwise(isa, rng, threads, dtype, case, ou
     for a, b in ((y1, y2), (m1, m2), (s1, s2)):
         np.testing.assert_array_equal(bits(a), bits(b))
     check_mvn(y1, x, axes, g, g)
+
+
+# Layer-norm rows of every length around the vector widths (shorter than one vector, a masked head
+# and tail only, a few full steps) run through the one-call rows pipeline, which works two rows
+# ahead; each row's first element is an outlier, so that every row is summed a second time around
+# its mean. Against the reference (poisoned output), and 1 vs 2 threads bitwise.
+@DT
+@pytest.mark.parametrize("row", [1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 47, 64, 97, 255])
+def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dtype, row):
+    from simdnorm import _core
+
+    rows = 70000 // row + 3  # past 2 x 32K elements: two threads take a part each
+    x = make_input(rng, (rows, row), dtype, loc=30.0, scale=3.0)
+    if row > 1:
+        x[:, 0] = 3000.0
+    g = make_input(rng, (row,), dtype)
+    b = make_input(rng, (row,), dtype)
+    assert " fused pipeline " in _core.explain_mvn(x, (1,), g, b, np.empty_like(x), 1e-5, True, True, False,
+                                                   (0, 0.0, 0.0), None, None, -1, False)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = make_out(x.shape, dtype)
+        y, mean, inv_std = simdnorm.layer_norm(x, g, b, out=out, return_stats=True)
+        assert y is out
+        check_mvn(y, x, (1,), g, b, stats=(mean, inv_std), context=f"isa={isa} row={row} threads={n}")
+        results.append((y, mean, inv_std))
+    for a, c in zip(*results):
+        np.testing.assert_array_equal(bits(a), bits(c))
