@@ -14,9 +14,11 @@
 // Normalization is the same elementwise kernel as batch norm, with shift = mean and mul = 1/std per
 // group (stride 0 along the reduced dims). When there are enough groups, each thread takes whole
 // groups and normalizes each right after its statistics, while it is still in cache: the input is
-// read from memory once. Groups of 2 KB and more are normalized in the same loop that sums the next
-// group (kernels/fused_rows.h), so that reads from memory and writes overlap; smaller groups in
-// batches of about 2 KB. With few groups, statistics are split into blocks over all threads first,
+// read from memory once. Rows at one step (layer, RMS norm; instance norm on NCHW), of any length,
+// run as one kernel call per thread that normalizes each row in the loop that sums a later one
+// (kernels/fused_rows.h), so that reads from memory and writes overlap. Other groups of 2 KB and
+// more are fused run by run the same way; smaller ones go in batches of about 2 KB. With few
+// groups, statistics are split into blocks over all threads first,
 // then the normalization pass runs over all threads (the input is read twice).
 #include <algorithm>
 #include <cmath>
@@ -33,7 +35,8 @@ namespace {
 
 // Rows: elements per statistics block (the unit of work when groups are split between threads).
 constexpr int64_t kBlock = 1 << 15;
-// Rows: groups smaller than this are normalized in batches of about this many bytes (one kernel
+// Rows that are not one pipeline (e.g. kept dims that do not merge): groups smaller than this are
+// normalized in batches of about this many bytes (one kernel
 // call per batch instead of per short group). Larger groups run one at a time: the statistics of a
 // group, then its normalization while it is in L1. Measured on 8x512x768 float32 (AMD EPYC, 32 MB
 // L3): batches of 8 rows (24 KB) took 1.6x the time of single rows, whose reads and writes
