@@ -248,8 +248,10 @@ def test_fused_and_split_groups_agree_bitwise(isa, rng, threads, dtype, case, ou
 
 # Layer-norm rows of every length around the vector widths (shorter than one vector, a masked head
 # and tail only, a few full steps) run through the one-call rows pipeline, which works two rows
-# ahead; each row's first element is an outlier, so that every row is summed a second time around
-# its mean. Against the reference (poisoned output), and 1 vs 2 threads bitwise.
+# ahead. Each row's first element (the pivot of its first pass) is an outlier; it lies more than 8
+# std from the row's mean, so that the row is summed a second time around its mean, once
+# sqrt(row - 1) > 8 (rows of 97 and 255 here). Against the reference (poisoned output), and 1 vs 2
+# threads bitwise.
 @DT
 @pytest.mark.parametrize("row", [1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 47, 64, 97, 255])
 def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dtype, row):

@@ -264,21 +264,28 @@ class MvnRunner {
   int64_t blocks_per_group() const { return (plan_.group_size + kBlock - 1) / kBlock; }
 
   // Statistics of group g, whose first element is at `first`, starting with `pass` (first_pass()).
-  // Summed block by block as the split path does, so the two paths agree bitwise. `first_sums`,
-  // when given, are the sums of that pass, already taken.
-  GroupResult group_stats(int64_t g, const char* first, Pass pass, const Sums* first_sums = nullptr) const {
+  // Summed block by block as the split path does, so the two paths agree bitwise.
+  GroupResult group_stats(int64_t g, const char* first, Pass pass) const {
     const int64_t nblocks = blocks_per_group();
     GroupResult r;
-    for (;; first_sums = nullptr) {
+    for (;;) {
       Sums total;
-      if (first_sums != nullptr) total = *first_sums;
-      else for (int64_t b = 0; b < nblocks; ++b) {
+      for (int64_t b = 0; b < nblocks; ++b) {
         const Sums s = block_sums(g, b, pass, first);
         total.s1 += s.s1;
         total.s2 += s.s2;
       }
       if (judge(total, static_cast<double>(plan_.group_size), pass, r)) return r;
     }
+  }
+
+  // The same, given the sums of the first pass, taken by a fused loop: judged here, so that the
+  // common case (no second pass) makes no call (inlined into the rows' finish, it also keeps Pass
+  // out of memory: passed by value it cost a store-forwarding stall per row).
+  GroupResult stats_from_first_sums(int64_t g, const char* first, Pass pass, const Sums& first_sums) const {
+    GroupResult r;
+    if (judge(first_sums, static_cast<double>(plan_.group_size), pass, r)) return r;
+    return group_stats(g, first, pass);
   }
 
   // The runs of one group (the innermost reduced dim), in the order block_sums takes them:
@@ -341,13 +348,8 @@ class MvnRunner {
     auto at = [&](int op) { return c.args->data[op] + row * c.args->step[op]; };
     Pass pass;  // first_pass() of the row, as the kernel took it
     pass.pivot = pivot;
-    // group_stats(g, first, pass, &first_sums), with the common case (no second pass) taken here:
-    // no call, and no Pass passed through memory (a store-forwarding stall measured on this path).
-    MvnRunner& runner = *c.runner;
-    GroupResult r;
-    if (!runner.judge(Sums{sum, sum_sq}, static_cast<double>(runner.plan_.group_size), pass, r))
-      r = runner.group_stats(c.g0 + row, at(kIn), pass);
-    runner.store_stats(at(kShift), at(kMul), r, c.user[0] + row * c.user_step[0], c.user[1] + row * c.user_step[1]);
+    c.runner->store_stats(at(kShift), at(kMul), c.runner->stats_from_first_sums(c.g0 + row, at(kIn), pass, {sum, sum_sq}),
+                          c.user[0] + row * c.user_step[0], c.user[1] + row * c.user_step[1]);
   }
   char* group_base(int op) const {
     return op == kUserMean ? user_mean_ : op == kUserInvStd ? user_inv_std_ : plan_.nest.data[op];
@@ -396,7 +398,7 @@ class MvnRunner {
       const int64_t per = (groups + parts - 1) / parts;
       const int64_t group_bytes = plan_.group_size * itemsize(a_.input.dtype);
       const int64_t batch = group_bytes >= kFusedBatchBytes ? 1 : kFusedBatchBytes / group_bytes;
-      const bool run_per_group = batch == 1;
+      const bool run_per_group = batch == 1, pipelined = rows_pipelined();
       parallel_for(parts, [&](int part) {
         const int64_t g0 = part * per, g1 = g0 + per < groups ? g0 + per : groups;
         if (g0 >= g1) return;
@@ -407,7 +409,7 @@ class MvnRunner {
                       cursor.p[kUserInvStd]);
           cursor.next();
         };
-        if (rows_pipelined()) {
+        if (pipelined) {
           // Long or short rows alike. (Rows under 2 KB used to go in batches, a statistics call
           // per row and a normalize call per batch: 1.4-1.7x the time of the pipeline.)
           FusedRowsArgs args{g1 - g0, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_row, nullptr};
@@ -451,7 +453,7 @@ class MvnRunner {
                                         &sums.s1, &sums.s2};
               k.normalize_run_and_sum(task_, at(normalizing, off), run, next);
             });
-            store_stats(cursor.p[kShift], cursor.p[kMul], group_stats(g + 1, cursor.p[kIn], pass, &sums),
+            store_stats(cursor.p[kShift], cursor.p[kMul], stats_from_first_sums(g + 1, cursor.p[kIn], pass, sums),
                         cursor.p[kUserMean],
                         cursor.p[kUserInvStd]);
             cursor.next();
