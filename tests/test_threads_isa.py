@@ -247,8 +247,8 @@ def test_fused_and_split_groups_agree_bitwise(isa, rng, threads, dtype, case, ou
 
 
 # Layer-norm rows of every length around the vector widths (shorter than one vector, a masked head
-# and tail only, a few full steps) run through the one-call rows pipeline, which works two rows
-# ahead. Each row's first element (the pivot of its first pass) is an outlier; it lies more than 8
+# and tail only, a few full steps) run through the one-call rows pipeline, which finishes rows two
+# or four at a time. Each row's first element (the pivot of its first pass) is an outlier; it lies more than 8
 # std from the row's mean, so that the row is summed a second time around its mean, once
 # sqrt(row - 1) > 8 (rows of 97 and 255 here). Against the reference (poisoned output), and 1 vs 2
 # threads bitwise.
@@ -275,3 +275,33 @@ def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dt
         results.append((y, mean, inv_std))
     for a, c in zip(*results):
         np.testing.assert_array_equal(bits(a), bits(c))
+
+
+# The rows pipeline sums rows k ahead of their normalization and finishes them k at a time (k = 4
+# for rows under 1 KB, else 2): every count of rows around those batches, with a last batch cut
+# short, for rows on both sides of 1 KB. Outliers at the start of some rows only (one row of a
+# batch takes a second pass, its neighbours do not).
+@DT
+@pytest.mark.parametrize("rows", list(range(1, 10)) + [13])
+@pytest.mark.parametrize("row_bytes", [200, 1022, 1024, 2050])
+def test_rows_pipeline_batches_against_reference(isa, rng, threads, dtype, rows, row_bytes):
+    from simdnorm import _core
+
+    threads(1)
+    row = row_bytes // np.dtype(dtype).itemsize
+    x = make_input(rng, (rows, row), dtype, loc=-20.0, scale=4.0)
+    x[1::3, 0] = 2000.0
+    g = make_input(rng, (row,), dtype)
+    b = make_input(rng, (row,), dtype)
+    assert " fused pipeline " in _core.explain_mvn(x, (1,), g, b, np.empty_like(x), 1e-5, True, True, False,
+                                                   (0, 0.0, 0.0), None, None, -1, False)
+    for rms in (False, True):
+        out = make_out(x.shape, dtype)
+        if rms:
+            y, _, inv_std = simdnorm.rms_norm(x, g, out=out, return_stats=True)
+            check_mvn(y, x, (1,), g, None, normalize_mean=False, stats=(None, inv_std),
+                      context=f"isa={isa} rows={rows} rms")
+        else:
+            y, mean, inv_std = simdnorm.layer_norm(x, g, b, out=out, return_stats=True)
+            check_mvn(y, x, (1,), g, b, stats=(mean, inv_std), context=f"isa={isa} rows={rows}")
+        assert y is out

@@ -186,11 +186,13 @@ class MvnRunner {
       return true;
     }
     // Every row's statistics end in this chain of dependent operations, which the row's
-    // normalization waits for: no call, and no division that multiplying by an exact inverse can
-    // replace (the scale is 1 or 2^-100; dividing by n stays, since 1/n is not exact).
+    // normalization waits for: no call, and multiplications where they serve. The scale is 1 or
+    // 2^-100, whose inverse is exact; 1/n is not, so m1 may differ from s1 / n in a double's last
+    // bit, far below the rounding of the float statistics (the division cost ~4 ns a row of 768).
     const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
-    const double m1 = s.s1 / n;  // mean of d, in scaled units
-    const double excess = s.s2 / n - m1 * m1;
+    const double inv_n = 1.0 / n;
+    const double m1 = s.s1 * inv_n;  // mean of d, in scaled units
+    const double excess = s.s2 * inv_n - m1 * m1;
     const double var_scaled = excess > 0.0 ? excess : 0.0;  // rounding can make it negative
     if (a_.normalize_mean && !pass.refined && m1 * m1 > 64.0 * var_scaled) {
       pass.pivot += m1 * unscale;
@@ -334,8 +336,8 @@ class MvnRunner {
       }
     }
   };
-  // FusedRowsArgs::finish: row `row` of the rows from group g0 on; the operands' pointers are the
-  // args', the user's statistics step by `user_step`.
+  // FusedRowsArgs::finish: rows `row` to `row + count` of those from group g0 on; the operands'
+  // pointers are the args', the user's statistics step by `user_step`.
   struct FusedRowsContext {
     MvnRunner* runner;
     const FusedRowsArgs* args;
@@ -343,13 +345,18 @@ class MvnRunner {
     char* user[2];  // mean, inv_std
     int64_t user_step[2];
   };
-  static void finish_fused_row(void* context, int64_t row, double pivot, double sum, double sum_sq) {
+  static void finish_fused_rows(void* context, int64_t row, int count, const double* pivot, const double* sum,
+                                const double* sum_sq) {
     const auto& c = *static_cast<const FusedRowsContext*>(context);
-    auto at = [&](int op) { return c.args->data[op] + row * c.args->step[op]; };
-    Pass pass;  // first_pass() of the row, as the kernel took it
-    pass.pivot = pivot;
-    c.runner->store_stats(at(kShift), at(kMul), c.runner->stats_from_first_sums(c.g0 + row, at(kIn), pass, {sum, sum_sq}),
-                          c.user[0] + row * c.user_step[0], c.user[1] + row * c.user_step[1]);
+    for (int i = 0; i < count; ++i) {
+      const int64_t r = row + i;
+      auto at = [&](int op) { return c.args->data[op] + r * c.args->step[op]; };
+      Pass pass;  // first_pass() of the row, as the kernel took it
+      pass.pivot = pivot[i];
+      c.runner->store_stats(at(kShift), at(kMul),
+                            c.runner->stats_from_first_sums(c.g0 + r, at(kIn), pass, {sum[i], sum_sq[i]}),
+                            c.user[0] + r * c.user_step[0], c.user[1] + r * c.user_step[1]);
+    }
   }
   char* group_base(int op) const {
     return op == kUserMean ? user_mean_ : op == kUserInvStd ? user_inv_std_ : plan_.nest.data[op];
@@ -412,7 +419,7 @@ class MvnRunner {
         if (pipelined) {
           // Long or short rows alike. (Rows under 2 KB used to go in batches, a statistics call
           // per row and a normalize call per batch: 1.4-1.7x the time of the pipeline.)
-          FusedRowsArgs args{g1 - g0, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_row, nullptr};
+          FusedRowsArgs args{g1 - g0, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr};
           for (int op = 0; op < kNumOperands; ++op) {
             args.data[op] = cursor.p[op];
             args.step[op] = group_stride(op, 0);

@@ -38,9 +38,10 @@ struct ColMomentsArgs {
 };
 
 // Rows of one run each at fixed byte steps (layer and RMS norm over contiguous rows), statistics and
-// normalization in one call: row r + 1's first-pass sums are taken in the loop that normalizes row
-// r, and finish(ctx, r + 1, pivot, sum, sum_sq) turns them into that row's shift and mul (taking a
-// second pass itself when the sums ask for one) before the row is normalized.
+// normalization in one call: a row's first-pass sums are taken in the loop that normalizes an
+// earlier row, and finish(ctx, row, count, ...) turns the sums of rows [row, row + count) into
+// their shift and mul (taking a second pass itself where the sums ask for one) before the first of
+// them is normalized.
 struct FusedRowsArgs {
   int64_t rows, len;
   char* data[kNumOperands];    // row 0's operands (shift and mul: row 0's slots)
@@ -48,7 +49,8 @@ struct FusedRowsArgs {
   // The statistics need the mean: the first pass is around the row's first element (else around
   // 0, RMS norm); its scale is 1.
   bool centered;
-  void (*finish)(void* ctx, int64_t row, double pivot, double sum, double sum_sq);
+  // Rows [row, row + count): their pivots and first-pass sums, indexed from 0.
+  void (*finish)(void* ctx, int64_t row, int count, const double* pivot, const double* sum, const double* sum_sq);
   void* ctx;
 };
 
