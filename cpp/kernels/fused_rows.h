@@ -14,6 +14,7 @@ struct FusedRowsKernel {
   using N = NormalizeKernel<T>;
   using M = MomentsKernel<T>;
 
+  static constexpr int64_t kPrefetchAheadBytes = 3072;
   struct Totals {
     double sum, sum_sq;
   };
@@ -121,6 +122,11 @@ struct FusedRowsKernel {
     // their two passes.
     constexpr int kMaxBatch = 4;
     const int k = a.len * static_cast<int64_t>(sizeof(T)) < 1024 ? kMaxBatch : 2;
+    // The prefetch runs at least 3 KB ahead of the sums: from memory (the data not cached), one
+    // row of 1.5 KB ahead was too late (float16 65536 x 768 rows: 106 -> 93 ns a row with two).
+    const int64_t step_bytes = a.step[kIn] < 0 ? -a.step[kIn] : a.step[kIn];  // 0: a broadcast input
+    const int64_t rows_ahead =
+        step_bytes == 0 || step_bytes >= kPrefetchAheadBytes ? 1 : (kPrefetchAheadBytes + step_bytes - 1) / step_bytes;
     layout.visit(task, [&](auto make_run) {
       double pivot[kMaxBatch], sum[kMaxBatch] = {}, sum_sq[kMaxBatch] = {};  // row j in slot j % k
       for (int64_t r = 0; r < k && r < a.rows; ++r) {
@@ -138,7 +144,7 @@ struct FusedRowsKernel {
         row(r, q);
         if (r + k < a.rows) {
           const RowMomentsArgs m = first_pass(r + k);
-          const Totals t = interleave(make_run(q, a.len), m, m.data + a.step[kIn]);
+          const Totals t = interleave(make_run(q, a.len), m, m.data + rows_ahead * a.step[kIn]);
           pivot[slot] = m.pivot;
           sum[slot] = t.sum;
           sum_sq[slot] = t.sum_sq;
