@@ -67,9 +67,9 @@ TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
   if (writeable && !(a->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
     throw py::value_error(std::string(name) + " is read-only");
   v.data = a->data;
-  for (int d = 0; d < v.ndim; ++d) {
-    v.sizes[d] = a->dimensions[d];
-    v.strides[d] = a->strides[d];
+  for (int d = 0; d < kMaxDims; ++d) {  // every slot: TensorView's arrays have no initializer
+    v.sizes[d] = d < v.ndim ? a->dimensions[d] : 0;
+    v.strides[d] = d < v.ndim ? a->strides[d] : 0;
   }
   check_extent(v, name);
   return v;
