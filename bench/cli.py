@@ -139,6 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "implementations": [i.name for i in impls],
         "loop_overhead_ns": round(loop_overhead_ns(), 1),
         "pause_between_samples_ms": 1.0 if args.threads > 1 else 0.0,
+        "then_until_other_threads_idle_ms": [1.0, 50.0] if args.threads > 1 else None,
         "gbps_definition": "2 * input nbytes / median time per call",
         "argv": list(argv) if argv is not None else sys.argv[1:],
         "loadavg_at_start": _loadavg(),

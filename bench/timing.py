@@ -14,6 +14,7 @@ from time import perf_counter_ns
 from typing import Callable, Optional, Sequence
 
 MAX_REPS = 1_000_000
+QUIET_MAX_NS = 50e6  # the longest wait for other threads to stop spinning before a sample
 
 
 def run_reps(fn: Callable[[], object], reps: int) -> int:
@@ -21,6 +22,52 @@ def run_reps(fn: Callable[[], object], reps: int) -> int:
     t0 = perf_counter_ns()
     for _ in range(reps):
         fn()
+    return perf_counter_ns() - t0
+
+
+def _others_running() -> Optional[bool]:
+    """Whether a thread of this process other than the calling one is running or runnable (state R
+    in /proc/self/task/*/stat: a worker spinning for its next job is); None where /proc is not
+    available."""
+    import os
+    import threading
+
+    me = str(threading.get_native_id())
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        if stat[stat.rindex(")") + 2] == "R":
+            return True
+    return False
+
+
+def wait_until_quiet(min_ns: float, max_ns: float, still_ns: float = 1e6) -> float:
+    """Sleep at least min_ns, then until no other thread of the process has been running for
+    still_ns (at most max_ns in all). Libraries keep their worker threads spinning after a parallel
+    call (PyTorch's OpenMP workers for ~8 ms here; ORT and TBB pools too): the next
+    implementation's sample would share the cores with them. Returns the time waited (ns)."""
+    t0 = perf_counter_ns()
+    time.sleep(min_ns / 1e9)
+    quiet_since = perf_counter_ns()
+    while perf_counter_ns() - t0 < max_ns:
+        running = _others_running()
+        if running is None:
+            break
+        now = perf_counter_ns()
+        if running:
+            quiet_since = now
+        elif now - quiet_since >= still_ns:
+            break
+        time.sleep(still_ns / 8e9)
     return perf_counter_ns() - t0
 
 
@@ -90,9 +137,10 @@ def measure(fns: dict[str, Callable[[], object]], rounds: int, min_sample_ns: fl
             pause_ns: float = 0.0) -> dict[str, Timing]:
     """Time every callable, interleaved. Returns {name: Timing}.
 
-    pause_ns: idle time before each sample, so that the worker threads a library left spinning
-    (OpenMP, ORT and TBB pools spin for a while after a parallel call) go to sleep before the next
-    implementation's sample instead of competing with it (used when timing with several threads).
+    pause_ns: idle time before each sample, and then until the worker threads a library left
+    spinning (OpenMP, ORT and TBB pools spin for milliseconds after a parallel call) have gone to
+    sleep, so that they do not compete with the next implementation's sample (used when timing
+    with several threads; see wait_until_quiet).
     """
     names = list(fns)
     timings: dict[str, Timing] = {}
@@ -114,7 +162,7 @@ def measure(fns: dict[str, Callable[[], object]], rounds: int, min_sample_ns: fl
             for name in order:
                 t = timings[name]
                 if pause_ns:
-                    time.sleep(pause_ns / 1e9)
+                    wait_until_quiet(pause_ns, QUIET_MAX_NS)
                 t.samples_ns.append(run_reps(fns[name], t.reps) / t.reps)
     finally:
         if gc_was_enabled:

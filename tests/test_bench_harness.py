@@ -325,6 +325,33 @@ def test_interleaved_timing_calls_each_callable_per_round():
     assert timing.quartiles([1, 2, 3, 4, 5]) == (2, 3, 4)
 
 
+def test_wait_until_quiet_outlasts_a_spinning_thread():
+    """At several threads each sample waits until the threads other libraries left spinning have
+    stopped: here a thread busy in numpy calls (the GIL released, state R) for 80 ms."""
+    import threading
+    import time
+
+    if timing._others_running() is None:
+        pytest.skip("no /proc/self/task here")
+    stop = time.perf_counter() + 0.08
+
+    def spin():
+        a = np.ones(1 << 20)
+        b = np.empty_like(a)
+        while time.perf_counter() < stop:
+            np.add(a, a, out=b)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.01)
+    waited = timing.wait_until_quiet(1e6, 5e9)
+    returned = time.perf_counter()
+    t.join()
+    assert returned >= stop, f"returned {(stop - returned) * 1e3:.1f} ms before the spinning thread stopped"
+    assert waited < 4e9
+    assert timing.wait_until_quiet(1e6, 5e9) < 1e9  # nothing spinning: back within ~2 ms
+
+
 # ---------------------------------------------------------------------------------------- CLI
 def test_list(capsys):
     assert B.main(["--list", "--quick", "--filter", "tiny"]) == 0
