@@ -279,11 +279,13 @@ def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dt
 
 # The rows pipeline sums rows k ahead of their normalization and finishes them k at a time (k = 4
 # for rows under 1 KB, else 2): every count of rows around those batches, with a last batch cut
-# short, for rows on both sides of 1 KB. Outliers at the start of some rows only (one row of a
-# batch takes a second pass, its neighbours do not).
+# short, for rows on both sides of 1 KB. float16 rows of up to 1024 elements (2 KB) are normalized
+# from the float32 copy their sums pass keeps: 1024 and 1025 elements sit on both sides of that.
+# Outliers at the start of some rows only (one row of a batch takes a second pass, its neighbours
+# do not); a fused activation on the last pass.
 @DT
 @pytest.mark.parametrize("rows", list(range(1, 10)) + [13])
-@pytest.mark.parametrize("row_bytes", [200, 1022, 1024, 2050])
+@pytest.mark.parametrize("row_bytes", [200, 1022, 1024, 2048, 2050])
 def test_rows_pipeline_batches_against_reference(isa, rng, threads, dtype, rows, row_bytes):
     from simdnorm import _core
 
@@ -295,9 +297,12 @@ def test_rows_pipeline_batches_against_reference(isa, rng, threads, dtype, rows,
     b = make_input(rng, (row,), dtype)
     assert " fused pipeline " in _core.explain_mvn(x, (1,), g, b, np.empty_like(x), 1e-5, True, True, False,
                                                    (0, 0.0, 0.0), None, None, -1, False)
-    for rms in (False, True):
+    for variant in ("layer", "rms", "gelu"):
         out = make_out(x.shape, dtype)
-        if rms:
+        if variant == "gelu":
+            y = simdnorm.layer_norm(x, g, b, activation="gelu", out=out)
+            check_mvn(y, x, (1,), g, b, activation="gelu", context=f"isa={isa} rows={rows} gelu")
+        elif variant == "rms":
             y, _, inv_std = simdnorm.rms_norm(x, g, out=out, return_stats=True)
             check_mvn(y, x, (1,), g, None, normalize_mean=False, stats=(None, inv_std),
                       context=f"isa={isa} rows={rows} rms")

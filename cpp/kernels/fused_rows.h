@@ -21,9 +21,9 @@ struct FusedRowsKernel {
   // Runs `run` and returns the first-pass sums of `next` (its scale must be 1). `ahead`: where the
   // run after `next` probably starts. Asked for ahead of its sums, it arrives in time (measured:
   // float32 4096 x 768 rows 0.82 ms with it, 0.98 without).
-  template <class Run>
-  static Totals interleave(Run run, const RowMomentsArgs& next, const char* ahead) {
-    typename M::template ContiguousSums<false> sums(next);
+  template <bool Keep = false, class Run>
+  static Totals interleave(Run run, const RowMomentsArgs& next, const char* ahead, float* keep = nullptr) {
+    typename M::template ContiguousSums<false, Keep> sums(next, keep);
     while (run.can_step() && sums.can_step()) {
       static_assert(2 * M::W * sizeof(T) <= 128, "one step reads at most two lines");
       __builtin_prefetch(ahead + sums.i * sizeof(T), 0, 3);
@@ -49,8 +49,9 @@ struct FusedRowsKernel {
       fusable = !task.scale_folded && stride(kIn) == ts && stride(kOut) == ts && stride(kShift) == 0 &&
                 stride(kMul) == 0 && (affine_const || affine_vary);
     }
-    // Calls fn(make_run), make_run(pointers, n) giving the normalize cursor of one run.
-    template <class Fn>
+    // Calls fn(make_run), make_run(pointers, n) giving the normalize cursor of one run (reading
+    // its input as In: T, or a float32 copy of it).
+    template <class In = T, class Fn>
     void visit(const NormalizeTask& task, Fn&& fn) const {
       const bool vary = affine_vary;
       visit_activation<typename N::V>(task.act, [&](const auto& act) {
@@ -59,11 +60,11 @@ struct FusedRowsKernel {
         const bool stream = task.stream_stores;
         if (vary)
           fn([&](char* const* q, int64_t n) {
-            return typename N::template ContiguousRun<false, true, F>(f, n, q, stream, N::peels(n, true));
+            return typename N::template ContiguousRun<false, true, F, In>(f, n, q, stream, N::peels(n, true));
           });
         else
           fn([&](char* const* q, int64_t n) {
-            return typename N::template ContiguousRun<false, false, F>(f, n, q, stream, N::peels(n, false));
+            return typename N::template ContiguousRun<false, false, F, In>(f, n, q, stream, N::peels(n, false));
           });
       });
     }
@@ -84,31 +85,64 @@ struct FusedRowsKernel {
     });
   }
 
+  static constexpr int kMaxBatch = 4;        // rows finished together (see execute_rows)
+  static constexpr int64_t kKeptRowMax = 1024;  // longest float16 row kept converted in the ring
+
+  // The first pass over row r (its pivot goes to the caller's finish); ContiguousSums::finish
+  // adds its sums to *sum and *sum_sq, interleave() returns them.
+  static RowMomentsArgs first_pass(const NormalizeTask& task, const FusedRowsArgs& a, int64_t r, double* sum = nullptr,
+                                   double* sum_sq = nullptr) {
+    const char* first = a.data[kIn] + r * a.step[kIn];
+    const double pivot = a.centered ? static_cast<double>(M::L::load_one(reinterpret_cast<const T*>(first))) : 0.0;
+    return RowMomentsArgs{first, task.dtype, a.len, task.loop.strides[kIn][task.loop.ndim - 1], pivot, 1.0, sum, sum_sq};
+  }
+
+  // execute_rows' loop over all rows: sums k rows ahead, finishes k at a time, normalizes. With
+  // Keep, the sums store each row converted at kept_row(r) and make_run reads that copy.
+  template <bool Keep, class MakeRun, class KeptRow>
+  static void pipeline(const NormalizeTask& task, const FusedRowsArgs& a, int k, int64_t rows_ahead,
+                       MakeRun make_run, KeptRow kept_row) {
+    double pivot[kMaxBatch], sum[kMaxBatch] = {}, sum_sq[kMaxBatch] = {};  // row j in slot j % k
+    for (int64_t r = 0; r < k && r < a.rows; ++r) {
+      const RowMomentsArgs m = first_pass(task, a, r, &sum[r], &sum_sq[r]);
+      typename M::template ContiguousSums<false, Keep>(m, kept_row(r)).finish(&sum[r], &sum_sq[r]);
+      pivot[r] = m.pivot;
+    }
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int slot = static_cast<int>(r % k);
+      if (slot == 0) {
+        const int64_t left = a.rows - r;
+        a.finish(a.ctx, r, static_cast<int>(left < k ? left : k), pivot, sum, sum_sq);
+      }
+      char* q[kNumOperands];
+      for (int op = 0; op < kNumOperands; ++op) q[op] = a.data[op] + r * a.step[op];
+      if constexpr (Keep) q[kIn] = reinterpret_cast<char*>(kept_row(r));
+      if (r + k < a.rows) {
+        const RowMomentsArgs m = first_pass(task, a, r + k);
+        const Totals t = interleave<Keep>(make_run(q, a.len), m, m.data + rows_ahead * a.step[kIn], kept_row(r + k));
+        pivot[slot] = m.pivot;
+        sum[slot] = t.sum;
+        sum_sq[slot] = t.sum_sq;
+      } else {
+        make_run(q, a.len).finish();
+      }
+    }
+  }
+
   // The pipeline of FusedRowsArgs: every row's sums, its statistics (the caller's finish), and its
   // normalization while a later row is summed. One call for all rows: the cost of entering the
   // kernel, choosing the loop and the activation is paid once, not per row (measured on 1024 rows
   // of 768 float16: 102 us against 180 us with a call per row).
   static void execute_rows(const NormalizeTask& task, const FusedRowsArgs& a) {
-    auto row = [&](int64_t r, char** q) {
-      for (int op = 0; op < kNumOperands; ++op) q[op] = a.data[op] + r * a.step[op];
-    };
-    // The first pass over row r (its pivot goes to the caller's finish); row() adds its sums to
-    // *sum and *sum_sq, interleave() returns them.
-    auto first_pass = [&](int64_t r, double* sum = nullptr, double* sum_sq = nullptr) {
-      const char* first = a.data[kIn] + r * a.step[kIn];
-      const double pivot = a.centered ? static_cast<double>(M::L::load_one(reinterpret_cast<const T*>(first))) : 0.0;
-      return RowMomentsArgs{first, task.dtype, a.len, task.loop.strides[kIn][task.loop.ndim - 1], pivot, 1.0, sum,
-                            sum_sq};
-    };
     const InnerRun layout(task);
     if (!layout.fusable) {
       for (int64_t r = 0; r < a.rows; ++r) {
         double sum = 0.0, sum_sq = 0.0;
-        const RowMomentsArgs m = first_pass(r, &sum, &sum_sq);
+        const RowMomentsArgs m = first_pass(task, a, r, &sum, &sum_sq);
         M::row(m);
         a.finish(a.ctx, r, 1, &m.pivot, &sum, &sum_sq);
         char* q[kNumOperands];
-        row(r, q);
+        for (int op = 0; op < kNumOperands; ++op) q[op] = a.data[op] + r * a.step[op];
         N::execute_run(task, q, a.len);
       }
       return;
@@ -120,38 +154,37 @@ struct FusedRowsKernel {
     // Measured, ns per row: float16 4096 x 768 86 -> 68 (k = 2; 72 with k = 4), 16384 x 192
     // 41 -> 31 (k = 4; 33 with k = 2 or 8), 65536 x 16 24.5 -> 18. The k rows wait in L1 between
     // their two passes.
-    constexpr int kMaxBatch = 4;
     const int k = a.len * static_cast<int64_t>(sizeof(T)) < 1024 ? kMaxBatch : 2;
     // The prefetch runs at least 3 KB ahead of the sums: from memory (the data not cached), one
     // row of 1.5 KB ahead was too late (float16 65536 x 768 rows: 106 -> 93 ns a row with two).
     const int64_t step_bytes = a.step[kIn] < 0 ? -a.step[kIn] : a.step[kIn];  // 0: a broadcast input
     const int64_t rows_ahead =
         step_bytes == 0 || step_bytes >= kPrefetchAheadBytes ? 1 : (kPrefetchAheadBytes + step_bytes - 1) / step_bytes;
+    // float16 rows: the conversions bound the loop (vcvtph2ps and vcvtps2ph, six per 32 elements).
+    // The sums pass keeps each row as it converts it, in a ring of k + 1 float32 rows in L1, and
+    // the normalize pass reads that copy: two conversions fewer per 32 elements, the same values.
+    // Measured (ns a row, kernel driver): 768 elements 63-65 -> 55-57, 192 28.6 -> 22.1, 1024
+    // 86 -> 75; with rows of 1536 and more the ring and the rows outgrow L1 (115 -> 148), and from
+    // memory (streaming stores) the loads are the bound: those keep converting twice.
+    if constexpr (std::is_same<T, f16_t>::value) {
+      if (!task.stream_stores && a.len <= kKeptRowMax) {
+        const int64_t pitch = (a.len + M::W + 15) / 16 * 16;  // floats per row, a vector of room
+        std::vector<float> storage(static_cast<size_t>((k + 1) * pitch + 16));
+        // Rows start at one offset from a 64-byte line (their step is whole lines) or the peel
+        // differs per row; either way, the copy is placed so that its loads are aligned where the
+        // normalize loop's stores are for the first row.
+        const uintptr_t out0 = reinterpret_cast<uintptr_t>(a.data[kOut]);
+        const int64_t head = out0 % sizeof(T) == 0 ? static_cast<int64_t>(((64 - out0 % 64) % 64) / sizeof(T)) : 0;
+        const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
+        float* ring = storage.data() + ((16 - (base / 4 + head) % 16) % 16);
+        auto kept_row = [&](int64_t r) { return ring + (r % (k + 1)) * pitch; };
+        return layout.template visit<float>(task, [&](auto make_run) {
+          pipeline<true>(task, a, k, rows_ahead, make_run, kept_row);
+        });
+      }
+    }
     layout.visit(task, [&](auto make_run) {
-      double pivot[kMaxBatch], sum[kMaxBatch] = {}, sum_sq[kMaxBatch] = {};  // row j in slot j % k
-      for (int64_t r = 0; r < k && r < a.rows; ++r) {
-        const RowMomentsArgs m = first_pass(r, &sum[r], &sum_sq[r]);
-        M::row(m);
-        pivot[r] = m.pivot;
-      }
-      for (int64_t r = 0; r < a.rows; ++r) {
-        const int slot = static_cast<int>(r % k);
-        if (slot == 0) {
-          const int64_t left = a.rows - r;
-          a.finish(a.ctx, r, static_cast<int>(left < k ? left : k), pivot, sum, sum_sq);
-        }
-        char* q[kNumOperands];
-        row(r, q);
-        if (r + k < a.rows) {
-          const RowMomentsArgs m = first_pass(r + k);
-          const Totals t = interleave(make_run(q, a.len), m, m.data + rows_ahead * a.step[kIn]);
-          pivot[slot] = m.pivot;
-          sum[slot] = t.sum;
-          sum_sq[slot] = t.sum_sq;
-        } else {
-          make_run(q, a.len).finish();
-        }
-      }
+      pipeline<false>(task, a, k, rows_ahead, make_run, [](int64_t) { return static_cast<float*>(nullptr); });
     });
   }
 };

@@ -17,16 +17,18 @@ struct MomentsKernel {
   // The shifted sums of one contiguous run, as a cursor: a caller may interleave its steps with
   // other work (kernels/normalize.h normalizes the previous row in the same loop) and gets the same
   // bits as row(), which runs the same steps back to back. Unscaled, it skips the multiply by a
-  // scale of 1 (x * 1 == x exactly: the same bits, one multiply fewer per vector).
-  template <bool Scaled>
+  // scale of 1 (x * 1 == x exactly: the same bits, one multiply fewer per vector). With Keep, it
+  // also stores the row as it reads it, converted, at `keep` (float; room for a vector past n).
+  template <bool Scaled, bool Keep = false>
   struct ContiguousSums {
+    float* keep;
     const T* x;
     int64_t n, i = 0, steps = 0;
     V pivot, scale, s1a, s1b, s2a, s2b;
     double sum = 0.0, sum_sq = 0.0;
 
-    SIMDNORM_CURSOR_METHOD explicit ContiguousSums(const RowMomentsArgs& a)
-        : x(reinterpret_cast<const T*>(a.data)), n(a.len), pivot(splat<V>(a.pivot)), scale(splat<V>(a.scale)) {
+    SIMDNORM_CURSOR_METHOD explicit ContiguousSums(const RowMomentsArgs& a, float* keep_at = nullptr)
+        : keep(keep_at), x(reinterpret_cast<const T*>(a.data)), n(a.len), pivot(splat<V>(a.pivot)), scale(splat<V>(a.scale)) {
       s1a = s1b = s2a = s2b = splat<V>(0.0);
       if constexpr (W > 1) {  // align the loads (line-straddling loads cost on this hardware)
         constexpr uintptr_t vbytes = W * sizeof(T);
@@ -41,8 +43,11 @@ struct MomentsKernel {
     }
     SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
     SIMDNORM_CURSOR_METHOD void step() {
-      const V d0 = scaled(L::load(x + i) - pivot);
-      const V d1 = scaled(L::load(x + i + W) - pivot);
+      const V x0 = L::load(x + i), x1 = L::load(x + i + W);
+      kept(i, x0);
+      kept(i + W, x1);
+      const V d0 = scaled(x0 - pivot);
+      const V d1 = scaled(x1 - pivot);
       s1a += d0;
       s1b += d1;
       s2a = vfma(d0, d0, s2a);
@@ -63,7 +68,9 @@ struct MomentsKernel {
     SIMDNORM_CURSOR_METHOD void rest() {
       while (can_step()) step();
       if (i + W <= n) {
-        const V d = scaled(L::load(x + i) - pivot);
+        const V xv = L::load(x + i);
+        kept(i, xv);
+        const V d = scaled(xv - pivot);
         s1a += d;
         s2a = vfma(d, d, s2a);
         i += W;
@@ -72,9 +79,13 @@ struct MomentsKernel {
       flush();
     }
     SIMDNORM_CURSOR_METHOD void add_partial(V x_part, int m) {
+      kept(i, x_part);  // a whole vector: the lanes past m land where later steps or the padding go
       const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), scaled(x_part - pivot), splat<V>(0.0));
       s1a += d;
       s2a = vfma(d, d, s2a);
+    }
+    SIMDNORM_CURSOR_METHOD void kept(int64_t at, V v) const {
+      if constexpr (Keep) Lanes<float>::store(keep + at, v);
     }
     SIMDNORM_CURSOR_METHOD V scaled(V d) const {
       if constexpr (Scaled) return d * scale;

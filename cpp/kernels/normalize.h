@@ -71,11 +71,13 @@ struct NormalizeKernel {
 
   // One contiguous run, as a cursor: kernels/fused_rows.h interleaves its steps with the sums of
   // the next row; run_contiguous() runs them back to back.
-  template <bool StatsVary, bool AffineVary, class F>
+  // The input may be read as In rather than T: a float32 copy of a 16-bit row (fused_rows.h).
+  template <bool StatsVary, bool AffineVary, class F, class In = T>
   struct ContiguousRun {
+    using LI = Lanes<In>;
     const F f;
     T* y;
-    const T* x;
+    const In* x;
     const Pair<StatsVary> st;
     const Pair<AffineVary, !F::kScaleFolded> af;
     int64_t n, i = 0;
@@ -87,7 +89,7 @@ struct NormalizeKernel {
     // partial-line writes). An element pointer that is not even element-aligned cannot be peeled
     // into alignment: it takes plain stores.
     SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* p, bool streaming, bool peel)
-        : f(formula), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const T*>(p[kIn])), st(p[kShift], p[kMul]),
+        : f(formula), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const In*>(p[kIn])), st(p[kShift], p[kMul]),
           af(p[kScale], p[kBias]), n(len) {
       const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
       const bool aligned_elements = addr % sizeof(T) == 0;
@@ -106,8 +108,8 @@ struct NormalizeKernel {
     }
     SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
     SIMDNORM_CURSOR_METHOD void step() {
-      const V r0 = f(L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
-      const V r1 = f(L::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
+      const V r0 = f(LI::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
+      const V r1 = f(LI::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
                            af.second(i + W));
       if (stream) {  // a predictable branch: cheaper than twice the code
         L::store2_stream(y + i, r0, r1);
@@ -120,11 +122,11 @@ struct NormalizeKernel {
     SIMDNORM_CURSOR_METHOD void finish() {
       while (can_step()) step();
       for (; i + W <= n; i += W)
-        L::store(y + i, f(L::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
+        L::store(y + i, f(LI::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
       if (i < n) partial(static_cast<int>(n - i));
     }
     SIMDNORM_CURSOR_METHOD void partial(int m) {
-      const V r = f(L::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
+      const V r = f(LI::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
                           af.second(i, m));
       L::store_partial(y + i, r, m);
       i += m;
