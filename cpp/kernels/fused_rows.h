@@ -170,9 +170,8 @@ struct FusedRowsKernel {
       if (!task.stream_stores && a.len <= kKeptRowMax) {
         const int64_t pitch = (a.len + M::W + 15) / 16 * 16;  // floats per row, a vector of room
         std::vector<float> storage(static_cast<size_t>((k + 1) * pitch + 16));
-        // Rows start at one offset from a 64-byte line (their step is whole lines) or the peel
-        // differs per row; either way, the copy is placed so that its loads are aligned where the
-        // normalize loop's stores are for the first row.
+        // The copy is placed so that the normalize loop's loads are aligned where its stores are:
+        // for the first row, and for every row when the rows' step is whole 64-byte lines.
         const uintptr_t out0 = reinterpret_cast<uintptr_t>(a.data[kOut]);
         const int64_t head = out0 % sizeof(T) == 0 ? static_cast<int64_t>(((64 - out0 % 64) % 64) / sizeof(T)) : 0;
         const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
