@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import gc
 import math
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from statistics import median
@@ -29,9 +31,6 @@ def _others_running() -> Optional[bool]:
     """Whether a thread of this process other than the calling one is running or runnable (state R
     in /proc/self/task/*/stat: a worker spinning for its next job is); None where /proc is not
     available."""
-    import os
-    import threading
-
     me = str(threading.get_native_id())
     try:
         tids = os.listdir("/proc/self/task")

@@ -87,6 +87,12 @@ struct FusedRowsKernel {
 
   static constexpr int kMaxBatch = 4;        // rows finished together (see execute_rows)
   static constexpr int64_t kKeptRowMax = 1024;  // longest float16 row kept converted in the ring
+  // Floats per kept row: the row, a vector of room past it, whole 64-byte lines.
+  static constexpr int64_t kept_pitch(int64_t len) { return (len + M::W + 15) / 16 * 16; }
+  // The ring, on the stack: k + 1 rows (k = 2 from 512 elements on, else 4), and a line to align.
+  static constexpr int64_t kRingFloats = 16 + (3 * kept_pitch(kKeptRowMax) > 5 * kept_pitch(511)
+                                                   ? 3 * kept_pitch(kKeptRowMax)
+                                                   : 5 * kept_pitch(511));
 
   // The first pass over row r (its pivot goes to the caller's finish); ContiguousSums::finish
   // adds its sums to *sum and *sum_sq, interleave() returns them.
@@ -167,15 +173,15 @@ struct FusedRowsKernel {
     // 86 -> 75; with rows of 1536 and more the ring and the rows outgrow L1 (115 -> 148), and from
     // memory (streaming stores) the loads are the bound: those keep converting twice.
     if constexpr (std::is_same<T, f16_t>::value) {
-      if (!task.stream_stores && a.len <= kKeptRowMax) {
-        const int64_t pitch = (a.len + M::W + 15) / 16 * 16;  // floats per row, a vector of room
-        std::vector<float> storage(static_cast<size_t>((k + 1) * pitch + 16));
+      if (!task.stream_stores && a.len <= kKeptRowMax && (k + 1) * kept_pitch(a.len) + 15 <= kRingFloats) {
+        const int64_t pitch = kept_pitch(a.len);
+        float storage[kRingFloats];
         // The copy is placed so that the normalize loop's loads are aligned where its stores are:
         // for the first row, and for every row when the rows' step is whole 64-byte lines.
         const uintptr_t out0 = reinterpret_cast<uintptr_t>(a.data[kOut]);
         const int64_t head = out0 % sizeof(T) == 0 ? static_cast<int64_t>(((64 - out0 % 64) % 64) / sizeof(T)) : 0;
-        const uintptr_t base = reinterpret_cast<uintptr_t>(storage.data());
-        float* ring = storage.data() + ((16 - (base / 4 + head) % 16) % 16);
+        const uintptr_t base = reinterpret_cast<uintptr_t>(storage);
+        float* ring = storage + ((16 - (base / 4 + head) % 16) % 16);
         auto kept_row = [&](int64_t r) { return ring + (r % (k + 1)) * pitch; };
         return layout.template visit<float>(task, [&](auto make_run) {
           pipeline<true>(task, a, k, rows_ahead, make_run, kept_row);
