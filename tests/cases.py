@@ -56,14 +56,18 @@ def _unaligned_buffer(nbytes, offset=1):
     return buf[start:start + nbytes]
 
 
-def unaligned_empty(shape, dtype, offset=1):
-    """A writeable C-ordered array at an odd byte offset (not aligned to its itemsize)."""
+def empty_past_line(shape, dtype, offset):
+    """A writeable C-ordered array starting `offset` bytes past a 64-byte boundary."""
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64))
-    raw = _unaligned_buffer(n * dtype.itemsize, offset)
-    a = np.frombuffer(raw, dtype=dtype, count=n).reshape(shape)
-    if dtype.itemsize > 1:
-        assert not a.flags.aligned or n == 0
+    return np.frombuffer(_unaligned_buffer(n * dtype.itemsize, offset), dtype=dtype, count=n).reshape(shape)
+
+
+def unaligned_empty(shape, dtype, offset=1):
+    """A writeable C-ordered array at an odd byte offset (not aligned to its itemsize)."""
+    a = empty_past_line(shape, dtype, offset)
+    if a.itemsize > 1:
+        assert not a.flags.aligned or a.size == 0
     return a
 
 

@@ -305,3 +305,68 @@ def test_byte_extent_over_2gib(rng):
     out[...] = np.nan
     simdnorm.mean_variance_normalization(xr, 1, out=out)
     check_mvn(out, vals[::-1], 1)
+
+
+# Outputs big enough for streaming stores (input and output over half the last-level cache), at
+# phases against a 64-byte line: each row's head and tail line is written in pieces (non-temporal
+# 4- and 16-byte stores; plain stores at an odd 2-byte phase), its middle in whole lines. Rows
+# back to back share their boundary lines, as do the planes of MVN over (0, 2, 3) across groups.
+STREAMED = [
+    # (op, row or plane shape, dtype, input offset, output offset) in bytes past a line
+    ("layer", (768,), F32, 16, 16),
+    ("layer", (768,), F32, 16, 0),
+    ("layer", (768,), F32, 4, 36),
+    ("layer", (1000,), F32, 16, 16),
+    ("layer", (37,), F32, 16, 16),
+    ("layer", (768,), F16, 16, 16),
+    ("layer", (1000,), F16, 2, 2),
+    ("layer", (777,), F16, 6, 10),
+    ("layer", (768,), BF16, 16, 16),
+    ("layer", (300,), F64, 8, 8),
+    ("rms", (768,), F32, 16, 16),
+    ("bn", (4, 16, 130), F32, 16, 16),
+    ("bn", (4, 16, 130), F16, 2, 2),
+    ("mvn023", (4, 56, 56), F32, 16, 16),
+]
+
+
+@pytest.mark.parametrize("op,inner,dtype,x_offset,out_offset", STREAMED,
+                         ids=[f"{o}-{'x'.join(map(str, s))}-{dtype_id(d)}-{a}-{b}" for o, s, d, a, b in STREAMED])
+def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offset, out_offset):
+    from cases import empty_past_line
+    from simdnorm import _core
+
+    threads(1)
+    itemsize = np.dtype(dtype).itemsize
+    cache = _core.last_level_cache_bytes()
+    if cache > 64 << 20:
+        pytest.skip(f"a {cache >> 20} MB cache needs inputs too big for the suite to stream")
+    per_outer = int(np.prod(inner))
+    outer = cache // (4 * itemsize * per_outer) + 2  # input + output just over half the cache
+    shape = (outer, *inner) if op != "mvn023" else (inner[0], outer, *inner[1:])  # mvn023: (N, C, H, W)
+    x = empty_past_line(shape, dtype, x_offset)
+    x[...] = make_input(rng, shape, dtype, loc=3.0)
+    out = empty_past_line(shape, dtype, out_offset)
+    out[...] = np.nan
+    identity = (0, 0.0, 0.0)
+    if op == "bn":
+        p = p1d(rng, shape, dtype)
+        assert _core.explain_batch_norm(x, *(v.reshape(1, -1, 1, 1) for v in p.values()), out, 1e-5, identity, 0,
+                                        False).endswith("stream")
+        bn(x, p["mean"], p["variance"], p["scale"], p["bias"], out=out)
+        check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], context=op)
+        return
+    axes = (0, 2, 3) if op == "mvn023" else (x.ndim - 1,)
+    g = make_input(rng, (1, *inner) if op != "mvn023" else (1, shape[1], 1, 1), dtype)
+    b = make_input(rng, g.shape, dtype)
+    assert _core.explain_mvn(x, axes, g, b, out, 1e-5, True, True, False, identity, None, None, -1,
+                             False).endswith("stream")
+    if op == "layer":
+        simdnorm.layer_norm(x, g.reshape(-1), b.reshape(-1), out=out)
+        check_mvn(out, x, axes, g, b, context=op)
+    elif op == "rms":
+        simdnorm.rms_norm(x, g.reshape(-1), out=out)
+        check_mvn(out, x, axes, g, None, normalize_mean=False, context=op)
+    else:
+        simdnorm.mean_variance_normalization(x, axes, scale=g, bias=b, out=out)
+        check_mvn(out, x, axes, g, b, context=op)
