@@ -311,28 +311,29 @@ def test_byte_extent_over_2gib(rng):
 # phases against a 64-byte line: each row's head and tail line is written in pieces (non-temporal
 # 4- and 16-byte stores; plain stores at an odd 2-byte phase), its middle in whole lines. Rows
 # back to back share their boundary lines, as do the planes of MVN over (0, 2, 3) across groups.
+# Three cases run on every ISA, the rest on the default one.
 STREAMED = [
-    # (op, row or plane shape, dtype, input offset, output offset) in bytes past a line
-    ("layer", (768,), F32, 16, 16),
-    ("layer", (768,), F32, 16, 0),
-    ("layer", (768,), F32, 4, 36),
-    ("layer", (1000,), F32, 16, 16),
-    ("layer", (37,), F32, 16, 16),
-    ("layer", (768,), F16, 16, 16),
-    ("layer", (1000,), F16, 2, 2),
-    ("layer", (777,), F16, 6, 10),
-    ("layer", (768,), BF16, 16, 16),
-    ("layer", (300,), F64, 8, 8),
-    ("rms", (768,), F32, 16, 16),
-    ("bn", (4, 16, 130), F32, 16, 16),
-    ("bn", (4, 16, 130), F16, 2, 2),
-    ("mvn023", (4, 56, 56), F32, 16, 16),
+    # (op, row or plane shape, dtype, input offset, output offset in bytes past a line, every ISA)
+    ("layer", (768,), F32, 16, 16, True),
+    ("layer", (768,), F32, 16, 0, False),
+    ("layer", (768,), F32, 4, 36, False),
+    ("layer", (1000,), F32, 16, 16, False),
+    ("layer", (37,), F32, 16, 16, False),
+    ("layer", (768,), F16, 16, 16, False),
+    ("layer", (1000,), F16, 2, 2, False),
+    ("layer", (777,), F16, 6, 10, True),
+    ("layer", (768,), BF16, 16, 16, False),
+    ("layer", (300,), F64, 8, 8, False),
+    ("rms", (768,), F32, 16, 16, False),
+    ("bn", (4, 16, 130), F32, 16, 16, False),
+    ("bn", (4, 16, 130), F16, 2, 2, True),
+    ("mvn023", (4, 56, 56), F32, 16, 16, False),
 ]
 
 
-@pytest.mark.parametrize("op,inner,dtype,x_offset,out_offset", STREAMED,
-                         ids=[f"{o}-{'x'.join(map(str, s))}-{dtype_id(d)}-{a}-{b}" for o, s, d, a, b in STREAMED])
-def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offset, out_offset):
+@pytest.mark.parametrize("op,inner,dtype,x_offset,out_offset,every_isa", STREAMED,
+                         ids=[f"{o}-{'x'.join(map(str, s))}-{dtype_id(d)}-{a}-{b}" for o, s, d, a, b, _ in STREAMED])
+def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offset, out_offset, every_isa):
     from cases import empty_past_line
     from simdnorm import _core
 
@@ -347,26 +348,34 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
     x = empty_past_line(shape, dtype, x_offset)
     x[...] = make_input(rng, shape, dtype, loc=3.0)
     out = empty_past_line(shape, dtype, out_offset)
-    out[...] = np.nan
     identity = (0, 0.0, 0.0)
+    axes = (0, 2, 3) if op == "mvn023" else (x.ndim - 1,)
     if op == "bn":
         p = p1d(rng, shape, dtype)
         assert _core.explain_batch_norm(x, *(v.reshape(1, -1, 1, 1) for v in p.values()), out, 1e-5, identity, 0,
                                         False).endswith("stream")
-        bn(x, p["mean"], p["variance"], p["scale"], p["bias"], out=out)
-        check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], context=op)
-        return
-    axes = (0, 2, 3) if op == "mvn023" else (x.ndim - 1,)
-    g = make_input(rng, (1, *inner) if op != "mvn023" else (1, shape[1], 1, 1), dtype)
-    b = make_input(rng, g.shape, dtype)
-    assert _core.explain_mvn(x, axes, g, b, out, 1e-5, True, True, False, identity, None, None, -1,
-                             False).endswith("stream")
-    if op == "layer":
-        simdnorm.layer_norm(x, g.reshape(-1), b.reshape(-1), out=out)
-        check_mvn(out, x, axes, g, b, context=op)
-    elif op == "rms":
-        simdnorm.rms_norm(x, g.reshape(-1), out=out)
-        check_mvn(out, x, axes, g, None, normalize_mean=False, context=op)
     else:
-        simdnorm.mean_variance_normalization(x, axes, scale=g, bias=b, out=out)
-        check_mvn(out, x, axes, g, b, context=op)
+        g = make_input(rng, (1, *inner) if op != "mvn023" else (1, shape[1], 1, 1), dtype)
+        b = make_input(rng, g.shape, dtype)
+        assert _core.explain_mvn(x, axes, g, b, out, 1e-5, True, True, False, identity, None, None, -1,
+                                 False).endswith("stream")
+    previous = simdnorm.isa()
+    try:
+        for isa in simdnorm.available_isas() if every_isa else [previous]:
+            simdnorm.set_isa(isa)
+            out[...] = np.nan
+            context = f"{op} isa={isa}"
+            if op == "bn":
+                bn(x, p["mean"], p["variance"], p["scale"], p["bias"], out=out)
+                check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], context=context)
+            elif op == "layer":
+                simdnorm.layer_norm(x, g.reshape(-1), b.reshape(-1), out=out)
+                check_mvn(out, x, axes, g, b, context=context)
+            elif op == "rms":
+                simdnorm.rms_norm(x, g.reshape(-1), out=out)
+                check_mvn(out, x, axes, g, None, normalize_mean=False, context=context)
+            else:
+                simdnorm.mean_variance_normalization(x, axes, scale=g, bias=b, out=out)
+                check_mvn(out, x, axes, g, b, context=context)
+    finally:
+        simdnorm.set_isa(previous)
