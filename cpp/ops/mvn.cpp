@@ -138,6 +138,7 @@ class MvnRunner {
       p.data[kBias] = reinterpret_cast<char*>(compute_ == DType::f64 ? (void*)&zero_d_ : (void*)&zero_f_);
     }
     plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype));
+    inv_group_size_ = 1.0 / static_cast<double>(plan_.group_size);
     LoopNest& nest = plan_.nest;
     if (affine_) align_coefficients(nest, *affine_, x.dtype);
     user_mean_ = nest.data[kShift];
@@ -175,7 +176,7 @@ class MvnRunner {
   }
 
   // Decides whether the sums under `pass` are good; if not, returns false with the next pass.
-  bool judge(const Sums& s, double n, Pass& pass, GroupResult& out) const {
+  bool judge(const Sums& s, Pass& pass, GroupResult& out) const {
     if (!std::isfinite(s.s1) || !std::isfinite(s.s2)) {
       if (pass.scale == 1.0) {  // squares overflowed: again, scaled down
         pass.scale = kOverflowScale;
@@ -190,7 +191,7 @@ class MvnRunner {
     // 2^-100, whose inverse is exact; 1/n is not, so m1 may differ from s1 / n in a double's last
     // bit, far below the rounding of the float statistics (the division cost ~4 ns a row of 768).
     const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
-    const double inv_n = 1.0 / n;
+    const double inv_n = inv_group_size_;
     const double m1 = s.s1 * inv_n;  // mean of d, in scaled units
     const double excess = s.s2 * inv_n - m1 * m1;
     const double var_scaled = excess > 0.0 ? excess : 0.0;  // rounding can make it negative
@@ -200,7 +201,7 @@ class MvnRunner {
       return false;
     }
     out.mean = a_.normalize_mean ? pass.pivot + m1 * unscale : 0.0;
-    const double second = a_.normalize_mean ? var_scaled : s.s2 / n;
+    const double second = a_.normalize_mean ? var_scaled : s.s2 * inv_n;
     out.var = second * (unscale * unscale);
     return true;
   }
@@ -277,7 +278,7 @@ class MvnRunner {
         total.s1 += s.s1;
         total.s2 += s.s2;
       }
-      if (judge(total, static_cast<double>(plan_.group_size), pass, r)) return r;
+      if (judge(total, pass, r)) return r;
     }
   }
 
@@ -286,7 +287,7 @@ class MvnRunner {
   // out of memory: passed by value it cost a store-forwarding stall per row).
   GroupResult stats_from_first_sums(int64_t g, const char* first, Pass pass, const Sums& first_sums) const {
     GroupResult r;
-    if (judge(first_sums, static_cast<double>(plan_.group_size), pass, r)) return r;
+    if (judge(first_sums, pass, r)) return r;
     return group_stats(g, first, pass);
   }
 
@@ -396,7 +397,6 @@ class MvnRunner {
 
   void run_rows() {
     const int64_t groups = plan_.groups, nblocks = blocks_per_group();
-    const double n = static_cast<double>(plan_.group_size);
     const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
     const KernelTable& k = kernels();
     if (rows_fused()) {
@@ -503,7 +503,7 @@ class MvnRunner {
           total.s1 += sums[g * nblocks + b].s1;
           total.s2 += sums[g * nblocks + b].s2;
         }
-        done[g] = judge(total, n, passes[g], results[g]);
+        done[g] = judge(total, passes[g], results[g]);
       }
     }
     for (int64_t g = 0; g < groups; ++g) finish_group(g, results[g]);
@@ -539,7 +539,6 @@ class MvnRunner {
   void column_task(int64_t ko, int64_t c0, int64_t nb) {
     const LoopNest& nest = plan_.nest;
     const int lanes_dim = nest.ndim - 1;
-    const double n = static_cast<double>(plan_.group_size);
     std::vector<Pass> passes(static_cast<size_t>(nb));
     std::vector<double> pivots(static_cast<size_t>(nb)), s1(static_cast<size_t>(nb)), s2(static_cast<size_t>(nb));
     std::vector<GroupResult> results(static_cast<size_t>(nb));
@@ -560,7 +559,7 @@ class MvnRunner {
         for (int64_t c = 0; c < nb; ++c) pivots[c] = passes[c].pivot;
         column_sums(ko, c0, nb, pivots.data(), scale, s1.data(), s2.data());
         for (int64_t c = 0; c < nb; ++c)
-          if (!done[c] && passes[c].scale == scale) done[c] = judge(Sums{s1[c], s2[c]}, n, passes[c], results[c]);
+          if (!done[c] && passes[c].scale == scale) done[c] = judge(Sums{s1[c], s2[c]}, passes[c], results[c]);
       }
       for (int64_t c = 0; c < nb; ++c) pending |= !done[c];
       if (!pending) break;
@@ -638,6 +637,7 @@ class MvnRunner {
   const int64_t csize_;
   std::unique_ptr<FoldedParams> affine_;
   ReductionPlan plan_;
+  double inv_group_size_ = 0.0;  // 1 / plan_.group_size: judge's mean is a multiplication
   NormalizeTask task_;
   std::vector<char> shift_, mul_;
   char* user_mean_ = nullptr;
