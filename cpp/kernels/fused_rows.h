@@ -60,11 +60,11 @@ struct FusedRowsKernel {
         const bool stream = task.stream_stores;
         if (vary)
           fn([&](char* const* q, int64_t n) {
-            return typename N::template ContiguousRun<false, true, F, In>(f, n, q, stream, N::peels(n, true), true);
+            return typename N::template ContiguousRun<false, true, F, In, true>(f, n, q, stream, N::peels(n, true));
           });
         else
           fn([&](char* const* q, int64_t n) {
-            return typename N::template ContiguousRun<false, false, F, In>(f, n, q, stream, N::peels(n, false), true);
+            return typename N::template ContiguousRun<false, false, F, In, true>(f, n, q, stream, N::peels(n, false));
           });
       });
     }

@@ -72,7 +72,7 @@ struct NormalizeKernel {
   // One contiguous run, as a cursor: kernels/fused_rows.h interleaves its steps with the sums of
   // the next row; run_contiguous() runs them back to back.
   // The input may be read as In rather than T: a float32 copy of a 16-bit row (fused_rows.h).
-  template <bool StatsVary, bool AffineVary, class F, class In = T>
+  template <bool StatsVary, bool AffineVary, class F, class In = T, bool StreamEdges = false>
   struct ContiguousRun {
     using LI = Lanes<In>;
     const F f;
@@ -81,25 +81,24 @@ struct NormalizeKernel {
     const Pair<StatsVary> st;
     const Pair<AffineVary, !F::kScaleFolded> af;
     int64_t n, i = 0;
-    bool stream, stream_edges;
+    bool stream;
 
     // Peels a masked head up to a 64-byte boundary, so that full stores never straddle a cache
     // line (on this hardware that costs up to 2x, and numpy hands out 16/32-byte aligned buffers)
     // and each pair of vectors below covers whole lines (what non-temporal stores need to avoid
     // partial-line writes). An element pointer that is not even element-aligned cannot be peeled
     // into alignment: it takes plain stores.
-    // With edges_too, a streamed run's head and tail lines are streamed as well, in 4- and
+    // With StreamEdges, a streamed run's head and tail lines are streamed as well, in 4- and
     // 16-byte pieces (stream_bytes): for rows pipelined with the reads of later rows (layer norm
     // float32 8x512x768 at 16 bytes past a line, 1.53-1.70 -> 1.13-1.27x the copy). Runs that
-    // only stream (NCHW batch norm planes) lost with them (0.79 -> 0.90x): plain edges there.
-    SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* p, bool streaming, bool peel,
-                                         bool edges_too = false)
+    // only stream (NCHW batch norm planes) lost with them (0.79 -> 0.90x): plain edges there. (A
+    // template parameter: as a run-time flag it cost channels-last batch norm 3-7%.)
+    SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* p, bool streaming, bool peel)
         : f(formula), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const In*>(p[kIn])), st(p[kShift], p[kMul]),
           af(p[kScale], p[kBias]), n(len) {
       const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
       const bool aligned_elements = addr % sizeof(T) == 0;
       stream = streaming && aligned_elements;
-      stream_edges = stream && edges_too;
       if constexpr (W > 1) {
         if (aligned_elements && (peel || stream)) {
           int64_t head = static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T));
@@ -127,7 +126,7 @@ struct NormalizeKernel {
     }
     SIMDNORM_CURSOR_METHOD void finish() {
       while (can_step()) step();
-      if (stream_edges) {  // the last lines, streamed as the rest
+      if (StreamEdges && stream) {  // the last lines, streamed as the rest
         while (i < n) partial(static_cast<int>(n - i < W ? n - i : W));
         return;
       }
@@ -138,7 +137,7 @@ struct NormalizeKernel {
     SIMDNORM_CURSOR_METHOD void partial(int m) {
       const V r = f(LI::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
                           af.second(i, m));
-      if (stream_edges) L::store_partial_stream(y + i, r, m);
+      if (StreamEdges && stream) L::store_partial_stream(y + i, r, m);
       else L::store_partial(y + i, r, m);
       i += m;
     }
@@ -175,8 +174,7 @@ struct NormalizeKernel {
     coefficients(0, cur);
     int64_t row = 0, row_end = n, i = 0;
     // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
-    // (Forced inline: left to the compiler, it became a call per vector when the function grew.)
-    auto vector_at = [&](int64_t at, int m, bool partial) SIMDNORM_LAMBDA_INLINE {
+    auto vector_at = [&](int64_t at, int m, bool partial) {
       const V in = partial ? L::load_partial(x + at, m) : L::load(x + at);
       if (at + m <= row_end) return f(in, cur[0], cur[1], cur[2], cur[3]);
       V next[4], mixed[4];

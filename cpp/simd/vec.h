@@ -355,8 +355,6 @@ template <> struct Lanes<double> {
 // For the methods of loop cursors (ContiguousRun, ContiguousSums): their state must stay in
 // registers, which it does only when every method is inlined into the loop that drives them.
 #define SIMDNORM_CURSOR_METHOD inline __attribute__((always_inline))
-// The same for a lambda inside such a loop.
-#define SIMDNORM_LAMBDA_INLINE __attribute__((always_inline))
 
 // Orders this thread's non-temporal stores before whatever it does next (e.g. signalling "done").
 static inline void stream_fence() {
