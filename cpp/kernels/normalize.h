@@ -91,8 +91,9 @@ struct NormalizeKernel {
     // With StreamEdges, a streamed run's head and tail lines are streamed as well, in 4- and
     // 16-byte pieces (stream_bytes): for rows pipelined with the reads of later rows (layer norm
     // float32 8x512x768 at 16 bytes past a line, 1.53-1.70 -> 1.13-1.27x the copy). Runs that
-    // only stream (NCHW batch norm planes) lost with them (0.76-0.80 -> 0.88-0.91x): plain edges. (A
-    // template parameter: as a run-time flag it cost channels-last batch norm 3-7%.)
+    // only stream (NCHW batch norm planes) lost with them (0.76-0.80 -> 0.88-0.91x the copy), so
+    // they keep plain edges. A template parameter: as a run-time flag it cost channels-last batch
+    // norm 3-7%.
     SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* p, bool streaming, bool peel)
         : f(formula), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const In*>(p[kIn])), st(p[kShift], p[kMul]),
           af(p[kScale], p[kBias]), n(len) {
