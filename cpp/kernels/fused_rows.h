@@ -191,12 +191,15 @@ struct FusedRowsKernel {
     // their loads line up with the output's stores, so that no load in the loop straddles two
     // lines. Measured (kernel driver, the two 16 bytes off the output's phase): float16 rows of 768
     // 60 -> 54 ns, float32 rows of 2048 265 -> 188 ns (aligned: 188).
+    // (float64 computes a lane at a time: nothing to line up.)
     FusedRowsArgs args = a;
     using C = typename N::C;
-    C affine[2 * (kLinedUpMax + 64 / sizeof(C))];
-    if (layout.affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 && a.len <= kLinedUpMax) {
+    constexpr int64_t pitch_c = kLinedUpMax + 64 / sizeof(C);
+    C affine[N::W > 1 ? 2 * pitch_c : 1];
+    if (N::W > 1 && layout.affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 && a.len <= kLinedUpMax) {
       for (int op = kScale; op <= kBias; ++op) {
-        C* copy = lined_up(affine + (op - kScale) * (kLinedUpMax + 64 / sizeof(C)), a.data[kOut]);
+        C* copy = lined_up(affine + (op - kScale) * pitch_c, a.data[kOut]);
+        if ((reinterpret_cast<uintptr_t>(copy) - reinterpret_cast<uintptr_t>(a.data[op])) % 64 == 0) continue;
         std::memcpy(copy, a.data[op], a.len * sizeof(C));
         args.data[op] = reinterpret_cast<char*>(copy);
       }
