@@ -103,14 +103,12 @@ struct FusedRowsKernel {
 
   static constexpr int64_t kLinedUpMax = 2048;  // longest scale and bias copied to line up
   // Where in `storage` (room for a line more than needed) an array read beside the output starts,
-  // so that its loads are 64-byte aligned where the output's stores are: for the first row, and
-  // for every row when the rows' step is whole lines. (Only an element-aligned output is peeled to
-  // a line boundary: otherwise nothing lines up.)
+  // so that its loads are 64-byte aligned where the output's stores are (past the run's peel):
+  // for the first row, and for every row when the rows' step is whole lines.
   template <class E>
   static E* lined_up(E* storage, const char* out) {
     constexpr int64_t per_line = 64 / sizeof(E);
-    const uintptr_t out0 = reinterpret_cast<uintptr_t>(out);
-    const int64_t head = out0 % sizeof(T) == 0 ? static_cast<int64_t>(((64 - out0 % 64) % 64) / sizeof(T)) : 0;
+    const int64_t head = N::head_to_line(out);
     const int64_t base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(storage) / sizeof(E));
     return storage + (per_line - (base + head) % per_line) % per_line;
   }

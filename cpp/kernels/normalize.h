@@ -102,7 +102,7 @@ struct NormalizeKernel {
       stream = streaming && aligned_elements;
       if constexpr (W > 1) {
         if (aligned_elements && (peel || stream)) {
-          int64_t head = static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T));
+          int64_t head = head_to_line(y);
           if (head > n) head = n;
           while (head > 0) {
             const int m = static_cast<int>(head < W ? head : W);
@@ -143,6 +143,13 @@ struct NormalizeKernel {
       i += m;
     }
   };
+
+  // Elements before the first 64-byte line boundary of an output at `out`: what a run peels so that
+  // its full stores are whole lines (0 for a pointer not aligned to its elements: never peeled).
+  static int64_t head_to_line(const void* out) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(out);
+    return addr % sizeof(T) == 0 ? static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T)) : 0;
+  }
 
   // Whether a contiguous run peels its head to a 64-byte boundary. Short rows with constant
   // coefficients do not: the peel makes each row's loop counts depend on where it starts
@@ -192,7 +199,7 @@ struct NormalizeKernel {
     const bool aligned_elements = addr % sizeof(T) == 0;
     stream = stream && aligned_elements;
     if (aligned_elements) {
-      int64_t head = static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T));
+      int64_t head = head_to_line(y);
       if (head > total) head = total;
       while (head > 0) {
         const int m = static_cast<int>(head < W ? head : W);
