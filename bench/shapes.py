@@ -30,8 +30,9 @@ RESNET50_BN_SHAPES: tuple[tuple[int, int, int, int], ...] = (
 )
 # Instance norm, group norm (32 groups) and MVN over (0, 2, 3).
 SPATIAL_NORM_SHAPES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 56, 56),)
-# Layer norm and RMS norm over the last axis: (batch, tokens, hidden).
-SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024))
+# Layer norm and RMS norm over the last axis: (batch, tokens, hidden). Hidden 768 and 1024 (BERT),
+# and 4096 (LLaMA-7B), whose rows with their scale and bias outgrow the L1.
+SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024), (4, 512, 4096))
 # Per-call overhead: a tiny batch norm, called functionally and through simdnorm.compile(desc).
 TINY_SHAPE: tuple[int, int, int, int] = (1, 16, 8, 8)
 

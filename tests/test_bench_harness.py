@@ -112,7 +112,7 @@ def test_named_shape_lists():
     assert all(c.axes == (0, 2, 3) for c in shapes.CASES if c.op == "mvn")
     for op in ("layer_norm", "rms_norm"):
         got = {(c.shape, c.dtype) for c in shapes.CASES if c.op == op}
-        assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024)) for d in ("float32", "float16")}
+        assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024), (4, 512, 4096)) for d in ("float32", "float16")}
     tiny = [c for c in shapes.CASES if "tiny" in c.tags]
     assert {c.compiled for c in tiny} == {False, True}
     assert all(c.shape == (1, 16, 8, 8) and c.op == "batch_norm" for c in tiny)

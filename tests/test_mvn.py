@@ -287,6 +287,48 @@ def test_odd_group_sizes(isa, rng, dtype):
         check_mvn(y, xu, -1, s, context=f"unaligned n={n} isa={isa}")
 
 
+# Long rows with a scale and bias (two rows and the two arrays over 48 KB: float32 from 3072,
+# 16-bit from 4096) run two rows in step, an odd count's last row on its own
+# (kernels/fused_rows.h: pipeline_rows); a single row never pairs. Each row must get the bits it
+# gets alone, at line phases that give the rows masked heads and tails.
+LONG_ROWS = [(F32, 3072), (F32, 4160), (F16, 4096), (BF16, 4096)]
+
+
+@pytest.mark.parametrize("dtype,n", LONG_ROWS, ids=[f"{dtype_id(d)}-{n}" for d, n in LONG_ROWS])
+@pytest.mark.parametrize("rows", [5, 6])
+def test_long_rows_in_pairs_match_single_rows(isa, rng, threads, dtype, n, rows):
+    from cases import empty_past_line
+
+    threads(1)
+    x = empty_past_line((rows, n), dtype, 16)
+    x[...] = make_input(rng, (rows, n), dtype, loc=2.0)
+    g = scale_bias_values(rng, (n,), dtype, "scale")
+    b = scale_bias_values(rng, (n,), dtype, "bias")
+    for op in ("layer", "rms"):
+        out = empty_past_line((rows, n), dtype, 36)
+        out[...] = np.nan
+        call = (lambda v, o: simdnorm.layer_norm(v, g, b, out=o)) if op == "layer" else \
+            (lambda v, o: simdnorm.rms_norm(v, g, out=o))
+        call(x, out)
+        context = f"{op} rows={rows} n={n} isa={isa}"
+        if op == "layer":
+            check_mvn(out, x, 1, g, b, context=context)
+        else:
+            check_mvn(out, x, 1, g, None, normalize_mean=False, context=context)
+        for r in range(rows):
+            alone = empty_past_line((1, n), dtype, 36)
+            call(x[r:r + 1], alone)
+            assert np.array_equal(bits(alone[0]), bits(out[r])), f"{context}: row {r} differs from the row alone"
+    # in place: the bits of the same input into an output at the same phase (the bits depend on
+    # where the data lies against a line, not on whether the output is the input)
+    inplace = empty_past_line((rows, n), dtype, 16)
+    inplace[...] = x
+    simdnorm.layer_norm(inplace, g, b, out=inplace)
+    expected = empty_past_line((rows, n), dtype, 16)
+    simdnorm.layer_norm(x, g, b, out=expected)
+    assert np.array_equal(bits(inplace), bits(expected)), f"in place rows={rows} n={n} isa={isa}"
+
+
 # ----------------------------------------------------------------------------------------------
 # out=, in place, overlap
 # ----------------------------------------------------------------------------------------------

@@ -18,23 +18,42 @@ struct FusedRowsKernel {
   struct Totals {
     double sum, sum_sq;
   };
-  // Runs `run` and returns the first-pass sums of `next` (its scale must be 1). `ahead`: where the
-  // run after `next` probably starts. Asked for ahead of its sums, it arrives in time (measured:
-  // float32 4096 x 768 rows 0.82 ms with it, 0.98 without).
-  template <bool Keep = false, class Run>
-  static Totals interleave(Run run, const RowMomentsArgs& next, const char* ahead, float* keep = nullptr) {
-    typename M::template ContiguousSums<false, Keep> sums(next, keep);
+  // Runs `run` and takes the first-pass sums of next[r] (their scale must be 1) into out[r], for
+  // Rows runs at one phase. ahead[r]: where a run after next[r] probably starts. Asked for ahead of
+  // its sums, it arrives in time (measured: float32 4096 x 768 rows 0.82 ms with it, 0.98 without).
+  template <bool Keep, int Rows, class Run>
+  static void interleave(Run run, const RowMomentsArgs* next, const char* const* ahead, float* const* keep,
+                         Totals* out) {
+    typename M::template ContiguousSums<false, Keep, Rows> sums(next, keep);
+    RowsOf<const char*, Rows> prefetch;  // in registers: the loop's stores may alias any array
+    prefetch.each([&](const char*& p, int r) SIMDNORM_INLINE_LAMBDA { p = ahead[r]; });
     while (run.can_step() && sums.can_step()) {
       static_assert(2 * M::W * sizeof(T) <= 128, "one step reads at most two lines");
-      __builtin_prefetch(ahead + sums.i * sizeof(T), 0, 3);
-      if constexpr (2 * M::W * sizeof(T) > 64) __builtin_prefetch(ahead + sums.i * sizeof(T) + 64, 0, 3);
+      prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA {
+        __builtin_prefetch(p + sums.i * sizeof(T), 0, 3);
+        if constexpr (2 * M::W * sizeof(T) > 64) __builtin_prefetch(p + sums.i * sizeof(T) + 64, 0, 3);
+      });
       run.step();
       sums.step();
     }
     run.finish();
     sums.rest();
-    return {sums.sum, sums.sum_sq};
+    sums.rows.each([&](const auto& row, int r) { out[r] = {row.sum, row.sum_sq}; });
   }
+
+  // Gives the normalize cursor of Rows runs of n, reading the input as In (T, or a float32 copy of
+  // it), p[r] the operands of run r.
+  template <bool AffineVary, class F, class In>
+  struct RunMaker {
+    F f;
+    bool stream;
+    template <int Rows>
+    using Run = typename N::template ContiguousRun<false, AffineVary, F, In, true, Rows>;
+    template <int Rows>
+    SIMDNORM_CURSOR_METHOD Run<Rows> rows(char* const* const* p, int64_t n) const {
+      return {f, n, p, stream, N::peels(n, AffineVary)};
+    }
+  };
 
   // The layouts the fused loops take: contiguous data, one mean and 1/std per run, scale and bias
   // constant or read beside the data (anything else runs the two loops one after the other).
@@ -49,23 +68,14 @@ struct FusedRowsKernel {
       fusable = !task.scale_folded && stride(kIn) == ts && stride(kOut) == ts && stride(kShift) == 0 &&
                 stride(kMul) == 0 && (affine_const || affine_vary);
     }
-    // Calls fn(make_run), make_run(pointers, n) giving the normalize cursor of one run (reading
-    // its input as In: T, or a float32 copy of it).
+    // Calls fn(runs) with the RunMaker of the task's activation and layout.
     template <class In = T, class Fn>
     void visit(const NormalizeTask& task, Fn&& fn) const {
-      const bool vary = affine_vary;
       visit_activation<typename N::V>(task.act, [&](const auto& act) {
         using F = typename N::template Formula<std::decay_t<decltype(act)>, false>;
         const F f{act};
-        const bool stream = task.stream_stores;
-        if (vary)
-          fn([&](char* const* q, int64_t n) {
-            return typename N::template ContiguousRun<false, true, F, In, true>(f, n, q, stream, N::peels(n, true));
-          });
-        else
-          fn([&](char* const* q, int64_t n) {
-            return typename N::template ContiguousRun<false, false, F, In, true>(f, n, q, stream, N::peels(n, false));
-          });
+        if (affine_vary) fn(RunMaker<true, F, In>{f, task.stream_stores});
+        else fn(RunMaker<false, F, In>{f, task.stream_stores});
       });
     }
   };
@@ -78,14 +88,18 @@ struct FusedRowsKernel {
     }
     // Runs of a group usually follow each other.
     const char* ahead = next.data + next.len * static_cast<int64_t>(sizeof(T));
-    layout.visit(task, [&](auto make_run) {
-      const Totals t = interleave(make_run(p, n), next, ahead);
+    layout.visit(task, [&](const auto& runs) {
+      Totals t;
+      float* const no_keep = nullptr;
+      interleave<false, 1>(runs.template rows<1>(&p, n), &next, &ahead, &no_keep, &t);
       *next.sum += t.sum;
       *next.sum_sq += t.sum_sq;
     });
   }
 
+  static constexpr int kPairRows = 2;  // long rows run in pairs (pipeline_rows)
   static constexpr int kMaxBatch = 4;
+  static_assert(kMaxBatch % kPairRows == 0 && 2 % kPairRows == 0, "batches (batch_rows) are whole pairs");
   // Rows finished together (see execute_rows): four under 1 KB, else two.
   static constexpr int batch_rows(int64_t len) {
     return len * static_cast<int64_t>(sizeof(T)) < 1024 ? kMaxBatch : 2;
@@ -122,36 +136,83 @@ struct FusedRowsKernel {
     return RowMomentsArgs{first, task.dtype, a.len, task.loop.strides[kIn][task.loop.ndim - 1], pivot, 1.0, sum, sum_sq};
   }
 
-  // execute_rows' loop over all rows: sums k rows ahead, finishes k at a time, normalizes. With
-  // Keep, the sums store each row converted at kept_row(r) and make_run reads that copy.
-  template <bool Keep, class MakeRun, class KeptRow>
-  static void pipeline(const NormalizeTask& task, const FusedRowsArgs& a, int k, int64_t rows_ahead,
-                       MakeRun make_run, KeptRow kept_row) {
-    double pivot[kMaxBatch], sum[kMaxBatch] = {}, sum_sq[kMaxBatch] = {};  // row j in slot j % k
-    for (int64_t r = 0; r < k && r < a.rows; ++r) {
-      const RowMomentsArgs m = first_pass(task, a, r, &sum[r], &sum_sq[r]);
-      typename M::template ContiguousSums<false, Keep>(m, kept_row(r)).finish(&sum[r], &sum_sq[r]);
-      pivot[r] = m.pivot;
+  // execute_rows' loop over rows [first, last): sums k rows ahead, finishes k at a time,
+  // normalizes, Rows rows in step (k and last - first multiples of Rows). With Keep, the sums store
+  // each row converted at kept_row(r) and the normalize cursor reads that copy.
+  template <bool Keep, int Rows, class Runs, class KeptRow>
+  static void pipeline(const NormalizeTask& task, const FusedRowsArgs& a, int64_t first, int64_t last, int k,
+                       int64_t rows_ahead, const Runs& runs, KeptRow kept_row) {
+    double pivot[kMaxBatch], sum[kMaxBatch] = {}, sum_sq[kMaxBatch] = {};  // row j in slot (j - first) % k
+    for (int64_t r = first; r < first + k && r < last; ++r) {
+      const int slot = static_cast<int>(r - first);
+      const RowMomentsArgs m = first_pass(task, a, r, &sum[slot], &sum_sq[slot]);
+      typename M::template ContiguousSums<false, Keep>(m, kept_row(r)).finish(&sum[slot], &sum_sq[slot]);
+      pivot[slot] = m.pivot;
     }
-    for (int64_t r = 0; r < a.rows; ++r) {
-      const int slot = static_cast<int>(r % k);
+    for (int64_t r = first; r < last; r += Rows) {
+      const int slot = static_cast<int>((r - first) % k);
       if (slot == 0) {
-        const int64_t left = a.rows - r;
+        const int64_t left = last - r;
         a.finish(a.ctx, r, static_cast<int>(left < k ? left : k), pivot, sum, sum_sq);
       }
-      char* q[kNumOperands];
-      for (int op = 0; op < kNumOperands; ++op) q[op] = a.data[op] + r * a.step[op];
-      if constexpr (Keep) q[kIn] = reinterpret_cast<char*>(kept_row(r));
-      if (r + k < a.rows) {
-        const RowMomentsArgs m = first_pass(task, a, r + k);
-        const Totals t = interleave<Keep>(make_run(q, a.len), m, m.data + rows_ahead * a.step[kIn], kept_row(r + k));
-        pivot[slot] = m.pivot;
-        sum[slot] = t.sum;
-        sum_sq[slot] = t.sum_sq;
+      char* q[Rows][kNumOperands];
+      char* const* rows[Rows];
+      for (int j = 0; j < Rows; ++j) {
+        for (int op = 0; op < kNumOperands; ++op) q[j][op] = a.data[op] + (r + j) * a.step[op];
+        if constexpr (Keep) q[j][kIn] = reinterpret_cast<char*>(kept_row(r + j));
+        rows[j] = q[j];
+      }
+      if (r + k < last) {
+        RowMomentsArgs m[Rows];
+        const char* ahead[Rows];
+        float* keep[Rows];
+        Totals t[Rows];
+        for (int j = 0; j < Rows; ++j) {
+          m[j] = first_pass(task, a, r + k + j);
+          ahead[j] = m[j].data + rows_ahead * a.step[kIn];
+          keep[j] = kept_row(r + k + j);
+        }
+        interleave<Keep, Rows>(runs.template rows<Rows>(rows, a.len), m, ahead, keep, t);
+        for (int j = 0; j < Rows; ++j) {
+          pivot[slot + j] = m[j].pivot;
+          sum[slot + j] = t[j].sum;
+          sum_sq[slot + j] = t[j].sum_sq;
+        }
       } else {
-        make_run(q, a.len).finish();
+        runs.template rows<Rows>(rows, a.len).finish();
       }
     }
+  }
+
+  // Long rows run two in step, sharing each load of the scale and bias. Per row the loop reads the
+  // next row, rereads the row it normalizes and the whole scale and bias: past the L1 (48 KB here)
+  // those come from L2 each time. Paired, the scale and bias are read once for two rows. Kernel
+  // driver, rows 16 bytes past a line, ns a row, single -> paired: float32 (streamed) 3072
+  // 428 -> 393, 4096 666 -> 550; float16 4096 454 -> 386, 8192 921 -> 745. Under the footprint,
+  // pairs lost: float32 2048 212 -> 221, float16 3072 266 -> 288. The rows must sit at one phase
+  // to a 64-byte line (their steps whole lines, as with the usual hidden sizes).
+  static constexpr int64_t kPairFootprint = 48 << 10;  // two rows and the scale and bias, bytes
+  static bool rows_pair_up(const FusedRowsArgs& a, bool affine_vary) {
+    const int64_t per_element = 2 * static_cast<int64_t>(sizeof(T) + sizeof(typename N::C));
+    return N::W > 1 && affine_vary && a.len * per_element >= kPairFootprint && a.rows >= 2 * kPairRows &&
+           a.step[kIn] % 64 == 0 && a.step[kOut] % 64 == 0;
+  }
+  // All rows through pipeline<false, 2> when they pair up (the last of an odd count on its own),
+  // else through pipeline<Keep, 1>. (Kept float16 rows, at most 1024, never pair up.)
+  template <bool Keep, class Runs, class KeptRow>
+  static void pipeline_rows(const NormalizeTask& task, const FusedRowsArgs& a, bool affine_vary, int k,
+                            int64_t rows_ahead, const Runs& runs, KeptRow kept_row) {
+    if constexpr (!Keep) {
+      if (rows_pair_up(a, affine_vary)) {
+        const int64_t paired = a.rows / kPairRows * kPairRows;
+        // Each of a pair's sums prefetches the rows a pair after it (not its neighbour's).
+        const int64_t ahead = (rows_ahead + kPairRows - 1) / kPairRows * kPairRows;
+        pipeline<false, kPairRows>(task, a, 0, paired, k, ahead, runs, kept_row);
+        if (paired < a.rows) pipeline<false, 1>(task, a, paired, a.rows, k, rows_ahead, runs, kept_row);
+        return;
+      }
+    }
+    pipeline<Keep, 1>(task, a, 0, a.rows, k, rows_ahead, runs, kept_row);
   }
 
   // The pipeline of FusedRowsArgs: every row's sums, its statistics (the caller's finish), and its
@@ -214,13 +275,14 @@ struct FusedRowsKernel {
         float storage[kRingFloats];
         float* ring = lined_up(storage, a.data[kOut]);
         auto kept_row = [&](int64_t r) { return ring + (r % (k + 1)) * pitch; };
-        return layout.template visit<float>(task, [&](auto make_run) {
-          pipeline<true>(task, args, k, rows_ahead, make_run, kept_row);
+        return layout.template visit<float>(task, [&](const auto& runs) {
+          pipeline_rows<true>(task, args, layout.affine_vary, k, rows_ahead, runs, kept_row);
         });
       }
     }
-    layout.visit(task, [&](auto make_run) {
-      pipeline<false>(task, args, k, rows_ahead, make_run, [](int64_t) { return static_cast<float*>(nullptr); });
+    layout.visit(task, [&](const auto& runs) {
+      pipeline_rows<false>(task, args, layout.affine_vary, k, rows_ahead, runs,
+                           [](int64_t) { return static_cast<float*>(nullptr); });
     });
   }
 };

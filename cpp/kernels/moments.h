@@ -19,82 +19,111 @@ struct MomentsKernel {
   // bits as row(), which runs the same steps back to back. Unscaled, it skips the multiply by a
   // scale of 1 (x * 1 == x exactly: the same bits, one multiply fewer per vector). With Keep, it
   // also stores the row as it reads it, converted, at `keep` (float; room for a vector past n).
-  template <bool Scaled, bool Keep = false>
+  // With Rows > 1 it sums that many runs of n in step, at the same phase to a vector (each run's
+  // sums are those it would have alone).
+  template <bool Scaled, bool Keep = false, int Rows = 1>
   struct ContiguousSums {
-    float* keep;
-    const T* x;
+    struct Row {
+      float* keep;
+      const T* x;
+      V pivot, s1a, s1b, s2a, s2b;
+      double sum, sum_sq;
+    };
+    RowsOf<Row, Rows> rows;
     int64_t n, i = 0, steps = 0;
-    V pivot, scale, s1a, s1b, s2a, s2b;
-    double sum = 0.0, sum_sq = 0.0;
+    V scale;
 
     SIMDNORM_CURSOR_METHOD explicit ContiguousSums(const RowMomentsArgs& a, float* keep_at = nullptr)
-        : keep(keep_at), x(reinterpret_cast<const T*>(a.data)), n(a.len), pivot(splat<V>(a.pivot)), scale(splat<V>(a.scale)) {
-      s1a = s1b = s2a = s2b = splat<V>(0.0);
+        : ContiguousSums(&a, &keep_at) {}
+    // a[r], keep_at[r]: run r's (the scale is run 0's, shared).
+    SIMDNORM_CURSOR_METHOD ContiguousSums(const RowMomentsArgs* a, float* const* keep_at)
+        : n(a[0].len), scale(splat<V>(a[0].scale)) {
+      rows.each([&](Row& row, int r) SIMDNORM_INLINE_LAMBDA {
+        row.keep = keep_at[r];
+        row.x = reinterpret_cast<const T*>(a[r].data);
+        row.pivot = splat<V>(a[r].pivot);
+        row.s1a = row.s1b = row.s2a = row.s2b = splat<V>(0.0);
+        row.sum = row.sum_sq = 0.0;
+      });
       if constexpr (W > 1) {  // align the loads (line-straddling loads cost on this hardware)
         constexpr uintptr_t vbytes = W * sizeof(T);
-        const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
+        const uintptr_t addr = reinterpret_cast<uintptr_t>(rows.r0.x);
         if (addr % sizeof(T) == 0) {
           int64_t head = static_cast<int64_t>(((vbytes - addr % vbytes) % vbytes) / sizeof(T));
           if (head > n) head = n;
-          if (head > 0) add_partial(L::load_partial(x, static_cast<int>(head)), static_cast<int>(head));
+          if (head > 0) {
+            const int m = static_cast<int>(head);
+            rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA { add_partial(row, L::load_partial(row.x, m), m); });
+          }
           i = head;
         }
       }
     }
     SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
     SIMDNORM_CURSOR_METHOD void step() {
-      const V x0 = L::load(x + i), x1 = L::load(x + i + W);
-      kept(i, x0);
-      kept(i + W, x1);
-      const V d0 = scaled(x0 - pivot);
-      const V d1 = scaled(x1 - pivot);
-      s1a += d0;
-      s1b += d1;
-      s2a = vfma(d0, d0, s2a);
-      s2b = vfma(d1, d1, s2b);
+      rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
+        const V x0 = L::load(row.x + i), x1 = L::load(row.x + i + W);
+        kept(row, i, x0);
+        kept(row, i + W, x1);
+        const V d0 = scaled(x0 - row.pivot);
+        const V d1 = scaled(x1 - row.pivot);
+        row.s1a += d0;
+        row.s1b += d1;
+        row.s2a = vfma(d0, d0, row.s2a);
+        row.s2b = vfma(d1, d1, row.s2b);
+      });
       i += 2 * W;
       if ((steps += 2) >= kChunkSteps) {
         flush();
         steps = 0;
       }
     }
-    // The rest of the run; adds the totals to the caller's.
+    // The rest of the runs; adds run r's totals to the caller's total[r] and total_sq[r].
     SIMDNORM_CURSOR_METHOD void finish(double* total, double* total_sq) {
       rest();
-      *total += sum;
-      *total_sq += sum_sq;
+      rows.each([&](const Row& row, int r) SIMDNORM_INLINE_LAMBDA {
+        total[r] += row.sum;
+        total_sq[r] += row.sum_sq;
+      });
     }
-    // The rest of the run, leaving the totals in sum and sum_sq.
+    // The rest of the runs, leaving the totals in each row's sum and sum_sq.
     SIMDNORM_CURSOR_METHOD void rest() {
       while (can_step()) step();
       if (i + W <= n) {
-        const V xv = L::load(x + i);
-        kept(i, xv);
-        const V d = scaled(xv - pivot);
-        s1a += d;
-        s2a = vfma(d, d, s2a);
+        rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
+          const V xv = L::load(row.x + i);
+          kept(row, i, xv);
+          const V d = scaled(xv - row.pivot);
+          row.s1a += d;
+          row.s2a = vfma(d, d, row.s2a);
+        });
         i += W;
       }
-      if (i < n) add_partial(L::load_partial(x + i, static_cast<int>(n - i)), static_cast<int>(n - i));
+      if (i < n) {
+        const int m = static_cast<int>(n - i);
+        rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA { add_partial(row, L::load_partial(row.x + i, m), m); });
+      }
       flush();
     }
-    SIMDNORM_CURSOR_METHOD void add_partial(V x_part, int m) {
-      kept(i, x_part);  // a whole vector: the lanes past m land where later steps or the padding go
-      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), scaled(x_part - pivot), splat<V>(0.0));
-      s1a += d;
-      s2a = vfma(d, d, s2a);
+    SIMDNORM_CURSOR_METHOD void add_partial(Row& row, V x_part, int m) {
+      kept(row, i, x_part);  // a whole vector: the lanes past m land where later steps or the padding go
+      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), scaled(x_part - row.pivot), splat<V>(0.0));
+      row.s1a += d;
+      row.s2a = vfma(d, d, row.s2a);
     }
-    SIMDNORM_CURSOR_METHOD void kept(int64_t at, V v) const {
-      if constexpr (Keep) Lanes<float>::store(keep + at, v);
+    SIMDNORM_CURSOR_METHOD void kept(const Row& row, int64_t at, V v) const {
+      if constexpr (Keep) Lanes<float>::store(row.keep + at, v);
     }
     SIMDNORM_CURSOR_METHOD V scaled(V d) const {
       if constexpr (Scaled) return d * scale;
       else return d;
     }
     SIMDNORM_CURSOR_METHOD void flush() {
-      sum += static_cast<double>(vreduce_add(s1a + s1b));
-      sum_sq += static_cast<double>(vreduce_add(s2a + s2b));
-      s1a = s1b = s2a = s2b = splat<V>(0.0);
+      rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
+        row.sum += static_cast<double>(vreduce_add(row.s1a + row.s1b));
+        row.sum_sq += static_cast<double>(vreduce_add(row.s2a + row.s2b));
+        row.s1a = row.s1b = row.s2a = row.s2b = splat<V>(0.0);
+      });
     }
   };
 

@@ -50,6 +50,7 @@ struct NormalizeKernel {
     const C* a;
     const C* b;
     V va, vb;
+    Pair() = default;
     Pair(const char* pa, const char* pb) : a(reinterpret_cast<const C*>(pa)), b(reinterpret_cast<const C*>(pb)) {
       va = splat<V>(0.0);
       if (!Vary) {
@@ -72,13 +73,19 @@ struct NormalizeKernel {
   // One contiguous run, as a cursor: kernels/fused_rows.h interleaves its steps with the sums of
   // the next row; run_contiguous() runs them back to back.
   // The input may be read as In rather than T: a float32 copy of a 16-bit row (fused_rows.h).
-  template <bool StatsVary, bool AffineVary, class F, class In = T, bool StreamEdges = false>
+  // With Rows > 1 the cursor runs that many rows in step, at the same phase to a 64-byte line
+  // (their outputs and inputs whole lines apart): each scale and bias vector is loaded once for
+  // all of them (layer norm rows two at a time, fused_rows.h).
+  template <bool StatsVary, bool AffineVary, class F, class In = T, bool StreamEdges = false, int Rows = 1>
   struct ContiguousRun {
     using LI = Lanes<In>;
+    struct Row {
+      T* y;
+      const In* x;
+      Pair<StatsVary> st;
+    };
     const F f;
-    T* y;
-    const In* x;
-    const Pair<StatsVary> st;
+    RowsOf<Row, Rows> rows;
     const Pair<AffineVary, !F::kScaleFolded> af;
     int64_t n, i = 0;
     bool stream;
@@ -95,14 +102,22 @@ struct NormalizeKernel {
     // they keep plain edges. A template parameter: as a run-time flag it cost channels-last batch
     // norm 3-7%.
     SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* p, bool streaming, bool peel)
-        : f(formula), y(reinterpret_cast<T*>(p[kOut])), x(reinterpret_cast<const In*>(p[kIn])), st(p[kShift], p[kMul]),
-          af(p[kScale], p[kBias]), n(len) {
-      const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
+        : ContiguousRun(formula, len, &p, streaming, peel) {}
+    // p[r]: the operands of row r (the scale and bias are row 0's, shared).
+    SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* const* p, bool streaming,
+                                         bool peel)
+        : f(formula), af(p[0][kScale], p[0][kBias]), n(len) {
+      rows.each([&](Row& row, int r) SIMDNORM_INLINE_LAMBDA {
+        row.y = reinterpret_cast<T*>(p[r][kOut]);
+        row.x = reinterpret_cast<const In*>(p[r][kIn]);
+        row.st = Pair<StatsVary>(p[r][kShift], p[r][kMul]);
+      });
+      const uintptr_t addr = reinterpret_cast<uintptr_t>(rows.r0.y);
       const bool aligned_elements = addr % sizeof(T) == 0;
       stream = streaming && aligned_elements;
       if constexpr (W > 1) {
         if (aligned_elements && (peel || stream)) {
-          int64_t head = head_to_line(y);
+          int64_t head = head_to_line(rows.r0.y);
           if (head > n) head = n;
           while (head > 0) {
             const int m = static_cast<int>(head < W ? head : W);
@@ -114,15 +129,17 @@ struct NormalizeKernel {
     }
     SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
     SIMDNORM_CURSOR_METHOD void step() {
-      const V r0 = f(LI::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i));
-      const V r1 = f(LI::load(x + i + W), st.first(i + W), st.second(i + W), af.first(i + W),
-                           af.second(i + W));
-      if (stream) {  // a predictable branch: cheaper than twice the code
-        L::store2_stream(y + i, r0, r1);
-      } else {
-        L::store(y + i, r0);
-        L::store(y + i + W, r1);
-      }
+      const V s0 = af.first(i), b0 = af.second(i), s1 = af.first(i + W), b1 = af.second(i + W);
+      rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
+        const V r0 = f(LI::load(row.x + i), row.st.first(i), row.st.second(i), s0, b0);
+        const V r1 = f(LI::load(row.x + i + W), row.st.first(i + W), row.st.second(i + W), s1, b1);
+        if (stream) {  // a predictable branch: cheaper than twice the code
+          L::store2_stream(row.y + i, r0, r1);
+        } else {
+          L::store(row.y + i, r0);
+          L::store(row.y + i + W, r1);
+        }
+      });
       i += 2 * W;
     }
     SIMDNORM_CURSOR_METHOD void finish() {
@@ -131,15 +148,21 @@ struct NormalizeKernel {
         while (i < n) partial(static_cast<int>(n - i < W ? n - i : W));
         return;
       }
-      for (; i + W <= n; i += W)
-        L::store(y + i, f(LI::load(x + i), st.first(i), st.second(i), af.first(i), af.second(i)));
+      for (; i + W <= n; i += W) {
+        const V s = af.first(i), b = af.second(i);
+        rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
+          L::store(row.y + i, f(LI::load(row.x + i), row.st.first(i), row.st.second(i), s, b));
+        });
+      }
       if (i < n) partial(static_cast<int>(n - i));
     }
     SIMDNORM_CURSOR_METHOD void partial(int m) {
-      const V r = f(LI::load_partial(x + i, m), st.first(i, m), st.second(i, m), af.first(i, m),
-                          af.second(i, m));
-      if (StreamEdges && stream) L::store_partial_stream(y + i, r, m);
-      else L::store_partial(y + i, r, m);
+      const V s = af.first(i, m), b = af.second(i, m);
+      rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
+        const V v = f(LI::load_partial(row.x + i, m), row.st.first(i, m), row.st.second(i, m), s, b);
+        if (StreamEdges && stream) L::store_partial_stream(row.y + i, v, m);
+        else L::store_partial(row.y + i, v, m);
+      });
       i += m;
     }
   };
@@ -174,7 +197,7 @@ struct NormalizeKernel {
     T* y = reinterpret_cast<T*>(p[kOut]);
     const T* x = reinterpret_cast<const T*>(p[kIn]);
     const int64_t total = rows * n;
-    auto coefficients = [&](int64_t row, V* c) {
+    auto coefficients = [&](int64_t row, V* c) SIMDNORM_INLINE_LAMBDA {
       for (int k = 0; k < 4; ++k)
         c[k] = splat<V>(LC::load_one(reinterpret_cast<const C*>(p[kShift + k] + row * rs[kShift + k])));
     };
@@ -182,7 +205,7 @@ struct NormalizeKernel {
     coefficients(0, cur);
     int64_t row = 0, row_end = n, i = 0;
     // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
-    auto vector_at = [&](int64_t at, int m, bool partial) {
+    auto vector_at = [&](int64_t at, int m, bool partial) SIMDNORM_INLINE_LAMBDA {
       const V in = partial ? L::load_partial(x + at, m) : L::load(x + at);
       if (at + m <= row_end) return f(in, cur[0], cur[1], cur[2], cur[3]);
       V next[4], mixed[4];
