@@ -101,8 +101,9 @@ struct FusedRowsKernel {
   static constexpr int kMaxBatch = 4;
   static_assert(kMaxBatch % kPairRows == 0 && 2 % kPairRows == 0, "batches (batch_rows) are whole pairs");
   // Rows finished together (see execute_rows): four under 1 KB, else two.
+  static constexpr int64_t kFourBelowBytes = 1024;
   static constexpr int batch_rows(int64_t len) {
-    return len * static_cast<int64_t>(sizeof(T)) < 1024 ? kMaxBatch : 2;
+    return len * static_cast<int64_t>(sizeof(T)) < kFourBelowBytes ? kMaxBatch : 2;
   }
   static constexpr int64_t kKeptRowMax = 1024;  // longest float16 row kept converted in the ring
   // Floats per kept row: the row, a vector of room past it, whole 64-byte lines.
@@ -110,7 +111,9 @@ struct FusedRowsKernel {
   // The ring: the batch's rows and the one being summed.
   static constexpr int64_t ring_floats(int64_t len) { return (batch_rows(len) + 1) * kept_pitch(len); }
   // On the stack: the larger ring of the longest row of each batch size, and a line to align.
-  static constexpr int64_t kLongestOfFour = 1024 / sizeof(T) - 1;  // < kKeptRowMax
+  static constexpr int64_t kLongestOfFour = kFourBelowBytes / sizeof(T) - 1;  // < kKeptRowMax
+  static_assert(batch_rows(kLongestOfFour) == kMaxBatch && batch_rows(kLongestOfFour + 1) == 2,
+                "the ring is sized for the longest row of each batch size");
   static constexpr int64_t kRingFloats = 16 + (ring_floats(kLongestOfFour) > ring_floats(kKeptRowMax)
                                                    ? ring_floats(kLongestOfFour)
                                                    : ring_floats(kKeptRowMax));
