@@ -47,7 +47,8 @@ __m512 load16(const void* p) {
 // The float16 conversion stays in a register (the empty asm) and is stored apart: folded into the
 // store, as compilers otherwise emit it, vcvtps2ph to memory made the float16 floor 10% slower on
 // this CPU (AMD Zen 5: 47-49 against 43-44 ns a row of 768). simdnorm's kernel measured the same
-// either way, so only the floor, which is to be the fastest form of the instructions, takes it.
+// or slower that way (docs/BENCHMARKS.md), so only the floor, the fastest form of the
+// instructions, takes it.
 template <bool F16>
 void store16(void* p, __m512 v) {
   if constexpr (F16) {
