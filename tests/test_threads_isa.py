@@ -214,10 +214,12 @@ def test_half_conversions_exact(isa, dtype, mul):
 # blocks over both threads (ops/mvn.cpp). The statistics must agree bitwise, including when the
 # first element is an outlier and the group is summed a second time around its mean. Layer norm
 # rows are one run per group, taken by one kernel call that runs two rows ahead (2 and 3 rows cover
-# its start and end); MVN over (0, 2, 3) has one run per sample and channel.
+# its start and end); MVN over (0, 2, 3) has one run per sample and channel. Groups past one block of
+# sums (32768 elements) are fused run by run, cut where the blocks end (inside a row; inside the
+# seventh of a channel's eight planes, the second block taking the rest of it and the eighth).
 FUSED_CASES = {"rows_24583": ((3, 24583), (1,)), "rows_32768": ((3, 32768), (1,)),
-               "two_rows": ((2, 32768), (1,)),
-               "planes": ((4, 3, 80, 80), (0, 2, 3))}
+               "two_rows": ((2, 32768), (1,)), "rows_70001": ((3, 70001), (1,)),
+               "planes": ((4, 3, 80, 80), (0, 2, 3)), "planes_past_a_block": ((8, 3, 50, 100), (0, 2, 3))}
 
 
 @DT

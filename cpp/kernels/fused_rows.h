@@ -14,7 +14,6 @@ struct FusedRowsKernel {
   using N = NormalizeKernel<T>;
   using M = MomentsKernel<T>;
 
-  static constexpr int64_t kPrefetchAheadBytes = 3072;
   struct Totals {
     double sum, sum_sq;
   };
@@ -80,14 +79,13 @@ struct FusedRowsKernel {
     }
   };
 
-  static void execute(const NormalizeTask& task, char* const* p, int64_t n, const RowMomentsArgs& next) {
+  static void execute(const NormalizeTask& task, char* const* p, int64_t n, const RowMomentsArgs& next,
+                      const char* ahead) {
     const InnerRun layout(task);
     if (!layout.fusable || next.stride != static_cast<int64_t>(sizeof(T)) || next.scale != 1.0) {
       N::execute_run(task, p, n);
       return M::row(next);
     }
-    // Runs of a group usually follow each other.
-    const char* ahead = next.data + next.len * static_cast<int64_t>(sizeof(T));
     layout.visit(task, [&](const auto& runs) {
       Totals t;
       float* const no_keep = nullptr;
@@ -244,8 +242,7 @@ struct FusedRowsKernel {
     // 41 -> 31 (k = 4; 33 with k = 2 or 8), 65536 x 16 24.5 -> 18. The k rows wait in L1 between
     // their two passes.
     const int k = batch_rows(a.len);
-    // The prefetch runs at least 3 KB ahead of the sums: from memory (the data not cached), one
-    // row of 1.5 KB ahead was too late (float16 65536 x 768 rows: 106 -> 93 ns a row with two).
+    // The prefetch runs at least kPrefetchAheadBytes ahead of the sums.
     const int64_t step_bytes = a.step[kIn] < 0 ? -a.step[kIn] : a.step[kIn];  // 0: a broadcast input
     const int64_t rows_ahead =
         step_bytes == 0 || step_bytes >= kPrefetchAheadBytes ? 1 : (kPrefetchAheadBytes + step_bytes - 1) / step_bytes;
@@ -300,11 +297,11 @@ static void normalize_rows_fused_entry(const NormalizeTask& task, const FusedRow
 }
 
 static void normalize_run_and_sum_entry(const NormalizeTask& task, char* const* p, int64_t n,
-                                        const RowMomentsArgs& next) {
+                                        const RowMomentsArgs& next, const char* ahead) {
   switch (task.dtype) {
-    case DType::f32: return FusedRowsKernel<float>::execute(task, p, n, next);
-    case DType::f16: return FusedRowsKernel<f16_t>::execute(task, p, n, next);
-    case DType::bf16: return FusedRowsKernel<bf16_t>::execute(task, p, n, next);
-    case DType::f64: return FusedRowsKernel<double>::execute(task, p, n, next);
+    case DType::f32: return FusedRowsKernel<float>::execute(task, p, n, next, ahead);
+    case DType::f16: return FusedRowsKernel<f16_t>::execute(task, p, n, next, ahead);
+    case DType::bf16: return FusedRowsKernel<bf16_t>::execute(task, p, n, next, ahead);
+    case DType::f64: return FusedRowsKernel<double>::execute(task, p, n, next, ahead);
   }
 }
