@@ -25,8 +25,11 @@ struct RowMomentsArgs {
 };
 
 // How far ahead of the sums the fused loops prefetch what they will sum, at least: from memory, one
-// row of 1.5 KB ahead was too late (float16 65536 x 768 rows: 106 -> 93 ns a row with two).
-constexpr int64_t kPrefetchAheadBytes = 3072;
+// row of 1.5 KB ahead was too late (float16 65536 x 768 rows: 106 -> 93 ns a row at 3 KB). Kernel
+// driver, rows 16 bytes past a line, ns a row, 3 KB -> 6 KB: streamed float16 65536 x 768 89.6 ->
+// 82.9, float32 32768 x 768 132.7 -> 125.6, float32 65536 x 300 55.4 -> 49.4; from the L3 float32
+// 4096 x 768 111.0 -> 106.5, float16 4096 x 768 61.3 -> 60.5; 12 KB was no better than 6.
+constexpr int64_t kPrefetchAheadBytes = 6144;
 
 // A block of `rows` rows by `cols` lanes; element (r, c) at data + r * row_stride + c * col_stride.
 // Each lane c accumulates down the rows into sum[c], sum_sq[c], with its own pivot[c].
