@@ -17,7 +17,7 @@
 // read from memory once. Rows at one step (layer, RMS norm; instance norm on NCHW), of any length,
 // run as one kernel call per thread that normalizes each row in the loop that sums a later one
 // (kernels/fused_rows.h), so that reads from memory and writes overlap. Other groups of 2 KB and
-// more are fused run by run the same way; smaller ones go in batches of about 2 KB. With few
+// more (of any size) are fused run by run the same way; smaller ones go in batches of about 2 KB. With few
 // groups, statistics are split into blocks over all threads first,
 // then the normalization pass runs over all threads (the input is read twice).
 #include <algorithm>
