@@ -279,6 +279,33 @@ def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dt
         np.testing.assert_array_equal(bits(a), bits(c))
 
 
+# Rows whose kept dims do not merge (layer norm of a slice x[:, :T] of a sequence batch) run as one
+# pipeline per stretch of rows at one step. At 2 threads the parts split a stretch in the middle
+# (21003 rows in parts of 10502). Against the reference (poisoned output), 1 vs 2 threads bitwise.
+@DT
+@pytest.mark.parametrize("row", [16, 300])
+def test_rows_of_a_sliced_batch_pipeline_stretch_by_stretch(isa, rng, threads, dtype, row):
+    from simdnorm import _core
+
+    batch, seq = 3, (7001 if row == 16 else 401)
+    base = make_input(rng, (batch, seq + 2, row), dtype, loc=30.0, scale=3.0)
+    x = base[:, 1:seq + 1]
+    x[:, ::5, 0] = 3000.0  # some rows summed a second time around their mean
+    g = make_input(rng, (row,), dtype)
+    b = make_input(rng, (row,), dtype)
+    assert " fused pipeline " in _core.explain_mvn(x, (2,), g, b, np.empty_like(x), 1e-5, True, True, False,
+                                                   (0, 0.0, 0.0), None, None, -1, False)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = make_out(x.shape, dtype)
+        y, mean, inv_std = simdnorm.layer_norm(x, g, b, out=out, return_stats=True)
+        check_mvn(y, x, (2,), g, b, stats=(mean, inv_std), context=f"isa={isa} row={row} threads={n}")
+        results.append((y, mean, inv_std))
+    for a, c in zip(*results):
+        np.testing.assert_array_equal(bits(a), bits(c))
+
+
 # The rows pipeline sums rows k ahead of their normalization and finishes them k at a time (k = 4
 # for rows under 1 KB, else 2): every count of rows around those batches, with a last batch cut
 # short, for rows on both sides of 1 KB. float16 rows of up to 1024 elements (2 KB) are normalized

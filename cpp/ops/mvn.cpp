@@ -15,7 +15,8 @@
 // group (stride 0 along the reduced dims). When there are enough groups, each thread takes whole
 // groups and normalizes each right after its statistics, while it is still in cache: the input is
 // read from memory once. Rows at one step (layer, RMS norm; instance norm on NCHW), of any length,
-// run as one kernel call per thread that normalizes each row in the loop that sums a later one
+// run as one kernel call per thread (per stretch of rows at one step, when the kept dims do not
+// merge) that normalizes each row in the loop that sums a later one
 // (kernels/fused_rows.h), so that reads from memory and writes overlap. Other groups of 2 KB and
 // more (of any size) are fused run by run the same way; smaller ones go in batches of about 2 KB. With few
 // groups, statistics are split into blocks over all threads first,
@@ -388,11 +389,12 @@ class MvnRunner {
     return parts == 1 || plan_.groups >= 2 * parts;
   }
 
-  // Rows at one step, each group one run (layer and RMS norm, instance norm on NCHW), with whole
-  // groups per thread: one kernel call per thread runs sums, statistics and normalization as a
-  // pipeline (kernels/fused_rows.h: FusedRowsKernel::execute_rows).
+  // Each group one run (layer and RMS norm, instance norm on NCHW), with whole groups per thread:
+  // a kernel call runs sums, statistics and normalization of rows at one step as a pipeline
+  // (kernels/fused_rows.h: FusedRowsKernel::execute_rows), one call per thread when the kept dims
+  // merge into one, else one per stretch of the innermost kept dim (rows of a sliced batch).
   bool rows_pipelined() const {
-    return rows_fused() && plan_.kept_dims == 1 && plan_.reduced_dims == 1 && blocks_per_group() == 1;
+    return rows_fused() && plan_.kept_dims >= 1 && plan_.reduced_dims == 1 && blocks_per_group() == 1;
   }
 
   void run_rows() {
@@ -418,21 +420,30 @@ class MvnRunner {
         };
         if (pipelined) {
           // Long or short rows alike. (Rows under 2 KB used to go in batches, a statistics call
-          // per row and a normalize call per batch: 1.4-1.7x the time of the pipeline.)
-          FusedRowsArgs args{g1 - g0, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr};
-          for (int op = 0; op < kNumOperands; ++op) {
-            args.data[op] = cursor.p[op];
-            args.step[op] = group_stride(op, 0);
+          // per row and a normalize call per batch: 1.4-1.7x the time of the pipeline. So did the
+          // rows of kept dims that do not merge, such as layer norm of x[:, :T]: rows of 256
+          // float32 took 5.2x the time of a copy, 1.5x here.)
+          const int inner = plan_.kept_dims - 1;
+          const int64_t stretch = plan_.nest.sizes[inner];
+          for (int64_t g = g0; g < g1;) {
+            const GroupCursor first(*this, g);
+            const int64_t rows = std::min(g1, (g / stretch + 1) * stretch) - g;
+            FusedRowsArgs args{rows, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr};
+            for (int op = 0; op < kNumOperands; ++op) {
+              args.data[op] = first.p[op];
+              args.step[op] = group_stride(op, inner);
+            }
+            FusedRowsContext ctx{this, &args, g, {first.p[kUserMean], first.p[kUserInvStd]},
+                                 {group_stride(kUserMean, inner), group_stride(kUserInvStd, inner)}};
+            args.ctx = &ctx;
+            k.normalize_rows_fused(task_, args);
+            g += rows;
           }
-          FusedRowsContext ctx{this, &args, g0, {cursor.p[kUserMean], cursor.p[kUserInvStd]},
-                               {group_stride(kUserMean, 0), group_stride(kUserInvStd, 0)}};
-          args.ctx = &ctx;
-          k.normalize_rows_fused(task_, args);
           if (task_.stream_stores) fence_streaming_stores();
           return;
         }
         if (run_per_group) {
-          // Groups of several runs (MVN over (0, 2, 3)) or whose kept dims do not merge: group g
+          // Groups of several runs (MVN over (0, 2, 3)) or past one block of sums: group g
           // is normalized (from cache) in the loop that takes the first-pass sums of group g + 1
           // (from memory), run by run, so that reads and writes overlap as in a copy; a second
           // pass, when one is needed, runs on its own. Measured on 4096 x 768 rows against
