@@ -266,6 +266,50 @@ def test_group_norm_channels_last(rng, dtype, num_groups):
     check_close(y2, ref2, _group_zscale(view, num_groups, scale, bias, 1, 1e-5), dtype=dtype)
 
 
+# Channels-last group norm merges each group's channels into the lanes of the columns path (the
+# lanes' statistics combined a group at a time, ops/mvn.cpp). Groups of 3 and 12 channels (tasks of
+# 48 lanes are whole groups); a mean 100 std from 0; an outlier in one channel of each sample, whose
+# lane alone is summed a second time; tasks that split a sample's 384 channels (192 lanes each).
+# Against the reference (poisoned output), statistics included, 1 vs 2 threads bitwise.
+def _check_lane_groups(isa, rng, threads, dtype, shape, num_groups, lanes_per_task=None):
+    from simdnorm import _core
+
+    x = (100.0 + rng.normal(size=shape)).astype(dtype)
+    x[:, 0, 0, 5] = 3000.0
+    c = shape[-1]
+    scale = scale_bias_values(rng, (c,), dtype)
+    bias = scale_bias_values(rng, (c,), dtype, "bias")
+    view = x.reshape(*shape[:-1], num_groups, c // num_groups)
+    plan = _core.explain_mvn(view, (1, 2, 4), None, None, np.empty_like(view), 1e-5, True, True, False,
+                             (0, 0.0, 0.0), None, None, -1, False)
+    assert plan.startswith(f"columns groups={shape[0]} lanes={c} group_size={shape[1] * shape[2]} "
+                           f"lane_group={c // num_groups} lanes_per_task={lanes_per_task or c} "), plan
+    ref, rm, rinv = group_norm_ref(x, num_groups, scale, bias, channel_axis=-1)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = make_out(shape, dtype)
+        y, m, inv = simdnorm.group_norm(x, num_groups, scale, bias, channel_axis=-1, out=out, return_stats=True)
+        assert y is out
+        check_close(y, ref, _group_zscale(x, num_groups, scale, bias, -1, 1e-5), dtype=dtype,
+                    context=f"isa={isa} threads={n}")
+        np.testing.assert_allclose(m.astype(np.float64), rm, rtol=1e-6)
+        np.testing.assert_allclose(inv.astype(np.float64), rinv, rtol=1e-4)
+        results.append((y, m, inv))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@DT
+@pytest.mark.parametrize("num_groups", [4, 16])
+def test_group_norm_channels_last_lane_groups(isa, rng, threads, dtype, num_groups):
+    _check_lane_groups(isa, rng, threads, dtype, (3, 20, 30, 48), num_groups)
+
+
+def test_group_norm_channels_last_lane_groups_tasks_split_a_sample(isa, rng, threads):
+    _check_lane_groups(isa, rng, threads, F32, (2, 70, 70, 384), 32, lanes_per_task=192)
+
+
 def test_group_norm_no_copy_of_input(rng):
     # the input is not modified and a 2-D (N, C) input works (groups of channels only)
     x = offset_input(rng, (4, 12), F32)

@@ -150,6 +150,18 @@ def test_mvn_over_batch_and_space_groups_each_channel():
     assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=8 lanes=1 group_size=140")
 
 
+def test_channels_last_group_norm_takes_lane_groups():
+    # (N, H, W, G, C/G): the runs of a group's channels merge with the groups into lanes
+    x = np.zeros((2, 6, 5, 4, 8), np.float32)
+    assert mvn_plan(x, (1, 2, 4)).startswith("columns groups=2 lanes=32 group_size=30 lane_group=8")
+    # a short run with more rows than its length outside it: MVN over (0, 2, 3) of 7x7 planes
+    x = np.zeros((64, 16, 7, 7), np.float32)
+    assert mvn_plan(x, (0, 2, 3)).startswith("columns groups=1 lanes=784 group_size=64 lane_group=49")
+    # fewer rows than the run's length: each lane's statistics would cost more than the runs
+    x = np.zeros((8, 16, 14, 14), np.float32)
+    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=16 lanes=1 group_size=1568")
+
+
 def test_a_single_huge_group_is_split_over_blocks():
     x = np.zeros((1, 1 << 20), np.float32)
     assert "rows groups=1 lanes=1 group_size=1048576" in mvn_plan(x, (1,))

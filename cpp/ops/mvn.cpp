@@ -4,6 +4,8 @@
 //   rows     nest = [kept..., reduced...]          one group per kept index, statistics along runs
 //   columns  nest = [kept..., reduced..., lanes]   the innermost kept dim is contiguous: statistics
 //                                                  are accumulated per lane while the rows are walked
+//                                                  (with lane groups, e.g. group norm on channels-last
+//                                                  data, then combined a group of lanes at a time)
 // Statistics: shifted sums d = (x - pivot) * scale in float chunks, totals in double (kernels/
 // moments.h). The pivot is the group's first element, so a large mean costs no precision; when the
 // sums show that the pivot was far from the mean (|mean - pivot| > 8 std) the group is summed again
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <numeric>
 #include <vector>
 
 #include "ops/common.h"
@@ -83,6 +86,7 @@ class MvnRunner {
     if (explain != nullptr) {
       *explain = (plan_.lanes ? "columns" : "rows") + std::string(" groups=") + std::to_string(plan_.groups) +
                  " lanes=" + std::to_string(plan_.lane_count) + " group_size=" + std::to_string(plan_.group_size) +
+                 (plan_.lane_group > 1 ? " lane_group=" + std::to_string(plan_.lane_group) : std::string()) +
                  (plan_.lanes ? " lanes_per_task=" + std::to_string(lanes_per_task())
                               : std::string(rows_pipelined() ? " fused pipeline" : rows_fused() ? " fused" : " split")) +
                  " " + describe_normalize(task_);
@@ -605,12 +609,20 @@ class MvnRunner {
       for (int64_t c = 0; c < nb; ++c) pending |= !done[c];
       if (!pending) break;
     }
+    if (plan_.lane_group > 1) combine_lane_groups(results);
+    // With lane groups, the user's statistics step per group.
     const int64_t mean_lane_stride = user_mean_strides_[lanes_dim], istd_lane_stride = user_inv_std_strides_[lanes_dim];
     const char* um = user_mean_ + user_offset(user_mean_strides_, ko);
     const char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko);
-    for (int64_t c = 0; c < nb; ++c)
-      store_stats(ko * plan_.lane_count + c0 + c, results[c], um + (c0 + c) * mean_lane_stride,
-                  ui + (c0 + c) * istd_lane_stride);
+    const int64_t k = plan_.lane_group;
+    for (int64_t c = 0; c < nb; c += k) {
+      const int64_t lane = ko * plan_.lane_count + c0 + c, user_index = (c0 + c) / k;
+      store_stats(lane, results[c], um + user_index * mean_lane_stride, ui + user_index * istd_lane_stride);
+      for (int64_t j = 1; j < k; ++j) {  // the group's other lanes: the same shift and mul
+        std::memcpy(shift_.data() + (lane + j) * csize_, shift_.data() + lane * csize_, csize_);
+        std::memcpy(mul_.data() + (lane + j) * csize_, mul_.data() + lane * csize_, csize_);
+      }
+    }
     // Normalize this block: a nest of [reduced..., nb lanes] at kept index ko, lane c0.
     NormalizeTask sub = task_;
     LoopNest& sn = sub.loop;
@@ -630,10 +642,31 @@ class MvnRunner {
     kernels().normalize(sub, 0, plan_.group_size * nb);
   }
 
+  // Each lane's mean and variance, over the same count, combined lane_group lanes at a time into
+  // their group's (Chan et al.: the mean of the means; the mean of the variances plus the variance
+  // of the means), left in the group's first lane. In double, from each lane's judged statistics.
+  void combine_lane_groups(std::vector<GroupResult>& lanes) const {
+    const int64_t k = plan_.lane_group;
+    for (size_t c0 = 0; c0 < lanes.size(); c0 += k) {
+      double mean = 0.0, var = 0.0, spread = 0.0;
+      for (int64_t j = 0; j < k; ++j) mean += lanes[c0 + j].mean;
+      mean /= static_cast<double>(k);
+      for (int64_t j = 0; j < k; ++j) {
+        const double d = lanes[c0 + j].mean - mean;
+        var += lanes[c0 + j].var;
+        spread += d * d;
+      }
+      lanes[c0] = GroupResult{mean, (var + spread) / static_cast<double>(k)};
+    }
+  }
+
+  // Lanes per task: a multiple of 16 (and of the lane group: a task takes whole groups), so that
+  // its rows x lanes block stays in cache.
   int64_t lanes_per_task() const {
     const int64_t row_bytes = plan_.group_size * itemsize(a_.input.dtype);
+    const int64_t k = plan_.lane_group, unit = 16 / std::gcd<int64_t>(16, k) * k;
     int64_t lanes = kColumnBlockBytes / (row_bytes > 0 ? row_bytes : 1);
-    lanes = lanes < 16 ? 16 : lanes / 16 * 16;
+    lanes = lanes < unit ? unit : lanes / unit * unit;
     return lanes > plan_.lane_count ? plan_.lane_count : lanes;
   }
 

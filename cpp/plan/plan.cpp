@@ -104,6 +104,27 @@ int64_t product(const DimList& dims) {
   return n;
 }
 
+// The innermost reduced dim r, contiguous and short, sits right inside the innermost kept dim k
+// (group norm on channels-last data: r the channels of a group, k the groups), with other reduced
+// dims outside: as rows, each group would be many runs of r, a kernel call each (32 ns a run of 8
+// float32: channels-last group norm took 44x the time of a copy). k x r merge into one dim of
+// lanes for every operand read or written per element.
+// Each lane then costs its own statistics (~15 ns here): with fewer rows per lane than elements
+// per run, the rows cost less (MVN over (0, 2, 3) of (8, 4096, 14, 14) float32: 1.9 ms as rows,
+// 11.9 ms as 8 rows of lane groups).
+constexpr int64_t kLaneGroupMaxBytes = 1024;
+bool lane_groups_fit(const DimList& kept, const DimList& reduced, int64_t itemsize) {
+  if (kept.empty() || reduced.n < 2) return false;
+  const Dim& r = reduced.back();
+  const Dim& k = kept.back();
+  if (r.stride[kIn] != itemsize || r.size * itemsize > kLaneGroupMaxBytes) return false;
+  for (Operand op : {kOut, kIn, kScale, kBias})
+    if (k.stride[op] != r.size * r.stride[op]) return false;
+  int64_t rows = 1;
+  for (int d = 0; d + 1 < reduced.n; ++d) rows *= reduced.items[d].size;
+  return rows >= r.size;
+}
+
 }  // namespace
 
 void plan_elementwise(const Problem& p, LoopNest& nest) {
@@ -143,6 +164,18 @@ ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t it
   }
   kept = merge(kept);
   reduced = merge(reduced);
+  if (!plan.lanes && lane_groups_fit(kept, reduced, itemsize)) {
+    const Dim r = reduced.back(), k = kept.back();
+    reduced.pop_back();
+    kept.pop_back();
+    lanes_dim = r;
+    lanes_dim.size = k.size * r.size;
+    lanes_dim.reduced = false;
+    lanes_dim.stride[kShift] = k.stride[kShift];  // the statistics are per group of r lanes
+    lanes_dim.stride[kMul] = k.stride[kMul];
+    plan.lanes = true;
+    plan.lane_group = r.size;
+  }
   if (kept.empty()) kept.push_back(unit_dim(false));
   if (reduced.empty()) reduced.push_back(unit_dim(true));
   plan.kept_dims = kept.n;

@@ -29,10 +29,17 @@ struct ReductionPlan {
   int64_t groups = 1;     // product of the leading kept dims
   int64_t lane_count = 1; // size of the lanes dim (1 when !lanes)
   int64_t group_size = 1; // product of the reduced dims
+  // Lanes per statistics group: 1, or the size of a short contiguous innermost reduced dim merged
+  // into the lanes with the kept dim around it (group norm on channels-last data: the channels of
+  // each group). The lanes' statistics are then combined lane_group lanes at a time; the stats
+  // operands' lanes stride is per group.
+  int64_t lane_group = 1;
 };
 
 // Rows (the input's innermost dim is reduced): nest = [kept..., reduced...].
 // Columns (the innermost dim is kept and contiguous): nest = [kept..., reduced..., lanes].
+// Columns of lane groups (the innermost dim is a short reduced run right inside a kept dim):
+// nest = [kept..., reduced..., kept x run].
 ReductionPlan plan_reduction(const Problem& problem, uint32_t reduced, int64_t itemsize);
 
 int64_t element_count(const LoopNest& nest);
