@@ -172,11 +172,21 @@ struct MomentsKernel {
       for (int v = 0; v < nv; ++v) vp[v] = Lanes<C>::load(piv + v * W);
       const V scale = splat<V>(a.scale), zero = splat<V>(0.0);
       const bool contiguous = a.col_stride == static_cast<int64_t>(sizeof(T));
+      // Rows are prefetched kPrefetchAheadBytes ahead (at least a row): channels-last instance
+      // norm of (8, 56, 56, 256) float32, 1 thread, 3.0 -> 2.0 ms. (Sums kept in registers, eight
+      // vectors of lanes at a time down the rows rather than all sixteen spilled: no gain.)
+      const int64_t step = a.row_stride < 0 ? -a.row_stride : a.row_stride;
+      const int64_t ahead = step == 0 ? 0 : (kPrefetchAheadBytes + step - 1) / step;
+      const int64_t block_bytes = nb * static_cast<int64_t>(sizeof(T));
       for (int64_t r0 = 0; r0 < a.rows; r0 += kRowChunk) {
         const int64_t r1 = r0 + kRowChunk < a.rows ? r0 + kRowChunk : a.rows;
         for (int v = 0; v < nv; ++v) s1[v] = s2[v] = zero;
         for (int64_t r = r0; r < r1; ++r) {
           const char* row = a.data + r * a.row_stride + c0 * a.col_stride;
+          if (contiguous && ahead > 0 && r + ahead < a.rows) {
+            const char* later = row + ahead * a.row_stride;
+            for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(later + b, 0, 3);
+          }
           for (int v = 0; v < nv; ++v) {
             const int m = v == nv - 1 ? last : W;
             V x;
