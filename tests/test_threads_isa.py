@@ -257,15 +257,22 @@ def test_fused_and_split_groups_agree_bitwise(isa, rng, threads, dtype, case, ou
 @DT
 @pytest.mark.parametrize("row", [1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 47, 64, 97, 255])
 def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dtype, row):
-    from simdnorm import _core
-
     rows = 70000 // row + 3  # past 2 x 32K elements: two threads take a part each
     x = make_input(rng, (rows, row), dtype, loc=30.0, scale=3.0)
     if row > 1:
         x[:, 0] = 3000.0
-    g = make_input(rng, (row,), dtype)
-    b = make_input(rng, (row,), dtype)
-    assert " fused pipeline " in _core.explain_mvn(x, (1,), g, b, np.empty_like(x), 1e-5, True, True, False,
+    _pipelined_layer_norm_matches_reference_and_threads(rng, threads, x, dtype, f"isa={isa} row={row}")
+
+
+def _pipelined_layer_norm_matches_reference_and_threads(rng, threads, x, dtype, context):
+    """Layer norm of x over its last axis runs the rows pipeline: against the reference (poisoned
+    output), 1 vs 2 threads bitwise."""
+    from simdnorm import _core
+
+    axis = x.ndim - 1
+    g = make_input(rng, x.shape[-1:], dtype)
+    b = make_input(rng, x.shape[-1:], dtype)
+    assert " fused pipeline " in _core.explain_mvn(x, (axis,), g, b, np.empty_like(x), 1e-5, True, True, False,
                                                    (0, 0.0, 0.0), None, None, -1, False)
     results = []
     for n in (1, 2):
@@ -273,7 +280,7 @@ def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dt
         out = make_out(x.shape, dtype)
         y, mean, inv_std = simdnorm.layer_norm(x, g, b, out=out, return_stats=True)
         assert y is out
-        check_mvn(y, x, (1,), g, b, stats=(mean, inv_std), context=f"isa={isa} row={row} threads={n}")
+        check_mvn(y, x, (axis,), g, b, stats=(mean, inv_std), context=f"{context} threads={n}")
         results.append((y, mean, inv_std))
     for a, c in zip(*results):
         np.testing.assert_array_equal(bits(a), bits(c))
@@ -285,25 +292,11 @@ def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dt
 @DT
 @pytest.mark.parametrize("row", [16, 300])
 def test_rows_of_a_sliced_batch_pipeline_stretch_by_stretch(isa, rng, threads, dtype, row):
-    from simdnorm import _core
-
     batch, seq = 3, (7001 if row == 16 else 401)
     base = make_input(rng, (batch, seq + 2, row), dtype, loc=30.0, scale=3.0)
     x = base[:, 1:seq + 1]
     x[:, ::5, 0] = 3000.0  # some rows summed a second time around their mean
-    g = make_input(rng, (row,), dtype)
-    b = make_input(rng, (row,), dtype)
-    assert " fused pipeline " in _core.explain_mvn(x, (2,), g, b, np.empty_like(x), 1e-5, True, True, False,
-                                                   (0, 0.0, 0.0), None, None, -1, False)
-    results = []
-    for n in (1, 2):
-        threads(n)
-        out = make_out(x.shape, dtype)
-        y, mean, inv_std = simdnorm.layer_norm(x, g, b, out=out, return_stats=True)
-        check_mvn(y, x, (2,), g, b, stats=(mean, inv_std), context=f"isa={isa} row={row} threads={n}")
-        results.append((y, mean, inv_std))
-    for a, c in zip(*results):
-        np.testing.assert_array_equal(bits(a), bits(c))
+    _pipelined_layer_norm_matches_reference_and_threads(rng, threads, x, dtype, f"isa={isa} row={row}")
 
 
 # The rows pipeline sums rows k ahead of their normalization and finishes them k at a time (k = 4
