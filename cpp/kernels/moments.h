@@ -176,7 +176,7 @@ struct MomentsKernel {
       // norm of (8, 56, 56, 256) float32, 1 thread, 3.0 -> 2.0 ms. (Sums kept in registers, eight
       // vectors of lanes at a time down the rows rather than all sixteen spilled: no gain.)
       const int64_t step = a.row_stride < 0 ? -a.row_stride : a.row_stride;
-      const int64_t ahead = step == 0 ? 0 : (kPrefetchAheadBytes + step - 1) / step;
+      const int64_t ahead = step == 0 ? 0 : prefetch_units_ahead(step);
       const int64_t block_bytes = nb * static_cast<int64_t>(sizeof(T));
       for (int64_t r0 = 0; r0 < a.rows; r0 += kRowChunk) {
         const int64_t r1 = r0 + kRowChunk < a.rows ? r0 + kRowChunk : a.rows;

@@ -467,7 +467,7 @@ class MvnRunner {
           const int64_t run = plan_.nest.sizes[last], runs = runs_per_group();
           const int64_t stride = plan_.nest.strides[kIn][last];
           const int64_t run_bytes = run * itemsize(a_.input.dtype);
-          const int64_t lead = std::min(runs, (kPrefetchAheadBytes + run_bytes - 1) / run_bytes);
+          const int64_t lead = std::min(runs, prefetch_units_ahead(run_bytes));
           char* q[kNumOperands];
           auto at = [&](const GroupCursor& c, const int64_t* offset, int64_t from) {
             for (int op = 0; op < kNumOperands; ++op) q[op] = c.p[op] + offset[op] + from * plan_.nest.strides[op][last];

@@ -30,6 +30,10 @@ struct RowMomentsArgs {
 // 82.9, float32 32768 x 768 132.7 -> 125.6, float32 65536 x 300 55.4 -> 49.4; from the L3 float32
 // 4096 x 768 111.0 -> 106.5, float16 4096 x 768 61.3 -> 60.5; 12 KB was no better than 6.
 constexpr int64_t kPrefetchAheadBytes = 6144;
+// Units (rows, runs) of `unit_bytes` > 0 that cover kPrefetchAheadBytes: at least one.
+constexpr int64_t prefetch_units_ahead(int64_t unit_bytes) {
+  return (kPrefetchAheadBytes + unit_bytes - 1) / unit_bytes;
+}
 
 // A block of `rows` rows by `cols` lanes; element (r, c) at data + r * row_stride + c * col_stride.
 // Each lane c accumulates down the rows into sum[c], sum_sq[c], with its own pivot[c].
