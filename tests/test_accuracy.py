@@ -121,6 +121,57 @@ def test_float32_near_1e30(rng, kind, axes):
 
 
 # ----------------------------------------------------------------------------------------------
+# the columns path finishes a task's lanes together (a kernel over all of them), and sums again
+# only the lanes whose first pass does not settle them: those must not disturb their neighbours
+# ----------------------------------------------------------------------------------------------
+
+
+def _mixed_lanes(rng, dtype, rows, lanes):
+    x = (3.0 + rng.normal(size=(rows, lanes))).astype(dtype)
+    x[0, 3] = 5000.0            # lane 3: its pivot (first element) far from its mean: summed again
+    x[:, 5] = 7.25              # lane 5: constant
+    x[:, 8] = rng.normal(size=rows) * 100 + (2e4 if dtype == F16 else 1e6)  # lane 8: large mean
+    x[2, 11] = np.inf           # lane 11: statistics NaN
+    if dtype != F16:
+        x[:, 13] = (1e30 * (1.0 + 0.1 * rng.normal(size=rows))).astype(dtype)  # lane 13: squares overflow
+        x[0, 14] = -1e30        # lane 14: overflows and is far from its pivot
+    return x
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, F64], ids=dtype_id)
+@pytest.mark.parametrize("variant", ["default", "outside", "no_mean", "no_variance"])
+def test_columns_lanes_settled_apart(isa, rng, threads, dtype, variant):
+    rows, lanes = 37, 1000  # one task of 1000 lanes (group size 37)
+    x = _mixed_lanes(rng, dtype, rows, lanes)
+    kw = dict(epsilon=1e-3)
+    if variant == "outside":
+        kw["epsilon_mode"] = "outside"
+    elif variant == "no_mean":
+        kw["normalize_mean"] = False
+    elif variant == "no_variance":
+        kw["normalize_variance"] = False
+    from simdnorm import _core
+    plan = _core.explain_mvn(x, (0,), None, None, np.empty_like(x), kw["epsilon"], variant != "no_mean",
+                             variant != "no_variance", variant == "outside", (0, 0.0, 0.0), None, None, -1, False)
+    assert plan.startswith(f"columns groups=1 lanes={lanes} group_size={rows} lanes_per_task={lanes} "), plan
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = np.full_like(x, np.nan)
+        results.append(mvn(x, 0, out=out, return_stats=True, **kw))
+    _assert_bitwise(results[0], results[1], f"{dtype_id(dtype)} {variant}")
+    y, m, inv = results[1]
+    bad = np.zeros(lanes, bool)
+    bad[11] = True  # the inf lane: NaN statistics; everything else as if it were alone
+    if variant in ("default", "outside"):
+        assert np.isnan(y[:, 11]).all() and np.isnan(m[0, 11]) and np.isnan(inv[0, 11])
+    ok = ~bad
+    check_mvn(y[:, ok], x[:, ok], 0, stats=(None if m is None else m[:, ok], None if inv is None else inv[:, ok]),
+              normalize_mean=variant != "no_mean", normalize_variance=variant != "no_variance",
+              epsilon=1e-3, epsilon_mode="outside" if variant == "outside" else "inside", context=variant)
+
+
+# ----------------------------------------------------------------------------------------------
 # reductions of 10^6 elements and thread-count independence
 # ----------------------------------------------------------------------------------------------
 

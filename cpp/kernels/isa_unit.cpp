@@ -24,12 +24,14 @@ namespace {
 #include "kernels/normalize.h"
 #include "kernels/moments.h"
 #include "kernels/fused_rows.h"
+#include "kernels/lane_stats.h"
 }  // namespace
 
 extern const KernelTable kernel_table;
 const KernelTable kernel_table = {kIsaName,        normalize_entry,   normalize_run_entry,
                                    row_moments_entry, col_moments_entry, normalize_run_and_sum_entry,
-                                   normalize_rows_fused_entry};
+                                   normalize_rows_fused_entry, lane_stats_entry,
+                                   inv_std_lanes_entry};
 
 }  // namespace SIMDNORM_ISA_NS
 }  // namespace simdnorm

@@ -38,6 +38,18 @@ double load_scalar(DType dtype, const char* p) {
   return 0.0;
 }
 
+void load_as_double(DType dtype, const char* p, int64_t stride, int64_t n, double* out) {
+  auto each = [&](auto load) {
+    for (int64_t i = 0; i < n; ++i) out[i] = load(p + i * stride);
+  };
+  switch (dtype) {  // outside the loop
+    case DType::f32: return each([](const char* q) { float v; std::memcpy(&v, q, 4); return double(v); });
+    case DType::f64: return each([](const char* q) { double v; std::memcpy(&v, q, 8); return v; });
+    case DType::f16: return each([](const char* q) { uint16_t b; std::memcpy(&b, q, 2); return double(f16_bits_to_float(b)); });
+    case DType::bf16: return each([](const char* q) { uint16_t b; std::memcpy(&b, q, 2); return double(bf16_bits_to_float(b)); });
+  }
+}
+
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                            std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx) {
   elsize_ = itemsize(compute);

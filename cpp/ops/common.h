@@ -13,6 +13,8 @@
 namespace simdnorm {
 
 double load_scalar(DType dtype, const char* p);
+// out[i] = the element at p + i * stride, for i < n.
+void load_as_double(DType dtype, const char* p, int64_t stride, int64_t n, double* out);
 // float32 for the float formats, float64 for float64.
 inline DType compute_type(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
 

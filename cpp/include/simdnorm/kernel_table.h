@@ -48,6 +48,27 @@ struct ColMomentsArgs {
   double* sum_sq;                  // [cols], +=
 };
 
+// 1 / std from a variance: 1 / sqrt(var + epsilon), or 1 / (sqrt(var) + epsilon) outside; 1 when
+// the variance is not normalized (kernels/lane_stats.h).
+struct InvStdRule {
+  bool normalize_variance, epsilon_outside;
+  double epsilon;
+};
+
+// The statistics of many small groups at once (the columns path's lanes), from their first-pass
+// sums around pivot[c] (scale 1), by the formulas of kernels/lane_stats.h. With `centered` (the
+// mean is normalized) mean[c] = pivot[c] + the mean of the differences and var[c] the variance,
+// else mean[c] = 0 and var[c] = sum_sq[c] / n. slow[c] = 1 where the first pass does not settle the
+// lane (sums not finite, or a pivot too far from the mean): the caller sums those again.
+struct LaneStatsArgs {
+  int64_t n;
+  double inv_n;  // 1 / the group size
+  bool centered;
+  const double *pivot, *sum, *sum_sq;
+  double *mean, *var;
+  unsigned char* slow;
+};
+
 // Rows of one run each at fixed byte steps (layer and RMS norm over contiguous rows), statistics and
 // normalization in one call: a row's first-pass sums are taken in the loop that normalizes an
 // earlier row, and finish(ctx, row, count, ...) turns the sums of rows [row, row + count) into
@@ -80,6 +101,10 @@ struct KernelTable {
   void (*normalize_run_and_sum)(const NormalizeTask& task, char* const* pointers, int64_t n,
                                 const RowMomentsArgs& next, const char* ahead);
   void (*normalize_rows_fused)(const NormalizeTask& task, const FusedRowsArgs& args);
+  // Returns how many lanes are slow.
+  int64_t (*lane_stats)(const LaneStatsArgs& args);
+  // out[c] = 1 / std of var[c] for c = 0, step, 2 step, ... < n.
+  void (*inv_std_lanes)(const double* var, double* out, int64_t n, int64_t step, const InvStdRule& rule);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }

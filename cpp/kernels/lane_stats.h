@@ -1,0 +1,61 @@
+// How first-pass sums become a group's statistics: the formulas, shared by ops/mvn.cpp (one group
+// at a time, compiled without ISA flags) and the kernels (many lanes at a time, once per ISA).
+// Included inside an anonymous namespace by both, so no copy compiled with AVX flags can be merged
+// with the baseline one.
+
+// The mean of d = (x - pivot) * scale and the variance, in scaled units, from the sums of n values
+// (inv_n = 1 / n).
+struct FirstMoments {
+  double m1, var;
+};
+static inline FirstMoments first_moments(double sum, double sum_sq, double inv_n) {
+  const double m1 = sum * inv_n;
+  const double excess = sum_sq * inv_n - m1 * m1;
+  return {m1, excess > 0.0 ? excess : 0.0};  // rounding can make it negative
+}
+
+// The pivot was so far from the mean that the variance lost digits to cancellation: the group is
+// summed again around the mean found.
+static inline bool pivot_too_far(const FirstMoments& m) { return m.m1 * m.m1 > 64.0 * m.var; }
+
+static inline double inv_std_of(double var, const InvStdRule& rule) {
+  if (!rule.normalize_variance) return 1.0;
+  return rule.epsilon_outside ? 1.0 / (std::sqrt(var) + rule.epsilon) : 1.0 / std::sqrt(var + rule.epsilon);
+}
+
+static constexpr double kMaxFinite = 1.7976931348623157e308;  // the largest double
+
+// The kernels' loops over lanes (kernel_table.h: lane_stats, inv_std_lanes). Written as plain loops
+// for the compiler to vectorize: no call, no branch on the data but the blend of `slow`.
+static int64_t lane_stats_entry(const LaneStatsArgs& a) {
+  const double *__restrict pivot = a.pivot, *__restrict sum = a.sum, *__restrict sum_sq = a.sum_sq;
+  double *__restrict mean = a.mean, *__restrict var = a.var;
+  unsigned char* __restrict slow = a.slow;
+  const double inv_n = a.inv_n;
+  const bool centered = a.centered;
+  const int64_t n = a.n;  // a local: the stores to `slow` (chars) may alias anything
+  int64_t count = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const FirstMoments m = first_moments(sum[c], sum_sq[c], inv_n);
+    mean[c] = centered ? pivot[c] + m.m1 : 0.0;
+    var[c] = centered ? m.var : sum_sq[c] * inv_n;
+    const bool finite = (std::fabs(sum[c]) <= kMaxFinite) & (std::fabs(sum_sq[c]) <= kMaxFinite);
+    const bool s = (!finite) | (centered & pivot_too_far(m));  // no branches: the loop vectorizes
+    slow[c] = static_cast<unsigned char>(s);
+    count += s;
+  }
+  return count;
+}
+
+static void inv_std_lanes_entry(const double* var_in, double* out_, int64_t n, int64_t step, const InvStdRule& r) {
+  // The rule's branches are loop-invariant (unswitched out of the loop); one lane after another
+  // (step 1, the common case) is its own loop so that it vectorizes.
+  const double* __restrict var = var_in;
+  double* __restrict out = out_;
+  const InvStdRule rule = r;
+  if (step == 1) {
+    for (int64_t c = 0; c < n; ++c) out[c] = inv_std_of(var[c], rule);
+  } else {
+    for (int64_t c = 0; c < n; c += step) out[c] = inv_std_of(var[c], rule);
+  }
+}
