@@ -27,13 +27,11 @@ static constexpr double kMaxFinite = 1.7976931348623157e308;  // the largest dou
 
 // The kernels' loops over lanes (kernel_table.h: lane_stats, inv_std_lanes). Written as plain loops
 // for the compiler to vectorize: no call, no branch on the data but the blend of `slow`.
-static int64_t lane_stats_entry(const LaneStatsArgs& a) {
-  const double *__restrict pivot = a.pivot, *__restrict sum = a.sum, *__restrict sum_sq = a.sum_sq;
-  double *__restrict mean = a.mean, *__restrict var = a.var;
-  unsigned char* __restrict slow = a.slow;
-  const double inv_n = a.inv_n;
-  const bool centered = a.centered;
-  const int64_t n = a.n;  // a local: the stores to `slow` (chars) may alias anything
+// The arrays as restrict parameters (GCC ignores restrict on locals copied from a struct's members,
+// and 12 run-time alias checks are past what it versions a loop for: the loop stayed scalar).
+static int64_t lane_stats_loop(int64_t n, double inv_n, bool centered, const double* __restrict pivot,
+                               const double* __restrict sum, const double* __restrict sum_sq,
+                               double* __restrict mean, double* __restrict var, unsigned char* __restrict slow) {
   int64_t count = 0;
   for (int64_t c = 0; c < n; ++c) {
     const FirstMoments m = first_moments(sum[c], sum_sq[c], inv_n);
@@ -47,11 +45,14 @@ static int64_t lane_stats_entry(const LaneStatsArgs& a) {
   return count;
 }
 
-static void inv_std_lanes_entry(const double* var_in, double* out_, int64_t n, int64_t step, const InvStdRule& r) {
+static int64_t lane_stats_entry(const LaneStatsArgs& a) {
+  return lane_stats_loop(a.n, a.inv_n, a.centered, a.pivot, a.sum, a.sum_sq, a.mean, a.var, a.slow);
+}
+
+static void inv_std_lanes_entry(const double* __restrict var, double* __restrict out, int64_t n, int64_t step,
+                                const InvStdRule& r) {
   // The rule's branches are loop-invariant (unswitched out of the loop); one lane after another
   // (step 1, the common case) is its own loop so that it vectorizes.
-  const double* __restrict var = var_in;
-  double* __restrict out = out_;
   const InvStdRule rule = r;
   if (step == 1) {
     for (int64_t c = 0; c < n; ++c) out[c] = inv_std_of(var[c], rule);
