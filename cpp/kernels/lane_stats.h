@@ -1,7 +1,9 @@
 // How first-pass sums become a group's statistics: the formulas, shared by ops/mvn.cpp (one group
 // at a time, compiled without ISA flags) and the kernels (many lanes at a time, once per ISA).
 // Included inside an anonymous namespace by both, so no copy compiled with AVX flags can be merged
-// with the baseline one.
+// with the baseline one. Compiled with FMA, `sum_sq * inv_n - m1 * m1` may become one fused
+// operation (the avx2 and avx512 units' loops do): a lane's variance can then differ in its last
+// bit from the baseline's, as the normalize kernels' results already do between ISAs.
 
 // The mean of d = (x - pivot) * scale and the variance, in scaled units, from the sums of n values
 // (inv_n = 1 / n).

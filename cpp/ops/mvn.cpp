@@ -590,11 +590,11 @@ class MvnRunner {
     }
   };
 
-  // Lanes are finished together, in loops the compiler vectorizes: judge()'s common case (finite
-  // sums, the pivot close enough to the mean) for every lane, then the square roots and divisions.
-  // One lane at a time (judge, inv_std and the stores behind branches) they cost ~15 ns a lane:
-  // MVN over axis 0 of (8, 256, 28, 28), eight rows a lane, took 25x the copy. Lanes that fail the
-  // common case go through judge() and are summed again, as before.
+  // A task's lanes are finished together by the lane kernels (kernels/lane_stats.h: judge()'s
+  // common case, finite sums and the pivot close enough to the mean, for every lane; then the square
+  // roots and divisions), vectorized. One lane at a time (judge, inv_std and the stores behind
+  // branches) they cost ~15 ns a lane: MVN over axis 0 of (8, 256, 28, 28), eight rows a lane, took
+  // 3.3 ms, 1.75 ms now. Lanes that fail the common case go through judge() and are summed again.
   void column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
     const LoopNest& nest = plan_.nest;
     const int lanes_dim = nest.ndim - 1;
