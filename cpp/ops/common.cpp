@@ -24,20 +24,6 @@ int64_t itemsize(DType dtype) {
   return 4;
 }
 
-double load_scalar(DType dtype, const char* p) {
-  switch (dtype) {
-    case DType::f32: { float v; std::memcpy(&v, p, 4); return v; }
-    case DType::f64: { double v; std::memcpy(&v, p, 8); return v; }
-    case DType::f16: { uint16_t b; std::memcpy(&b, p, 2); return f16_bits_to_float(b); }
-    case DType::bf16: {
-      uint16_t b;
-      std::memcpy(&b, p, 2);
-      return bf16_bits_to_float(b);
-    }
-  }
-  return 0.0;
-}
-
 void load_as_double(DType dtype, const char* p, int64_t stride, int64_t n, double* out) {
   auto each = [&](auto load) {
     for (int64_t i = 0; i < n; ++i) out[i] = load(p + i * stride);
@@ -48,6 +34,12 @@ void load_as_double(DType dtype, const char* p, int64_t stride, int64_t n, doubl
     case DType::f16: return each([](const char* q) { uint16_t b; std::memcpy(&b, q, 2); return double(f16_bits_to_float(b)); });
     case DType::bf16: return each([](const char* q) { uint16_t b; std::memcpy(&b, q, 2); return double(bf16_bits_to_float(b)); });
   }
+}
+
+double load_scalar(DType dtype, const char* p) {
+  double v = 0.0;
+  load_as_double(dtype, p, 0, 1, &v);
+  return v;
 }
 
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
