@@ -10,7 +10,7 @@ import pytest
 
 import simdnorm
 from cases import bits, channels_last_nhwc
-from reference import BF16, F16, F32, F64, check_bn, check_mvn, check_stats, dtype_id, group_norm_ref, mvn_terms
+from reference import BF16, F16, F32, F64, check_bn, check_mvn, check_stats, dtype_id, f64, group_norm_ref, mvn_terms
 
 mvn = simdnorm.mean_variance_normalization
 EPS32 = float(np.finfo(np.float32).eps)
@@ -69,6 +69,36 @@ def test_large_mean_half_inputs(rng, dtype):
     x = (100.0 + rng.normal(0.0, 1.0, size=(8, 4000))).astype(dtype)
     y, m, inv = mvn(x, 1, return_stats=True)
     check_mvn(y, x, 1, stats=(m, inv), stat_rtol=1e-4)
+
+
+@pytest.mark.parametrize("ratio", [1e1, 1e2, 1e3])
+@pytest.mark.parametrize("n", [200, 768, 1024])
+def test_float16_rows_shift_folded(rng, threads, ratio, n):
+    # float16 rows of up to 1024 elements are normalized from their float32 copy as
+    # fma(fma(x, inv_std, -(mean * inv_std)), scale, bias) (kernels/fused_rows.h): -(mean * inv_std)
+    # is rounded once more than (x - mean) * inv_std would be, by at most 2^-24 |mean| inv_std.
+    x = (ratio + rng.normal(0.0, 1.0, size=(9, n))).astype(F16)
+    x[4] = x[4, 0]  # a constant row: bias, up to that rounding amplified by 1/sqrt(epsilon)
+    scale = rng.uniform(0.5, 2.0, n).astype(F16)
+    bias = rng.normal(0.0, 1.0, n).astype(F16)
+    from simdnorm import _core
+    plan = _core.explain_mvn(x, (1,), scale, bias, np.empty_like(x), 1e-5, True, True, False, (0, 0.0, 0.0), None,
+                             None, -1, False)
+    assert plan.startswith(f"rows groups=9 lanes=1 group_size={n} fused pipeline "), plan
+    z, _, mean, inv = mvn_terms(x, 1, scale, bias)
+    for t in (1, 2):
+        threads(t)
+        out = np.full_like(x, np.nan)
+        y, m, i = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
+        assert y is out
+        check_mvn(y, x, 1, scale, bias, stats=(m, i), stat_rtol=1e-4)
+        # tighter than check_mvn's model: the output's rounding (half an ulp of float16, with room
+        # for float16's subnormal spacing), plus a few float32 roundings of |mean| inv_std |scale|
+        err = np.abs(y.astype(np.float64) - z)
+        tol = (2.0**-11 * np.abs(z) + 2.0**-25 + 6 * 2.0**-24 * (np.abs(mean) + 1.0) * inv * np.abs(f64(scale))
+               + 2.0**-24 * np.abs(f64(bias)))
+        bad = ~(err <= tol)
+        assert not bad.any(), f"{int(bad.sum())} off; worst {float(np.max(err - tol))} (ratio {ratio}, n {n})"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,17 +18,29 @@ struct NormalizeKernel {
   // With the scale folded into mul (batch norm, whose parameters share one shape), scale is not
   // read: act(fma(x - shift, mul, bias)), one multiply and one coefficient stream fewer, and
   // x == shift still gives exactly bias.
-  template <class Act, bool ScaleFolded>
+  // With the shift folded (float16 layer-norm rows, fused_rows.h), a run's shift is taken as
+  // -(shift * mul) once (fold_shift) and the arithmetic is act(fma(fma(x, mul, that), scale,
+  // bias)): two operations a vector instead of three.
+  template <class Act, bool ScaleFolded, bool ShiftFolded = false>
   struct Formula {
     static constexpr bool kScaleFolded = ScaleFolded;
+    static constexpr bool kShiftFolded = ShiftFolded;
+    static_assert(!(ScaleFolded && ShiftFolded), "one fold or the other");
     Act act;
     V operator()(V x, V shift, V mul, V scale, V bias) const {
       if constexpr (ScaleFolded) {
         (void)scale;
         return act(vfma(x - shift, mul, bias));
+      } else if constexpr (ShiftFolded) {
+        return act(vfma(vfma(x, mul, shift), scale, bias));
       } else {
         return act(vfma((x - shift) * mul, scale, bias));
       }
+    }
+    // A run's (shift, mul) as operator() takes them.
+    static V fold_shift(V shift, V mul) {
+      if constexpr (ShiftFolded) return splat<V>(0.0) - shift * mul;
+      else return shift;
     }
   };
   // Calls fn(formula) with the formula the task asks for.
@@ -78,6 +90,7 @@ struct NormalizeKernel {
   // all of them (layer norm rows two at a time, fused_rows.h).
   template <bool StatsVary, bool AffineVary, class F, class In = T, bool StreamEdges = false, int Rows = 1>
   struct ContiguousRun {
+    static_assert(!(F::kShiftFolded && StatsVary), "a folded shift is one per run");
     using LI = Lanes<In>;
     struct Row {
       T* y;
@@ -111,6 +124,7 @@ struct NormalizeKernel {
         row.y = reinterpret_cast<T*>(p[r][kOut]);
         row.x = reinterpret_cast<const In*>(p[r][kIn]);
         row.st = Pair<StatsVary>(p[r][kShift], p[r][kMul]);
+        if constexpr (F::kShiftFolded) row.st.va = F::fold_shift(row.st.va, row.st.vb);
       });
       const uintptr_t addr = reinterpret_cast<uintptr_t>(rows.r0.y);
       const bool aligned_elements = addr % sizeof(T) == 0;
