@@ -1,5 +1,6 @@
 // The elementwise leaf both ops end in:  out = act(fma((in - shift) * mul, scale, bias)), or with
-// the scale folded into mul, act(fma(in - shift, mul, bias)).
+// the scale folded into mul, act(fma(in - shift, mul, bias)), or with the shift folded (float16
+// rows, see Formula), act(fma(fma(in, mul, -shift * mul), scale, bias)).
 // Included inside an ISA namespace (see vec.h). Templated on the storage type T and the activation;
 // the layout is the planner's business, and reaches this file only as the strides of one run.
 
