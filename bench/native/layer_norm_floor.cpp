@@ -14,6 +14,8 @@
 //                normalized while row r + 2 is summed, the normalization as two FMAs): with the
 //                rows in L1 it is what the arithmetic costs; ln-floor's sums loop, two
 //                accumulators deep, waits on the FMA latency (4 cycles), so it is no floor.
+//                (float16 is the case it is for: float32 rows of this size stream from memory,
+//                where the kernel's non-temporal stores are not modeled here.)
 //   ln-floor     layer norm's instructions with the statistics held constant: per row a sums
 //                loop (convert, subtract the pivot, add, square-add; float16 rows also kept as a
 //                float32 copy, as simdnorm's kernel does) and a normalize loop ((x - mean) * inv_std
@@ -64,6 +66,29 @@ void store16(void* p, __m512 v) {
   }
 }
 
+// A row's sums, two accumulators each as in simdnorm's loop: convert, subtract the pivot, add,
+// square-add; float16 rows are also kept as a float32 copy, as simdnorm's kernel does.
+template <bool F16>
+struct RowSums {
+  __m512 pivot = _mm512_set1_ps(0.25f), s1a = _mm512_setzero_ps(), s1b = s1a, s2a = s1a, s2b = s1a;
+  // Elements [i, i + 32) of the row at xr.
+  void step(const char* xr, float* kept, long i) {
+    constexpr long es = F16 ? 2 : 4;
+    __m512 a = load16<F16>(xr + i * es), b = load16<F16>(xr + (i + 16) * es);
+    if constexpr (F16) {
+      _mm512_store_ps(kept + i, a);
+      _mm512_store_ps(kept + i + 16, b);
+    }
+    a = _mm512_sub_ps(a, pivot);
+    b = _mm512_sub_ps(b, pivot);
+    s1a = _mm512_add_ps(s1a, a);
+    s1b = _mm512_add_ps(s1b, b);
+    s2a = _mm512_fmadd_ps(a, a, s2a);
+    s2b = _mm512_fmadd_ps(b, b, s2b);
+  }
+  void taken() const { asm volatile("" ::"v"(s1a), "v"(s1b), "v"(s2a), "v"(s2b)); }  // taken, not used
+};
+
 template <bool F16>
 void run(long rows, long len) {
   constexpr long es = F16 ? 2 : 4;
@@ -98,22 +123,9 @@ void run(long rows, long len) {
       const char* xr = x + r * len * es;
       char* yr = y + r * len * es;
       float* kept = ring + (r % 3) * len;
-      const __m512 pivot = _mm512_set1_ps(0.25f);
-      __m512 s1a = _mm512_setzero_ps(), s1b = s1a, s2a = s1a, s2b = s1a;
-      for (long i = 0; i + 32 <= len; i += 32) {
-        __m512 a = load16<F16>(xr + i * es), b = load16<F16>(xr + (i + 16) * es);
-        if constexpr (F16) {
-          _mm512_store_ps(kept + i, a);
-          _mm512_store_ps(kept + i + 16, b);
-        }
-        a = _mm512_sub_ps(a, pivot);
-        b = _mm512_sub_ps(b, pivot);
-        s1a = _mm512_add_ps(s1a, a);
-        s1b = _mm512_add_ps(s1b, b);
-        s2a = _mm512_fmadd_ps(a, a, s2a);
-        s2b = _mm512_fmadd_ps(b, b, s2b);
-      }
-      asm volatile("" ::"v"(s1a), "v"(s1b), "v"(s2a), "v"(s2b));  // the sums are taken, not used
+      RowSums<F16> sums;
+      for (long i = 0; i + 32 <= len; i += 32) sums.step(xr, kept, i);
+      sums.taken();
       for (long i = 0; i + 32 <= len; i += 32) {
         for (long h = i; h < i + 32; h += 16) {
           const __m512 v = F16 ? _mm512_load_ps(kept + h) : load16<F16>(xr + h * es);
@@ -128,7 +140,6 @@ void run(long rows, long len) {
   // for float16) while row r + 2 is summed, and the normalization in its two-FMA form.
   const double fused = median_ns_per_row([&] {
     const __m512 neg_mean_x_inv = _mm512_set1_ps(-0.011f), inv_std = _mm512_set1_ps(1.1f);
-    const __m512 pivot = _mm512_set1_ps(0.25f);
     for (long r = 0; r < rows; ++r) {
       const long next = r + 2 < rows ? r + 2 : r;  // the last two rows sum themselves again
       const char* xn = x + next * len * es;
@@ -136,26 +147,16 @@ void run(long rows, long len) {
       char* yr = y + r * len * es;
       float* kept_next = ring + (next % 3) * len;
       const float* kept = ring + (r % 3) * len;
-      __m512 s1a = _mm512_setzero_ps(), s1b = s1a, s2a = s1a, s2b = s1a;
+      RowSums<F16> sums;
       for (long i = 0; i + 32 <= len; i += 32) {
         for (long h = i; h < i + 32; h += 16) {
           const __m512 v = F16 ? _mm512_load_ps(kept + h) : load16<F16>(xr + h * es);
           const __m512 n = _mm512_fmadd_ps(v, inv_std, neg_mean_x_inv);
           store16<F16>(yr + h * es, _mm512_fmadd_ps(n, _mm512_load_ps(scale + h), _mm512_load_ps(bias + h)));
         }
-        __m512 a = load16<F16>(xn + i * es), b = load16<F16>(xn + (i + 16) * es);
-        if constexpr (F16) {
-          _mm512_store_ps(kept_next + i, a);
-          _mm512_store_ps(kept_next + i + 16, b);
-        }
-        a = _mm512_sub_ps(a, pivot);
-        b = _mm512_sub_ps(b, pivot);
-        s1a = _mm512_add_ps(s1a, a);
-        s1b = _mm512_add_ps(s1b, b);
-        s2a = _mm512_fmadd_ps(a, a, s2a);
-        s2b = _mm512_fmadd_ps(b, b, s2b);
+        sums.step(xn, kept_next, i);
       }
-      asm volatile("" ::"v"(s1a), "v"(s1b), "v"(s2a), "v"(s2b));
+      sums.taken();
     }
     asm volatile("" ::: "memory");
   }, rows);
