@@ -75,9 +75,10 @@ struct FusedRowsKernel {
     // float16's range (|x| <= 65504) keeps that product finite wherever the unfolded form is.
     template <class In = T, class Fn>
     void visit(const NormalizeTask& task, Fn&& fn) const {
-      constexpr bool fold = std::is_same<T, f16_t>::value && std::is_same<In, float>::value;
+      constexpr bool shift_folded = std::is_same<T, f16_t>::value && std::is_same<In, float>::value;
+      constexpr auto fold = shift_folded ? N::Fold::shift : N::Fold::none;
       visit_activation<typename N::V>(task.act, [&](const auto& act) {
-        using F = typename N::template Formula<std::decay_t<decltype(act)>, false, fold>;
+        using F = typename N::template Formula<std::decay_t<decltype(act)>, fold>;
         const F f{act};
         if (affine_vary) fn(RunMaker<true, F, In>{f, task.stream_stores});
         else fn(RunMaker<false, F, In>{f, task.stream_stores});

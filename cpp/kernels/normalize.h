@@ -16,23 +16,23 @@ struct NormalizeKernel {
   static constexpr int W = L::W;
 
   // The arithmetic of every path, one vector at a time: act(fma((x - shift) * mul, scale, bias)).
-  // With the scale folded into mul (batch norm, whose parameters share one shape), scale is not
-  // read: act(fma(x - shift, mul, bias)), one multiply and one coefficient stream fewer, and
-  // x == shift still gives exactly bias.
-  // With the shift folded (float16 layer-norm rows, fused_rows.h), a run's shift is taken as
-  // -(shift * mul) once (fold_shift) and the arithmetic is act(fma(fma(x, mul, that), scale,
-  // bias)): two operations a vector instead of three.
-  template <class Act, bool ScaleFolded, bool ShiftFolded = false>
+  // Fold::scale, the scale folded into mul (batch norm, whose parameters share one shape): scale
+  // is not read, act(fma(x - shift, mul, bias)), one multiply and one coefficient stream fewer,
+  // and x == shift still gives exactly bias.
+  // Fold::shift (float16 layer-norm rows, fused_rows.h): a run's shift is taken as -(shift * mul)
+  // once (fold_shift) and the arithmetic is act(fma(fma(x, mul, that), scale, bias)), two
+  // operations a vector instead of three.
+  enum class Fold { none, scale, shift };
+  template <class Act, Fold Folded>
   struct Formula {
-    static constexpr bool kScaleFolded = ScaleFolded;
-    static constexpr bool kShiftFolded = ShiftFolded;
-    static_assert(!(ScaleFolded && ShiftFolded), "one fold or the other");
+    static constexpr bool kScaleFolded = Folded == Fold::scale;
+    static constexpr bool kShiftFolded = Folded == Fold::shift;
     Act act;
     V operator()(V x, V shift, V mul, V scale, V bias) const {
-      if constexpr (ScaleFolded) {
+      if constexpr (kScaleFolded) {
         (void)scale;
         return act(vfma(x - shift, mul, bias));
-      } else if constexpr (ShiftFolded) {
+      } else if constexpr (kShiftFolded) {
         return act(vfma(vfma(x, mul, shift), scale, bias));
       } else {
         return act(vfma((x - shift) * mul, scale, bias));
@@ -40,7 +40,7 @@ struct NormalizeKernel {
     }
     // A run's (shift, mul) as operator() takes them.
     static V fold_shift(V shift, V mul) {
-      if constexpr (ShiftFolded) return splat<V>(0.0) - shift * mul;
+      if constexpr (kShiftFolded) return splat<V>(0.0) - shift * mul;
       else return shift;
     }
   };
@@ -49,8 +49,8 @@ struct NormalizeKernel {
   static void visit_formula(const NormalizeTask& task, Fn&& fn) {
     visit_activation<V>(task.act, [&](const auto& act) {
       using Act = std::decay_t<decltype(act)>;
-      if (task.scale_folded) fn(Formula<Act, true>{act});
-      else fn(Formula<Act, false>{act});
+      if (task.scale_folded) fn(Formula<Act, Fold::scale>{act});
+      else fn(Formula<Act, Fold::none>{act});
     });
   }
 
