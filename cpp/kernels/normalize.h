@@ -38,11 +38,8 @@ struct NormalizeKernel {
         return act(vfma((x - shift) * mul, scale, bias));
       }
     }
-    // A run's (shift, mul) as operator() takes them.
-    static V fold_shift(V shift, V mul) {
-      if constexpr (kShiftFolded) return splat<V>(0.0) - shift * mul;
-      else return shift;
-    }
+    // Fold::shift: a run's shift as operator() takes it.
+    static V fold_shift(V shift, V mul) { return splat<V>(0.0) - shift * mul; }
   };
   // Calls fn(formula) with the formula the task asks for.
   template <class Fn>
