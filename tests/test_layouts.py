@@ -379,3 +379,52 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
                 check_mvn(out, x, axes, g, b, context=context)
     finally:
         simdnorm.set_isa(previous)
+
+
+# Float16 rows of whole steps (2W elements: 64 bytes at AVX-512) back to back, up to 1024 elements,
+# run as one stream of steps (kernels/fused_rows.h: RowStream): the step that holds one row's end and
+# the next row's start is summed and normalized once, its lanes taking each row's pivot, sums and
+# coefficients; the first and last steps are masked. Input and output at the same and at different
+# phases (the output then takes the input's steps), every ISA (steps of 32, 16 and 8 elements), rows
+# split between two threads at any row, a row whose first pass needs a second (its first element far
+# from its mean), a constant row, and in place.
+@pytest.mark.parametrize("n", [32, 96, 768, 1024])
+@pytest.mark.parametrize("x_offset,out_offset", [(0, 0), (16, 16), (16, 32), (48, 0), (2, 50), (0, None)],
+                         ids=lambda v: "inplace" if v is None else str(v))
+def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
+    from cases import empty_past_line
+
+    rows = max(7, 70000 // n + 3)  # past two threads' worth of work: the rows are split
+    x = empty_past_line((rows, n), F16, x_offset)
+    x[...] = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
+    x[2, 0] = x[2, 1:].mean() + 300.0  # pivot far from the mean: a second pass
+    x[3] = x[3, 5]  # constant: bias
+    x0 = x.copy()
+    scale = rng.uniform(0.5, 2.0, n).astype(F32)
+    bias = rng.normal(0.0, 1.0, n).astype(F32)
+    previous = simdnorm.isa()
+    try:
+        for isa in simdnorm.available_isas():
+            simdnorm.set_isa(isa)
+            first = None
+            for t in (1, 2):
+                threads(t)
+                x[...] = x0
+                out = x if out_offset is None else empty_past_line((rows, n), F16, out_offset)
+                if out_offset is not None:
+                    out[...] = np.nan
+                y, m, i = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
+                assert y is out
+                context = f"isa={isa} threads={t}"
+                check_mvn(y, x0, 1, scale, bias, stats=(m, i), stat_rtol=1e-4, context=context)
+                if first is None:
+                    first = (y.copy(), m, i)
+                else:
+                    for a, b in zip(first, (y, m, i)):
+                        assert a.tobytes() == b.tobytes(), f"1 and 2 threads differ: {context}"
+            if out_offset is not None:
+                out[...] = np.nan
+                simdnorm.rms_norm(x, scale, out=out)
+                check_mvn(out, x0, 1, scale, None, normalize_mean=False, context=f"rms isa={isa}")
+    finally:
+        simdnorm.set_isa(previous)

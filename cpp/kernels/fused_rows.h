@@ -13,6 +13,7 @@ template <class T>
 struct FusedRowsKernel {
   using N = NormalizeKernel<T>;
   using M = MomentsKernel<T>;
+  using C = typename N::C;
 
   struct Totals {
     double sum, sum_sq;
@@ -223,6 +224,251 @@ struct FusedRowsKernel {
     pipeline<Keep, 1>(task, a, 0, a.rows, k, rows_ahead, runs, kept_row);
   }
 
+  // ---- float16 rows back to back, as one stream of steps ----------------------------------------
+  // Rows kept as float32 (up to kKeptRowMax), each a whole number of steps (2W elements: a 64-byte
+  // line of float16 at AVX-512), back to back in the input and in the output. Then both passes
+  // are one stream of steps over all the rows, aligned to the input: the step that holds the end
+  // of one row and the start of the next is read, kept and written once, its lanes taking each
+  // row's pivot, sums or coefficients, where pipeline() pays each row a masked head and tail in
+  // both passes and loops of their own.
+  // Period q: the len elements from the step that holds row q's first element, i.e. the last o of
+  // row q - 1 and the first len - o of row q (o: the input's phase to a step, in elements). The
+  // sums keep a period in a slot of the ring and the normalization reads it back, writing the
+  // same elements of the output (whole lines when it is at the input's phase). Row q's sums close
+  // at the first step of period q + 1. A row's sums depend only on its data and phase, not on
+  // where a thread's rows begin: the bits are the same for any number of threads.
+  static constexpr int kStreamBatch = 2;                 // rows finished together
+  static constexpr int kStreamLead = kStreamBatch + 1;   // periods the sums run ahead
+  static constexpr int kStreamSlots = kStreamLead + 1;   // kept periods: the one normalized to the one summed
+
+  static bool rows_stream(const FusedRowsArgs& a) {
+    constexpr int64_t ts = sizeof(T);
+    const auto x = reinterpret_cast<uintptr_t>(a.data[kIn]), y = reinterpret_cast<uintptr_t>(a.data[kOut]);
+    return N::W > 1 && a.len <= kKeptRowMax && a.len % (2 * N::W) == 0 && a.step[kIn] == a.len * ts &&
+           a.step[kOut] == a.len * ts && a.step[kScale] == 0 && a.step[kBias] == 0 && x % ts == 0 && y % ts == 0;
+  }
+
+  template <bool AffineVary, class F>
+  struct RowStream {
+    using V = typename N::V;
+    using L = typename N::L;
+    using LF = Lanes<float>;
+    using LC = Lanes<C>;
+    using Affine = typename N::template Pair<AffineVary>;
+    static constexpr int W = N::W, S = 2 * W;
+    static constexpr int kClosedSlots = 2 * kStreamBatch;
+    static constexpr int64_t pitch(int64_t len) { return (len + 15) / 16 * 16; }  // of a kept period
+    struct Coefficients {
+      V shift, mul;
+    };
+    // The sums of the row open in the period being summed. A local of run() whose address no
+    // call takes: it stays in registers across the loop's stores.
+    struct OpenRow {
+      V piv, s1a, s1b, s2a, s2b;
+      double pivot;
+    };
+    // Rows closed and not yet finished, row r in slot r % kClosedSlots (batches never wrap).
+    struct Closed {
+      double pivot[kClosedSlots], sum[kClosedSlots], sum_sq[kClosedSlots];
+      int64_t finished = 0;
+    };
+
+    const F f;
+    const FusedRowsArgs& a;
+    const int64_t len, rows;
+    const T* const x;
+    T* const y;
+    const int o;
+    const vi prev0, prev1;  // the lanes of a period's first step that are the previous row's
+    float* const kept;      // kStreamSlots periods, 64-byte aligned
+    const Affine af;        // scale and bias, rotated by o when they vary: element t of a period
+
+    static int lanes_from(int m) { return m < 0 ? 0 : m > W ? W : m; }
+    RowStream(const F& formula, const FusedRowsArgs& args, int phase, float* kept_storage, const C* rotated_scale,
+              const C* rotated_bias)
+        : f(formula), a(args), len(args.len), rows(args.rows), x(reinterpret_cast<const T*>(args.data[kIn])),
+          y(reinterpret_cast<T*>(args.data[kOut])), o(phase), prev0(vlanes_below(lanes_from(phase))),
+          prev1(vlanes_below(lanes_from(phase - W))), kept(kept_storage),
+          af(AffineVary ? reinterpret_cast<const char*>(rotated_scale) : args.data[kScale],
+             AffineVary ? reinterpret_cast<const char*>(rotated_bias) : args.data[kBias]) {}
+
+    const T* in_period(int64_t q) const { return x + q * len - o; }
+    T* out_period(int64_t q) const { return y + q * len - o; }
+    float* kept_period(int64_t q) const { return kept + (q % kStreamSlots) * pitch(len); }
+    // The lanes [lo, hi) of period q's steps that hold rows: all but before row 0 and past the last.
+    int lo(int64_t q) const { return q == 0 ? o : 0; }
+    int hi(int64_t q) const { return q == rows ? o : S; }
+
+    // The sums of period q's first step: closes row q - 1, opens row q.
+    SIMDNORM_CURSOR_METHOD void sums_first(int64_t q, OpenRow& row, Closed& closed) const {
+      const T* p = in_period(q);
+      const int l = lo(q), h = hi(q);
+      V v0, v1;
+      if (l == 0 && h == S) {
+        v0 = L::load(p);
+        v1 = L::load(p + W);
+      } else {
+        v0 = L::load_span(p, lanes_from(l), lanes_from(h));
+        v1 = L::load_span(p + W, lanes_from(l - W), lanes_from(h - W));
+      }
+      float* k = kept_period(q);
+      LF::store(k, v0);
+      LF::store(k + W, v1);
+      const V zero = splat<V>(0.0);
+      if (q > 0) {
+        const V d0 = vselect(prev0, v0 - row.piv, zero), d1 = vselect(prev1, v1 - row.piv, zero);
+        const int slot = static_cast<int>((q - 1) % kClosedSlots);
+        closed.sum[slot] = static_cast<double>(vreduce_add((row.s1a + d0) + (row.s1b + d1)));
+        closed.sum_sq[slot] = static_cast<double>(vreduce_add(vfma(d0, d0, row.s2a) + vfma(d1, d1, row.s2b)));
+        closed.pivot[slot] = row.pivot;
+      }
+      if (q < rows) {
+        row.pivot = a.centered ? static_cast<double>(L::load_one(x + q * len)) : 0.0;
+        row.piv = splat<V>(row.pivot);
+        row.s1a = vselect(prev0, zero, v0 - row.piv);
+        row.s1b = vselect(prev1, zero, v1 - row.piv);
+        row.s2a = row.s1a * row.s1a;
+        row.s2b = row.s1b * row.s1b;
+      }
+    }
+    // A later step of the period (wholly the open row's), at p in the input and k in its slot.
+    SIMDNORM_CURSOR_METHOD static void sums_step(const T* p, float* k, OpenRow& row) {
+      const V v0 = L::load(p), v1 = L::load(p + W);
+      LF::store(k, v0);
+      LF::store(k + W, v1);
+      const V d0 = v0 - row.piv, d1 = v1 - row.piv;
+      row.s1a += d0;
+      row.s1b += d1;
+      row.s2a = vfma(d0, d0, row.s2a);
+      row.s2b = vfma(d1, d1, row.s2b);
+    }
+
+    Coefficients coefficients(int64_t r) const {
+      const V mul = splat<V>(LC::load_one(reinterpret_cast<const C*>(a.data[kMul] + r * a.step[kMul])));
+      V shift = splat<V>(LC::load_one(reinterpret_cast<const C*>(a.data[kShift] + r * a.step[kShift])));
+      if constexpr (F::kShiftFolded) shift = F::fold_shift(shift, mul);
+      return {shift, mul};
+    }
+    // The normalization of period p's first step (rows p - 1 and p finished); leaves row p's
+    // coefficients in cur for the rest of the period, row p - 1's in prev.
+    SIMDNORM_CURSOR_METHOD void normalize_first(int64_t p, Coefficients& prev, Coefficients& cur) const {
+      prev = cur;
+      if (p < rows) cur = coefficients(p);
+      if (p == 0) prev = cur;  // (lanes not written)
+      if (p == rows) cur = prev;
+      const float* k = kept_period(p);
+      const V r0 = f(LF::load(k), vselect(prev0, prev.shift, cur.shift), vselect(prev0, prev.mul, cur.mul),
+                     af.first(0), af.second(0));
+      const V r1 = f(LF::load(k + W), vselect(prev1, prev.shift, cur.shift), vselect(prev1, prev.mul, cur.mul),
+                     af.first(W), af.second(W));
+      T* q = out_period(p);
+      const int l = lo(p), h = hi(p);
+      if (l == 0 && h == S) {
+        L::store(q, r0);
+        L::store(q + W, r1);
+      } else {
+        L::store_span(q, r0, lanes_from(l), lanes_from(h));
+        L::store_span(q + W, r1, lanes_from(l - W), lanes_from(h - W));
+      }
+    }
+    // A later step of the period, at element i of it: k in its slot, q in the output.
+    SIMDNORM_CURSOR_METHOD static void normalize_step(const F& f, const Affine& af, const Coefficients& c,
+                                                      const float* k, T* q, int64_t i) {
+      L::store(q, f(LF::load(k), c.shift, c.mul, af.first(i), af.second(i)));
+      L::store(q + W, f(LF::load(k + W), c.shift, c.mul, af.first(i + W), af.second(i + W)));
+    }
+
+    // Finishes the rows closed so far, kStreamBatch at a time (the rest once all are closed).
+    void finish_closed(int64_t closed_rows, Closed& c) const {
+      while (c.finished < closed_rows && (closed_rows - c.finished >= kStreamBatch || closed_rows == rows)) {
+        const int64_t left = closed_rows - c.finished;
+        const int slot = static_cast<int>(c.finished % kClosedSlots);
+        if (left >= kStreamBatch) finish_rows<kStreamBatch>(c.finished, c.pivot + slot, c.sum + slot, c.sum_sq + slot);
+        else finish_rows<1>(c.finished, c.pivot + slot, c.sum + slot, c.sum_sq + slot);
+        c.finished += left >= kStreamBatch ? kStreamBatch : 1;
+      }
+    }
+    // The statistics of Count rows from row on, by lane_stats.h's rules, here: with the caller's
+    // finish (a call per batch) float16 rows of 768 took 53.7 ns a row in the kernel driver, 51.0
+    // here (medians of 5, alternating). A row whose first pass does not settle it goes to the
+    // caller's finish alone, so that no row's path depends on its batch (nor its bits on the
+    // number of threads).
+    template <int Count>
+    void finish_rows(int64_t row, const double* pivot, const double* sum, const double* sum_sq) const {
+      double mean[Count], var[Count], inv_std[Count];
+      unsigned char slow[Count];
+      const bool any_slow = lane_stats_loop(Count, a.inv_n, a.centered, pivot, sum, sum_sq, mean, var, slow) != 0;
+      inv_std_lanes_entry(var, inv_std, Count, 1, a.rule);
+      for (int i = 0; i < Count; ++i) {
+        const int64_t r = row + i;
+        if (any_slow && slow[i]) {
+          a.finish(a.ctx, r, 1, pivot + i, sum + i, sum_sq + i);
+          continue;
+        }
+        auto store = [](char* p, double v) {
+          const C c = static_cast<C>(v);
+          std::memcpy(p, &c, sizeof c);
+        };
+        store(a.data[kShift] + r * a.step[kShift], mean[i]);
+        store(a.data[kMul] + r * a.step[kMul], inv_std[i]);
+        if (a.stats_out[0] != nullptr) store(a.stats_out[0] + r * a.stats_step[0], mean[i]);
+        if (a.stats_out[1] != nullptr) store(a.stats_out[1] + r * a.stats_step[1], inv_std[i]);
+      }
+    }
+
+    // Iteration t sums period t and normalizes period t - kStreamLead, in one loop over their
+    // steps; before it, the rows closed so far (0 .. t - 2) are finished.
+    void run(int64_t rows_ahead) const {
+      OpenRow row{};
+      Coefficients prev{}, cur{};
+      Closed closed;
+      const F fl = f;
+      const Affine afl = af;
+      const int64_t end = len - S;  // the later steps of a period: [S, len)
+      for (int64_t t = 0; t <= rows + kStreamLead; ++t) {
+        const int64_t p = t - kStreamLead;
+        finish_closed(t - 1 < 0 ? 0 : t - 1 > rows ? rows : t - 1, closed);
+        if (p >= 0) normalize_first(p, prev, cur);
+        if (t <= rows) sums_first(t, row, closed);
+        const bool summing = t < rows, normalizing = p >= 0 && p < rows;
+        const T* src = in_period(t) + S;
+        const char* ahead = reinterpret_cast<const char*>(in_period(t + rows_ahead) + S);
+        float* k_in = kept_period(t) + S;
+        const float* k_out = kept_period(p < 0 ? 0 : p) + S;
+        T* dst = out_period(p) + S;
+        const Coefficients c = cur;
+        if (summing && normalizing) {
+          for (int64_t i = 0; i < end; i += S) {
+            __builtin_prefetch(ahead + i * sizeof(T), 0, 3);
+            normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
+            sums_step(src + i, k_in + i, row);
+          }
+        } else if (summing) {
+          for (int64_t i = 0; i < end; i += S) sums_step(src + i, k_in + i, row);
+        } else if (normalizing) {
+          for (int64_t i = 0; i < end; i += S) normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
+        }
+      }
+    }
+  };
+
+  template <bool AffineVary, class F>
+  static void stream_rows(const RunMaker<AffineVary, F, float>& runs, const FusedRowsArgs& a, int64_t rows_ahead) {
+    using Stream = RowStream<AffineVary, F>;
+    alignas(64) float kept[kStreamSlots * Stream::pitch(kKeptRowMax)];
+    const int o = static_cast<int>(reinterpret_cast<uintptr_t>(a.data[kIn]) / sizeof(T) % Stream::S);
+    // Scale and bias that vary along the row, rotated to start where a period does.
+    alignas(64) C rotated[2][AffineVary ? kKeptRowMax : 1];
+    if constexpr (AffineVary) {
+      for (int k = 0; k < 2; ++k) {
+        const C* src = reinterpret_cast<const C*>(a.data[kScale + k]);
+        std::memcpy(rotated[k], src + a.len - o, o * sizeof(C));
+        std::memcpy(rotated[k] + o, src, (a.len - o) * sizeof(C));
+      }
+    }
+    Stream(runs.f, a, o, kept, rotated[0], rotated[1]).run(rows_ahead);
+  }
+
   // The pipeline of FusedRowsArgs: every row's sums, its statistics (the caller's finish), and its
   // normalization while a later row is summed. One call for all rows: the cost of entering the
   // kernel, choosing the loop and the activation is paid once, not per row (measured on 1024 rows
@@ -258,7 +504,12 @@ struct FusedRowsKernel {
     // 60 -> 54 ns, float32 rows of 2048 265 -> 188 ns (aligned: 188).
     // (float64 computes a lane at a time: nothing to line up.)
     FusedRowsArgs args = a;
-    using C = typename N::C;
+    constexpr bool kept_rows = std::is_same<T, f16_t>::value;
+    const bool keep = kept_rows && !task.stream_stores && a.len <= kKeptRowMax;
+    if constexpr (kept_rows) {
+      if (keep && rows_stream(a))
+        return layout.template visit<float>(task, [&](const auto& runs) { stream_rows(runs, a, rows_ahead); });
+    }
     constexpr int64_t pitch_c = kLinedUpMax + 64 / sizeof(C);
     C affine[N::W > 1 ? 2 * pitch_c : 1];
     if (N::W > 1 && layout.affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 && a.len <= kLinedUpMax) {
@@ -275,8 +526,8 @@ struct FusedRowsKernel {
     // Measured (ns a row, kernel driver): 768 elements 63-65 -> 55-57, 192 28.6 -> 22.1, 1024
     // 86 -> 75; with rows of 1536 and more the ring and the rows outgrow L1 (115 -> 148), and from
     // memory (streaming stores) the loads are the bound: those keep converting twice.
-    if constexpr (std::is_same<T, f16_t>::value) {
-      if (!task.stream_stores && a.len <= kKeptRowMax) {
+    if constexpr (kept_rows) {
+      if (keep) {
         const int64_t pitch = kept_pitch(a.len);
         float storage[kRingFloats];
         float* ring = lined_up(storage, a.data[kOut]);

@@ -23,8 +23,8 @@ namespace {
 #include "kernels/iterate.h"
 #include "kernels/normalize.h"
 #include "kernels/moments.h"
-#include "kernels/fused_rows.h"
 #include "kernels/lane_stats.h"
+#include "kernels/fused_rows.h"
 }  // namespace
 
 extern const KernelTable kernel_table;

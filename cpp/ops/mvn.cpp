@@ -430,11 +430,17 @@ class MvnRunner {
           for (int64_t g = g0; g < g1;) {
             const GroupCursor first(*this, g);
             const int64_t rows = std::min(g1, (g / stretch + 1) * stretch) - g;
-            FusedRowsArgs args{rows, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr};
+            FusedRowsArgs args{rows, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr,
+                               inv_group_size_, inv_std_rule_, {}, {}};
             for (int op = 0; op < kNumOperands; ++op) {
               args.data[op] = first.p[op];
               args.step[op] = group_stride(op, inner);
             }
+            // The statistics store_stats() writes besides shift and mul.
+            if (a_.mean_out && a_.normalize_mean) args.stats_out[0] = first.p[kUserMean];
+            if (a_.inv_std_out && a_.normalize_variance) args.stats_out[1] = first.p[kUserInvStd];
+            args.stats_step[0] = group_stride(kUserMean, inner);
+            args.stats_step[1] = group_stride(kUserInvStd, inner);
             FusedRowsContext ctx{this, &args, g, {first.p[kUserMean], first.p[kUserInvStd]},
                                  {group_stride(kUserMean, inner), group_stride(kUserInvStd, inner)}};
             args.ctx = &ctx;

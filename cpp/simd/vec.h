@@ -180,6 +180,7 @@ template <class T> struct Lanes;
 
 #if defined(__AVX512F__)
 static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
+static inline __mmask16 span_mask(int lo, int hi) { return (__mmask16)((1u << hi) - (1u << lo)); }  // lo <= hi
 #endif
 
 template <> struct Lanes<float> {
@@ -320,6 +321,26 @@ struct Lanes16 {
     _mm256_mask_storeu_epi16(p, tail_mask(n), (__m256i)h);
 #else
     std::memcpy(p, &h, 2 * n);
+#endif
+  }
+  // Lanes [lo, hi) of the vector at p, in place (the rest read as zero, not written, never
+  // touched): the first and last vectors of a stream of rows (fused_rows.h), which start before
+  // its first element and end past its last.
+  static V load_span(const Tag* p, int lo, int hi) {
+#if defined(__AVX512F__)
+    return ToFloat((vh)_mm256_maskz_loadu_epi16(span_mask(lo, hi), p));
+#else
+    vh h = {};
+    if (hi > lo) std::memcpy(reinterpret_cast<char*>(&h) + 2 * lo, p + lo, 2 * (hi - lo));
+    return ToFloat(h);
+#endif
+  }
+  static void store_span(Tag* p, V v, int lo, int hi) {
+    const vh h = FromFloat(v);
+#if defined(__AVX512F__)
+    _mm256_mask_storeu_epi16(p, span_mask(lo, hi), (__m256i)h);
+#else
+    if (hi > lo) std::memcpy(p + lo, reinterpret_cast<const char*>(&h) + 2 * lo, 2 * (hi - lo));
 #endif
   }
   static void store_partial_stream(Tag* p, V v, int n) {

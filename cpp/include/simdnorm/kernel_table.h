@@ -84,6 +84,14 @@ struct FusedRowsArgs {
   // Rows [row, row + count): their pivots and first-pass sums, indexed from 0.
   void (*finish)(void* ctx, int64_t row, int count, const double* pivot, const double* sum, const double* sum_sq);
   void* ctx;
+  // What a kernel needs to finish rows itself, by the formulas of kernels/lane_stats.h (the float16
+  // rows stream does, calling finish only for rows whose first pass does not settle them): 1 / len,
+  // the rule for 1 / std, and the caller's arrays of each row's mean and 1 / std in the compute type
+  // (null where not wanted), stepping by stats_step per row.
+  double inv_n;
+  InvStdRule rule;
+  char* stats_out[2];
+  int64_t stats_step[2];
 };
 
 struct KernelTable {
