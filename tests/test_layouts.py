@@ -386,8 +386,8 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
 # the next row's start is summed and normalized once, its lanes taking each row's pivot, sums and
 # coefficients; the first and last steps are masked. Input and output at the same and at different
 # phases (the output then takes the input's steps), every ISA (steps of 32, 16 and 8 elements), rows
-# split between two threads at any row, a row whose first pass needs a second (its first element far
-# from its mean), a constant row, and in place.
+# split between two threads at any row, rows whose first pass needs a second (the first element far
+# from the mean; the kernel leaves them to the op), a constant row, an inf, and in place.
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
 @pytest.mark.parametrize("x_offset,out_offset", [(0, 0), (16, 16), (16, 32), (48, 0), (2, 50), (0, None)],
                          ids=lambda v: "inplace" if v is None else str(v))
@@ -397,8 +397,11 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
     rows = max(7, 70000 // n + 3)  # past two threads' worth of work: the rows are split
     x = empty_past_line((rows, n), F16, x_offset)
     x[...] = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
-    x[2, 0] = x[2, 1:].mean() + 300.0  # pivot far from the mean: a second pass
+    for r in (2, 6, 7, rows - 1):  # pivot far from the mean: a second pass (two in one batch, the last row)
+        x[r, 0] = x[r, 1:].mean() + 300.0
     x[3] = x[3, 5]  # constant: bias
+    x[9, 7] = np.inf  # NaN statistics, NaN row
+    finite = np.arange(rows) != 9
     x0 = x.copy()
     scale = rng.uniform(0.5, 2.0, n).astype(F32)
     bias = rng.normal(0.0, 1.0, n).astype(F32)
@@ -416,7 +419,9 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
                 y, m, i = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
                 assert y is out
                 context = f"isa={isa} threads={t}"
-                check_mvn(y, x0, 1, scale, bias, stats=(m, i), stat_rtol=1e-4, context=context)
+                check_mvn(y[finite], x0[finite], 1, scale, bias, stats=(m[finite], i[finite]), stat_rtol=1e-4,
+                          context=context)
+                assert np.isnan(y[9]).all() and np.isnan(m[9]).all() and np.isnan(i[9]).all(), context
                 if first is None:
                     first = (y.copy(), m, i)
                 else:
@@ -425,6 +430,7 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
             if out_offset is not None:
                 out[...] = np.nan
                 simdnorm.rms_norm(x, scale, out=out)
-                check_mvn(out, x0, 1, scale, None, normalize_mean=False, context=f"rms isa={isa}")
+                check_mvn(out[finite], x0[finite], 1, scale, None, normalize_mean=False, context=f"rms isa={isa}")
+                assert np.isnan(out[9]).all()
     finally:
         simdnorm.set_isa(previous)

@@ -238,7 +238,7 @@ struct FusedRowsKernel {
   // at the first step of period q + 1. A row's sums depend only on its data and phase, not on
   // where a thread's rows begin: the bits are the same for any number of threads.
   static constexpr int kStreamBatch = 2;                 // rows finished together
-  static constexpr int kStreamLead = kStreamBatch + 1;   // periods the sums run ahead
+  static constexpr int kStreamLead = kStreamBatch + 2;   // periods the sums run ahead (see run())
   static constexpr int kStreamSlots = kStreamLead + 1;   // kept periods: the one normalized to the one summed
 
   static bool rows_stream(const FusedRowsArgs& a) {
@@ -267,10 +267,20 @@ struct FusedRowsKernel {
       V piv, s1a, s1b, s2a, s2b;
       double pivot;
     };
-    // Rows closed and not yet finished, row r in slot r % kClosedSlots (batches never wrap).
+    // Rows closed and not yet finished, row r in slot r % kClosedSlots (batches never wrap), and
+    // the finished rows whose first pass did not settle them (for the caller's finish).
     struct Closed {
       double pivot[kClosedSlots], sum[kClosedSlots], sum_sq[kClosedSlots];
       int64_t finished = 0;
+      int64_t unsettled[kStreamBatch];
+      int unsettled_count = 0;
+    };
+    // Where run() is: its next iteration and the state carried between iterations.
+    struct Progress {
+      int64_t t = 0;
+      OpenRow row{};
+      Coefficients prev{}, cur{};
+      Closed closed;
     };
 
     const F f;
@@ -379,22 +389,34 @@ struct FusedRowsKernel {
     }
 
     // Finishes the rows closed so far, kStreamBatch at a time (the rest once all are closed).
-    void finish_closed(int64_t closed_rows, Closed& c) const {
+    SIMDNORM_CURSOR_METHOD void finish_closed(int64_t closed_rows, Closed& c) const {
       while (c.finished < closed_rows && (closed_rows - c.finished >= kStreamBatch || closed_rows == rows)) {
         const int64_t left = closed_rows - c.finished;
         const int slot = static_cast<int>(c.finished % kClosedSlots);
-        if (left >= kStreamBatch) finish_rows<kStreamBatch>(c.finished, c.pivot + slot, c.sum + slot, c.sum_sq + slot);
-        else finish_rows<1>(c.finished, c.pivot + slot, c.sum + slot, c.sum_sq + slot);
+        if (left >= kStreamBatch) finish_rows<kStreamBatch>(c.finished, c.pivot + slot, c.sum + slot, c.sum_sq + slot, c);
+        else finish_rows<1>(c.finished, c.pivot + slot, c.sum + slot, c.sum_sq + slot, c);
         c.finished += left >= kStreamBatch ? kStreamBatch : 1;
       }
     }
+    // The caller's finish of the rows finish_rows() left: a second pass, or NaN statistics. Their
+    // sums are still in their slots (rows close one an iteration, and this runs in the iteration
+    // that finished them).
+    __attribute__((noinline)) void settle(Closed& c) const {
+      for (int i = 0; i < c.unsettled_count; ++i) {
+        const int64_t r = c.unsettled[i];
+        const int slot = static_cast<int>(r % kClosedSlots);
+        a.finish(a.ctx, r, 1, c.pivot + slot, c.sum + slot, c.sum_sq + slot);
+      }
+      c.unsettled_count = 0;
+    }
     // The statistics of Count rows from row on, by lane_stats.h's rules, here: with the caller's
     // finish (a call per batch) float16 rows of 768 took 53.7 ns a row in the kernel driver, 51.0
-    // here (medians of 5, alternating). A row whose first pass does not settle it goes to the
-    // caller's finish alone, so that no row's path depends on its batch (nor its bits on the
-    // number of threads).
+    // here (medians of 5, alternating). A row whose first pass does not settle it is left to the
+    // caller's finish, alone (settle()), so that no row's path depends on its batch (nor its bits
+    // on the number of threads).
     template <int Count>
-    void finish_rows(int64_t row, const double* pivot, const double* sum, const double* sum_sq) const {
+    SIMDNORM_CURSOR_METHOD void finish_rows(int64_t row, const double* pivot, const double* sum,
+                                            const double* sum_sq, Closed& c) const {
       double mean[Count], var[Count], inv_std[Count];
       unsigned char slow[Count];
       const bool any_slow = lane_stats_loop(Count, a.inv_n, a.centered, pivot, sum, sum_sq, mean, var, slow) != 0;
@@ -402,7 +424,7 @@ struct FusedRowsKernel {
       for (int i = 0; i < Count; ++i) {
         const int64_t r = row + i;
         if (any_slow && slow[i]) {
-          a.finish(a.ctx, r, 1, pivot + i, sum + i, sum_sq + i);
+          c.unsettled[c.unsettled_count++] = r;
           continue;
         }
         auto store = [](char* p, double v) {
@@ -417,18 +439,34 @@ struct FusedRowsKernel {
     }
 
     // Iteration t sums period t and normalizes period t - kStreamLead, in one loop over their
-    // steps; before it, the rows closed so far (0 .. t - 2) are finished.
+    // steps; between the first steps of the two, the rows closed so far (0 .. t - 2) are
+    // finished. The normalization's first step comes first, its coefficients loaded before the
+    // finish stores others: loaded after, they waited for those stores (whose addresses come at
+    // the end of a chain through a division and a square root) though the row was finished an
+    // iteration before (kernel driver, rows of 768: 50.3 -> 49.0 ns a row, medians of 5).
+    // A call in the loop made the compiler keep the sums in memory across it: rows that need the
+    // caller's finish are settled between runs of the loop (kernel driver: 51.6 -> 49.3 ns a row
+    // without the call).
     void run(int64_t rows_ahead) const {
-      OpenRow row{};
-      Coefficients prev{}, cur{};
-      Closed closed;
+      Progress state;
+      while (state.t <= rows + kStreamLead) {
+        run_until_unsettled(state, rows_ahead);
+        settle(state.closed);
+      }
+    }
+    // Runs iterations until one leaves a row to settle, or the last.
+    SIMDNORM_CURSOR_METHOD void run_until_unsettled(Progress& state, int64_t rows_ahead) const {
+      OpenRow row = state.row;
+      Coefficients prev = state.prev, cur = state.cur;
+      Closed& closed = state.closed;
       const F fl = f;
       const Affine afl = af;
       const int64_t end = len - S;  // the later steps of a period: [S, len)
-      for (int64_t t = 0; t <= rows + kStreamLead; ++t) {
+      int64_t t = state.t;
+      for (; t <= rows + kStreamLead && closed.unsettled_count == 0; ++t) {
         const int64_t p = t - kStreamLead;
-        finish_closed(t - 1 < 0 ? 0 : t - 1 > rows ? rows : t - 1, closed);
         if (p >= 0) normalize_first(p, prev, cur);
+        finish_closed(t - 1 < 0 ? 0 : t - 1 > rows ? rows : t - 1, closed);
         if (t <= rows) sums_first(t, row, closed);
         const bool summing = t < rows, normalizing = p >= 0 && p < rows;
         const T* src = in_period(t) + S;
@@ -449,6 +487,10 @@ struct FusedRowsKernel {
           for (int64_t i = 0; i < end; i += S) normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
         }
       }
+      state.t = t;
+      state.row = row;
+      state.prev = prev;
+      state.cur = cur;
     }
   };
 
