@@ -5,24 +5,42 @@
 // operation (the avx2 and avx512 units' loops do): a lane's variance can then differ in its last
 // bit from the baseline's, as the normalize kernels' results already do between ISAs.
 
+// Written once for a double (D = double) and for a vector of doubles (D a GCC vector type, a
+// group per lane: kernels/fused_rows.h finishes rows two at a time).
+
 // The mean of d = (x - pivot) * scale and the variance, in scaled units, from the sums of n values
 // (inv_n = 1 / n).
-struct FirstMoments {
-  double m1, var;
+template <class D>
+struct FirstMomentsOf {
+  D m1, var;
 };
-static inline FirstMoments first_moments(double sum, double sum_sq, double inv_n) {
-  const double m1 = sum * inv_n;
-  const double excess = sum_sq * inv_n - m1 * m1;
-  return {m1, excess > 0.0 ? excess : 0.0};  // rounding can make it negative
+using FirstMoments = FirstMomentsOf<double>;
+template <class D>
+static inline FirstMomentsOf<D> first_moments(D sum, D sum_sq, double inv_n) {
+  const D m1 = sum * inv_n;
+  const D excess = sum_sq * inv_n - m1 * m1;
+  return {m1, excess > 0.0 ? excess : D{}};  // rounding can make it negative
 }
 
 // The pivot was so far from the mean that the variance lost digits to cancellation: the group is
 // summed again around the mean found.
-static inline bool pivot_too_far(const FirstMoments& m) { return m.m1 * m.m1 > 64.0 * m.var; }
+template <class D>
+static inline auto pivot_too_far(const FirstMomentsOf<D>& m) { return m.m1 * m.m1 > 64.0 * m.var; }
 
-static inline double inv_std_of(double var, const InvStdRule& rule) {
-  if (!rule.normalize_variance) return 1.0;
-  return rule.epsilon_outside ? 1.0 / (std::sqrt(var) + rule.epsilon) : 1.0 / std::sqrt(var + rule.epsilon);
+// Two groups' doubles, one per lane.
+typedef double double2 __attribute__((vector_size(16)));
+static inline double dsqrt(double v) { return std::sqrt(v); }
+static inline double2 dsqrt(double2 v) {
+#if defined(__SSE2__)
+  return __builtin_ia32_sqrtpd(v);
+#else
+  return double2{std::sqrt(v[0]), std::sqrt(v[1])};
+#endif
+}
+template <class D>
+static inline D inv_std_of(D var, const InvStdRule& rule) {
+  if (!rule.normalize_variance) return D{} + 1.0;
+  return rule.epsilon_outside ? 1.0 / (dsqrt(var) + rule.epsilon) : 1.0 / dsqrt(var + rule.epsilon);
 }
 
 static constexpr double kMaxFinite = 1.7976931348623157e308;  // the largest double
