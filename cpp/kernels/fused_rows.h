@@ -510,6 +510,9 @@ struct FusedRowsKernel {
         const float* k_out = kept_period(p < 0 ? 0 : p) + S;
         T* dst = out_period(p) + S;
         const Coefficients c = cur;
+        // The period's first step too (the loop starts past it): with the L3 flushed before each
+        // sample of 8 calls, (8, 512, 768) took 275-301 us without, 267-271 with.
+        __builtin_prefetch(ahead - S * sizeof(T), 0, 3);
         if (summing && normalizing) {
           for (int64_t i = 0; i < end; i += S) {
             __builtin_prefetch(ahead + i * sizeof(T), 0, 3);
