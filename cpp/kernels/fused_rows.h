@@ -444,35 +444,6 @@ struct FusedRowsKernel {
       }
       c.unsettled_count = 0;
     }
-    // The statistics of Count rows from row on, by lane_stats.h's rules, here: with the caller's
-    // finish (a call per batch) float16 rows of 768 took 53.7 ns a row in the kernel driver, 51.0
-    // here (medians of 5, alternating). A row whose first pass does not settle it is left to the
-    // caller's finish, alone (settle()), so that no row's path depends on its batch (nor its bits
-    // on the number of threads).
-    template <int Count>
-    SIMDNORM_CURSOR_METHOD void finish_rows(int64_t row, const double* pivot, const double* sum,
-                                            const double* sum_sq, Closed& c) const {
-      double mean[Count], var[Count], inv_std[Count];
-      unsigned char slow[Count];
-      const bool any_slow = lane_stats_loop(Count, a.inv_n, a.centered, pivot, sum, sum_sq, mean, var, slow) != 0;
-      inv_std_lanes_entry(var, inv_std, Count, 1, a.rule);
-      for (int i = 0; i < Count; ++i) {
-        const int64_t r = row + i;
-        if (any_slow && slow[i]) {
-          c.unsettled[c.unsettled_count++] = r;
-          continue;
-        }
-        auto store = [](char* p, double v) {
-          const C c = static_cast<C>(v);
-          std::memcpy(p, &c, sizeof c);
-        };
-        store(a.data[kShift] + r * a.step[kShift], mean[i]);
-        store(a.data[kMul] + r * a.step[kMul], inv_std[i]);
-        if (a.stats_out[0] != nullptr) store(a.stats_out[0] + r * a.stats_step[0], mean[i]);
-        if (a.stats_out[1] != nullptr) store(a.stats_out[1] + r * a.stats_step[1], inv_std[i]);
-      }
-    }
-
     // Iteration t sums period t and normalizes period t - kStreamLead, in one loop over their
     // steps; between the first steps of the two, the rows closed so far (0 .. t - 2) are
     // finished. The normalization's first step comes first, its coefficients loaded before the

@@ -341,13 +341,11 @@ class MvnRunner {
     }
   };
   // FusedRowsArgs::finish: rows `row` to `row + count` of those from group g0 on; the operands'
-  // pointers are the args', the user's statistics step by `user_step`.
+  // pointers and the user's statistics arrays are the args'.
   struct FusedRowsContext {
     MvnRunner* runner;
     const FusedRowsArgs* args;
     int64_t g0;
-    char* user[2];  // mean, inv_std
-    int64_t user_step[2];
   };
   static void finish_fused_rows(void* context, int64_t row, int count, const double* pivot, const double* sum,
                                 const double* sum_sq) {
@@ -355,11 +353,15 @@ class MvnRunner {
     for (int i = 0; i < count; ++i) {
       const int64_t r = row + i;
       auto at = [&](int op) { return c.args->data[op] + r * c.args->step[op]; };
+      // (null where store_stats() writes no such statistic)
+      auto stat = [&](int k) {
+        return c.args->stats_out[k] ? c.args->stats_out[k] + r * c.args->stats_step[k] : nullptr;
+      };
       Pass pass;  // first_pass() of the row, as the kernel took it
       pass.pivot = pivot[i];
       c.runner->store_stats(at(kShift), at(kMul),
                             c.runner->stats_from_first_sums(c.g0 + r, at(kIn), pass, {sum[i], sum_sq[i]}),
-                            c.user[0] + r * c.user_step[0], c.user[1] + r * c.user_step[1]);
+                            stat(0), stat(1));
     }
   }
   char* group_base(int op) const {
@@ -441,8 +443,7 @@ class MvnRunner {
             if (a_.inv_std_out && a_.normalize_variance) args.stats_out[1] = first.p[kUserInvStd];
             args.stats_step[0] = group_stride(kUserMean, inner);
             args.stats_step[1] = group_stride(kUserInvStd, inner);
-            FusedRowsContext ctx{this, &args, g, {first.p[kUserMean], first.p[kUserInvStd]},
-                                 {group_stride(kUserMean, inner), group_stride(kUserInvStd, inner)}};
+            FusedRowsContext ctx{this, &args, g};
             args.ctx = &ctx;
             k.normalize_rows_fused(task_, args);
             g += rows;
