@@ -18,6 +18,14 @@ struct FusedRowsKernel {
   struct Totals {
     double sum, sum_sq;
   };
+  // Asks for the lines of one step of the sums (2W elements from element i) of the array at p,
+  // into L1 (Locality 3) or L2 (2).
+  template <int Locality>
+  SIMDNORM_CURSOR_METHOD static void prefetch_step(const char* p, int64_t i) {
+    static_assert(2 * M::W * sizeof(T) <= 128, "one step reads at most two lines");
+    __builtin_prefetch(p + i * sizeof(T), 0, Locality);
+    if constexpr (2 * M::W * sizeof(T) > 64) __builtin_prefetch(p + i * sizeof(T) + 64, 0, Locality);
+  }
   // Runs `run` and takes the first-pass sums of next[r] (their scale must be 1) into out[r], for
   // Rows runs at one phase. ahead[r]: where a run after next[r] probably starts. Asked for ahead of
   // its sums, it arrives in time (measured: float32 4096 x 768 rows 0.82 ms with it, 0.98 without).
@@ -28,11 +36,7 @@ struct FusedRowsKernel {
     RowsOf<const char*, Rows> prefetch;  // in registers: the loop's stores may alias any array
     prefetch.each([&](const char*& p, int r) SIMDNORM_INLINE_LAMBDA { p = ahead[r]; });
     while (run.can_step() && sums.can_step()) {
-      static_assert(2 * M::W * sizeof(T) <= 128, "one step reads at most two lines");
-      prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA {
-        __builtin_prefetch(p + sums.i * sizeof(T), 0, 3);
-        if constexpr (2 * M::W * sizeof(T) > 64) __builtin_prefetch(p + sums.i * sizeof(T) + 64, 0, 3);
-      });
+      prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<3>(p, sums.i); });
       run.step();
       sums.step();
     }
@@ -460,16 +464,16 @@ struct FusedRowsKernel {
         settle(state.closed);
       }
     }
-    // The input and the output a period is read from and written to are asked for kL2Ahead times
-    // rows_ahead periods before, into L2 (prefetcht1): the lines the stream keeps in L1 (ring,
-    // scale and bias: 21 KB at rows of 768, 28 KB at 1024) then stay there on a 32 KB L1, and the
-    // output's lines are in cache before its stores (the first store to a line that is not
-    // waits for it: the output of a large op is rarely still cached). Measured on a Zen 4
-    // (32 KB L1), 4096 rows, ns a row, the output not in cache (the copy between samples writes
-    // another array): input into L1 at 1x only -> both into L2 at 2x: 768 elements 104-128 ->
-    // 95-97, 1024 194-215 -> 128-132; the output in cache: 768 93 -> 90.
+    // The stream asks for its input and its output into L2 (prefetcht1), kL2Ahead times as far
+    // ahead as the pipeline asks for its input into L1: the lines it keeps in L1 (ring, scale and
+    // bias: 21 KB at rows of 768, 28 KB at 1024) then stay there on a 32 KB L1, and the output's
+    // lines are in cache before its stores (the first store to a line that is not waits for it,
+    // and the output of a large op is rarely still cached). Measured on a Zen 4 (32 KB L1), 4096
+    // rows, ns a row, the output not in cache (the copy between samples writes another array):
+    // input into L1 at 1x only -> both into L2 at 2x: 768 elements 104-128 -> 95-97, 1024
+    // 194-215 -> 128-132; the output in cache: 768 93 -> 90. (The pipeline's float32 rows, bound
+    // by memory, gained nothing from the same prefetch of their output.)
     static constexpr int kL2Ahead = 2;
-    SIMDNORM_CURSOR_METHOD static void prefetch_to_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
     // Runs iterations until one leaves a row to settle, or the last.
     SIMDNORM_CURSOR_METHOD void run_until_unsettled(Progress& state, int64_t rows_ahead) const {
       OpenRow row = state.row;
@@ -494,12 +498,12 @@ struct FusedRowsKernel {
         const Coefficients c = cur;
         // The period's first step too (the loop starts past it): with the L3 flushed before each
         // sample of 8 calls, (8, 512, 768) took 275-301 us without, 267-271 with.
-        prefetch_to_l2(ahead - S * sizeof(T));
-        prefetch_to_l2(out_ahead - S * sizeof(T));
+        prefetch_step<2>(ahead, -S);
+        prefetch_step<2>(out_ahead, -S);
         if (summing && normalizing) {
           for (int64_t i = 0; i < end; i += S) {
-            prefetch_to_l2(ahead + i * sizeof(T));
-            prefetch_to_l2(out_ahead + i * sizeof(T));
+            prefetch_step<2>(ahead, i);
+            prefetch_step<2>(out_ahead, i);
             normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
             sums_step(src + i, k_in + i, row);
           }
