@@ -167,7 +167,7 @@ def test_a_single_huge_group_is_split_over_blocks():
     assert "rows groups=1 lanes=1 group_size=1048576" in mvn_plan(x, (1,))
 
 
-# The NCHW loops for short planes (a row stream for 16-bit data, unpeeled rows for float32) and
+# The NCHW loops for short planes (a row stream; float32 with streaming stores: unpeeled rows) and
 # the lengthened channels-last runs, checked against the float64 reference: every plane length
 # around the vector widths (4, 8, 16 lanes), offsets that put rows at every alignment, and a
 # fused activation whose lanes must take their own row's coefficients.
