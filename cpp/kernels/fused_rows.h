@@ -470,9 +470,9 @@ struct FusedRowsKernel {
     // lines are in cache before its stores (the first store to a line that is not waits for it,
     // and the output of a large op is rarely still cached). Measured on a Zen 4 (32 KB L1), 4096
     // rows, ns a row, the output not in cache (the copy between samples writes another array):
-    // input into L1 at 1x only -> both into L2 at 2x: 768 elements 104-128 -> 95-97, 1024
-    // 194-215 -> 128-132; the output in cache: 768 93 -> 90. (The pipeline's float32 rows, bound
-    // by memory, gained nothing from the same prefetch of their output.)
+    // input into L1 at 1x only -> both into L2 at 2x: 768 elements 105-110 -> 94-97, 1024
+    // 188-208 -> 133-138; the output in cache: 768 92-95 -> 89-92. (The pipeline's float32 rows,
+    // bound by memory, gained nothing from the same prefetch of their output.)
     static constexpr int kL2Ahead = 2;
     // Runs iterations until one leaves a row to settle, or the last.
     SIMDNORM_CURSOR_METHOD void run_until_unsettled(Progress& state, int64_t rows_ahead) const {

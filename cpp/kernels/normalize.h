@@ -299,8 +299,8 @@ struct NormalizeKernel {
           // 16-bit data: each row's masked head and tail cost two more conversions; the row
           // stream has neither (measured: NCHW 7x7 bfloat16 2.0-2.4x the copy, 2.9-3.4x per row).
           // float32 rows pay a masked tail each: batch norm NCHW, Zen 4, per row -> stream,
-          // output not in cache: 8x2048x7x7 136-138 -> 110-111 us, 8x512x7x7 35.5 -> 30.0,
-          // 8x1024x14x14 204 -> 184, 8x64x56x56 176-188 -> 169-172. Not with streaming stores
+          // output not in cache: 8x2048x7x7 135-138 -> 90-111 us, 8x512x7x7 35.5 -> 30.0,
+          // 8x1024x14x14 204 -> 173-184, 8x64x56x56 173-188 -> 163-172. Not with streaming stores
           // (outputs past the caches: 8x64x112x112 and 8x256x56x56 took 1.00-1.07x the time).
           const bool stream_rows = sizeof(T) == 2 || !stream;
           if (stream_rows && rows > 1 && n >= W && rs[kIn] == n * ts && rs[kOut] == n * ts)
