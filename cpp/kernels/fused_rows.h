@@ -415,26 +415,18 @@ struct FusedRowsKernel {
         sum[i] = c.sum[slot];
         sum_sq[i] = c.sum_sq[slot];
       }
-      const FirstMomentsOf<double2> m = first_moments(sum, sum_sq, a.inv_n);
-      const double2 mean = a.centered ? pivot + m.m1 : double2{};
-      const double2 var = a.centered ? m.var : sum_sq * a.inv_n;
-      const auto finite = (sum <= kMaxFinite) & (sum >= -kMaxFinite) & (sum_sq <= kMaxFinite) & (sum_sq >= -kMaxFinite);
-      const auto settled = a.centered ? finite & ~pivot_too_far(m) : finite;
-      const double2 inv_std = inv_std_of(var, a.rule);
-      auto store = [](char* p, double v) {
-        const C x = static_cast<C>(v);
-        std::memcpy(p, &x, sizeof x);
-      };
+      const auto stats = lane_stats_of(pivot, sum, sum_sq, a.inv_n, a.centered);
+      const double2 inv_std = inv_std_of(stats.var, a.rule);
       for (int i = 0; i < count; ++i) {
         const int64_t r = row + i;
-        if (!settled[i]) {
+        if (stats.slow[i]) {
           c.unsettled[c.unsettled_count++] = r;
           continue;
         }
-        store(a.data[kShift] + r * a.step[kShift], mean[i]);
-        store(a.data[kMul] + r * a.step[kMul], inv_std[i]);
-        if (a.stats_out[0] != nullptr) store(a.stats_out[0] + r * a.stats_step[0], mean[i]);
-        if (a.stats_out[1] != nullptr) store(a.stats_out[1] + r * a.stats_step[1], inv_std[i]);
+        store_as<C>(a.data[kShift] + r * a.step[kShift], stats.mean[i]);
+        store_as<C>(a.data[kMul] + r * a.step[kMul], inv_std[i]);
+        if (a.stats_out[0] != nullptr) store_as<C>(a.stats_out[0] + r * a.stats_step[0], stats.mean[i]);
+        if (a.stats_out[1] != nullptr) store_as<C>(a.stats_out[1] + r * a.stats_step[1], inv_std[i]);
       }
     }
     // The caller's finish of the rows finish_rows() left: a second pass, or NaN statistics. Their

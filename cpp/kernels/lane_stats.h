@@ -45,6 +45,30 @@ static inline D inv_std_of(D var, const InvStdRule& rule) {
 
 static constexpr double kMaxFinite = 1.7976931348623157e308;  // the largest double
 
+// A group's mean and variance from the sums around its pivot (pivot 0 and plain sums when not
+// centered), and whether its first pass leaves it unsettled: sums that overflowed or are NaN, or a
+// pivot too far from the mean. Each bound compared on its own so that D may be a vector (x <= max
+// and x >= -max is |x| <= max, NaN included).
+template <class D>
+static inline auto lane_stats_of(D pivot, D sum, D sum_sq, double inv_n, bool centered) {
+  const FirstMomentsOf<D> m = first_moments(sum, sum_sq, inv_n);
+  const auto finite = (sum <= kMaxFinite) & (sum >= -kMaxFinite) & (sum_sq <= kMaxFinite) & (sum_sq >= -kMaxFinite);
+  using Mask = decltype(finite);
+  struct Stats {
+    D mean, var;
+    Mask slow;
+  };
+  return Stats{centered ? pivot + m.m1 : D{}, centered ? m.var : sum_sq * inv_n,
+               (finite == Mask{}) | (centered ? Mask(pivot_too_far(m)) : Mask{})};
+}
+
+// Stores a statistic in the compute type C (float or double).
+template <class C>
+static inline void store_as(char* p, double v) {
+  const C x = static_cast<C>(v);
+  std::memcpy(p, &x, sizeof x);
+}
+
 // The kernels' loops over lanes (kernel_table.h: lane_stats, inv_std_lanes). Written as plain loops
 // for the compiler to vectorize: no call, no branch on the data but the blend of `slow`.
 // The arrays as restrict parameters (GCC ignores restrict on locals copied from a struct's members,
@@ -54,13 +78,11 @@ static int64_t lane_stats_loop(int64_t n, double inv_n, bool centered, const dou
                                double* __restrict mean, double* __restrict var, unsigned char* __restrict slow) {
   int64_t count = 0;
   for (int64_t c = 0; c < n; ++c) {
-    const FirstMoments m = first_moments(sum[c], sum_sq[c], inv_n);
-    mean[c] = centered ? pivot[c] + m.m1 : 0.0;
-    var[c] = centered ? m.var : sum_sq[c] * inv_n;
-    const bool finite = (std::fabs(sum[c]) <= kMaxFinite) & (std::fabs(sum_sq[c]) <= kMaxFinite);
-    const bool s = (!finite) | (centered & pivot_too_far(m));  // no branches: the loop vectorizes
-    slow[c] = static_cast<unsigned char>(s);
-    count += s;
+    const auto s = lane_stats_of(pivot[c], sum[c], sum_sq[c], inv_n, centered);
+    mean[c] = s.mean;
+    var[c] = s.var;
+    slow[c] = static_cast<unsigned char>(s.slow);
+    count += s.slow;
   }
   return count;
 }

@@ -227,14 +227,7 @@ class MvnRunner {
     if (a_.inv_std_out && a_.normalize_variance) store_compute(const_cast<char*>(user_inv_std), istd);
   }
 
-  void store_compute(char* p, double v) const {
-    if (compute_ == DType::f64) {
-      std::memcpy(p, &v, 8);
-    } else {
-      const float f = static_cast<float>(v);
-      std::memcpy(p, &f, 4);
-    }
-  }
+  void store_compute(char* p, double v) const { compute_ == DType::f64 ? store_as<double>(p, v) : store_as<float>(p, v); }
 
   // Offset of kept index `g` (flat over the leading kept dims) in one of the user's stats arrays.
   int64_t user_offset(const int64_t* strides, int64_t g) const {
