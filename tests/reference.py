@@ -60,7 +60,8 @@ ACTIVATIONS = {
     "linear": ({"alpha": 1.0, "beta": 0.0}, lambda z, alpha, beta: alpha * z + beta),
     "relu": ({}, lambda z: np.maximum(z, 0.0)),
     "leaky_relu": ({"alpha": 0.01}, lambda z, alpha: np.where(z >= 0, z, alpha * z)),
-    "thresholded_relu": ({"alpha": 1.0}, lambda z, alpha: np.where(z > alpha, z, 0.0)),
+    # written so that NaN stays NaN, as every activation keeps it (docs/ACCURACY.md)
+    "thresholded_relu": ({"alpha": 1.0}, lambda z, alpha: np.where(z <= alpha, 0.0, z)),
     "elu": ({"alpha": 1.0}, lambda z, alpha: np.where(z > 0, z, alpha * np.expm1(np.minimum(z, 0.0)))),
     "celu": (
         {"alpha": 1.0},
@@ -79,7 +80,7 @@ ACTIVATIONS = {
     "softsign": ({}, lambda z: z / (1.0 + np.abs(z))),
     "shrink": (
         {"bias": 0.0, "threshold": 0.5},
-        lambda z, bias, threshold: np.where(z > threshold, z - bias, np.where(z < -threshold, z + bias, 0.0)),
+        lambda z, bias, threshold: np.where(np.abs(z) <= threshold, 0.0, np.where(z > 0, z - bias, z + bias)),
     ),
     # 0.5 z (1 + erf(z / sqrt2)) written with erfc, which keeps its relative accuracy for large
     # negative z, where 1 + erf cancels
