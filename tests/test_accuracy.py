@@ -101,6 +101,37 @@ def test_float16_rows_shift_folded(rng, threads, ratio, n):
         assert not bad.any(), f"{int(bad.sum())} off; worst {float(np.max(err - tol))} (ratio {ratio}, n {n})"
 
 
+@pytest.mark.parametrize("n", [768, 1024])
+def test_float16_row_stream_pivots(rng, threads, n):
+    # The float16 row stream sums a row around 0 when its first vector spreads as far from its
+    # first element as that is from 0, and around the first element otherwise (kernels/fused_rows.h,
+    # pivot_of). A row whose mean turns out to be more than 8 standard deviations from 0 is summed
+    # again: rows 2 and 3 pick 0 (first element 0 or 400, the rest near 1000: mean/std 27 and 48,
+    # where sums around 0 in float32 leave inv_std off by ~1e-3).
+    x = rng.normal(0.3, 1.0, size=(12, n))
+    x[1] += 5.0
+    x[1, 1] = -20.0  # pivot 0, the mean within 5 standard deviations of it: settled by the first pass
+    x[2] = 1000.0 + rng.normal(0.0, 1.0, n)
+    x[2, 0] = 0.0
+    x[3] = 1000.0 + rng.normal(0.0, 1.0, n)
+    x[3, 0] = 400.0
+    x[4] = 1000.0 + rng.normal(0.0, 1.0, n)  # pivot at the first element
+    x[5] = 0.0
+    x[6] = 2.5
+    x[7] = -3000.0 + rng.normal(0.0, 1.0, n)
+    x[7, 5] = 0.0
+    x = x.astype(F16)
+    scale = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    bias = rng.normal(0.0, 1.0, n).astype(np.float32)
+    z, _, mean, inv = mvn_terms(x, 1, scale, bias)
+    for t in (1, 2):
+        threads(t)
+        out = np.full_like(x, np.nan)
+        y, m, i = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
+        check_mvn(y, x, 1, scale, bias)
+        check_stats((m, i), x, 1, mean, inv, stat_rtol=1e-6, inv_rtol=1e-5, context=f"threads={t}")
+
+
 # ----------------------------------------------------------------------------------------------
 # constant groups: variance 0, finite output equal to bias (with epsilon > 0)
 # ----------------------------------------------------------------------------------------------

@@ -337,7 +337,7 @@ struct FusedRowsKernel {
         closed.pivot[slot] = row.pivot;
       }
       if (q < rows) {
-        row.pivot = a.centered ? static_cast<double>(L::load_one(x + q * len)) : 0.0;
+        row.pivot = a.centered ? pivot_of(x + q * len) : 0.0;
         row.piv = splat<V>(row.pivot);
         row.s1a = vselect(prev0, zero, v0 - row.piv);
         row.s1b = vselect(prev1, zero, v1 - row.piv);
@@ -345,12 +345,26 @@ struct FusedRowsKernel {
         row.s2b = row.s1b * row.s1b;
       }
     }
-    // A later step of the period (wholly the open row's), at p in the input and k in its slot.
+    // A row's pivot: its first element, or 0 when its first W elements lie as far from the first
+    // as that is from 0. The mean is then likely a few spreads from 0, inside the 8 standard
+    // deviations past which the sums lose digits to cancellation (a row past them is summed
+    // again), and the row's steps drop the subtraction. float16 rows, 4096 x 768, output not in
+    // cache (old/new side by side, medians): layer norm 94.0 -> 89.2 ns a row, 93.7 -> 88.3;
+    // rows of 1024 127.8 -> 123.0; RMS norm (pivot 0 before too) 90.3 -> 84.1. Decided from the
+    // row alone, not its address or neighbours: the same bits for any thread count.
+    static double pivot_of(const T* start) {
+      const V v = L::load(start);
+      const float first = v[0];
+      return std::fabs(first) <= vreduce_max(vabs(v - splat<V>(first))) ? 0.0 : first;
+    }
+    // A later step of the period (wholly the open row's), at p in the input and k in its slot;
+    // Pivoted false for a row whose pivot is 0 (subtracting it would give the same bits).
+    template <bool Pivoted>
     SIMDNORM_CURSOR_METHOD static void sums_step(const T* p, float* k, OpenRow& row) {
       const V v0 = L::load(p), v1 = L::load(p + W);
       LF::store(k, v0);
       LF::store(k + W, v1);
-      const V d0 = v0 - row.piv, d1 = v1 - row.piv;
+      const V d0 = Pivoted ? v0 - row.piv : v0, d1 = Pivoted ? v1 - row.piv : v1;
       row.s1a += d0;
       row.s1b += d1;
       row.s2a = vfma(d0, d0, row.s2a);
@@ -492,15 +506,21 @@ struct FusedRowsKernel {
         // sample of 8 calls, (8, 512, 768) took 275-301 us without, 267-271 with.
         prefetch_step<2>(ahead, -S);
         prefetch_step<2>(out_ahead, -S);
-        if (summing && normalizing) {
+        auto sum_and_normalize = [&](auto pivoted) SIMDNORM_INLINE_LAMBDA {
           for (int64_t i = 0; i < end; i += S) {
             prefetch_step<2>(ahead, i);
             prefetch_step<2>(out_ahead, i);
             normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
-            sums_step(src + i, k_in + i, row);
+            sums_step<decltype(pivoted)::value>(src + i, k_in + i, row);
           }
+        };
+        if (summing && normalizing) {
+          if (row.pivot != 0.0)
+            sum_and_normalize(std::true_type{});
+          else
+            sum_and_normalize(std::false_type{});
         } else if (summing) {
-          for (int64_t i = 0; i < end; i += S) sums_step(src + i, k_in + i, row);
+          for (int64_t i = 0; i < end; i += S) sums_step<true>(src + i, k_in + i, row);
         } else if (normalizing) {
           for (int64_t i = 0; i < end; i += S) normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
         }

@@ -141,6 +141,15 @@ static inline float vreduce_add(vf a) {
 #endif
 }
 static inline double vreduce_add(double a) { return a; }
+static inline float vreduce_max(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)a);
+#else
+  float m = a[0];
+  for (int i = 1; i < kWidth; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+#endif
+}
 
 #include "simd/half.h"
 
