@@ -348,10 +348,12 @@ struct FusedRowsKernel {
     // A row's pivot: its first element, or 0 when its first W elements lie as far from the first
     // as that is from 0. The mean is then likely a few spreads from 0, inside the 8 standard
     // deviations past which the sums lose digits to cancellation (a row past them is summed
-    // again), and the row's steps drop the subtraction. float16 rows, 4096 x 768, output not in
-    // cache (old/new side by side, medians): layer norm 94.0 -> 89.2 ns a row, 93.7 -> 88.3;
-    // rows of 1024 127.8 -> 123.0; RMS norm (pivot 0 before too) 90.3 -> 84.1. Decided from the
-    // row alone, not its address or neighbours: the same bits for any thread count.
+    // again), and the row's steps drop the subtraction. A row whose first W elements hold an
+    // outlier as large as its mean pays that second pass. float16 rows, 4096 x 768, x, out and
+    // the copy's output apart (old/new side by side, medians): layer norm 94.0 -> 89.2 ns a row,
+    // 93.7 -> 88.3; rows of 1024 127.8 -> 123.0; RMS norm (pivot 0 before too) 90.3 -> 84.1.
+    // Decided from the row alone, not its address or neighbours: the same bits for any thread
+    // count.
     static double pivot_of(const T* start) {
       const V v = L::load(start);
       const float first = v[0];
