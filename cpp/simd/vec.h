@@ -118,6 +118,19 @@ static inline vf vround(vf a) {
 static inline vf vselect(vi m, vf a, vf b) { return m ? a : b; }
 static inline double vselect(bool m, double a, double b) { return m ? a : b; }
 
+// Whether a >= b in any lane (false for NaN lanes).
+static inline bool vany_ge(vf a, vf b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GE_OQ) != 0;
+#elif defined(__AVX2__)
+  return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GE_OQ)) != 0;
+#else
+  for (int i = 0; i < kWidth; ++i)
+    if (a[i] >= b[i]) return true;
+  return false;
+#endif
+}
+
 // Lanes [0, m) set, the rest clear: masks the unused lanes of a partial vector.
 static inline vi vlanes_below(int m) {
   vi iota;
@@ -141,15 +154,6 @@ static inline float vreduce_add(vf a) {
 #endif
 }
 static inline double vreduce_add(double a) { return a; }
-static inline float vreduce_max(vf a) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps((__m512)a);
-#else
-  float m = a[0];
-  for (int i = 1; i < kWidth; ++i) m = a[i] > m ? a[i] : m;
-  return m;
-#endif
-}
 
 #include "simd/half.h"
 
