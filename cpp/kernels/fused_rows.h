@@ -250,8 +250,8 @@ struct FusedRowsKernel {
   // output each step. float16 layer norm 4096 x 768, one build with 5 and 4 slots chosen at run
   // time (medians of 300 alternating calls, two runs): 96.2 -> 92.9 and 96.8 -> 93.2 ns a row.
   // (Running the sums 3 periods ahead in 3 slots, each batch finished right after it closes, was
-  // slower: with the compare of pivot_of, 0.985-1.0x the old build's time against 0.946-0.975x
-  // with 4 slots.)
+  // slower: with the compare of pivot_of, 0.985-1.003x the old build's time against
+  // 0.949-0.975x with 4 slots.)
   static constexpr int kStreamSlots = kStreamLead;
 
   static bool rows_stream(const FusedRowsArgs& a) {
