@@ -311,9 +311,11 @@ def test_byte_extent_over_2gib(rng):
 # phases against a 64-byte line: each row's head and tail line is written in pieces (non-temporal
 # 4- and 16-byte stores; plain stores at an odd 2-byte phase), its middle in whole lines. Rows
 # back to back share their boundary lines, as do the planes of MVN over (0, 2, 3) across groups.
-# Three cases run on every ISA, the rest on the default one.
+# Channels-last batch norm runs all its rows as one stream, whole lines but for the first and last.
+# Four cases run on every ISA, the rest on the default one.
 STREAMED = [
-    # (op, row or plane shape, dtype, input offset, output offset in bytes past a line, every ISA)
+    # (op, row or plane shape, dtype, input offset, output offset in bytes past a line, every ISA);
+    # bn-nhwc: the shape is (H, W, C), the channels innermost in memory.
     ("layer", (768,), F32, 16, 16, True),
     ("layer", (768,), F32, 16, 0, False),
     ("layer", (768,), F32, 4, 36, False),
@@ -327,6 +329,8 @@ STREAMED = [
     ("rms", (768,), F32, 16, 16, False),
     ("bn", (4, 16, 130), F32, 16, 16, False),
     ("bn", (4, 16, 130), F16, 2, 2, True),
+    ("bn-nhwc", (4, 4, 64), F16, 0, 16, True),  # channels last: (N, H, W, C) memory
+    ("bn-nhwc", (2, 3, 48), F32, 16, 36, False),
     ("mvn023", (4, 56, 56), F32, 16, 16, False),
 ]
 
@@ -348,10 +352,12 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
     x = empty_past_line(shape, dtype, x_offset)
     x[...] = make_input(rng, shape, dtype, loc=3.0)
     out = empty_past_line(shape, dtype, out_offset)
+    if op == "bn-nhwc":
+        x, out, op = x.transpose(0, 3, 1, 2), out.transpose(0, 3, 1, 2), "bn"
     identity = (0, 0.0, 0.0)
     axes = (0, 2, 3) if op == "mvn023" else (x.ndim - 1,)
     if op == "bn":
-        p = p1d(rng, shape, dtype)
+        p = p1d(rng, x.shape, dtype)
         assert _core.explain_batch_norm(x, *(v.reshape(1, -1, 1, 1) for v in p.values()), out, 1e-5, identity, 0,
                                         False).endswith("stream")
     else:
@@ -432,5 +438,49 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
                 simdnorm.rms_norm(x, scale, out=out)
                 check_mvn(out[finite], x0[finite], 1, scale, None, normalize_mean=False, context=f"rms isa={isa}")
                 assert np.isnan(out[9]).all()
+    finally:
+        simdnorm.set_isa(previous)
+
+
+# Channels-last rows whose coefficients are the same for every row (batch norm and instance norm,
+# the channels innermost, repeated along runs of ~1024) and that follow each other in memory run as
+# one stream of elements (kernels/normalize.h: run_periodic_stream), element j taking the
+# coefficients of element j mod n of a row: its steps wrap from one row into the next, its head and
+# tail are masked. Checked against the float64 reference and, bit for bit, against the same arrays
+# with rows apart (a gap after each pixel's channels: a run per row), at output phases that make
+# the rows' boundaries fall anywhere in a step, on every ISA (steps of 32, 16 and 8 elements), with
+# one and two threads (the second thread's rows start mid-row).
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
+@pytest.mark.parametrize("c", [17, 40, 64, 2048, 2049])
+@pytest.mark.parametrize("out_offset", [0, 2, 16, 36])
+def test_channels_last_rows_as_one_stream(rng, threads, dtype, c, out_offset):
+    from cases import empty_past_line
+
+    n, h, w = (2, 3, 5) if c > 1000 else (3, 48, 5)
+    x = make_input(rng, (n, h, w, c), dtype).transpose(0, 3, 1, 2)
+    p = {k: v.astype(F32) for k, v in p1d(rng, x.shape, dtype).items()}
+    apart = np.empty((n, h, w, c + 3), dtype)[..., :c].transpose(0, 3, 1, 2)  # rows not back to back
+    previous = simdnorm.isa()
+    try:
+        for isa in simdnorm.available_isas():
+            simdnorm.set_isa(isa)
+            for t in (1, 2):
+                threads(t)
+                context = f"isa={isa} threads={t}"
+                out = empty_past_line((n, h, w, c), dtype, out_offset).transpose(0, 3, 1, 2)
+                for run in ("bn", "instance"):
+                    for y in (out, apart):
+                        y[...] = np.nan
+                        if run == "bn":
+                            bn(x, p["mean"], p["variance"], p["scale"], p["bias"], activation="leaky_relu", out=y)
+                        else:
+                            simdnorm.instance_norm(x, p["scale"], p["bias"], out=y)
+                    if run == "bn":
+                        check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], activation="leaky_relu",
+                                 context=context)
+                    else:
+                        check_mvn(out, x, (2, 3), p["scale"].reshape(1, c, 1, 1), p["bias"].reshape(1, c, 1, 1),
+                                  context=context)
+                    assert np.array_equal(bits(out), bits(apart)), f"{run}: one stream and rows apart differ: {context}"
     finally:
         simdnorm.set_isa(previous)
