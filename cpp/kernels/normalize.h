@@ -145,12 +145,10 @@ struct NormalizeKernel {
       rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
         const V r0 = f(LI::load(row.x + i), row.st.first(i), row.st.second(i), s0, b0);
         const V r1 = f(LI::load(row.x + i + W), row.st.first(i + W), row.st.second(i + W), s1, b1);
-        if (stream) {  // a predictable branch: cheaper than twice the code
+        if (stream)  // a predictable branch: cheaper than twice the code
           L::store2_stream(row.y + i, r0, r1);
-        } else {
-          L::store(row.y + i, r0);
-          L::store(row.y + i + W, r1);
-        }
+        else
+          L::store2(row.y + i, r0, r1);
       });
       i += 2 * W;
     }
@@ -246,12 +244,10 @@ struct NormalizeKernel {
     for (; i + 2 * W <= total; i += 2 * W) {
       const V r0 = vector_at(i, W, false);
       const V r1 = vector_at(i + W, W, false);
-      if (stream) {
+      if (stream)
         L::store2_stream(y + i, r0, r1);
-      } else {
-        L::store(y + i, r0);
-        L::store(y + i + W, r1);
-      }
+      else
+        L::store2(y + i, r0, r1);
     }
     for (; i + W <= total; i += W) L::store(y + i, vector_at(i, W, false));
     if (i < total) L::store_partial(y + i, vector_at(i, static_cast<int>(total - i), true), static_cast<int>(total - i));
@@ -325,12 +321,10 @@ struct NormalizeKernel {
     for (; i + 2 * W <= total; i += 2 * W) {
       const V r0 = vector_at(i, k, W, false);
       const V r1 = vector_at(i + W, k + W, W, false);
-      if (stream) {
+      if (stream)
         L::store2_stream(y + i, r0, r1);
-      } else {
-        L::store(y + i, r0);
-        L::store(y + i + W, r1);
-      }
+      else
+        L::store2(y + i, r0, r1);
       k += 2 * W;
       if (k >= n) k -= n;
     }
