@@ -207,26 +207,35 @@ struct NormalizeKernel {
     T* y = reinterpret_cast<T*>(p[kOut]);
     const T* x = reinterpret_cast<const T*>(p[kIn]);
     const int64_t total = rows * n;
-    auto coefficients = [&](int64_t row, V* c) SIMDNORM_INLINE_LAMBDA {
-      for (int k = 0; k < 4; ++k)
-        c[k] = splat<V>(LC::load_one(reinterpret_cast<const C*>(p[kShift + k] + row * rs[kShift + k])));
+    // A row's coefficients, and where they are: named members and locals, not arrays (an array of
+    // vectors indexed in a loop was kept on the stack: each row's switch stored and reloaded it),
+    // the steps copied (the loop's stores may alias rs).
+    struct Coefficients {
+      V shift, mul, scale, bias;
     };
-    V cur[4];
-    coefficients(0, cur);
-    int64_t row = 0, row_end = n, i = 0;
+    const char *shift_at = p[kShift], *mul_at = p[kMul], *scale_at = p[kScale], *bias_at = p[kBias];
+    const int64_t shift_step = rs[kShift], mul_step = rs[kMul], scale_step = rs[kScale], bias_step = rs[kBias];
+    auto coefficients = [&]() SIMDNORM_INLINE_LAMBDA {
+      auto at = [](const char* q) { return splat<V>(LC::load_one(reinterpret_cast<const C*>(q))); };
+      return Coefficients{at(shift_at), at(mul_at), at(scale_at), at(bias_at)};
+    };
+    Coefficients cur = coefficients();
+    int64_t row_end = n, i = 0;
     // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
     auto vector_at = [&](int64_t at, int m, bool partial) SIMDNORM_INLINE_LAMBDA {
       const V in = partial ? L::load_partial(x + at, m) : L::load(x + at);
-      if (at + m <= row_end) return f(in, cur[0], cur[1], cur[2], cur[3]);
-      V next[4], mixed[4];
-      coefficients(++row, next);
+      if (at + m <= row_end) return f(in, cur.shift, cur.mul, cur.scale, cur.bias);
+      shift_at += shift_step;
+      mul_at += mul_step;
+      scale_at += scale_step;
+      bias_at += bias_step;
+      const Coefficients next = coefficients();
       const auto own = vlanes_below(static_cast<int>(row_end - at));
-      for (int k = 0; k < 4; ++k) {
-        mixed[k] = vselect(own, cur[k], next[k]);
-        cur[k] = next[k];
-      }
+      const V r = f(in, vselect(own, cur.shift, next.shift), vselect(own, cur.mul, next.mul),
+                    vselect(own, cur.scale, next.scale), vselect(own, cur.bias, next.bias));
+      cur = next;
       row_end += n;
-      return f(in, mixed[0], mixed[1], mixed[2], mixed[3]);
+      return r;
     };
     const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
     const bool aligned_elements = addr % sizeof(T) == 0;
