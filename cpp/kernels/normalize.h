@@ -196,6 +196,47 @@ struct NormalizeKernel {
     ContiguousRun<StatsVary, AffineVary, F>(f, n, p, stream, peel).finish();
   }
 
+  // Stores `total` elements at y, value(i, m) giving the m <= W from element i on (called in
+  // order): vectors up to the first 64-byte line, pairs of whole vectors (streamed when asked),
+  // vectors to the end. An output not aligned to its elements has no lines to reach: it is stored
+  // from its start, never streamed. Inlined into its caller, whose loop state value() holds.
+  template <class Value>
+  SIMDNORM_CURSOR_METHOD static void store_stream(T* y, int64_t total, bool stream, Value&& value) {
+    const bool aligned_elements = reinterpret_cast<uintptr_t>(y) % sizeof(T) == 0;
+    stream = stream && aligned_elements;
+    const int64_t line = head_to_line(y), head = line < total ? line : total;
+    int64_t i = 0;
+    auto vectors_until = [&](int64_t end) SIMDNORM_INLINE_LAMBDA {
+      while (i < end) {
+        const int m = static_cast<int>(end - i < W ? end - i : W);
+        const V v = value(i, m);
+        if (m == W)
+          L::store(y + i, v);
+        else
+          L::store_partial(y + i, v, m);
+        i += m;
+      }
+    };
+    vectors_until(head);
+    auto pairs = [&](auto streamed) SIMDNORM_INLINE_LAMBDA {
+      for (; i + 2 * W <= total; i += 2 * W) {
+        const V r0 = value(i, W);
+        const V r1 = value(i + W, W);
+        if constexpr (decltype(streamed)::value)
+          L::store2_stream(y + i, r0, r1);
+        else
+          L::store2(y + i, r0, r1);
+      }
+    };
+    if (stream)
+      pairs(std::true_type{});
+    else
+      pairs(std::false_type{});
+    vectors_until(total);
+  }
+  // The m <= W elements at x (a whole vector with a plain load).
+  SIMDNORM_CURSOR_METHOD static V load_up_to(const T* x, int m) { return m == W ? L::load(x) : L::load_partial(x, m); }
+
   // Rows of n >= W contiguous elements that follow each other in memory (NCHW batch norm over
   // small images, per-group MVN over short rows), coefficients constant along each row and
   // stepping by rs per row: one stream of rows * n elements, so that stores stay 64-byte aligned
@@ -220,10 +261,10 @@ struct NormalizeKernel {
       return Coefficients{at(shift_at), at(mul_at), at(scale_at), at(bias_at)};
     };
     Coefficients cur = coefficients();
-    int64_t row_end = n, i = 0;
+    int64_t row_end = n;
     // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
-    auto vector_at = [&](int64_t at, int m, bool partial) SIMDNORM_INLINE_LAMBDA {
-      const V in = partial ? L::load_partial(x + at, m) : L::load(x + at);
+    auto vector_at = [&](int64_t at, int m) SIMDNORM_INLINE_LAMBDA {
+      const V in = load_up_to(x + at, m);
       if (at + m <= row_end) return f(in, cur.shift, cur.mul, cur.scale, cur.bias);
       shift_at += shift_step;
       mul_at += mul_step;
@@ -237,29 +278,7 @@ struct NormalizeKernel {
       row_end += n;
       return r;
     };
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
-    const bool aligned_elements = addr % sizeof(T) == 0;
-    stream = stream && aligned_elements;
-    if (aligned_elements) {
-      int64_t head = head_to_line(y);
-      if (head > total) head = total;
-      while (head > 0) {
-        const int m = static_cast<int>(head < W ? head : W);
-        L::store_partial(y + i, vector_at(i, m, true), m);
-        i += m;
-        head -= m;
-      }
-    }
-    for (; i + 2 * W <= total; i += 2 * W) {
-      const V r0 = vector_at(i, W, false);
-      const V r1 = vector_at(i + W, W, false);
-      if (stream)
-        L::store2_stream(y + i, r0, r1);
-      else
-        L::store2(y + i, r0, r1);
-    }
-    for (; i + W <= total; i += W) L::store(y + i, vector_at(i, W, false));
-    if (i < total) L::store_partial(y + i, vector_at(i, static_cast<int>(total - i), true), static_cast<int>(total - i));
+    store_stream(y, total, stream, vector_at);
   }
 
   // Rows of n elements back to back in memory whose coefficients are the same for every row:
@@ -286,16 +305,11 @@ struct NormalizeKernel {
   static void run_periodic_stream(const F& f, int64_t rows, int64_t n, char* const* p, bool stream) {
     T* y = reinterpret_cast<T*>(p[kOut]);
     const T* x = reinterpret_cast<const T*>(p[kIn]);
-    const int64_t total = rows * n;
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(y);
-    const bool aligned_elements = addr % sizeof(T) == 0;
-    int64_t head = aligned_elements ? head_to_line(y) : 0;
-    if (head > total) head = total;
     // The copies start where the loads of the steps after the head line up with the stores
     // (whenever a row is whole lines of coefficients, the usual case).
     constexpr int64_t kPerLine = 64 / sizeof(C), kPitch = kPeriodicMaxRun + 2 * W + kPerLine;
     alignas(64) C copies[4][kPitch];
-    const int64_t lead = (kPerLine - head % kPerLine) % kPerLine;
+    const int64_t lead = (kPerLine - head_to_line(y) % kPerLine) % kPerLine;
     char* q[kNumOperands];
     std::memcpy(q, p, sizeof q);
     auto copy = [&](int op) {
@@ -314,34 +328,13 @@ struct NormalizeKernel {
     }
     const Pair<StatsVary> st(q[kShift], q[kMul]);
     const Pair<AffineVary, !F::kScaleFolded> af(q[kScale], q[kBias]);
-    // The result for elements [i, i + m) of the stream, k = i mod n.
-    auto vector_at = [&](int64_t i, int64_t k, int m, bool partial) SIMDNORM_INLINE_LAMBDA {
-      const V in = partial ? L::load_partial(x + i, m) : L::load(x + i);
-      return f(in, st.first(k), st.second(k), af.first(k), af.second(k));
-    };
-    int64_t i = 0;
-    while (i < head) {
-      const int m = static_cast<int>(head - i < W ? head - i : W);
-      L::store_partial(y + i, vector_at(i, i % n, m, true), m);
-      i += m;
-    }
-    int64_t k = i % n;
-    stream = stream && aligned_elements;
-    for (; i + 2 * W <= total; i += 2 * W) {
-      const V r0 = vector_at(i, k, W, false);
-      const V r1 = vector_at(i + W, k + W, W, false);
-      if (stream)
-        L::store2_stream(y + i, r0, r1);
-      else
-        L::store2(y + i, r0, r1);
-      k += 2 * W;
+    int64_t k = 0;  // the element's index in its row (n >= 2W: a vector wraps at most once)
+    store_stream(y, rows * n, stream, [&](int64_t i, int m) SIMDNORM_INLINE_LAMBDA {
+      const V r = f(load_up_to(x + i, m), st.first(k), st.second(k), af.first(k), af.second(k));
+      k += m;
       if (k >= n) k -= n;
-    }
-    while (i < total) {
-      const int m = static_cast<int>(total - i < W ? total - i : W);
-      L::store_partial(y + i, vector_at(i, i % n, m, true), m);
-      i += m;
-    }
+      return r;
+    });
   }
 
   // Any other strides: gather a vector's worth into buffers and run the same arithmetic, so an
