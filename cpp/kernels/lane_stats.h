@@ -1,5 +1,6 @@
 // How first-pass sums become a group's statistics: the formulas, shared by ops/mvn.cpp (one group
-// at a time, compiled without ISA flags) and the kernels (many lanes at a time, once per ISA).
+// at a time, compiled without ISA flags) and the kernels (many lanes at a time, once per ISA); and,
+// lane by lane, batch norm's folded multiplier.
 // Included inside an anonymous namespace by both, so no copy compiled with AVX flags can be merged
 // with the baseline one. Compiled with FMA, `sum_sq * inv_n - m1 * m1` may become one fused
 // operation (the avx2 and avx512 units' loops do): a lane's variance can then differ in its last
@@ -101,4 +102,25 @@ static void inv_std_lanes_entry(const double* __restrict var, double* __restrict
   } else {
     for (int64_t c = 0; c < n; c += step) out[c] = inv_std_of(var[c], rule);
   }
+}
+
+// Batch norm's folded multiplier (ops/batch_norm.cpp; kernel_table.h: scale_over_std_lanes). Here,
+// not in the op: compiled with the ISA's flags both loops vectorize (vectors of 8 doubles at
+// AVX-512), the range test included; in the baseline unit the test's compares stay scalar, with
+// or without branches. Square roots and divisions round the same in every ISA: the coefficients
+// do not depend on it. Measured, batch norm of (1, 2048, 1, 1) float32, one call: 13.9 -> 7.9 us
+// (the fold in the op took 7 us of it); (8, 2048, 7, 7) float32 88.3 -> 82.2 us.
+static bool scale_over_std_lanes_entry(const double* __restrict var, const double* __restrict scale,
+                                       double* __restrict mul, int64_t n, double epsilon, double min, double max) {
+  for (int64_t c = 0; c < n; ++c) mul[c] = scale[c] * (1.0 / dsqrt(var[c] + epsilon));  // var < 0 -> NaN
+  int64_t out_of_range = 0;  // (a bool accumulated with &= kept the loop scalar)
+  for (int64_t c = 0; c < n; ++c) {
+    // Only finite, nonzero factors can make a product that does not fit; 1/sqrt(v) is one exactly
+    // when 0 < v < inf. (& not &&: no branches, so that the loop vectorizes.)
+    const double v = var[c] + epsilon, s = std::fabs(scale[c]), m = std::fabs(mul[c]);
+    const int64_t factors_ordinary = (v > 0.0) & (v <= kMaxFinite) & (s <= kMaxFinite) & (s != 0.0);
+    const int64_t in_range = (m >= min) & (m <= max);
+    out_of_range |= factors_ordinary & (in_range ^ 1);
+  }
+  return out_of_range == 0;
 }

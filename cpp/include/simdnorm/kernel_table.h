@@ -113,6 +113,11 @@ struct KernelTable {
   int64_t (*lane_stats)(const LaneStatsArgs& args);
   // out[c] = 1 / std of var[c] for c = 0, step, 2 step, ... < n.
   void (*inv_std_lanes)(const double* var, double* out, int64_t n, int64_t step, const InvStdRule& rule);
+  // Batch norm's folded multiplier: mul[c] = scale[c] * (1 / sqrt(var[c] + epsilon)) for c < n.
+  // Returns false when a product of finite, nonzero factors (0 < var[c] + epsilon < inf, scale[c]
+  // finite and nonzero) falls outside [min, max] (the compute type's normal range).
+  bool (*scale_over_std_lanes)(const double* var, const double* scale, double* mul, int64_t n, double epsilon,
+                               double min, double max);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }
