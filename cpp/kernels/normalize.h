@@ -235,7 +235,9 @@ struct NormalizeKernel {
     vectors_until(total);
   }
   // The m <= W elements at x (a whole vector with a plain load).
-  SIMDNORM_CURSOR_METHOD static V load_up_to(const T* x, int m) { return m == W ? L::load(x) : L::load_partial(x, m); }
+  SIMDNORM_CURSOR_METHOD static V load_up_to(const T* x, int m) {
+    return m == W ? L::load(x) : L::load_partial(x, m);
+  }
 
   // Rows of n >= W contiguous elements that follow each other in memory (NCHW batch norm over
   // small images, per-group MVN over short rows), coefficients constant along each row and
@@ -293,8 +295,8 @@ struct NormalizeKernel {
   // 1596 -> 773, float32 1412 -> 1033; on a line: 606 -> 547, 802 -> 786, 1109 -> 1016. In cache
   // (8x64x56x56 float16): 154-168 -> 123-130.
   // Element j of the stream takes the coefficients of element j mod n of a row, read from copies
-  // of the arrays that repeat their first 2W elements past their end, so that the vectors of a
-  // step that wraps to the next row read them in one piece.
+  // of the arrays that repeat their first W elements past their end, so that a vector that wraps
+  // to the next row reads them in one piece.
   static constexpr int64_t kPeriodicMaxRun = 2048;
   static bool periodic(int64_t rows, int64_t n, const int64_t* rs) {
     constexpr int64_t ts = sizeof(T);
@@ -307,7 +309,7 @@ struct NormalizeKernel {
     const T* x = reinterpret_cast<const T*>(p[kIn]);
     // The copies start where the loads of the steps after the head line up with the stores
     // (whenever a row is whole lines of coefficients, the usual case).
-    constexpr int64_t kPerLine = 64 / sizeof(C), kPitch = kPeriodicMaxRun + 2 * W + kPerLine;
+    constexpr int64_t kPerLine = 64 / sizeof(C), kPitch = kPeriodicMaxRun + W + kPerLine;
     alignas(64) C copies[4][kPitch];
     const int64_t lead = (kPerLine - head_to_line(y) % kPerLine) % kPerLine;
     char* q[kNumOperands];
@@ -315,7 +317,7 @@ struct NormalizeKernel {
     auto copy = [&](int op) {
       C* c = copies[op - kShift] + lead;
       std::memcpy(c, p[op], n * sizeof(C));
-      std::memcpy(c + n, p[op], 2 * W * sizeof(C));
+      std::memcpy(c + n, p[op], W * sizeof(C));
       q[op] = reinterpret_cast<char*>(c);
     };
     if constexpr (StatsVary) {
@@ -328,7 +330,7 @@ struct NormalizeKernel {
     }
     const Pair<StatsVary> st(q[kShift], q[kMul]);
     const Pair<AffineVary, !F::kScaleFolded> af(q[kScale], q[kBias]);
-    int64_t k = 0;  // the element's index in its row (n >= 2W: a vector wraps at most once)
+    int64_t k = 0;  // the vector's first element's index in its row (m <= W <= n: one wrap at most)
     store_stream(y, rows * n, stream, [&](int64_t i, int m) SIMDNORM_INLINE_LAMBDA {
       const V r = f(load_up_to(x + i, m), st.first(k), st.second(k), af.first(k), af.second(k));
       k += m;
