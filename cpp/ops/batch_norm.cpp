@@ -4,7 +4,6 @@
 // Keeping (in - mean) rather than folding everything into one multiply-add (in * a + b) makes
 // in == mean give exactly bias, and keeps the error of a large mean out of the result.
 #include <cfloat>
-#include <cmath>
 #include <optional>
 
 #include "ops/common.h"
