@@ -449,7 +449,10 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
 # tail are masked. Checked against the float64 reference and, bit for bit, against the same arrays
 # with rows apart (a gap after each pixel's channels: a run per row), at output phases that make
 # the rows' boundaries fall anywhere in a step, on every ISA (steps of 32, 16 and 8 elements), with
-# one and two threads (the second thread's rows start mid-row).
+# one and two threads (the second thread's rows start mid-row). Rows of 2048 and 2049 channels
+# whose coefficients, input and output outgrow the L1 run in blocks of columns instead (all rows of
+# one block, then the next: run_rows' column_block), both ways; float16 batch norm at 2048 (32 KB a
+# row) stays one stream.
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("c", [17, 40, 64, 2048, 2049])
 @pytest.mark.parametrize("out_offset", [0, 2, 16, 36])
