@@ -413,8 +413,9 @@ struct NormalizeKernel {
         for (int64_t b0 = 0, b1; b0 < n; b0 = b1) {
           b1 = b0 == 0 ? first : b0 + block;
           if (b1 > n) b1 = n;
-          for (int op = 0; op < kNumOperands; ++op) q[op] = p[op] + b0 * s[op];
-          run_rows(f, rows, b1 - b0, q, s, rs, stream);  // a block's rows never block again
+          char* at[kNumOperands];
+          for (int op = 0; op < kNumOperands; ++op) at[op] = p[op] + b0 * s[op];
+          run_rows(f, rows, b1 - b0, at, s, rs, stream);  // a block's rows never block again
         }
         return;
       }
