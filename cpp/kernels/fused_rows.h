@@ -302,9 +302,9 @@ struct FusedRowsKernel {
     const T* const x;
     T* const y;
     const int o;
-    const vi prev0, prev1;  // the lanes of a period's first step that are the previous row's
-    float* const kept;      // kStreamSlots periods, 64-byte aligned
-    const Affine af;        // scale and bias, rotated by o when they vary: element t of a period
+    const vmask prev0, prev1;  // the lanes of a period's first step that are the previous row's
+    float* const kept;         // kStreamSlots periods, 64-byte aligned
+    const Affine af;           // scale and bias, rotated by o when they vary: element t of a period
 
     static int lanes_from(int m) { return m < 0 ? 0 : m > W ? W : m; }
     RowStream(const F& formula, const FusedRowsArgs& args, int phase, float* kept_storage, const C* rotated_scale,

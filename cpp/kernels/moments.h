@@ -3,7 +3,7 @@
 // lane sums are added to double totals in order: the totals depend only on the data and where it
 // lies in memory, never on how the work was split between threads.
 
-static inline vi lanes_mask(vf*, int m) { return vlanes_below(m); }
+static inline vmask lanes_mask(vf*, int m) { return vlanes_below(m); }
 static inline bool lanes_mask(double*, int) { return true; }
 
 template <class T>
