@@ -188,6 +188,25 @@ def test_scale_bias_optional_independently(rng, dtype, which):
     check_mvn(y, x, (1, 2), scale, bias)
 
 
+@DT
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_no_scale_bias_is_unit_scale_zero_bias_bitwise(isa, rng, dtype, layout, activation):
+    # Without scale and bias the kernel computes fma(x - mean, 1/std, 0), one multiply fewer than
+    # fma((x - mean) * (1/std), scale, bias) with a scale of 1 and a bias of 0: the same values.
+    # Groups of 1536 elements (3 KB in float16) take the fused paths: rows pipelined (last axis),
+    # groups of several runs ((0, 2, 3) on NCHW), lanes (channels-last), and few large groups.
+    shape = (4, 5, 16, 24)
+    x = offset_input(rng, shape, dtype, layout)
+    one = np.ones((1,), np.float32)
+    zero = np.zeros((1,), np.float32)
+    for axes in [(3,), (2, 3), (0, 2, 3), (0, 3), (1,), (0, 1, 2, 3)]:
+        plain = mvn(x, axes, activation=activation)
+        check_mvn(plain, x, axes, activation=activation, context=f"isa={isa} layout={layout} axes={axes}")
+        unit = mvn(x, axes, one, zero, activation=activation)
+        np.testing.assert_array_equal(bits(plain), bits(unit), err_msg=f"isa={isa} layout={layout} axes={axes}")
+
+
 @pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
 def test_scale_bias_strided_views(rng, dtype):
     x = offset_input(rng, (2, 3, 6, 8), dtype)

@@ -34,6 +34,8 @@ struct Activation {
 // MVN: shift = group mean, mul = group 1/std, scale and bias = its optional parameters.
 // Batch norm folds its scale into mul (NormalizeTask::scale_folded):
 //   out = act(fma(in - shift, mul, bias)),  shift = mean, mul = scale/sqrt(var + eps), bias.
+// So does MVN without scale and bias (scale 1, bias 0): fma(in - mean, 1/std, 0) has the values of
+// fma((in - mean) * (1/std), 1, 0), with one multiply fewer.
 // shift/mul/scale/bias point to compute-type (float or double) arrays addressed with byte strides.
 enum Operand : int { kOut = 0, kIn = 1, kShift = 2, kMul = 3, kScale = 4, kBias = 5, kNumOperands = 6 };
 
@@ -52,8 +54,8 @@ struct NormalizeTask {
   // Non-temporal stores for outputs much larger than the caches (never for in-place work, whose
   // lines are already cached).
   bool stream_stores = false;
-  // mul already holds mul * scale: the kernel computes act(fma(in - shift, mul, bias)) and never
-  // reads the scale operand.
+  // mul already holds mul * scale (or the scale is 1): the kernel computes
+  // act(fma(in - shift, mul, bias)) and never reads the scale operand.
   bool scale_folded = false;
 };
 
