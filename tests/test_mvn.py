@@ -194,8 +194,10 @@ def test_scale_bias_optional_independently(rng, dtype, which):
 def test_no_scale_bias_is_unit_scale_zero_bias_bitwise(isa, rng, dtype, layout, activation):
     # Without scale and bias the kernel computes fma(x - mean, 1/std, 0), one multiply fewer than
     # fma((x - mean) * (1/std), scale, bias) with a scale of 1 and a bias of 0: the same values.
-    # Groups of 1536 elements (3 KB in float16) take the fused paths: rows pipelined (last axis),
-    # groups of several runs ((0, 2, 3) on NCHW), lanes (channels-last), and few large groups.
+    # The axes take each path (explain_mvn): the rows pipeline ((3,), (2, 3), all four axes), a
+    # group of several runs normalized while the next is summed ((0, 2, 3): 1536 elements, 3 KB
+    # in float16, past the 2 KB under which groups go in batches), batches of groups ((0, 3)),
+    # and lanes ((1,); channels-last, every set but (1,) and all four).
     shape = (4, 5, 16, 24)
     x = offset_input(rng, shape, dtype, layout)
     one = np.ones((1,), np.float32)
