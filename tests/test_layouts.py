@@ -442,6 +442,34 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
         simdnorm.set_isa(previous)
 
 
+# A row's bits do not depend on the rows the stream runs beside it. From its fifth row on, the
+# stream sums and normalizes two rows' periods in one loop (kernels/fused_rows.h: run_pair, pairs
+# from even rows, where they fit in L1: rows under 1024 elements), each row taking the operations
+# it takes alone, in the same order. The same rows from row 0 and from row 1 (every pair shifted by
+# one row, the phase the same), every ISA; rows whose first pass needs a second, in and out of pairs.
+@pytest.mark.parametrize("n", [32, 96, 768, 1024])
+def test_float16_rows_stream_bits_whatever_rows_pair_up(rng, threads, n):
+    rows = 401  # enough rows that a sum rounded differently moves some output's last bit
+    x = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
+    for r in (6, 9, 10):
+        x[r, 0] = x[r, 1:].mean() + 300.0
+    x = x.astype(F16)
+    scale = rng.uniform(0.5, 2.0, n).astype(F32)
+    bias = rng.normal(0.0, 1.0, n).astype(F32)
+    threads(1)
+    previous = simdnorm.isa()
+    try:
+        for isa in simdnorm.available_isas():
+            simdnorm.set_isa(isa)
+            whole = simdnorm.layer_norm(x, scale, bias, out=np.full_like(x, np.nan), return_stats=True)
+            check_mvn(whole[0], x, 1, scale, bias, stats=whole[1:], stat_rtol=1e-4, context=f"isa={isa}")
+            later = simdnorm.layer_norm(x[1:], scale, bias, out=np.full_like(x[1:], np.nan), return_stats=True)
+            for name, a, b in zip(("y", "mean", "inv_std"), whole, later):
+                assert np.array_equal(bits(a[1:]), bits(b)), f"{name}: rows from 0 and from 1 differ, isa={isa} n={n}"
+    finally:
+        simdnorm.set_isa(previous)
+
+
 # Channels-last rows whose coefficients are the same for every row (batch norm and instance norm,
 # the channels innermost, repeated along runs of ~1024) and that follow each other in memory run as
 # one stream of elements (kernels/normalize.h: run_periodic_stream), element j taking the
