@@ -534,6 +534,22 @@ struct FusedRowsKernel {
     // 192 1.005x; rows of 1024, whose ring, scale, bias and two periods of input and output
     // outgrow the 32 KB L1, 0.998-1.124x: those keep one period an iteration.
     static constexpr int64_t kPairBytesPerElement = kStreamSlots * sizeof(float) + 2 * sizeof(C) + 4 * sizeof(T);
+    // Where iteration t's later steps read and write: period t summed into its slot of the ring,
+    // period p = t - kStreamLead normalized from that same slot (kStreamSlots == kStreamLead: each
+    // step reads its elements before the sums overwrite them) into the output, and the periods
+    // prefetched kL2Ahead * rows_ahead ahead of both.
+    struct Cursors {
+      const T* src;
+      const char* ahead;
+      const char* out_ahead;
+      float* kept;
+      T* dst;
+    };
+    Cursors cursors(int64_t t, int64_t rows_ahead) const {
+      const int64_t p = t - kStreamLead, ahead_rows = kL2Ahead * rows_ahead;
+      return {in_period(t) + S, reinterpret_cast<const char*>(in_period(t + ahead_rows) + S),
+              reinterpret_cast<const char*>(out_period(p + ahead_rows) + S), kept_period(t) + S, out_period(p) + S};
+    }
     SIMDNORM_CURSOR_METHOD void run_pair(int64_t t, int64_t rows_ahead, OpenRow& row, Coefficients& prev,
                                          Coefficients& cur, Closed& closed) const {
       const int64_t p = t - kStreamLead;
@@ -550,13 +566,12 @@ struct FusedRowsKernel {
       const F fl = f;
       const Affine afl = af;
       const int64_t end = len - S;
-      const int64_t ahead_rows = kL2Ahead * rows_ahead;
-      const T* src = in_period(t) + S;
-      const char* ahead = reinterpret_cast<const char*>(in_period(t + ahead_rows) + S);
-      const char* out_ahead = reinterpret_cast<const char*>(out_period(p + ahead_rows) + S);
-      float* k = kept_period(t) + S;  // period p's slot: read, then overwritten, step by step
+      const Cursors at = cursors(t, rows_ahead);  // period t + 1's: len elements on (k2: the next slot)
+      const T* src = at.src;
+      const char *ahead = at.ahead, *out_ahead = at.out_ahead;
+      float* k = at.kept;
       float* k2 = kept_period(t + 1) + S;
-      T* dst = out_period(p) + S;
+      T* dst = at.dst;
       prefetch_step<2>(ahead, -S);
       prefetch_step<2>(ahead, len - S);
       prefetch_step<2>(out_ahead, -S);
@@ -600,12 +615,11 @@ struct FusedRowsKernel {
         finish_closed(t - 1 < 0 ? 0 : t - 1 > rows ? rows : t - 1, closed);
         if (t <= rows) sums_first(t, row, closed);
         const bool summing = t < rows, normalizing = p >= 0 && p < rows;
-        const T* src = in_period(t) + S;
-        const char* ahead = reinterpret_cast<const char*>(in_period(t + kL2Ahead * rows_ahead) + S);
-        const char* out_ahead = reinterpret_cast<const char*>(out_period(p + kL2Ahead * rows_ahead) + S);
-        float* k_in = kept_period(t) + S;
-        const float* k_out = kept_period(p < 0 ? 0 : p) + S;
-        T* dst = out_period(p) + S;
+        const Cursors at = cursors(t, rows_ahead);
+        const T* src = at.src;
+        const char *ahead = at.ahead, *out_ahead = at.out_ahead;
+        float* k = at.kept;
+        T* dst = at.dst;
         const Coefficients c = cur;
         // The period's first step too (the loop starts past it): with the L3 flushed before each
         // sample of 8 calls, (8, 512, 768) took 275-301 us without, 267-271 with.
@@ -615,8 +629,8 @@ struct FusedRowsKernel {
           for (int64_t i = 0; i < end; i += S) {
             prefetch_step<2>(ahead, i);
             prefetch_step<2>(out_ahead, i);
-            normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
-            sums_step<decltype(pivoted)::value>(src + i, k_in + i, row);
+            normalize_step(fl, afl, c, k + i, dst + i, S + i);
+            sums_step<decltype(pivoted)::value>(src + i, k + i, row);
           }
         };
         if (summing && normalizing) {
@@ -625,9 +639,9 @@ struct FusedRowsKernel {
           else
             sum_and_normalize(std::false_type{});
         } else if (summing) {
-          for (int64_t i = 0; i < end; i += S) sums_step<true>(src + i, k_in + i, row);
+          for (int64_t i = 0; i < end; i += S) sums_step<true>(src + i, k + i, row);
         } else if (normalizing) {
-          for (int64_t i = 0; i < end; i += S) normalize_step(fl, afl, c, k_out + i, dst + i, S + i);
+          for (int64_t i = 0; i < end; i += S) normalize_step(fl, afl, c, k + i, dst + i, S + i);
         }
       }
       state.t = t;
