@@ -391,7 +391,7 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
 # run as one stream of steps (kernels/fused_rows.h: RowStream): the step that holds one row's end and
 # the next row's start is summed and normalized once, its lanes taking each row's pivot, sums and
 # coefficients; the first and last steps are masked. Input and output at the same and at different
-# phases (the output then takes the input's steps), every ISA (steps of 32, 16 and 8 elements), rows
+# phases (the input then takes the output's steps), every ISA (steps of 32, 16 and 8 elements), rows
 # split between two threads at any row, rows whose first pass needs a second (the first element far
 # from the mean; the kernel leaves them to the op), a constant row, an inf, and in place.
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
@@ -446,9 +446,11 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
 # stream sums and normalizes two rows' periods in one loop (kernels/fused_rows.h: run_pair, pairs
 # from even rows, where they fit in L1: rows under 1024 elements), each row taking the operations
 # it takes alone, in the same order. The same rows from row 0 and from row 1 (every pair shifted by
-# one row, the phase the same), every ISA; rows whose first pass needs a second, in and out of pairs.
+# one row, the phases the same), every ISA; rows whose first pass needs a second, in and out of pairs.
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
 def test_float16_rows_stream_bits_whatever_rows_pair_up(rng, threads, n):
+    from cases import empty_past_line
+
     rows = 401  # enough rows that a sum rounded differently moves some output's last bit
     x = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
     for r in (6, 9, 10):
@@ -461,11 +463,52 @@ def test_float16_rows_stream_bits_whatever_rows_pair_up(rng, threads, n):
     try:
         for isa in simdnorm.available_isas():
             simdnorm.set_isa(isa)
-            whole = simdnorm.layer_norm(x, scale, bias, out=np.full_like(x, np.nan), return_stats=True)
+            outs = [empty_past_line(v.shape, F16, 16) for v in (x, x[1:])]
+            for out in outs:
+                out[...] = np.nan
+            whole = simdnorm.layer_norm(x, scale, bias, out=outs[0], return_stats=True)
             check_mvn(whole[0], x, 1, scale, bias, stats=whole[1:], stat_rtol=1e-4, context=f"isa={isa}")
-            later = simdnorm.layer_norm(x[1:], scale, bias, out=np.full_like(x[1:], np.nan), return_stats=True)
+            later = simdnorm.layer_norm(x[1:], scale, bias, out=outs[1], return_stats=True)
             for name, a, b in zip(("y", "mean", "inv_std"), whole, later):
                 assert np.array_equal(bits(a[1:]), bits(b)), f"{name}: rows from 0 and from 1 differ, isa={isa} n={n}"
+    finally:
+        simdnorm.set_isa(previous)
+
+
+# The stream's steps follow the output's phase: a row's bits depend on its data and where the output
+# lies against a line, not on where the input lies. The same rows from inputs at each phase (every
+# 16 bytes of a line, and 2 bytes past one) into outputs at two phases, every ISA. (Steps that
+# followed the input would sum a row's elements in other lanes, in another order, at each input
+# phase.)
+@pytest.mark.parametrize("n", [96, 768])
+def test_float16_rows_stream_bits_follow_the_output_phase(rng, threads, n):
+    from cases import empty_past_line
+
+    rows = 301
+    values = (rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) +
+              rng.normal(0.0, 20.0, (rows, 1))).astype(F16)
+    scale = rng.uniform(0.5, 2.0, n).astype(F32)
+    bias = rng.normal(0.0, 1.0, n).astype(F32)
+    threads(1)
+    previous = simdnorm.isa()
+    try:
+        for isa in simdnorm.available_isas():
+            simdnorm.set_isa(isa)
+            for out_offset in (16, 32):
+                first = None
+                for x_offset in (0, 16, 32, 48, 2):
+                    x = empty_past_line((rows, n), F16, x_offset)
+                    x[...] = values
+                    out = empty_past_line((rows, n), F16, out_offset)
+                    out[...] = np.nan
+                    got = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
+                    context = f"isa={isa} x at {x_offset} out at {out_offset}"
+                    if first is None:
+                        check_mvn(got[0], values, 1, scale, bias, stats=got[1:], stat_rtol=1e-4, context=context)
+                        first = tuple(a.copy() for a in got)
+                        continue
+                    for name, a, b in zip(("y", "mean", "inv_std"), first, got):
+                        assert np.array_equal(bits(a), bits(b)), f"{name} differs from the input at 0: {context}"
     finally:
         simdnorm.set_isa(previous)
 
