@@ -387,6 +387,13 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
         simdnorm.set_isa(previous)
 
 
+def stream_rows_values(rng, rows, n):
+    """Rows for the float16 row stream (float64, to be cast): each at its own mean (sd 20) and spread
+    (0.5 to 4), and a float32 scale and bias of n."""
+    x = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
+    return x, rng.uniform(0.5, 2.0, n).astype(F32), rng.normal(0.0, 1.0, n).astype(F32)
+
+
 # Float16 rows of whole steps (2W elements: 64 bytes at AVX-512) back to back, up to 1024 elements,
 # run as one stream of steps (kernels/fused_rows.h: RowStream): the step that holds one row's end and
 # the next row's start is summed and normalized once, its lanes taking each row's pivot, sums and
@@ -402,15 +409,13 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
 
     rows = max(7, 70000 // n + 3)  # past two threads' worth of work: the rows are split
     x = empty_past_line((rows, n), F16, x_offset)
-    x[...] = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
+    x[...], scale, bias = stream_rows_values(rng, rows, n)
     for r in (2, 6, 7, rows - 1):  # pivot far from the mean: a second pass (two in one batch, the last row)
         x[r, 0] = x[r, 1:].mean() + 300.0
     x[3] = x[3, 5]  # constant: bias
     x[9, 7] = np.inf  # NaN statistics, NaN row
     finite = np.arange(rows) != 9
     x0 = x.copy()
-    scale = rng.uniform(0.5, 2.0, n).astype(F32)
-    bias = rng.normal(0.0, 1.0, n).astype(F32)
     previous = simdnorm.isa()
     try:
         for isa in simdnorm.available_isas():
@@ -452,12 +457,10 @@ def test_float16_rows_stream_bits_whatever_rows_pair_up(rng, threads, n):
     from cases import empty_past_line
 
     rows = 401  # enough rows that a sum rounded differently moves some output's last bit
-    x = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
+    x, scale, bias = stream_rows_values(rng, rows, n)
     for r in (6, 9, 10):
         x[r, 0] = x[r, 1:].mean() + 300.0
     x = x.astype(F16)
-    scale = rng.uniform(0.5, 2.0, n).astype(F32)
-    bias = rng.normal(0.0, 1.0, n).astype(F32)
     threads(1)
     previous = simdnorm.isa()
     try:
@@ -476,41 +479,33 @@ def test_float16_rows_stream_bits_whatever_rows_pair_up(rng, threads, n):
 
 
 # The stream's steps follow the output's phase: a row's bits depend on its data and where the output
-# lies against a line, not on where the input lies. The same rows from inputs at each phase (every
-# 16 bytes of a line, and 2 bytes past one) into outputs at two phases, every ISA. (Steps that
-# followed the input would sum a row's elements in other lanes, in another order, at each input
-# phase.)
+# lies against a line, not on where the input lies. The same rows from inputs at every 16 bytes of a
+# line and 2 bytes past one, into outputs at two phases, every ISA. (Steps that followed the input,
+# as they did, gave other bits from the input 2 bytes past a line at the baseline ISA; at AVX-512
+# the bits came out the same at every phase tried, in both builds.)
 @pytest.mark.parametrize("n", [96, 768])
-def test_float16_rows_stream_bits_follow_the_output_phase(rng, threads, n):
+def test_float16_rows_stream_bits_follow_the_output_phase(isa, rng, threads, n):
     from cases import empty_past_line
 
     rows = 301
-    values = (rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) +
-              rng.normal(0.0, 20.0, (rows, 1))).astype(F16)
-    scale = rng.uniform(0.5, 2.0, n).astype(F32)
-    bias = rng.normal(0.0, 1.0, n).astype(F32)
+    values, scale, bias = stream_rows_values(rng, rows, n)
+    values = values.astype(F16)
     threads(1)
-    previous = simdnorm.isa()
-    try:
-        for isa in simdnorm.available_isas():
-            simdnorm.set_isa(isa)
-            for out_offset in (16, 32):
-                first = None
-                for x_offset in (0, 16, 32, 48, 2):
-                    x = empty_past_line((rows, n), F16, x_offset)
-                    x[...] = values
-                    out = empty_past_line((rows, n), F16, out_offset)
-                    out[...] = np.nan
-                    got = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
-                    context = f"isa={isa} x at {x_offset} out at {out_offset}"
-                    if first is None:
-                        check_mvn(got[0], values, 1, scale, bias, stats=got[1:], stat_rtol=1e-4, context=context)
-                        first = tuple(a.copy() for a in got)
-                        continue
-                    for name, a, b in zip(("y", "mean", "inv_std"), first, got):
-                        assert np.array_equal(bits(a), bits(b)), f"{name} differs from the input at 0: {context}"
-    finally:
-        simdnorm.set_isa(previous)
+    for out_offset in (16, 32):
+        first = None
+        for x_offset in (0, 16, 32, 48, 2):
+            x = empty_past_line((rows, n), F16, x_offset)
+            x[...] = values
+            out = empty_past_line((rows, n), F16, out_offset)
+            out[...] = np.nan
+            got = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
+            context = f"isa={isa} x at {x_offset} out at {out_offset}"
+            if first is None:
+                check_mvn(got[0], values, 1, scale, bias, stats=got[1:], stat_rtol=1e-4, context=context)
+                first = tuple(a.copy() for a in got)
+                continue
+            for name, a, b in zip(("y", "mean", "inv_std"), first, got):
+                assert np.array_equal(bits(a), bits(b)), f"{name} differs from the input at 0: {context}"
 
 
 # Channels-last rows whose coefficients are the same for every row (batch norm and instance norm,

@@ -254,7 +254,7 @@ struct FusedRowsKernel {
   // stores a line of output and two of the ring, and the store unit is the busier: 32 bytes a
   // cycle on a Zen 4, against 64 loaded). Layer norm 1024 x 768, ns a row, input and output at
   // each of the 16 pairs of phases 0, 16, 32 and 48 bytes past a line, the two builds alternating
-  // in one process: the 8 pairs 16 or 48 bytes apart 92.1-93.4 -> 86.7-90.3, the other 8 the same
+  // in one process: the 8 pairs 16 or 48 bytes apart 92.1-93.4 -> 86.6-90.3, the other 8 the same
   // (86.3-88.8). Row q's sums close at the first step of period q + 1. A row's sums depend only on
   // its data and the output's phase, not on where a thread's rows begin: the bits are the same for
   // any number of threads.
