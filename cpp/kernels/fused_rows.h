@@ -471,6 +471,10 @@ struct FusedRowsKernel {
     // batch). Kernel driver, float16 rows of 768, ns a row (medians of 5, alternating): with the
     // op's finish, a call per batch, 53.7; finished here a row at a time, 51.0; in lanes, 47.6 ->
     // 46.9. A row whose first pass does not settle it is left to the op's finish (settle()).
+    // It is inlined into run_pair(): reading a's pointers and steps into locals here (the stores
+    // may alias a) made GCC keep two of the pair loop's sums on the stack, loaded and stored every
+    // step: 1.08x the time. After any change near run_pair(), look for rsp in its loop (objdump)
+    // before timing it.
     SIMDNORM_CURSOR_METHOD void finish_rows(int64_t row, int count, Closed& c) const {
       static_assert(kStreamBatch == 2, "a batch of rows is one double2");
       double2 pivot, sum, sum_sq;
