@@ -404,7 +404,7 @@ def stream_rows_values(rng, rows, n):
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
 @pytest.mark.parametrize("x_offset,out_offset", [(0, 0), (16, 16), (16, 32), (48, 0), (2, 50), (0, None)],
                          ids=lambda v: "inplace" if v is None else str(v))
-def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
+def test_float16_rows_stream(isa, rng, threads, n, x_offset, out_offset):
     from cases import empty_past_line
 
     rows = max(7, 70000 // n + 3)  # past two threads' worth of work: the rows are split
@@ -416,35 +416,29 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
     x[9, 7] = np.inf  # NaN statistics, NaN row
     finite = np.arange(rows) != 9
     x0 = x.copy()
-    previous = simdnorm.isa()
-    try:
-        for isa in simdnorm.available_isas():
-            simdnorm.set_isa(isa)
-            first = None
-            for t in (1, 2):
-                threads(t)
-                x[...] = x0
-                out = x if out_offset is None else empty_past_line((rows, n), F16, out_offset)
-                if out_offset is not None:
-                    out[...] = np.nan
-                y, m, i = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
-                assert y is out
-                context = f"isa={isa} threads={t}"
-                check_mvn(y[finite], x0[finite], 1, scale, bias, stats=(m[finite], i[finite]), stat_rtol=1e-4,
-                          context=context)
-                assert np.isnan(y[9]).all() and np.isnan(m[9]).all() and np.isnan(i[9]).all(), context
-                if first is None:
-                    first = (y.copy(), m, i)
-                else:
-                    for a, b in zip(first, (y, m, i)):
-                        assert a.tobytes() == b.tobytes(), f"1 and 2 threads differ: {context}"
-            if out_offset is not None:
-                out[...] = np.nan
-                simdnorm.rms_norm(x, scale, out=out)
-                check_mvn(out[finite], x0[finite], 1, scale, None, normalize_mean=False, context=f"rms isa={isa}")
-                assert np.isnan(out[9]).all()
-    finally:
-        simdnorm.set_isa(previous)
+    first = None
+    for t in (1, 2):
+        threads(t)
+        x[...] = x0
+        out = x if out_offset is None else empty_past_line((rows, n), F16, out_offset)
+        if out_offset is not None:
+            out[...] = np.nan
+        y, m, i = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
+        assert y is out
+        context = f"isa={isa} threads={t}"
+        check_mvn(y[finite], x0[finite], 1, scale, bias, stats=(m[finite], i[finite]), stat_rtol=1e-4,
+                  context=context)
+        assert np.isnan(y[9]).all() and np.isnan(m[9]).all() and np.isnan(i[9]).all(), context
+        if first is None:
+            first = (y.copy(), m, i)
+        else:
+            for a, b in zip(first, (y, m, i)):
+                assert a.tobytes() == b.tobytes(), f"1 and 2 threads differ: {context}"
+    if out_offset is not None:
+        out[...] = np.nan
+        simdnorm.rms_norm(x, scale, out=out)
+        check_mvn(out[finite], x0[finite], 1, scale, None, normalize_mean=False, context=f"rms isa={isa}")
+        assert np.isnan(out[9]).all()
 
 
 # A row's bits do not depend on the rows the stream runs beside it. From its fifth row on, the
@@ -453,7 +447,7 @@ def test_float16_rows_stream(rng, threads, n, x_offset, out_offset):
 # it takes alone, in the same order. The same rows from row 0 and from row 1 (every pair shifted by
 # one row, the phases the same), every ISA; rows whose first pass needs a second, in and out of pairs.
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
-def test_float16_rows_stream_bits_whatever_rows_pair_up(rng, threads, n):
+def test_float16_rows_stream_bits_whatever_rows_pair_up(isa, rng, threads, n):
     from cases import empty_past_line
 
     rows = 401  # enough rows that a sum rounded differently moves some output's last bit
@@ -462,20 +456,14 @@ def test_float16_rows_stream_bits_whatever_rows_pair_up(rng, threads, n):
         x[r, 0] = x[r, 1:].mean() + 300.0
     x = x.astype(F16)
     threads(1)
-    previous = simdnorm.isa()
-    try:
-        for isa in simdnorm.available_isas():
-            simdnorm.set_isa(isa)
-            outs = [empty_past_line(v.shape, F16, 16) for v in (x, x[1:])]
-            for out in outs:
-                out[...] = np.nan
-            whole = simdnorm.layer_norm(x, scale, bias, out=outs[0], return_stats=True)
-            check_mvn(whole[0], x, 1, scale, bias, stats=whole[1:], stat_rtol=1e-4, context=f"isa={isa}")
-            later = simdnorm.layer_norm(x[1:], scale, bias, out=outs[1], return_stats=True)
-            for name, a, b in zip(("y", "mean", "inv_std"), whole, later):
-                assert np.array_equal(bits(a[1:]), bits(b)), f"{name}: rows from 0 and from 1 differ, isa={isa} n={n}"
-    finally:
-        simdnorm.set_isa(previous)
+    outs = [empty_past_line(v.shape, F16, 16) for v in (x, x[1:])]
+    for out in outs:
+        out[...] = np.nan
+    whole = simdnorm.layer_norm(x, scale, bias, out=outs[0], return_stats=True)
+    check_mvn(whole[0], x, 1, scale, bias, stats=whole[1:], stat_rtol=1e-4, context=f"isa={isa}")
+    later = simdnorm.layer_norm(x[1:], scale, bias, out=outs[1], return_stats=True)
+    for name, a, b in zip(("y", "mean", "inv_std"), whole, later):
+        assert np.array_equal(bits(a[1:]), bits(b)), f"{name}: rows from 0 and from 1 differ, isa={isa} n={n}"
 
 
 # The stream's steps follow the output's phase: a row's bits depend on its data and where the output
