@@ -15,9 +15,10 @@ tests/test_validation.py already covers, and this table does not repeat:
   * the conveniences' own rules (num_groups, per-channel shapes, channel_axis 0).
 tests/test_descriptors.py covers TensorDesc rules and compiled-operator argument mismatches.
 What is here: the remaining dtypes (ml_dtypes' others, datetime, str, structured, longdouble, big-
-endian float64, un-convertible Python objects), ranks 0/9 with out and for parameters, channel
-mismatches by channel_axis, parameter dtypes outside SPEC §2/§3 (bool, complex, object, big-endian,
-the wrong half type) on every function, epsilon through the descriptor/compile path, axes spelled
+endian float64, un-convertible Python objects), masked arrays that mask an element (input or
+parameter: the mask would be ignored), None for a required parameter, ranks 0/9 with out and for
+parameters, channel mismatches by channel_axis, parameter dtypes outside SPEC §2/§3 (bool, complex,
+object, big-endian, the wrong half type) on every function, epsilon through the descriptor/compile path, axes spelled
 in numpy types, bad activation parameters, out objects that are not arrays or are read-only views,
 and sizes/strides whose byte extent overflows 64-bit arithmetic (run in a subprocess each: a
 package without that check crashes, which must show as a failure, not kill pytest).
@@ -149,6 +150,12 @@ row("input-ragged-list", lambda **k: ln([[1.0, 2.0], [3.0]], **k), TypeError, r"
 row("input-list-of-str", lambda **k: bn([["a", "b"]], [0.0], [1.0], **k), TypeError,
     r"^input: dtype <U1 is not supported")
 row("input-list-of-complex", lambda **k: rms([[1j, 2.0]], **k), TypeError, r"^input: dtype complex128 is not supported")
+_MASKED = r"a masked array with masked elements; simdnorm reads every element and would ignore the mask: pass"
+_XM = np.ma.masked_array(X, mask=np.arange(X.size).reshape(SHAPE) == 7)
+row("input-masked-layer_norm", lambda **k: ln(_XM, **k), TypeError, rf"^input: {_MASKED}")
+row("input-masked-bn", lambda **k: bn(_XM, C4, C4, **k), TypeError, rf"^input: {_MASKED}")
+row("compiled-input-masked", lambda **k: simdnorm.compile(_BND(1e-5))(_XM, C4, C4, **k), TypeError,
+    rf"^input: {_MASKED}")
 row("compiled-input-int", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE), -1))(
     x_as(np.int64), **k), TypeError, r"^input: dtype int64 does not match the compiled descriptor's float32")
 
@@ -216,6 +223,15 @@ for _i, (_fn, _name, _pdt, _xdt, _shown) in enumerate([
     row(f"param-dtype-{_i}-{_fn}-{_name}-{np.dtype(_pdt).str}", _mk(_fn, _name, _pdt, _xdt), TypeError,
         rf"^{_name}: dtype {_shown} is not accepted with a {_xn} input; " + PARAM_RULE.format(dt=_xn),
         out=out_like(SHAPE, _xdt))
+_C4M = np.ma.masked_array(C4, mask=[False, True, False, False])
+row("param-masked-variance", lambda **k: bn(X, C4, _C4M, **k), TypeError, rf"^variance: {_MASKED}")
+row("param-masked-instance_norm-scale", lambda **k: inorm(X, _C4M, **k), TypeError, rf"^scale: {_MASKED}")
+row("compiled-param-masked-mean", lambda **k: simdnorm.compile(_BND(1e-5))(X, _C4M, C4, **k), TypeError,
+    rf"^mean: {_MASKED}")
+row("param-None-mean", lambda **k: bn(X, None, C4, **k), TypeError,
+    r"^mean: expected an array, got None; mean is required$")
+row("param-None-variance", lambda **k: bn(X, C4, None, **k), TypeError,
+    r"^variance: expected an array, got None; variance is required$")
 row("param-list-of-str", lambda **k: mvn(X, -1, ["a"] * 5, **k), TypeError, r"^scale: cannot convert list")
 row("param-ragged-list", lambda **k: bn(X, [[1.0], [1.0, 2.0]], C4, **k), TypeError, r"^mean: cannot convert list")
 

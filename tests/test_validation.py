@@ -565,9 +565,19 @@ def test_zero_size():
 
 
 def test_ndarray_subclass_input_gives_ndarray():
-    x = np.ma.masked_array(np.ones((2, 3), F32))
-    y = mvn(x, -1)
-    assert type(y) is np.ndarray
+    """A subclass is read as the ndarray it is, a masked array too when it masks nothing (one that
+    masks an element is refused: test_hostile_inputs.py)."""
+    x, mean, var, _, _ = bn_args()
+    td = simdnorm.TensorDesc
+    op = simdnorm.compile(simdnorm.BatchNormalizationDesc(td(F32, x.shape), td(F32, mean.shape), td(F32, var.shape)))
+    want = ref_bn(x, mean, var, np.ones(mean.shape), np.zeros(mean.shape))
+    for xm in (np.ma.masked_array(x), np.ma.masked_array(x, mask=np.zeros(x.shape, bool))):
+        for y in (bn(xm, mean, var), op(xm, np.ma.masked_array(mean), var)):
+            assert type(y) is np.ndarray
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+        y = mvn(xm, -1)
+        assert type(y) is np.ndarray
+        assert_close(y, ref_mvn(x, -1)[0])
 
 
 # ----------------------------------------------------------------------------------------------

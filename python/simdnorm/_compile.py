@@ -54,9 +54,22 @@ class _OutError(TypeError, ValueError):
 # ----------------------------------------------------------------------------------------------------
 # Arrays in
 
+def reject_masked(a: np.ndarray, name: str) -> None:
+    """The kernels read every element: a masked array's mask would be ignored, and statistics taken
+    over its masked elements would be a silent wrong answer. One without masked elements is fine."""
+    if isinstance(a, np.ma.MaskedArray) and np.ma.is_masked(a):
+        raise TypeError(
+            f"{name}: a masked array with masked elements; simdnorm reads every element and would ignore "
+            "the mask: pass a.filled(value), or a.data to normalize the masked values too"
+        )
+
+
 def as_input(obj: Any, name: str = "input") -> np.ndarray:
-    """An ndarray (subclasses too), a DLPack object (no copy) or a list/array-like (np.asarray)."""
+    """An ndarray (subclasses too, but not a masked array that masks anything), a DLPack object (no
+    copy) or a list/array-like (np.asarray)."""
     if isinstance(obj, _nd):
+        if obj.__class__ is not _nd:
+            reject_masked(obj, name)
         return obj
     if hasattr(obj, "__dlpack__"):
         try:
@@ -75,6 +88,8 @@ def as_input(obj: Any, name: str = "input") -> np.ndarray:
 def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
     """Like as_input; a list/tuple of numbers becomes an array of the compute type (float32, or
     float64 for a float64 input): a parameter may have the input's dtype or float32."""
+    if obj is None:  # (the optional ones are None-checked before; np.asarray would make a 0-d NaN)
+        raise _DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
     if isinstance(obj, _nd) or hasattr(obj, "__dlpack__"):
         return as_input(obj, name)
     try:
@@ -209,7 +224,9 @@ def _check_arg(name: str, a: Any, d: Optional[TensorDesc]) -> Any:
     if a is None:
         raise _mismatch(name, a, d)
     dt, shape, st = _expect(d)
-    if not isinstance(a, _nd):
+    if isinstance(a, _nd):
+        reject_masked(a, name)
+    else:
         if name == "input" or hasattr(a, "__dlpack__"):
             a = as_input(a, name)
         else:  # a parameter as a list of numbers: the descriptor's dtype
@@ -316,7 +333,8 @@ def _gen_operator(name: str, signature: str, info: Any, params, kernel_call: str
     """Generate one compiled operator: the input's fast check, the parameters' memos, the body."""
     ns["input_slow"] = lambda a: _check_arg("input", a, info.input)
     ns["OUT_DESC"] = info.output
-    cond = _gen_conditions([("input", info.input)], ns)
+    # (A subclass takes the slow path: a masked array must be refused there.)
+    cond = "input.__class__ is not _nd or " + _gen_conditions([("input", info.input)], ns)
     src = f"""def {name}({signature}):
     try:
         slow = ({cond})
