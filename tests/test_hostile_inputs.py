@@ -228,6 +228,16 @@ row("param-masked-variance", lambda **k: bn(X, C4, _C4M, **k), TypeError, rf"^va
 row("param-masked-instance_norm-scale", lambda **k: inorm(X, _C4M, **k), TypeError, rf"^scale: {_MASKED}")
 row("compiled-param-masked-mean", lambda **k: simdnorm.compile(_BND(1e-5))(X, _C4M, C4, **k), TypeError,
     rf"^mean: {_MASKED}")
+def _masked_after_a_call(**k):
+    """A masked parameter is checked at every call, not remembered: masking an element of one that
+    a compiled operator has accepted makes its next call raise."""
+    op, mean = simdnorm.compile(_BND(1e-5)), np.ma.masked_array(C4.copy(), mask=False)
+    op(X, mean, C4)
+    mean[2] = np.ma.masked
+    op(X, mean, C4, **k)
+
+
+row("compiled-param-masked-after-a-call", _masked_after_a_call, TypeError, rf"^mean: {_MASKED}")
 row("param-None-mean", lambda **k: bn(X, None, C4, **k), TypeError,
     r"^mean: expected an array, got None; mean is required$")
 row("param-None-variance", lambda **k: bn(X, C4, None, **k), TypeError,

@@ -267,12 +267,12 @@ _NO_ARRAY = object()  # a memo key that is never an argument
 
 def _param_binder(name: str, d: Optional[TensorDesc]):
     """The slow path of one parameter: check/convert it against its descriptor and return the memo
-    entry (key, array as checked). Only an ndarray argument is remembered (a list may change between
-    calls)."""
+    entry (key, array as checked). Only a plain ndarray argument is remembered (a list may change
+    between calls, and so may a masked array's mask)."""
 
     def bind(a):
         arr = _check_arg(name, a, d)
-        return (a if isinstance(a, _nd) else _NO_ARRAY, arr)
+        return (a if a.__class__ is _nd else _NO_ARRAY, arr)
 
     return bind
 
