@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -268,13 +269,21 @@ def test_epsilon_must_be_finite_in_float32():
     assert y.dtype == F64
 
 
-@pytest.mark.parametrize("eps", ["1e-5", None, [1e-5], 1j])
-def test_epsilon_type(eps):
-    x, m, v, s, b = bn_args()
-    with pytest.raises(TypeError, match=r"^epsilon: expected a real number"):
-        bn(x, m, v, s, b, epsilon=eps)
-    with pytest.raises(TypeError, match=r"^epsilon: expected a real number"):
-        mvn(x, -1, epsilon=eps)
+@pytest.mark.parametrize("name,call", CALLS, ids=CALL_IDS)
+@pytest.mark.parametrize("eps", ["1e-5", None, [1e-5], 1j, 1 + 0j, True, False, np.True_, Decimal(1)],
+                         ids=repr)
+def test_epsilon_type(name, call, eps):
+    """Refused whether or not a plan for an equal value (1.0 == True == 1+0j == Decimal(1), 0.0 ==
+    False) is cached."""
+    x = np.ones((2, 4, 3, 5), F32)
+    for cached in (False, True):
+        if cached:
+            call(x, epsilon=1.0)
+            call(x, epsilon=0.0)
+        out = poisoned(x.shape)
+        with pytest.raises(TypeError, match=r"^epsilon: expected a real number"):
+            call(x, epsilon=eps, out=out)
+        assert_poisoned(out)
 
 
 def test_zero_epsilon_allowed():

@@ -1,10 +1,13 @@
 """The functional API (SPEC sections 2-4).
 
 Each call looks its plan up in a small dict keyed by the dtypes and shapes of its arrays and its
-attributes (strides are not part of a plan: any strides are valid). On a miss the call builds the
-descriptors of its arrays, validates them with the one validator (``_descriptors``), plans them
-with the one planner (``_compile``) and stores the plan. The conveniences are thin routes onto MVN
-through views of their arrays (group norm splits the channel dim), never copies.
+attributes (strides are not part of a plan: any strides are valid). The numeric attributes
+(epsilon, axes, channel_axis, num_groups) are keyed with their class too: a value the validator
+refuses that equals an accepted one (True == 1, 1+0j == 1.0) must not hit that one's plan. On a
+miss the call builds the descriptors of its arrays, validates them with the one validator
+(``_descriptors``), plans them with the one planner (``_compile``) and stores the plan. The
+conveniences are thin routes onto MVN through views of their arrays (group norm splits the channel
+dim), never copies.
 """
 from __future__ import annotations
 
@@ -115,7 +118,7 @@ def batch_normalization(input: Any, mean: Any, variance: Any, scale: Any = None,
     xd = x.dtype
     xs = x.shape
     key = (xd, xs, mean.dtype, mean.shape, variance.dtype, variance.shape, sdt, sshape, bdt, bshape, epsilon,
-           activation, channel_axis, channel_axis.__class__)
+           epsilon.__class__, activation, channel_axis, channel_axis.__class__)
     try:
         eps, act, ca = _BN_CACHE[key]
     except KeyError:
@@ -202,7 +205,7 @@ def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: 
                          activation)
     else:
         key = (x.dtype, x.shape, akey, sdt, sshape, bdt, bshape, normalize_mean, normalize_variance, epsilon,
-               epsilon_mode, activation)
+               epsilon.__class__, epsilon_mode, activation)
         try:
             plan = _MVN_CACHE[key]
         except KeyError:
@@ -246,7 +249,7 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
         if type(bias) is not _nd:
             bias = as_param(bias, "bias", x)
         bk = (bias.dtype, bias.shape)
-    key = ("layer", x.dtype, x.shape, axis, axis.__class__, sk, bk, epsilon, activation)
+    key = ("layer", x.dtype, x.shape, axis, axis.__class__, sk, bk, epsilon, epsilon.__class__, activation)
     try:
         plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
@@ -271,7 +274,7 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
         if type(scale) is not _nd:
             scale = as_param(scale, "scale", x)
         sk = (scale.dtype, scale.shape)
-    key = ("rms", x.dtype, x.shape, axis, axis.__class__, sk, epsilon, activation)
+    key = ("rms", x.dtype, x.shape, axis, axis.__class__, sk, epsilon, epsilon.__class__, activation)
     try:
         plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
@@ -350,7 +353,8 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
         if type(bias) is not _nd:
             bias = as_param(bias, "bias", x)
         bk = (bias.dtype, bias.shape)
-    key = ("instance", x.dtype, x.shape, channel_axis, channel_axis.__class__, sk, bk, epsilon, activation)
+    key = ("instance", x.dtype, x.shape, channel_axis, channel_axis.__class__, sk, bk, epsilon, epsilon.__class__,
+           activation)
     try:
         ca, plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
@@ -433,7 +437,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
         bk = (bias.dtype, bias.shape)
     xs = x.shape
     key = ("group", x.dtype, xs, num_groups, num_groups.__class__, channel_axis, channel_axis.__class__, sk, bk,
-           epsilon, activation)
+           epsilon, epsilon.__class__, activation)
     try:
         ca, g, k, vshape, pshape, plan, nshape = _CONV_CACHE[key]
     except (KeyError, TypeError):

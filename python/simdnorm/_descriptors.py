@@ -104,7 +104,7 @@ def _shape_str(sizes: Sequence[int]) -> str:
 
 
 def _check_real(name: str, v: Any) -> float:
-    if not isinstance(v, (numbers.Real, np.floating, np.integer)) or isinstance(v, np.bool_):
+    if not isinstance(v, (numbers.Real, np.floating, np.integer)) or isinstance(v, (bool, np.bool_)):
         raise _DescriptorTypeError(f"{name}: expected a real number, got {type(v).__name__}")
     return float(v)
 
