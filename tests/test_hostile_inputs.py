@@ -18,10 +18,11 @@ What is here: the remaining dtypes (ml_dtypes' others, datetime, str, structured
 endian float64, un-convertible Python objects), masked arrays that mask an element (input or
 parameter: the mask would be ignored), None for a required parameter, ranks 0/9 with out and for
 parameters, channel mismatches by channel_axis, parameter dtypes outside SPEC §2/§3 (bool, complex,
-object, big-endian, the wrong half type) on every function, epsilon through the descriptor/compile path, axes spelled
-in numpy types, bad activation parameters, out objects that are not arrays or are read-only views,
-and sizes/strides whose byte extent overflows 64-bit arithmetic (run in a subprocess each: a
-package without that check crashes, which must show as a failure, not kill pytest).
+object, big-endian, the wrong half type) on every function, epsilon through the descriptor/compile
+path, axes spelled in numpy types, bad activation parameters, out objects that are not arrays or
+are read-only views, and sizes/strides whose byte extent overflows 64-bit arithmetic (run in a
+subprocess each: a package without that check crashes, which must show as a failure, not kill
+pytest).
 """
 
 from __future__ import annotations
