@@ -1,7 +1,8 @@
 """Accuracy of the statistics (SPEC §3, DESIGN "Mean-variance normalization"): data with a large mean
-(|mean|/std from 1e2 to 1e4), constant groups, float32 values near 1e30, reductions of 10^6
-elements, and 1 vs 2 threads bitwise equal for every MVN strategy (rows, columns, large groups);
-batch norm's folded coefficients: exact bias at x == mean, and parameters too far apart to fold."""
+(|mean|/std from 1e2 to 1e4), constant groups, float32 values near 1e30 and near the largest float,
+reductions of 10^6 elements, and 1 vs 2 threads bitwise equal for every MVN strategy (rows, columns,
+large groups); batch norm's folded coefficients: exact bias at x == mean, and parameters too far
+apart to fold."""
 
 from __future__ import annotations
 
@@ -180,6 +181,27 @@ def test_float32_near_1e30(rng, kind, axes):
     assert np.isfinite(y).all() and np.isfinite(m).all() and (inv > 0).all()
     assert_abs_close(y, ref_z, 1e-4, context=kind)
     check_stats((m, inv), x, axes, ref_mean, ref_inv, stat_rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("layout", ["rows", "strided_rows", "columns"])
+def test_values_near_the_largest_float(isa, rng, dtype, layout):
+    """Each group's first element (its pivot) ~2.7e38 and its second ~-2.7e38: their difference
+    overflows float32 (and bfloat16), not only the squares. The statistics and the output stay
+    finite and right (float64 reference). (The means stay near 0, so that x - mean does not
+    overflow: the normalization takes x - mean in float32, as numpy's float32 arithmetic would.)"""
+    big = float(np.finfo(np.float32).max) / 1.25
+    x = big * np.clip(rng.normal(size=(40, 1000)), -1.0, 1.0)
+    x[:, 0], x[:, 1] = big, -big
+    x = x.astype(dtype)
+    axes = (1,)
+    if layout == "strided_rows":
+        x = np.repeat(x, 2, axis=1)[:, ::2]
+    elif layout == "columns":
+        x, axes = np.ascontiguousarray(x.T), (0,)
+    y, m, inv = mvn(x, axes, return_stats=True)
+    assert np.isfinite(y.astype(np.float64)).all() and np.isfinite(m).all() and (inv > 0).all()
+    check_mvn(y, x, axes, stats=(m, inv), context=f"{dtype_id(dtype)} {layout}")
 
 
 # ----------------------------------------------------------------------------------------------

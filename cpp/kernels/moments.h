@@ -2,6 +2,9 @@
 // d = (x - pivot) * scale is accumulated in the compute type over fixed chunks, and each chunk's
 // lane sums are added to double totals in order: the totals depend only on the data and where it
 // lies in memory, never on how the work was split between threads.
+// The scale is 1 or 2^-100 (the pass after squares overflowed), and d is taken as x * scale -
+// pivot * scale: the same value for a power of two, but x - pivot cannot overflow where x and the
+// pivot lie near the largest float with opposite signs (it made such a group's statistics NaN).
 
 static inline vmask lanes_mask(vf*, int m) { return vlanes_below(m); }
 static inline bool lanes_mask(double*, int) { return true; }
@@ -41,7 +44,7 @@ struct MomentsKernel {
       rows.each([&](Row& row, int r) SIMDNORM_INLINE_LAMBDA {
         row.keep = keep_at[r];
         row.x = reinterpret_cast<const T*>(a[r].data);
-        row.pivot = splat<V>(a[r].pivot);
+        row.pivot = splat<V>(a[r].pivot * a[0].scale);  // (pivot * scale: see shifted())
         row.s1a = row.s1b = row.s2a = row.s2b = splat<V>(0.0);
         row.sum = row.sum_sq = 0.0;
       });
@@ -65,8 +68,8 @@ struct MomentsKernel {
         const V x0 = L::load(row.x + i), x1 = L::load(row.x + i + W);
         kept(row, i, x0);
         kept(row, i + W, x1);
-        const V d0 = scaled(x0 - row.pivot);
-        const V d1 = scaled(x1 - row.pivot);
+        const V d0 = shifted(x0, row.pivot);
+        const V d1 = shifted(x1, row.pivot);
         row.s1a += d0;
         row.s1b += d1;
         row.s2a = vfma(d0, d0, row.s2a);
@@ -93,7 +96,7 @@ struct MomentsKernel {
         rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
           const V xv = L::load(row.x + i);
           kept(row, i, xv);
-          const V d = scaled(xv - row.pivot);
+          const V d = shifted(xv, row.pivot);
           row.s1a += d;
           row.s2a = vfma(d, d, row.s2a);
         });
@@ -107,16 +110,17 @@ struct MomentsKernel {
     }
     SIMDNORM_CURSOR_METHOD void add_partial(Row& row, V x_part, int m) {
       kept(row, i, x_part);  // a whole vector: the lanes past m land where later steps or the padding go
-      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), scaled(x_part - row.pivot), splat<V>(0.0));
+      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), shifted(x_part, row.pivot), splat<V>(0.0));
       row.s1a += d;
       row.s2a = vfma(d, d, row.s2a);
     }
     SIMDNORM_CURSOR_METHOD void kept(const Row& row, int64_t at, V v) const {
       if constexpr (Keep) Lanes<float>::store(row.keep + at, v);
     }
-    SIMDNORM_CURSOR_METHOD V scaled(V d) const {
-      if constexpr (Scaled) return d * scale;
-      else return d;
+    // (x - pivot) * scale, the pivot given times the scale (see the top of the file).
+    SIMDNORM_CURSOR_METHOD V shifted(V x, V scaled_pivot) const {
+      if constexpr (Scaled) return x * scale - scaled_pivot;
+      else return x - scaled_pivot;
     }
     SIMDNORM_CURSOR_METHOD void flush() {
       rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
@@ -131,7 +135,7 @@ struct MomentsKernel {
     if (a.stride == static_cast<int64_t>(sizeof(T)))
       return a.scale == 1.0 ? ContiguousSums<false>(a).finish(a.sum, a.sum_sq)
                             : ContiguousSums<true>(a).finish(a.sum, a.sum_sq);
-    const V pivot = splat<V>(a.pivot), scale = splat<V>(a.scale), zero = splat<V>(0.0);
+    const V pivot = splat<V>(a.pivot * a.scale), scale = splat<V>(a.scale), zero = splat<V>(0.0);
     V s1 = zero, s2 = zero;
     double sum = 0.0, sum_sq = 0.0;
     T buf[W];
@@ -139,7 +143,7 @@ struct MomentsKernel {
     for (int64_t i = 0; i < a.len; i += W) {
       const int m = static_cast<int>(a.len - i < W ? a.len - i : W);
       for (int k = 0; k < m; ++k) std::memcpy(&buf[k], a.data + (i + k) * a.stride, sizeof(T));
-      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), (L::load_partial(buf, m) - pivot) * scale, zero);
+      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), L::load_partial(buf, m) * scale - pivot, zero);
       s1 += d;
       s2 = vfma(d, d, s2);
       if (++steps >= kChunkSteps) {
@@ -166,7 +170,7 @@ struct MomentsKernel {
       const int nv = (nb + W - 1) / W;
       const int last = nb - (nv - 1) * W;  // lanes in the last vector
       C piv[kLanes];
-      for (int c = 0; c < nb; ++c) piv[c] = static_cast<C>(a.pivot[c0 + c]);
+      for (int c = 0; c < nb; ++c) piv[c] = static_cast<C>(a.pivot[c0 + c] * a.scale);
       for (int c = nb; c < nv * W; ++c) piv[c] = 0;
       V vp[kVecs], s1[kVecs], s2[kVecs];
       for (int v = 0; v < nv; ++v) vp[v] = Lanes<C>::load(piv + v * W);
@@ -198,7 +202,7 @@ struct MomentsKernel {
               for (int k = 0; k < m; ++k) std::memcpy(&buf[k], row + (v * W + k) * a.col_stride, sizeof(T));
               x = L::load_partial(buf, m);
             }
-            const V d = (x - vp[v]) * scale;
+            const V d = x * scale - vp[v];
             s1[v] += d;
             s2[v] = vfma(d, d, s2[v]);
           }

@@ -9,7 +9,8 @@
 // Statistics: shifted sums d = (x - pivot) * scale in float chunks, totals in double (kernels/
 // moments.h). The pivot is the group's first element, so a large mean costs no precision; when the
 // sums show that the pivot was far from the mean (|mean - pivot| > 8 std) the group is summed again
-// around its mean, and when squares overflow (|x| ~ 1e30 in float32) again with scale 2^-100.
+// around its mean, and when squares overflow (|x| ~ 1e30 in float32, or x - pivot itself near the
+// largest float) again with scale 2^-100.
 // Every group's sums are taken over fixed blocks combined in a fixed order, so the result is
 // bitwise the same for any number of threads.
 //
