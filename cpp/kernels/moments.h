@@ -44,7 +44,7 @@ struct MomentsKernel {
       rows.each([&](Row& row, int r) SIMDNORM_INLINE_LAMBDA {
         row.keep = keep_at[r];
         row.x = reinterpret_cast<const T*>(a[r].data);
-        row.pivot = splat<V>(a[r].pivot * a[0].scale);  // (pivot * scale: see shifted())
+        row.pivot = splat<V>(Scaled ? a[r].pivot * a[0].scale : a[r].pivot);  // (see shifted())
         row.s1a = row.s1b = row.s2a = row.s2b = splat<V>(0.0);
         row.sum = row.sum_sq = 0.0;
       });
