@@ -19,10 +19,10 @@ endian float64, un-convertible Python objects), masked arrays that mask an eleme
 parameter: the mask would be ignored), None for a required parameter, ranks 0/9 with out and for
 parameters, channel mismatches by channel_axis, parameter dtypes outside SPEC §2/§3 (bool, complex,
 object, big-endian, the wrong half type) on every function, epsilon through the descriptor/compile
-path, axes spelled in numpy types, bad activation parameters, out objects that are not arrays or
-are read-only views, and sizes/strides whose byte extent overflows 64-bit arithmetic (run in a
-subprocess each: a package without that check crashes, which must show as a failure, not kill
-pytest).
+path, axes spelled in numpy types, bad activation parameters, out objects that are not arrays, are
+read-only views or are masked arrays that mask an element (the mask would hide results), and
+sizes/strides whose byte extent overflows 64-bit arithmetic (run in a subprocess each: a package
+without that check crashes, which must show as a failure, not kill pytest).
 """
 
 from __future__ import annotations
@@ -328,6 +328,13 @@ def _frombuffer():
     return Opaque(a, memoryview(a).cast("B"))
 
 
+def _masked_out():
+    """A masked array over the padded buffer (no copy), one element masked."""
+    pad = Padded(SHAPE)
+    pad.array = np.ma.masked_array(pad.array, mask=np.arange(X.size).reshape(SHAPE) == 5)
+    return pad
+
+
 OUT_ROWS = [
     ("bytearray", lambda **k: ln(X, **k), TypeError, r"^out: expected a numpy.ndarray, got bytearray", _opaque_bytearray),
     ("memoryview", lambda **k: bn(X, C4, C4, **k), TypeError, r"^out: expected a numpy.ndarray, got memoryview",
@@ -350,6 +357,11 @@ OUT_ROWS = [
      out_like(SHAPE, F64)),
     ("compiled-list", lambda **k: simdnorm.compile(_BND(1e-5))(X, C4, C4, **k), TypeError,
      r"^out: expected a numpy.ndarray, got list", lambda: Opaque(X.tolist(), bytearray(b"x"))),
+    ("masked-layer_norm", lambda **k: ln(X, **k), TypeError, r"^out: a masked array with masked elements; its mask",
+     _masked_out),
+    ("masked-bn", lambda **k: bn(X, C4, C4, **k), TypeError, r"^out: a masked array with masked elements", _masked_out),
+    ("compiled-masked", lambda **k: simdnorm.compile(_BND(1e-5))(X, C4, C4, **k), TypeError,
+     r"^out: a masked array with masked elements", _masked_out),
     ("compiled-readonly", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE), (1, 3)))(
         X, **k), ValueError, r"^out: the array is read-only", lambda: Padded(SHAPE, writeable=False)),
 ]

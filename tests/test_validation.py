@@ -589,6 +589,23 @@ def test_ndarray_subclass_input_gives_ndarray():
         assert_close(y, ref_mvn(x, -1)[0])
 
 
+def test_masked_out_that_masks_nothing_is_written():
+    """out= a masked array whose mask is nomask or all False: every element written through its
+    data, the array itself returned (one that masks an element is refused: test_hostile_inputs.py)."""
+    x, mean, var, _, _ = bn_args()
+    want = ref_bn(x, mean, var, np.ones(mean.shape), np.zeros(mean.shape))
+    td = simdnorm.TensorDesc
+    op = simdnorm.compile(simdnorm.BatchNormalizationDesc(td(F32, x.shape), td(F32, mean.shape), td(F32, var.shape)))
+    for mask in (np.ma.nomask, np.zeros(x.shape, bool)):
+        for run in (lambda o: bn(x, mean, var, out=o), lambda o: op(x, mean, var, out=o)):
+            out = np.ma.masked_array(np.full(x.shape, np.nan, F32), mask=mask)
+            assert run(out) is out
+            np.testing.assert_allclose(out.data, want, rtol=1e-5, atol=1e-5)
+        out = np.ma.masked_array(np.full(x.shape, np.nan, F32), mask=mask)
+        assert simdnorm.layer_norm(x, out=out) is out
+        assert_close(out.data, ref_mvn(x, -1)[0])
+
+
 # ----------------------------------------------------------------------------------------------
 # DLPack and other inputs
 # ----------------------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
 # out
 
 def check_out(out: Any, x: np.ndarray) -> None:
-    """SPEC section 6: a writeable ndarray of the input's shape and dtype (any strides)."""
+    """SPEC section 6: a writeable ndarray of the input's shape and dtype (any strides), not a masked
+    array that masks an element."""
     if not isinstance(out, _nd):
         raise _OutError(f"out: expected a numpy.ndarray, got {type(out).__name__}")
     if out.dtype != x.dtype:
@@ -116,6 +117,13 @@ def check_out(out: Any, x: np.ndarray) -> None:
         )
     if not out.flags.writeable:
         raise ValueError("out: the array is read-only; out must be writeable")
+    if isinstance(out, np.ma.MaskedArray) and np.ma.is_masked(out):
+        # numpy's ufuncs replace out's mask by the result's; a mask left in place would hide results
+        # written under it, and clearing it unasked would lose the caller's mask.
+        raise TypeError(
+            "out: a masked array with masked elements; its mask would hide results written under it: "
+            "pass out.data, or clear the mask first (out.mask = numpy.ma.nomask)"
+        )
 
 
 def _data_ptr(a: np.ndarray) -> int:
