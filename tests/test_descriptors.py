@@ -383,6 +383,22 @@ def test_compiled_op_repr_and_desc():
     assert op.desc is d and "mean_variance_normalization" in repr(op)
 
 
+def test_descriptor_pickled_compiles_to_the_same_operator():
+    """compile()'s docstring: an operator does not pickle, its descriptor does; the descriptor sent
+    through pickle (as to a worker process) compiles to an operator giving the same bits."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(X).astype(F32)
+    s = rng.standard_normal((3, 5)).astype(F32)
+    mean, var = rng.standard_normal(4).astype(F32), rng.random(4).astype(F32) + 0.5
+    cases = [(MVND(td(), (2, 3), td((3, 5)), None, epsilon=1e-3, epsilon_mode="outside",
+                   activation=Activation("leaky_relu", alpha=0.2)), (x, s)),
+             (BND(td(), td((4,)), td((4,)), epsilon=1e-2, activation="tanh"), (x, mean, var))]
+    for d, args in cases:
+        d2 = pickle.loads(pickle.dumps(d))
+        assert d2 == d and d2 is not d
+        np.testing.assert_array_equal(bits(simdnorm.compile(d2)(*args)), bits(simdnorm.compile(d)(*args)))
+
+
 # ----------------------------------------------------------------------------------------------
 # Activation
 # ----------------------------------------------------------------------------------------------

@@ -407,7 +407,9 @@ def compile(desc: Any) -> Any:  # noqa: A001 - the public name is simdnorm.compi
     return_stats=False)``. The operator is a plain function (one Python frame per call) with the
     descriptor as ``op.desc``. Arrays must match the descriptors' dtypes and sizes (and strides,
     where a descriptor gives them); the input and out may otherwise have any strides.
-    Raises DescriptorError (a ValueError) for an invalid descriptor.
+    Raises DescriptorError (a ValueError) for an invalid descriptor. The operator, a generated
+    function, does not pickle; descriptors do: send ``op.desc`` to another process and compile it
+    there.
     """
     if isinstance(desc, BatchNormalizationDesc):
         return _compile_bn(desc)
