@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -838,6 +839,33 @@ def test_bool_flags():
         mvn(x, -1, normalize_mean="no")
     with pytest.raises(TypeError, match=r"^normalize_variance: expected a bool, got int \(2\)"):
         mvn(x, -1, normalize_variance=2)
+
+
+def ref_mvn_flags(x, axes, nm, nv, eps=1e-5):
+    """float64 MVN with normalize_mean / normalize_variance (SPEC section 3)."""
+    x = x.astype(np.float64)
+    d = x - x.mean(axis=axes, keepdims=True) if nm else x
+    return d / np.sqrt((d * d).mean(axis=axes, keepdims=True) + eps) if nv else d
+
+
+@pytest.mark.parametrize("flag", ["normalize_mean", "normalize_variance"])
+@pytest.mark.parametrize("value", [1.0, 0.0, np.float64(1.0), np.float32(0.0), Decimal(1), Fraction(1), 1 + 0j, 0j,
+                                   "no", None], ids=repr)
+def test_bool_flag_type(flag, value):
+    """Refused whether or not a plan for an equal accepted value (1.0 == True == Decimal(1) == 1+0j,
+    0.0 == False == 0) is cached: the plan cache keys the flags with their class."""
+    x = np.random.default_rng(18).standard_normal((2, 4, 3, 5)).astype(F32)
+    for cached in (False, True):
+        if cached:
+            for good in (True, False, 1, 0, np.True_, np.False_):
+                kw = dict(normalize_mean=True, normalize_variance=True)
+                kw[flag] = good
+                want = ref_mvn_flags(x, (2, 3), bool(kw["normalize_mean"]), bool(kw["normalize_variance"]))
+                assert_close(mvn(x, (2, 3), **{flag: good}), want)
+        out = poisoned(x.shape)
+        with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got {type(value).__name__} "):
+            mvn(x, (2, 3), out=out, **{flag: value})
+        assert_poisoned(out)
 
 
 def test_plan_cache_is_bounded():

@@ -2,12 +2,12 @@
 
 Each call looks its plan up in a small dict keyed by the dtypes and shapes of its arrays and its
 attributes (strides are not part of a plan: any strides are valid). The numeric attributes
-(epsilon, axes, channel_axis, num_groups) are keyed with their class too: a value the validator
-refuses that equals an accepted one (True == 1, 1+0j == 1.0) must not hit that one's plan. On a
-miss the call builds the descriptors of its arrays, validates them with the one validator
-(``_descriptors``), plans them with the one planner (``_compile``) and stores the plan. The
-conveniences are thin routes onto MVN through views of their arrays (group norm splits the channel
-dim), never copies.
+(epsilon, axes, channel_axis, num_groups) and MVN's flags (normalize_mean, normalize_variance) are
+keyed with their class too: a value the validator refuses that equals an accepted one (True == 1,
+1+0j == 1.0 == True) must not hit that one's plan. On a miss the call builds the descriptors of its
+arrays, validates them with the one validator (``_descriptors``), plans them with the one planner
+(``_compile``) and stores the plan. The conveniences are thin routes onto MVN through views of
+their arrays (group norm splits the channel dim), never copies.
 """
 from __future__ import annotations
 
@@ -204,8 +204,8 @@ def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: 
         plan = _mvn_miss(None, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode,
                          activation)
     else:
-        key = (x.dtype, x.shape, akey, sdt, sshape, bdt, bshape, normalize_mean, normalize_variance, epsilon,
-               epsilon.__class__, epsilon_mode, activation)
+        key = (x.dtype, x.shape, akey, sdt, sshape, bdt, bshape, normalize_mean, normalize_mean.__class__,
+               normalize_variance, normalize_variance.__class__, epsilon, epsilon.__class__, epsilon_mode, activation)
         try:
             plan = _MVN_CACHE[key]
         except KeyError:
