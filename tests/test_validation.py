@@ -669,6 +669,45 @@ def test_return_stats_shapes_and_dtypes(dtype):
     assert r[0] is out
 
 
+STATS_CALLS = [c for c in CALLS if c[0] != "batch_normalization"] + [
+    ("compiled_mvn", lambda x, **k: simdnorm.compile(
+        simdnorm.MeanVarianceNormalizationDesc(simdnorm.TensorDesc(F32, x.shape), (2, 3)))(x, **k)),
+]
+
+
+@pytest.mark.parametrize("name,call", STATS_CALLS, ids=[c[0] for c in STATS_CALLS])
+@pytest.mark.parametrize("value", ["no", "", 0.5, 1, 0, 1.0, None, np.float64(1.0), np.array(True), [True]], ids=repr)
+def test_return_stats_type(name, call, value):
+    """return_stats takes a bool (Python's or numpy's); anything else is refused before out is
+    written (a truthy non-bool used to give a tuple), whether or not plans ran with True and False."""
+    x = np.random.default_rng(19).standard_normal((2, 4, 3, 5)).astype(F32)
+    for cached in (False, True):
+        if cached:
+            y = call(x)
+            for good in (True, np.True_):
+                r = call(x, return_stats=good)
+                assert type(r) is tuple and len(r) == 3
+                np.testing.assert_array_equal(r[0], y)
+            for good in (False, np.False_):
+                np.testing.assert_array_equal(call(x, return_stats=good), y)
+        out = poisoned(x.shape)
+        with pytest.raises(TypeError, match=rf"^return_stats: expected a bool, got {type(value).__name__} "):
+            call(x, out=out, return_stats=value)
+        assert_poisoned(out)
+
+
+def test_return_stats_numpy_bool_values():
+    x = np.random.default_rng(20).standard_normal((3, 4, 6)).astype(F32)
+    ry, rmu, rinv = ref_mvn(x, -1)
+    y, mu, inv = simdnorm.layer_norm(x, return_stats=np.True_)
+    assert_close(y, ry)
+    np.testing.assert_allclose(mu, rmu, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(inv, rinv, rtol=1e-5)
+    y = mvn(x, -1, return_stats=np.False_)
+    assert type(y) is np.ndarray
+    assert_close(y, ry)
+
+
 # ----------------------------------------------------------------------------------------------
 # conveniences: their own rules and their routes onto MVN
 # ----------------------------------------------------------------------------------------------

@@ -17,7 +17,16 @@ import numpy as np
 
 from . import _core
 from ._activation import ActivationLike
-from ._compile import as_input, as_param, channel_index, check_out, plan_bn, plan_mvn, run_overlapping
+from ._compile import (
+    as_input,
+    as_param,
+    channel_index,
+    check_out,
+    check_return_stats,
+    plan_bn,
+    plan_mvn,
+    run_overlapping,
+)
 from ._descriptors import (
     BatchNormalizationDesc,
     DescriptorError,
@@ -154,7 +163,9 @@ def _run_mvn(x, scale, bias, out, return_stats, plan, channel_axis=-1):
     """Run a planned MVN; ``out`` was checked by the caller (None: a new array). scale/bias of lower
     rank align right, or (1-D) at channel_axis when one is given."""
     axes, stats_shape, sdt, eps, nm, nv, eo, act = plan
-    if return_stats:
+    if return_stats is False:
+        mo = so = None
+    elif return_stats is True or check_return_stats(return_stats):
         mo = _empty(stats_shape, sdt) if nm else None
         so = _empty(stats_shape, sdt) if nv else None
     else:

@@ -98,6 +98,14 @@ def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
         raise TypeError(f"{name}: cannot convert {type(obj).__name__} to a float array ({e})") from None
 
 
+def check_return_stats(v: Any) -> bool:
+    """The slow path of return_stats (callers test ``is False`` / ``is True`` first): numpy's bool is
+    taken; anything else, 1 and "no" included, is a TypeError (a truthy non-bool gave a tuple)."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise TypeError(f"return_stats: expected a bool, got {type(v).__name__} ({v!r})")
+
+
 # ----------------------------------------------------------------------------------------------------
 # out
 
@@ -382,7 +390,10 @@ def _compile_mvn(desc: MeanVarianceNormalizationDesc):
     info = desc._validated()
     axes, stats_shape, sdt, eps, nm, nv, eo, act = plan_mvn(info)
     ns = {"AXES": axes, "EPS": eps, "NM": nm, "NV": nv, "EO": eo, "ACT": act, "STATS_S": stats_shape, "STATS_D": sdt}
-    stats = f"""    if return_stats:
+    ns["_check_return_stats"] = check_return_stats
+    stats = f"""    if return_stats is False:
+        mo = so = None
+    elif return_stats is True or _check_return_stats(return_stats):
         mo = {"_empty(STATS_S, STATS_D)" if nm else "None"}
         so = {"_empty(STATS_S, STATS_D)" if nv else "None"}
     else:
