@@ -211,6 +211,30 @@ def test_softplus_any_positive_steepness(steepness):
     check_close(y, z, np.abs(z), "softplus", {"steepness": steepness}, dtype=F32)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+MIN_DIVISOR = 2.0 ** -128 + 2.0 ** -149  # the smallest float32 whose reciprocal is finite in float32
+LIMIT_PARAMS = [
+    ("celu", {"alpha": MIN_DIVISOR}), ("celu", {"alpha": -MIN_DIVISOR}),
+    ("softplus", {"steepness": MIN_DIVISOR}), ("softplus", {"steepness": F32_MAX}),
+    ("scaled_tanh", {"alpha": F32_MAX, "beta": -F32_MAX}), ("hard_sigmoid", {"alpha": F32_MAX, "beta": -F32_MAX}),
+    ("shrink", {"bias": F32_MAX, "threshold": F32_MAX}), ("thresholded_relu", {"alpha": -F32_MAX}),
+    ("scaled_elu", {"alpha": F32_MAX, "gamma": 1.0}),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, np.float64], ids=dtype_id)
+@pytest.mark.parametrize("name,params", LIMIT_PARAMS, ids=[f"{n}-{list(p.values())}" for n, p in LIMIT_PARAMS])
+def test_parameters_at_the_float32_limits(isa, dtype, name, params):
+    """The extreme parameters still accepted (SPEC section 5: finite in float32; a divisor with a
+    finite reciprocal there) give the float64 formula's values and never NaN (celu's alpha rounding
+    to 0, or softplus's steepness to 0 or inf, did); those beyond are refused (test_descriptors)."""
+    x = activation_inputs(dtype).reshape(1, 1, -1)
+    y = run_identity_bn(x, simdnorm.Activation(name, **params))
+    assert not np.isnan(y).any()
+    z = x.astype(np.float64)
+    check_close(y, z, np.abs(z), name, params, dtype=dtype, context=f"isa={isa}")
+
+
 def test_clip_one_sided(rng):
     x = make_input(rng, (1, 1, 100), F32, scale=4.0)
     z = x.astype(np.float64)

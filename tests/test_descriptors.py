@@ -457,6 +457,28 @@ def test_activation_core_tuple_order():
     (("linear",), dict(alpha="2"), TypeError,
      r"^activation 'linear': parameter 'alpha' must be a real number, got str"),
     (("linear",), dict(alpha=True), TypeError, r"parameter 'alpha' must be a real number, got bool"),
+    # SPEC section 5: applied in float32, so every parameter (clip's excepted) finite there ...
+    (("linear",), dict(alpha=1e300), ValueError, r"^activation 'linear': parameter 'alpha' is 1e\+300, beyond "
+                                                 r"float32's largest finite value; activations are applied in float32, "
+                                                 r"so it must be finite there: \|alpha\| <= 3.4028234663852886e\+38$"),
+    (("linear",), dict(beta=-3.5e38), ValueError, r"^activation 'linear': parameter 'beta' is -3.5e\+38, beyond"),
+    (("softplus",), dict(steepness=1e39), ValueError, r"'steepness' is 1e\+39, beyond float32's largest finite value"),
+    (("leaky_relu",), dict(alpha=np.float64(-1e39)), ValueError, r"'alpha' is -1e\+39, beyond float32's largest"),
+    (("scaled_elu",), dict(gamma=1e39), ValueError, r"^activation 'scaled_elu': parameter 'gamma' is 1e\+39, beyond"),
+    (("hard_sigmoid",), dict(beta=1e39), ValueError, r"'beta' is 1e\+39, beyond"),
+    (("shrink",), dict(threshold=1e39), ValueError, r"'threshold' is 1e\+39, beyond"),
+    (("parametric_softplus",), dict(alpha=2 ** 200), ValueError, r"'alpha' is 1.6069\d*e\+60, beyond"),
+    # ... and a divisor non-zero in float32 with a finite reciprocal there
+    (("celu",), dict(alpha=1e-46), ValueError,
+     r"^activation 'celu': parameter 'alpha' is 1e-46, which rounds to 0 in float32; the formula divides by it "
+     r"\(x / alpha\): \|alpha\| in float32 must be at least 2.938737278354183e-39 \(1/alpha finite in float32\)$"),
+    (("celu",), dict(alpha=-1e-40), ValueError, r"'alpha' is -1e-40, which has a reciprocal that overflows float32; "
+                                                r"the formula divides by it"),
+    (("celu",), dict(alpha=2.0 ** -128), ValueError, r"'alpha' is 2.93873\d*e-39, which has a reciprocal that "
+                                                     r"overflows float32"),
+    (("softplus",), dict(steepness=1e-46), ValueError, r"^activation 'softplus': parameter 'steepness' is 1e-46, which "
+                                                       r"rounds to 0 in float32; the formula divides by it"),
+    (("softplus",), dict(steepness=np.float64(1e-39)), ValueError, r"'steepness' is 1e-39, which has a reciprocal"),
 ])
 def test_activation_invalid(args, kw, exc, msg):
     with pytest.raises(exc, match=msg):
@@ -468,6 +490,22 @@ def test_activation_accepts_numpy_scalars_and_inf_clip():
     assert a.params["max"] == math.inf and type(a.params["min"]) is float
     Activation("clip", min=-math.inf, max=-math.inf)
     Activation("softplus", steepness=0.25)
+
+
+def test_activation_parameters_at_the_float32_limits_are_accepted():
+    """The largest float32 for any parameter, beyond it for clip (it rounds to +-inf, a one-sided
+    clip), and for a divisor the smallest float32 with a finite reciprocal (2**-128 + 2**-149)."""
+    f32_max = float(np.finfo(np.float32).max)
+    tiny = 2.0 ** -128 + 2.0 ** -149
+    with np.errstate(over="ignore", divide="ignore"):
+        assert np.isfinite(np.float32(1) / np.float32(tiny))
+        assert np.isinf(np.float32(1) / np.nextafter(np.float32(tiny), np.float32(0)))
+    assert Activation("linear", alpha=f32_max, beta=-f32_max).params == {"alpha": f32_max, "beta": -f32_max}
+    assert Activation("clip", min=-1e39, max=1e300).params == {"min": -1e39, "max": 1e300}
+    for name, p in (("celu", "alpha"), ("softplus", "steepness")):
+        for v in (tiny, f32_max, np.float32(tiny)):
+            assert Activation(name, **{p: v}).params[p] == float(v)
+    assert Activation("celu", alpha=-tiny).params["alpha"] == -tiny
 
 
 def test_compiled_param_memo_follows_the_arrays():

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple, Union
 
+import numpy as np
+
 __all__ = ["Activation", "ACTIVATIONS"]
 
 _INF = math.inf
@@ -55,6 +57,31 @@ _RANGES = {
     ("shrink", "threshold"): (lambda v: v >= 0.0, ">= 0"),
 }
 
+# Activations are applied in float32 (SPEC section 5): the kernel rounds each parameter to float32
+# for all but float64 data (cpp/kernels/activations.h), so a parameter must be finite there (clip's
+# min and max excepted: +-inf is a one-sided clip, and beyond the largest float32 it rounds to +-inf).
+_F32_MAX = float(np.finfo(np.float32).max)
+# The parameters a formula divides by: non-zero in float32, with a reciprocal finite in float32
+# (celu's alpha rounding to 0 gave NaN for every input; softplus's steepness, inf).
+_DIVISORS = {
+    ("celu", "alpha"): "x / alpha",
+    ("softplus", "steepness"): "log1p(exp(steepness * x)) / steepness",
+}
+# The smallest float32 whose reciprocal is finite in float32 (1 / 2**-128 = 2**128 overflows).
+_MIN_DIVISOR = 2.0 ** -128 + 2.0 ** -149
+
+
+def _check_divisor(key: str, p: str, v: float) -> None:
+    formula = _DIVISORS[(key, p)]
+    v32 = abs(float(np.float32(v)))
+    if v32 >= _MIN_DIVISOR:
+        return
+    why = "rounds to 0 in float32" if v32 == 0.0 else "has a reciprocal that overflows float32"
+    raise ValueError(
+        f"activation {key!r}: parameter {p!r} is {v!r}, which {why}; the formula divides by it ({formula}): "
+        f"|{p}| in float32 must be at least {_MIN_DIVISOR!r} (1/{p} finite in float32)"
+    )
+
 
 def _names_list() -> str:
     return ", ".join(name for name, _ in _TABLE)
@@ -74,6 +101,8 @@ class Activation:
     ``Activation("leaky_relu", alpha=0.1)``; parameters not given take DirectML's defaults
     (see :data:`ACTIVATIONS`). Raises ``ValueError`` for unknown names or parameters and
     out-of-range values, listing the valid ones; ``TypeError`` for non-numeric parameters.
+    Parameters must be finite in float32 (clip's min and max may be +-inf); one the formula
+    divides by (celu's alpha, softplus's steepness) must be non-zero there with a finite reciprocal.
     """
 
     name: str
@@ -110,9 +139,16 @@ class Activation:
                     raise ValueError(f"activation 'clip': {p} is NaN; min and max must be numbers (±inf allowed)")
             elif not math.isfinite(v):
                 raise ValueError(f"activation {key!r}: parameter {p!r} is {v!r}; it must be finite")
+            elif abs(v) > _F32_MAX:
+                raise ValueError(
+                    f"activation {key!r}: parameter {p!r} is {v!r}, beyond float32's largest finite value; "
+                    f"activations are applied in float32, so it must be finite there: |{p}| <= {_F32_MAX!r}"
+                )
             rule = _RANGES.get((key, p))
             if rule is not None and not rule[0](v):
                 raise ValueError(f"activation {key!r}: parameter {p!r} is {v!r}; it must be {rule[1]}")
+            if (key, p) in _DIVISORS:
+                _check_divisor(key, p, v)
             values[p] = v
         if key == "clip" and not values["min"] <= values["max"]:
             raise ValueError(
