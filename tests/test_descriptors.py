@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import re
 
 import ml_dtypes
 import numpy as np
@@ -152,6 +153,9 @@ def test_bn_desc_valid(kw):
      r"^output: sizes \(2, 4, 3, 6\) differ from the input's \(2, 4, 3, 5\); the output must have the input's sizes"),
     (dict(output=td(strides=(60, 15, 0, 1))), ValueError,
      r"^output.strides\[2\]: 0 on a dim of size 3; the output cannot broadcast"),
+    (dict(output=td(strides=(1, 1, 1, 1))), ValueError,
+     r"^output.strides: \(1, 1, 1, 1\) on sizes \(2, 4, 3, 5\) give two elements the same address; the output's "
+     r"elements cannot overlap$"),
     # seeds: the same DimensionCount (SPEC: or 1-D of length C); each dim the input's or 1
     (dict(mean=td((1, 4))), ValueError,
      r"^mean: shape \(1, 4\) does not fit the input's shape \(2, 4, 3, 5\): a parameter must either have the "
@@ -223,6 +227,9 @@ def test_mvn_desc_valid(kw):
     (dict(scale=td((5,), F64)), TypeError, r"^scale: dtype float64 is not accepted with a float32 input"),
     (dict(output=td((2, 4, 3))), ValueError, r"^output: sizes \(2, 4, 3\) differ from the input's"),
     (dict(output=td(dtype=F64)), TypeError, r"^output: dtype float64 differs from the input's float32"),
+    (dict(output=td(strides=(15, 5, 1, 3))), ValueError,
+     r"^output.strides: \(15, 5, 1, 3\) on sizes \(2, 4, 3, 5\) give two elements the same address"),
+    (dict(output=td(strides=(-60, 12, 3, -2))), ValueError, r"^output.strides: \(-60, 12, 3, -2\) .* same address"),
     (dict(epsilon_mode="INSIDE"), ValueError, r"^epsilon_mode: 'INSIDE' is not valid; use 'inside'"),
     (dict(normalize_mean="yes"), TypeError, r"^normalize_mean: expected a bool"),
     (dict(epsilon=-0.1), ValueError, r"^epsilon: -0.1 is not allowed"),
@@ -360,6 +367,75 @@ def test_compiled_mvn():
     o = buf[..., 1:]
     op(buf[..., :5], s, out=o)
     np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-6)  # another input address: equal to a few ulp
+
+
+# Output layouts (sizes, strides): each element its own address or not. The sufficient test (dims of
+# size > 1 by |stride|, each |stride| past the span of those before) proves the first four; the next
+# two fail it and are decided by their offsets (e.g. (3, 2) by (2, 3): 0, 3, 2, 5, 4, 7).
+DISJOINT_OUTPUTS = [((4, 6), (6, 1)), ((4, 6), (1, 4)), ((4, 6), (-1, -4)), ((2, 1, 3), (3, 0, 1)),
+                    ((3, 2), (2, 3)), ((2, 3, 2), (8, 2, -3))]
+OVERLAPPING_OUTPUTS = [((4, 6), (1, 1)), ((3, 2), (1, 2)), ((2, 3, 4), (1, 2, 5)), ((4, 2, 3), (2, 3, 1)),
+                       ((6, 4), (1, -3))]
+
+
+@pytest.mark.parametrize("sizes,strides", OVERLAPPING_OUTPUTS, ids=str)
+def test_output_whose_elements_overlap_is_refused(sizes, strides):
+    """The kernels would write an element twice (two results, one address); only the output is held
+    to this (inputs and parameters are read: they may overlap)."""
+    msg = (rf"^output.strides: {re.escape(str(strides))} on sizes {re.escape(str(sizes))} give two elements the "
+           r"same address; the output's elements cannot overlap$")
+    assert_invalid(MVND(td(sizes), 0, output=td(sizes, strides=strides)), DescriptorError, msg)
+    assert_invalid(BND(td(sizes), td((sizes[1],)), td((sizes[1],)), output=td(sizes, strides=strides)),
+                   DescriptorError, msg)
+    # read-only operands may overlap
+    MVND(td(sizes, strides=strides), 0, td(sizes, strides=strides), output=td(sizes)).validate()
+    BND(td(sizes, strides=strides), td(sizes, strides=strides), td((sizes[1],), strides=(0,)),
+        output=td(sizes)).validate()
+
+
+def test_output_not_proven_disjoint_is_refused():
+    # (2**20, 3, 2) by (8, 2, 3) does not overlap (blocks of 8: 0, 3, 2, 5, 4, 7), but it fails the
+    # sufficient test with more elements than the exact one takes
+    sizes, strides = (1 << 20, 3, 2), (8, 2, 3)
+    assert_invalid(MVND(td(sizes), 0, output=td(sizes, strides=strides)), DescriptorError,
+                   r"^output.strides: \(8, 2, 3\) on sizes \(1048576, 3, 2\) could not be proven non-overlapping "
+                   r"\(the sufficient test fails, and the exact one takes up to 4194304 elements\); the output's "
+                   r"elements cannot overlap$")
+    MVND(td((1 << 18, 3, 2)), 0, output=td((1 << 18, 3, 2), strides=strides)).validate()  # 1.5M: decided
+
+
+@pytest.mark.parametrize("sizes,strides", DISJOINT_OUTPUTS, ids=str)
+@pytest.mark.parametrize("dtype", [F32, F16, F64], ids=str)
+def test_output_with_disjoint_elements_compiles_and_runs(sizes, strides, dtype):
+    """Accepted, and the compiled operators write exactly those elements (out= of those strides over a
+    poisoned buffer), matching the float64 reference; the buffer's other elements stay poisoned."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(sizes).astype(dtype)
+    c = sizes[1]
+    m, s = rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)
+    v = (rng.random(c) + 0.5).astype(dtype)
+    off = [st * (n - 1) for n, st in zip(sizes, strides)]
+    lo, hi = sum(o for o in off if o < 0), sum(o for o in off if o > 0)
+    isz = np.dtype(dtype).itemsize
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == F16 else dict(rtol=1e-5, atol=1e-6)
+    xd = x.astype(np.float64)
+    shape1 = [1] * len(sizes)
+    shape1[1] = c
+    r = (s.reshape(shape1) * (xd - m.reshape(shape1)) / np.sqrt(v.reshape(shape1) + 1e-5)).astype(np.float64)
+    mu, var = xd.mean(axis=0, keepdims=True), xd.var(axis=0, keepdims=True)
+    cases = [(simdnorm.compile(MVND(td(sizes, dtype), 0, output=td(sizes, dtype, strides))), (x,),
+              (xd - mu) / np.sqrt(var + 1e-5)),
+             (simdnorm.compile(BND(td(sizes, dtype), td((c,), dtype), td((c,), dtype), td((c,), dtype),
+                                   output=td(sizes, dtype, strides))), (x, m, v, s), r)]
+    for op, args, want in cases:
+        buf = np.full(hi - lo + 1, POISON, dtype)
+        out = np.lib.stride_tricks.as_strided(buf[-lo:], sizes, tuple(st * isz for st in strides))
+        assert op(*args, out=out) is out
+        np.testing.assert_allclose(out.astype(np.float64), want, **tol)
+        written = np.zeros(buf.size, bool)
+        idx = np.indices(sizes).reshape(len(sizes), -1)
+        written[-lo + np.asarray(strides) @ idx] = True
+        assert np.all(buf[~written] == POISON)
 
 
 def test_compiled_in_place_with_parameter_inside_input():
