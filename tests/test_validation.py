@@ -637,6 +637,30 @@ def test_dlpack_failure_is_type_error():
         mvn(np.ones((2, 3), F32), -1, out=torch.empty(2, 3))
 
 
+def test_dlpack_bfloat16_tensor_names_numpy_and_the_view():
+    """numpy cannot take bfloat16 through DLPack: the message says so (not "pass a CPU tensor": it
+    is one) and gives the view that works; that view, checked here, holds the tensor's values."""
+    torch = pytest.importorskip("torch")
+    t = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
+    out = poisoned(t.shape, BF16)
+    with pytest.raises(TypeError, match=r"^input: cannot view this Tensor as a numpy array through DLPack .*: numpy "
+                                        r"cannot hold its dtype torch.bfloat16 through DLPack; view its memory as "
+                                        r"ml_dtypes.bfloat16 \(no copy\), for a torch tensor t: "
+                                        r"t.view\(torch.int16\).numpy\(\).view\(ml_dtypes.bfloat16\)$"):
+        simdnorm.layer_norm(t, out=out)
+    assert_poisoned(out)
+    with pytest.raises(TypeError, match=r"^scale: .*numpy cannot hold its dtype torch.bfloat16"):
+        mvn(np.ones((3, 4, 10), BF16), -1, t[0, 0])
+    import ml_dtypes
+
+    for tt in (t, t.transpose(0, 2)):
+        a = tt.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        assert a.dtype == BF16 and a.shape == tuple(tt.shape) and np.shares_memory(a, tt.view(torch.int16).numpy())
+        np.testing.assert_array_equal(a.astype(np.float64), tt.double().numpy())
+        y = simdnorm.layer_norm(a)
+        np.testing.assert_allclose(y.astype(np.float64), ref_mvn(a, -1)[0], rtol=1e-2, atol=1e-2)
+
+
 # ----------------------------------------------------------------------------------------------
 # return_stats (SPEC sections 3-4)
 # ----------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from ._descriptors import (
     MeanVarianceNormalizationDesc,
     MVNInfo,
     TensorDesc,
+    _ACCEPTED,
     _DescriptorTypeError,
     dtype_name,
     stats_dtype,
@@ -75,14 +76,25 @@ def as_input(obj: Any, name: str = "input") -> np.ndarray:
         try:
             return np.from_dlpack(obj)
         except (BufferError, RuntimeError, TypeError, ValueError) as e:
-            raise TypeError(
-                f"{name}: cannot view this {type(obj).__name__} as a numpy array through DLPack without a "
-                f"copy ({e}); pass a numpy array or a CPU tensor"
-            ) from None
+            raise TypeError(_dlpack_failure(obj, name, e)) from None
     try:
         return np.asarray(obj)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{name}: cannot convert {type(obj).__name__} to a numpy array ({e})") from None
+
+
+def _dlpack_failure(obj: Any, name: str, e: Exception) -> str:
+    """The message for an object np.from_dlpack refused. An unsupported DLPack dtype (numpy's message
+    names the dtype) is numpy's limit, not the object's place: say so; a CPU tensor of bfloat16, which
+    numpy cannot take through DLPack, is one view away from ml_dtypes.bfloat16."""
+    head = f"{name}: cannot view this {type(obj).__name__} as a numpy array through DLPack without a copy ({e})"
+    if "dtype" not in str(e).lower():
+        return head + "; pass a numpy array or a CPU tensor"
+    dt = str(getattr(obj, "dtype", "of this object"))
+    if dt.endswith("bfloat16"):
+        return (head + f": numpy cannot hold its dtype {dt} through DLPack; view its memory as ml_dtypes.bfloat16 "
+                "(no copy), for a torch tensor t: t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)")
+    return head + f": numpy cannot hold its dtype {dt} through DLPack; accepted: {_ACCEPTED}"
 
 
 def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
