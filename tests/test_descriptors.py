@@ -541,6 +541,8 @@ def test_activation_core_tuple_order():
     (("softplus",), dict(steepness=1e39), ValueError, r"'steepness' is 1e\+39, beyond float32's largest finite value"),
     (("leaky_relu",), dict(alpha=np.float64(-1e39)), ValueError, r"'alpha' is -1e\+39, beyond float32's largest"),
     (("scaled_elu",), dict(gamma=1e39), ValueError, r"^activation 'scaled_elu': parameter 'gamma' is 1e\+39, beyond"),
+    (("scaled_elu",), dict(alpha=2e19, gamma=-2e19), ValueError,
+     r"^activation 'scaled_elu': gamma \* alpha is -4e\+38, beyond float32's largest finite value"),
     (("hard_sigmoid",), dict(beta=1e39), ValueError, r"'beta' is 1e\+39, beyond"),
     (("shrink",), dict(threshold=1e39), ValueError, r"'threshold' is 1e\+39, beyond"),
     (("parametric_softplus",), dict(alpha=2 ** 200), ValueError, r"'alpha' is 1.6069\d*e\+60, beyond"),

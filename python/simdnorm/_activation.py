@@ -102,7 +102,8 @@ class Activation:
     (see :data:`ACTIVATIONS`). Raises ``ValueError`` for unknown names or parameters and
     out-of-range values, listing the valid ones; ``TypeError`` for non-numeric parameters.
     Parameters must be finite in float32 (clip's min and max may be +-inf); one the formula
-    divides by (celu's alpha, softplus's steepness) must be non-zero there with a finite reciprocal.
+    divides by (celu's alpha, softplus's steepness) must be non-zero there with a finite reciprocal,
+    and scaled_elu's gamma * alpha must be finite there too.
     """
 
     name: str
@@ -150,6 +151,14 @@ class Activation:
             if (key, p) in _DIVISORS:
                 _check_divisor(key, p, v)
             values[p] = v
+        if key == "scaled_elu" and abs(values["gamma"] * values["alpha"]) > _F32_MAX:
+            # The kernel folds the two into one factor of exp(x) - 1: past float32 it is inf, and
+            # inf * 0 made x = 0 give NaN.
+            raise ValueError(
+                f"activation 'scaled_elu': gamma * alpha is {values['gamma'] * values['alpha']!r}, beyond float32's "
+                f"largest finite value; the formula multiplies by it (gamma * alpha * (exp(x) - 1)), so it must be "
+                f"finite in float32: |gamma * alpha| <= {_F32_MAX!r}"
+            )
         if key == "clip" and not values["min"] <= values["max"]:
             raise ValueError(
                 f"activation 'clip': min={values['min']!r} > max={values['max']!r}; it must be min <= max"
