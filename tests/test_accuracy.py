@@ -1,8 +1,9 @@
 """Accuracy of the statistics (SPEC §3, DESIGN "Mean-variance normalization"): data with a large mean
 (|mean|/std from 1e2 to 1e4), constant groups, float32 values near 1e30 and near the largest float,
-reductions of 10^6 elements, and 1 vs 2 threads bitwise equal for every MVN strategy (rows, columns,
-large groups); batch norm's folded coefficients: exact bias at x == mean, and parameters too far
-apart to fold."""
+data whose squares underflow (float32 near 2^-90, float64 near 2^-560) or whose variance leaves
+double's range (float64 near 2^900) with epsilon 0, reductions of 10^6 elements, and 1 vs 2 threads
+bitwise equal for every MVN strategy (rows, columns, large groups); batch norm's folded
+coefficients: exact bias at x == mean, and parameters too far apart to fold."""
 
 from __future__ import annotations
 
@@ -202,6 +203,62 @@ def test_values_near_the_largest_float(isa, rng, dtype, layout):
     y, m, inv = mvn(x, axes, return_stats=True)
     assert np.isfinite(y.astype(np.float64)).all() and np.isfinite(m).all() and (inv > 0).all()
     check_mvn(y, x, axes, stats=(m, inv), context=f"{dtype_id(dtype)} {layout}")
+
+
+# Data far from 1 with epsilon 0, where the variance is all there is: float32 and bfloat16 near
+# 2^-90 (their squares underflow a float: the variance came out 0 or far too small), float64 near
+# 2^-560 (squares underflow a double) and near 2^900 (squares overflow it, and so does the variance
+# itself: 1 / std came out 0 and the output all zero, or NaN). With epsilon 0 the output does not
+# change with the data's scale, so the reference is the float64 one of the data scaled back (a power
+# of two: exact), and the statistics are its own scaled.
+_FAR_FROM_ONE = {"f32-tiny": (F32, 2.0**-90), "bf16-tiny": (BF16, 2.0**-90), "f64-tiny": (F64, 2.0**-560),
+                 "f64-huge": (F64, 2.0**900)}
+
+
+@pytest.mark.parametrize("case", list(_FAR_FROM_ONE))
+@pytest.mark.parametrize("layout", ["rows", "strided_rows", "columns"])
+@pytest.mark.parametrize("mode", ["inside", "outside", "rms"])
+def test_statistics_of_data_far_from_one(isa, rng, case, layout, mode):
+    dtype, factor = _FAR_FROM_ONE[case]
+    base = (3.0 + rng.normal(size=(40, 1000))).astype(dtype)
+    x = (f64(base) * factor).astype(dtype)
+    axes = (1,)
+    if layout == "strided_rows":
+        x, base = np.repeat(x, 2, axis=1)[:, ::2], np.repeat(base, 2, axis=1)[:, ::2]
+    elif layout == "columns":
+        x, base, axes = np.ascontiguousarray(x.T), np.ascontiguousarray(base.T), (0,)
+    kw = dict(epsilon=0.0, epsilon_mode="outside" if mode == "outside" else "inside",
+              normalize_mean=mode != "rms")
+    y, m, inv = mvn(x, axes, return_stats=True, **kw)
+    ct = F64 if dtype == F64 else F32
+    stats = (None if m is None else (f64(m) / factor).astype(ct), (f64(inv) * factor).astype(ct))
+    check_mvn(y, base, axes, stats=stats, context=f"{case} {layout} {mode}", **kw)
+
+
+@pytest.mark.parametrize("case", list(_FAR_FROM_ONE))
+def test_group_norm_channels_last_far_from_one(isa, rng, case):
+    """The columns path with lanes combined into groups (channels-last group norm), the lanes' own
+    variances past double's range for float64."""
+    dtype, factor = _FAR_FROM_ONE[case]
+    base = channels_last_nhwc(rng, (2, 32, 9, 9), dtype)
+    x = (f64(base) * factor).astype(dtype)
+    y, m, inv = simdnorm.group_norm(x, 4, epsilon=0.0, channel_axis=-1, return_stats=True)
+    ref, ref_mean, ref_inv = group_norm_ref(base, 4, epsilon=0.0, channel_axis=-1)
+    assert_abs_close(y, ref, 1e-10 if dtype == F64 else 2e-2 if dtype == BF16 else 1e-4, context=case)
+    np.testing.assert_allclose(f64(m) / factor, ref_mean, rtol=1e-5, atol=1e-5 * np.abs(ref_mean).max())
+    np.testing.assert_allclose(f64(inv) * factor, ref_inv, rtol=2e-5)
+
+
+def test_group_norm_channels_last_means_far_apart():
+    """float64 lanes each near constant, +-2^700 apart within a group: each lane's variance is in
+    range, the spread of their means is not (it overflowed to inf: 1 / std 0, the output all 0)."""
+    rng = np.random.default_rng(11)
+    base = rng.normal(size=(2, 5, 5, 8)) * 1e-3 + np.where(np.arange(8) % 2, 1.0, -1.0)
+    x = base * 2.0**700
+    y, m, inv = simdnorm.group_norm(x, 2, epsilon=0.0, channel_axis=-1, return_stats=True)
+    ref, ref_mean, ref_inv = group_norm_ref(base, 2, epsilon=0.0, channel_axis=-1)
+    assert_abs_close(y, ref, 1e-10)
+    np.testing.assert_allclose(inv * 2.0**700, ref_inv, rtol=1e-10)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -484,7 +484,7 @@ struct FusedRowsKernel {
         sum[i] = c.sum[slot];
         sum_sq[i] = c.sum_sq[slot];
       }
-      const auto stats = lane_stats_of(pivot, sum, sum_sq, a.inv_n, a.centered);
+      const auto stats = lane_stats_of<!std::is_same_v<T, f16_t>>(pivot, sum, sum_sq, a.inv_n, a.centered, a.underflow);
       const double2 inv_std = inv_std_of(stats.var, a.rule);
       for (int i = 0; i < count; ++i) {
         const int64_t r = row + i;

@@ -44,14 +44,33 @@ static inline D inv_std_of(D var, const InvStdRule& rule) {
   return rule.epsilon_outside ? 1.0 / (dsqrt(var) + rule.epsilon) : 1.0 / dsqrt(var + rule.epsilon);
 }
 
+// 1 / std from a variance in units of scale^2 (ops/mvn.cpp: a double group's variance past
+// double's range, whose 1 / std is within it). epsilon * scale * scale, in that order: scale^2
+// itself may overflow (2^1200), and the product stays in range where it matters (ops/mvn.cpp scales
+// up only where epsilon is below 2^-840).
+static inline double inv_std_scaled(double var, double scale, const InvStdRule& rule) {
+  if (!rule.normalize_variance) return 1.0;
+  return rule.epsilon_outside ? scale / (dsqrt(var) + rule.epsilon * scale)
+                              : scale / dsqrt(var + rule.epsilon * scale * scale);
+}
+
 static constexpr double kMaxFinite = 1.7976931348623157e308;  // the largest double
+static constexpr double kMinNormal = 2.2250738585072014e-308;  // the smallest normal double
+
+// The first pass's squares may have underflowed (UnderflowRule): the group is summed again, scaled
+// up. Each bound compared on its own so that D may be a vector.
+template <class D>
+static inline auto squares_may_underflow(D pivot, D sum_sq, const UnderflowRule& u) {
+  return (sum_sq < u.sum_sq_below) & (pivot <= u.max_pivot) & (pivot >= -u.max_pivot);
+}
 
 // A group's mean and variance from the sums around its pivot (pivot 0 and plain sums when not
-// centered), and whether its first pass leaves it unsettled: sums that overflowed or are NaN, or a
-// pivot too far from the mean. Each bound compared on its own so that D may be a vector (x <= max
-// and x >= -max is |x| <= max, NaN included).
-template <class D>
-static inline auto lane_stats_of(D pivot, D sum, D sum_sq, double inv_n, bool centered) {
+// centered), and whether its first pass leaves it unsettled: sums that overflowed or are NaN, a
+// pivot too far from the mean, or squares that may have underflowed. Each bound compared on its own
+// so that D may be a vector (x <= max and x >= -max is |x| <= max, NaN included). MayUnderflow
+// false leaves the last test out, for float16 data (whose squares never underflow a float).
+template <bool MayUnderflow = true, class D>
+static inline auto lane_stats_of(D pivot, D sum, D sum_sq, double inv_n, bool centered, const UnderflowRule& u) {
   const FirstMomentsOf<D> m = first_moments(sum, sum_sq, inv_n);
   const auto finite = (sum <= kMaxFinite) & (sum >= -kMaxFinite) & (sum_sq <= kMaxFinite) & (sum_sq >= -kMaxFinite);
   using Mask = decltype(finite);
@@ -59,8 +78,9 @@ static inline auto lane_stats_of(D pivot, D sum, D sum_sq, double inv_n, bool ce
     D mean, var;
     Mask slow;
   };
-  return Stats{centered ? pivot + m.m1 : D{}, centered ? m.var : sum_sq * inv_n,
-               (finite == Mask{}) | (centered ? Mask(pivot_too_far(m)) : Mask{})};
+  auto slow = (finite == Mask{}) | (centered ? Mask(pivot_too_far(m)) : Mask{});
+  if constexpr (MayUnderflow) slow |= Mask(squares_may_underflow(pivot, sum_sq, u));
+  return Stats{centered ? pivot + m.m1 : D{}, centered ? m.var : sum_sq * inv_n, slow};
 }
 
 // Stores a statistic in the compute type C (float or double).
@@ -74,12 +94,12 @@ static inline void store_as(char* p, double v) {
 // for the compiler to vectorize: no call, no branch on the data but the blend of `slow`.
 // The arrays as restrict parameters (GCC ignores restrict on locals copied from a struct's members,
 // and 12 run-time alias checks are past what it versions a loop for: the loop stayed scalar).
-static int64_t lane_stats_loop(int64_t n, double inv_n, bool centered, const double* __restrict pivot,
+static int64_t lane_stats_loop(int64_t n, double inv_n, bool centered, UnderflowRule u, const double* __restrict pivot,
                                const double* __restrict sum, const double* __restrict sum_sq,
                                double* __restrict mean, double* __restrict var, unsigned char* __restrict slow) {
   int64_t count = 0;
   for (int64_t c = 0; c < n; ++c) {
-    const auto s = lane_stats_of(pivot[c], sum[c], sum_sq[c], inv_n, centered);
+    const auto s = lane_stats_of(pivot[c], sum[c], sum_sq[c], inv_n, centered, u);
     mean[c] = s.mean;
     var[c] = s.var;
     slow[c] = static_cast<unsigned char>(s.slow);
@@ -89,7 +109,7 @@ static int64_t lane_stats_loop(int64_t n, double inv_n, bool centered, const dou
 }
 
 static int64_t lane_stats_entry(const LaneStatsArgs& a) {
-  return lane_stats_loop(a.n, a.inv_n, a.centered, a.pivot, a.sum, a.sum_sq, a.mean, a.var, a.slow);
+  return lane_stats_loop(a.n, a.inv_n, a.centered, a.underflow, a.pivot, a.sum, a.sum_sq, a.mean, a.var, a.slow);
 }
 
 static void inv_std_lanes_entry(const double* __restrict var, double* __restrict out, int64_t n, int64_t step,

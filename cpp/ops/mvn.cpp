@@ -9,8 +9,9 @@
 // Statistics: shifted sums d = (x - pivot) * scale in float chunks, totals in double (kernels/
 // moments.h). The pivot is the group's first element, so a large mean costs no precision; when the
 // sums show that the pivot was far from the mean (|mean - pivot| > 8 std) the group is summed again
-// around its mean, and when squares overflow (|x| ~ 1e30 in float32, or x - pivot itself near the
-// largest float) again with scale 2^-100.
+// around its mean; when squares overflow (|x| ~ 1e30 in float32, or x - pivot itself near the
+// largest float) again scaled down, and when they may have underflowed (|x| ~ 1e-23 in float32, with
+// an epsilon too small to outweigh the variance) again scaled up (Scaling).
 // Every group's sums are taken over fixed blocks combined in a fixed order, so the result is
 // bitwise the same for any number of threads.
 //
@@ -51,7 +52,23 @@ constexpr int64_t kFusedBatchBytes = 2 << 10;
 // Columns: a task's lanes are chosen so that its rows x lanes block stays in cache (L2, or the large
 // shared L3) between the statistics and the normalize pass, while rows stay long enough for SIMD.
 constexpr int64_t kColumnBlockBytes = 4 << 20;
-constexpr double kOverflowScale = 7.888609052210118e-31;  // 2^-100
+
+// The scales of the passes after the first, per type the sums are taken in: float (float32,
+// float16 and bfloat16 input) and double. Powers of two, so that scaling is exact.
+//   down: squares overflowed. A double group needs more than 2^-100: data near 1e200 still
+//     overflowed, and its statistics came out NaN.
+//   up: the mean square around the pivot is below tiny (float squares are subnormal below 2^-126,
+//     double ones below 2^-1022), unless epsilon outweighs any variance that small by 1 / margin
+//     (underflow_rule()), or the pivot lies past max_pivot (UnderflowRule). float32 rows near 1e-23
+//     with epsilon 0 had a 1 / std 3x too large, near 1e-25 an infinite one.
+// The up scale keeps d = x * up - pivot * up finite: |pivot| <= max_pivot, and |x - pivot| is below
+// sqrt(n * tiny). Squares within range again, a variance outside double's range (float64 data past
+// ~1e154 or below ~1e-162) stays in scaled units (GroupResult).
+struct Scaling {
+  double down, up, tiny, max_pivot, margin;
+};
+constexpr Scaling kFloatScaling{0x1p-100, 0x1p100, 0x1p-100, 0x1p20, 0x1p-30};
+constexpr Scaling kDoubleScaling{0x1p-600, 0x1p600, 0x1p-900, 0x1p300, 0x1p-60};
 
 struct Pass {
   double pivot = 0.0;
@@ -63,14 +80,17 @@ struct Sums {
   double s1 = 0.0, s2 = 0.0;
 };
 
+// var / scale^2 is the group's variance (scale 1 unless that lies outside double's range).
 struct GroupResult {
   double mean, var;
+  double scale = 1.0;
 };
 
 class MvnRunner {
  public:
   explicit MvnRunner(const MvnArgs& a)
       : a_(a), compute_(compute_type(a.input.dtype)), csize_(itemsize(compute_)),
+        scaling_(compute_ == DType::f64 ? kDoubleScaling : kFloatScaling),
         inv_std_rule_{a.normalize_variance, a.epsilon_outside, a.epsilon} {}
 
   void run(std::string* explain) {
@@ -148,6 +168,7 @@ class MvnRunner {
     }
     plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype));
     inv_group_size_ = 1.0 / static_cast<double>(plan_.group_size);
+    underflow_ = underflow_rule();
     LoopNest& nest = plan_.nest;
     if (affine_) align_coefficients(nest, *affine_, x.dtype);
     user_mean_ = nest.data[kShift];
@@ -191,23 +212,43 @@ class MvnRunner {
     return pass;
   }
 
+  // Scaling::up is needed only where the variance matters next to epsilon: a variance below tiny
+  // changes var + epsilon (or sqrt(var) + epsilon) by less than margin, relative, once epsilon is
+  // past tiny / margin (sqrt(tiny) / margin); float16 squares never underflow a float.
+  // (A bound on the sum of squares: with one on the mean square, the kernels' lane loops shared
+  // sum_sq * inv_n between the two tests, and GCC no longer fused the variance's subtraction into
+  // it: float64 columns' statistics changed in their last bits.)
+  UnderflowRule underflow_rule() const {
+    const Scaling& k = scaling_;
+    const double outweighing = a_.epsilon_outside ? std::sqrt(k.tiny) / k.margin : k.tiny / k.margin;
+    const bool off = !a_.normalize_variance || a_.input.dtype == DType::f16 || a_.epsilon >= outweighing;
+    return {off ? 0.0 : k.tiny * static_cast<double>(plan_.group_size), k.max_pivot};
+  }
+
   // Decides whether the sums under `pass` are good; if not, returns false with the next pass.
   bool judge(const Sums& s, Pass& pass, GroupResult& out) const {
     if (!std::isfinite(s.s1) || !std::isfinite(s.s2)) {
       if (pass.scale == 1.0) {  // squares overflowed: again, scaled down
-        pass.scale = kOverflowScale;
+        pass.scale = scaling_.down;
         return false;
       }
       // An inf or NaN in the data: the group's statistics are NaN (those that are used at all).
       out = {a_.normalize_mean ? NAN : 0.0, NAN};
       return true;
     }
-    // Every row's statistics end in this chain of dependent operations, which the row's
-    // normalization waits for: no call, and multiplications where they serve. The scale is 1 or
-    // 2^-100, whose inverse is exact; 1/n is not, so m1 may differ from s1 / n in a double's last
-    // bit, far below the rounding of the float statistics (the division cost ~4 ns a row of 768).
-    const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
     const double inv_n = inv_group_size_;
+    // (Tested first: the pivot's test reads those squares too. The rule's own test first: every
+    // row of a layer norm comes here, and the rule is off for the usual epsilons.)
+    if (underflow_.sum_sq_below != 0.0 && pass.scale == 1.0 && squares_may_underflow(pass.pivot, s.s2, underflow_)) {
+      pass.scale = scaling_.up;
+      return false;
+    }
+    // Every row's statistics end in this chain of dependent operations, which the row's
+    // normalization waits for: no call, and multiplications where they serve. The scale is a
+    // power of two, whose inverse is exact; 1/n is not, so m1 may differ from s1 / n in a double's
+    // last bit, far below the rounding of the float statistics (the division cost ~4 ns a row of
+    // 768).
+    const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
     const FirstMoments m = first_moments(s.s1, s.s2, inv_n);
     if (a_.normalize_mean && !pass.refined && pivot_too_far(m)) {
       pass.pivot += m.m1 * unscale;
@@ -217,10 +258,15 @@ class MvnRunner {
     out.mean = a_.normalize_mean ? pass.pivot + m.m1 * unscale : 0.0;
     const double second = a_.normalize_mean ? m.var : s.s2 * inv_n;
     out.var = second * (unscale * unscale);
+    out.scale = 1.0;
+    if (pass.scale != 1.0 && second != 0.0 && !(out.var >= kMinNormal && out.var <= kMaxFinite))
+      out.var = second, out.scale = pass.scale;  // (only a double group's variance leaves the range)
     return true;
   }
 
-  double inv_std(double var) const { return inv_std_of(var, inv_std_rule_); }
+  double inv_std(const GroupResult& r) const {
+    return r.scale == 1.0 ? inv_std_of(r.var, inv_std_rule_) : inv_std_scaled(r.var, r.scale, inv_std_rule_);
+  }
 
   // Stores a group's (or lane's) statistics: internal shift/mul at `index`, and the user's arrays.
   void store_stats(int64_t index, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
@@ -228,7 +274,7 @@ class MvnRunner {
   }
 
   void store_stats(char* shift, char* mul, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
-    const double istd = inv_std(r.var);
+    const double istd = inv_std(r);
     store_compute(shift, r.mean);
     store_compute(mul, istd);
     if (a_.mean_out && a_.normalize_mean) store_compute(const_cast<char*>(user_mean), r.mean);
@@ -434,7 +480,7 @@ class MvnRunner {
             const GroupCursor first(*this, g);
             const int64_t rows = std::min(g1, (g / stretch + 1) * stretch) - g;
             FusedRowsArgs args{rows, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr,
-                               inv_group_size_, inv_std_rule_, {}, {}};
+                               inv_group_size_, inv_std_rule_, underflow_, {}, {}};
             for (int op = 0; op < kNumOperands; ++op) {
               args.data[op] = first.p[op];
               args.step[op] = group_stride(op, inner);
@@ -616,11 +662,14 @@ class MvnRunner {
     else std::fill(pivot, pivot + nb, 0.0);
     column_sums(ko, c0, nb, pivot, 1.0, s1, s2);
     const KernelTable& table = kernels();
-    if (table.lane_stats(LaneStatsArgs{nb, inv_group_size_, a_.normalize_mean, pivot, s1, s2, mean, var, slow}) > 0)
-      judge_slow_lanes(ko, c0, nb, lane);
+    std::vector<ScaledLane> scaled;  // lanes whose var is in scaled units (GroupResult): rarely any
+    if (table.lane_stats(LaneStatsArgs{nb, inv_group_size_, a_.normalize_mean, underflow_, pivot, s1, s2, mean, var,
+                                       slow}) > 0)
+      judge_slow_lanes(ko, c0, nb, lane, scaled);
     const int64_t k = plan_.lane_group;
-    if (k > 1) combine_lane_groups(mean, var, nb);  // each group's statistics in its first lane
+    if (k > 1) combine_lane_groups(mean, var, nb, scaled);  // each group's statistics in its first lane
     table.inv_std_lanes(var, istd, nb, k, inv_std_rule_);
+    for (const ScaledLane& l : scaled) istd[l.c] = inv_std_scaled(var[l.c], l.scale, inv_std_rule_);
     // The internal shift and mul: each lane its group's (k > 1) or its own.
     const int64_t base = ko * plan_.lane_count + c0;
     if (compute_ == DType::f64) {
@@ -660,28 +709,35 @@ class MvnRunner {
     table.normalize(sub, 0, plan_.group_size * nb);
   }
 
+  struct ScaledLane {
+    int64_t c;
+    double scale;
+  };
   // The lanes marked slow: judged one by one, summed again (the kernel takes one scale per call, so
-  // lanes needing the overflow scale get a pass of their own: applied to ordinary lanes, that scale
-  // would underflow their squares), at most three passes in all. Their mean and var replace the
-  // first pass's; a lane still unsettled after that gets NaN.
-  void judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
+  // lanes needing another scale get a pass of their own: applied to ordinary lanes, the scale down
+  // would underflow their squares), at most three passes of each scale. Their mean and var replace
+  // the first pass's; a lane still unsettled after that gets NaN. Lanes whose var comes in scaled
+  // units are added to `scaled`, in order.
+  void judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane, std::vector<ScaledLane>& scaled) {
     struct Slow {
       int64_t c;
       Pass pass;
       bool done;
+      double result_scale;
     };
     std::vector<Slow> lanes;
     for (int64_t c = 0; c < nb; ++c) {
       if (!lane.slow[c]) continue;
-      Slow l{c, Pass{lane.pivot[c], 1.0, false}, false};
+      Slow l{c, Pass{lane.pivot[c], 1.0, false}, false, 1.0};
       GroupResult r{NAN, NAN};
       l.done = judge(Sums{lane.s1[c], lane.s2[c]}, l.pass, r);
       lane.mean[c] = r.mean;
       lane.var[c] = r.var;
+      l.result_scale = r.scale;
       lanes.push_back(l);
     }
     for (int round = 1; round < 3; ++round) {
-      for (const double scale : {1.0, kOverflowScale}) {
+      for (const double scale : {1.0, scaling_.down, scaling_.up}) {
         bool any = false;
         for (Slow& l : lanes) {
           const bool take = !l.done && l.pass.scale == scale;
@@ -694,28 +750,62 @@ class MvnRunner {
           if (l.done || l.pass.scale != scale) continue;
           GroupResult r;
           l.done = judge(Sums{lane.s1[l.c], lane.s2[l.c]}, l.pass, r);
-          if (l.done) lane.mean[l.c] = r.mean, lane.var[l.c] = r.var;
+          if (l.done) lane.mean[l.c] = r.mean, lane.var[l.c] = r.var, l.result_scale = r.scale;
         }
       }
     }
+    for (const Slow& l : lanes)
+      if (l.done && l.result_scale != 1.0) scaled.push_back({l.c, l.result_scale});
   }
 
   // Each lane's mean and variance, over the same count, combined lane_group lanes at a time into
   // their group's (Chan et al.: the mean of the means; the mean of the variances plus the variance
   // of the means), left in the group's first lane. In double, from each lane's judged statistics.
-  void combine_lane_groups(double* mean, double* var, int64_t nb) const {
+  // `scaled` (lanes whose var is in scaled units) becomes the groups whose var is.
+  void combine_lane_groups(double* mean, double* var, int64_t nb, std::vector<ScaledLane>& scaled) const {
     const int64_t k = plan_.lane_group;
+    std::vector<ScaledLane> lanes;
+    lanes.swap(scaled);
+    size_t next = 0;  // the first of `lanes` at or past c0
     for (int64_t c0 = 0; c0 < nb; c0 += k) {
       double m = 0.0, v = 0.0, spread = 0.0;
       for (int64_t j = 0; j < k; ++j) m += mean[c0 + j];
       m /= static_cast<double>(k);
+      const size_t first = next;
+      while (next < lanes.size() && lanes[next].c < c0 + k) ++next;
+      if (first == next) {
+        for (int64_t j = 0; j < k; ++j) {
+          const double d = mean[c0 + j] - m;
+          v += var[c0 + j];
+          spread += d * d;
+        }
+        const double group_var = (v + spread) / static_cast<double>(k);
+        if (!std::isinf(group_var) || !std::isfinite(m)) {  // (inf: float64 means +-1e200 apart)
+          mean[c0] = m;
+          var[c0] = group_var;
+          continue;
+        }
+      }
+      // Past double's range: in units of the largest standard deviation or distance between means.
+      auto lane_std = [&, first](int64_t c) {
+        for (size_t i = first; i < next; ++i)
+          if (lanes[i].c == c) return std::sqrt(var[c]) / lanes[i].scale;
+        return std::sqrt(var[c]);
+      };
+      double largest = 0.0;
+      for (int64_t j = 0; j < k; ++j)
+        largest = std::max({largest, lane_std(c0 + j), std::fabs(mean[c0 + j] - m)});
+      int exponent = 0;
+      std::frexp(largest, &exponent);
+      const double scale = std::ldexp(1.0, -exponent);
+      v = 0.0;
       for (int64_t j = 0; j < k; ++j) {
-        const double d = mean[c0 + j] - m;
-        v += var[c0 + j];
-        spread += d * d;
+        const double sd = lane_std(c0 + j) * scale, d = (mean[c0 + j] - m) * scale;
+        v += sd * sd + d * d;
       }
       mean[c0] = m;
-      var[c0] = (v + spread) / static_cast<double>(k);
+      var[c0] = v / static_cast<double>(k);
+      if (scale != 1.0) scaled.push_back({c0, scale});
     }
   }
 
@@ -791,7 +881,9 @@ class MvnRunner {
   std::unique_ptr<FoldedParams> affine_;
   ReductionPlan plan_;
   double inv_group_size_ = 0.0;  // 1 / plan_.group_size: judge's mean is a multiplication
+  const Scaling scaling_;
   const InvStdRule inv_std_rule_;
+  UnderflowRule underflow_{};  // (set with the plan: it bounds a sum over the group)
   NormalizeTask task_;
   std::vector<char> shift_, mul_;
   char* user_mean_ = nullptr;

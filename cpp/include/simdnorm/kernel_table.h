@@ -55,15 +55,25 @@ struct InvStdRule {
   double epsilon;
 };
 
+// When a group's first-pass sums may have lost digits to squares that underflowed: its sum of
+// squares around the pivot below `sum_sq_below`, and the pivot within +-max_pivot (past it, squares
+// that small mean every element equals the pivot, and scaled up they would overflow). ops/mvn.cpp
+// sets both per call; sum_sq_below is 0 (never) where epsilon outweighs any variance so small.
+struct UnderflowRule {
+  double sum_sq_below, max_pivot;
+};
+
 // The statistics of many small groups at once (the columns path's lanes), from their first-pass
 // sums around pivot[c] (scale 1), by the formulas of kernels/lane_stats.h. With `centered` (the
 // mean is normalized) mean[c] = pivot[c] + the mean of the differences and var[c] the variance,
 // else mean[c] = 0 and var[c] = sum_sq[c] / n. slow[c] = 1 where the first pass does not settle the
-// lane (sums not finite, or a pivot too far from the mean): the caller sums those again.
+// lane (sums not finite, a pivot too far from the mean, or squares that may have underflowed): the
+// caller sums those again.
 struct LaneStatsArgs {
   int64_t n;
   double inv_n;  // 1 / the group size
   bool centered;
+  UnderflowRule underflow;
   const double *pivot, *sum, *sum_sq;
   double *mean, *var;
   unsigned char* slow;
@@ -90,6 +100,7 @@ struct FusedRowsArgs {
   // (null where not wanted), stepping by stats_step per row.
   double inv_n;
   InvStdRule rule;
+  UnderflowRule underflow;
   char* stats_out[2];
   int64_t stats_step[2];
 };
