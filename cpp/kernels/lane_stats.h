@@ -46,8 +46,8 @@ static inline D inv_std_of(D var, const InvStdRule& rule) {
 
 // 1 / std from a variance in units of scale^2 (ops/mvn.cpp: a double group's variance past
 // double's range, whose 1 / std is within it). epsilon * scale * scale, in that order: scale^2
-// itself may overflow (2^1200), and the product stays in range where it matters (ops/mvn.cpp scales
-// up only where epsilon is below 2^-840).
+// itself may overflow (2^1200). The products stay in range where it matters: ops/mvn.cpp scales a
+// double group up only where epsilon is below 2^-840 (inside), or 2^-390 (outside).
 static inline double inv_std_scaled(double var, double scale, const InvStdRule& rule) {
   if (!rule.normalize_variance) return 1.0;
   return rule.epsilon_outside ? scale / (dsqrt(var) + rule.epsilon * scale)
