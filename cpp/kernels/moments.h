@@ -2,9 +2,10 @@
 // d = (x - pivot) * scale is accumulated in the compute type over fixed chunks, and each chunk's
 // lane sums are added to double totals in order: the totals depend only on the data and where it
 // lies in memory, never on how the work was split between threads.
-// The scale is 1 or 2^-100 (the pass after squares overflowed), and d is taken as x * scale -
-// pivot * scale: the same value for a power of two, but x - pivot cannot overflow where x and the
-// pivot lie near the largest float with opposite signs (it made such a group's statistics NaN).
+// The scale is 1, or a power of two for a pass after squares overflowed or may have underflowed
+// (ops/mvn.cpp: Scaling), and d is taken as x * scale - pivot * scale: the same value for a power of
+// two, but x - pivot cannot overflow where x and the pivot lie near the largest float with opposite
+// signs (it made such a group's statistics NaN).
 
 static inline vmask lanes_mask(vf*, int m) { return vlanes_below(m); }
 static inline bool lanes_mask(double*, int) { return true; }
