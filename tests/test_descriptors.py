@@ -587,8 +587,8 @@ def test_activation_parameters_at_the_float32_limits_are_accepted():
 
 
 def test_compiled_param_memo_follows_the_arrays():
-    # the operator remembers its last parameter arrays (and their views) by identity: new values in
-    # the same arrays, other arrays, and lists must all be seen
+    # called again with the same parameter arrays (the usual inference loop): new values in the same
+    # arrays, other arrays, and lists must all be seen
     rng = np.random.default_rng(4)
     x, m, v, s, b = arrays(rng)
     op = simdnorm.compile(BND(td(), td((4,)), td((4,)), td((4,)), td((4,))))
@@ -605,6 +605,82 @@ def test_compiled_param_memo_follows_the_arrays():
     # a remembered array still cannot be swapped for a mismatching one
     with pytest.raises(ValueError, match=r"^mean: shape \(5,\) does not match"):
         op(x, np.ones(5, F32), v, s, b)
+
+
+def _set_strides(a, strides):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2.4 deprecates setting strides
+        try:
+            a.strides = strides
+        except AttributeError:  # pragma: no cover - a numpy that no longer allows it
+            pytest.skip("this numpy cannot set an array's strides in place")
+
+
+def _reshape_in_place(a, shape):
+    a.shape = shape
+
+
+def _retype_in_place(a, dtype):
+    a.dtype = dtype
+
+
+# (name, descriptor, parameter name, arrays -> args, mutation, error message). Each mutation is of the
+# same array object the operator was just called with; a fresh operator refuses the mutated array.
+_C3 = (2, 3, 3, 3)  # C == H == W: a (3,) parameter reshaped to (3, 1) still broadcasts, along H
+_IN_PLACE_CASES = [
+    ("bn mean.shape", BND(td(_C3), td((3,)), td((3,))), "mean",
+     lambda p: p.__setitem__("mean", np.array([0.0, 10.0, 20.0], F32)),
+     lambda p: _reshape_in_place(p["mean"], (3, 1)),
+     DescriptorError, r"^mean: shape \(3, 1\) does not match the compiled descriptor's sizes \(3,\)"),
+    ("bn variance.shape", BND(td(_C3), td((3,)), td((3,))), "variance",
+     lambda p: p.__setitem__("variance", np.array([1.0, 4.0, 9.0], F32)),
+     lambda p: _reshape_in_place(p["variance"], (1, 1, 1, 3)),
+     DescriptorError, r"^variance: shape \(1, 1, 1, 3\) does not match"),
+    # float16 data, a float16 scale of shape (1, 3, 1, 2) retyped in place to float32, (1, 3, 1, 1): a
+    # dtype the kernel takes (mixed precision) but the descriptor does not; pairs of bits read as one
+    ("bn scale.dtype", BND(td((2, 3, 3, 2), F16), td((3,), F16), td((3,), F16), td((1, 3, 1, 2), F16),
+                           output=td((2, 3, 3, 2), F16)), "scale",
+     lambda p: p.__setitem__("scale", np.ones((1, 3, 1, 2), F16)),
+     lambda p: _retype_in_place(p["scale"], F32),
+     TypeError, r"^scale: dtype float32 does not match the compiled descriptor's float16"),
+    ("bn mean.strides", BND(td(_C3), td((3,), strides=(2,)), td((3,))), "mean",
+     lambda p: p.__setitem__("mean", np.array([0.0, 5.0, 10.0, 15.0, 20.0, 25.0], F32)[::2]),
+     lambda p: _set_strides(p["mean"], (4,)),
+     DescriptorError, r"^mean: strides \(4,\) \(bytes\) do not match the compiled descriptor's strides \(2,\)"),
+    ("mvn scale.shape", MVND(td((2, 3, 3)), (2,), td((3, 1))), "scale",
+     lambda p: p.__setitem__("scale", np.array([[1.0], [2.0], [3.0]], F32)),
+     lambda p: _reshape_in_place(p["scale"], (1, 3)),
+     DescriptorError, r"^scale: shape \(1, 3\) does not match the compiled descriptor's sizes \(3, 1\)"),
+]
+
+
+@pytest.mark.parametrize("case", _IN_PLACE_CASES, ids=[c[0] for c in _IN_PLACE_CASES])
+def test_compiled_param_changed_in_place_is_checked_again(case):
+    """numpy lets an array's shape, dtype and strides be reassigned in place: the operator, called
+    again with the same (now mismatching) array object, must refuse it as a fresh operator does,
+    not apply it along another axis (or as other bits) with the old check's blessing."""
+    _, desc, name, make, mutate, exc, msg = case
+    dt = desc.input.dtype
+    x = np.random.default_rng(9).standard_normal(desc.input.sizes).astype(dt)
+    params = {}
+    make(params)
+    if isinstance(desc, BND):
+        params.setdefault("mean", np.zeros(3, dt))
+        params.setdefault("variance", np.ones(3, dt))
+    op = simdnorm.compile(desc)
+    first = op(x, **params)
+    np.testing.assert_array_equal(op(x, **params), first)  # the same arrays again: fine
+    mutate(params)
+    for fresh in (False, True):
+        call = simdnorm.compile(desc) if fresh else op
+        out = np.full(x.shape, POISON, dt)
+        with pytest.raises(exc, match=msg) as info:
+            call(x, **params, out=out)
+        assert isinstance(info.value, DescriptorError)
+        assert np.all(out == POISON), "out was written before the error"
+        with pytest.raises(exc, match=msg):
+            call(x, **params)
 
 
 def test_compiled_op_from_many_threads():

@@ -19,6 +19,7 @@ keeps its plan and only checks, per call, that the arrays match its descriptors.
 from __future__ import annotations
 
 import builtins
+import functools
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -210,11 +211,12 @@ def plan_mvn(info: MVNInfo) -> tuple:
 # call is one Python frame and then C++. The fast path compares dtypes by identity (numpy's dtype
 # instances are singletons); anything else (another equal dtype instance, a list, a DLPack object,
 # a mismatch) takes the slow path, which converts or raises a message naming the argument.
-# Each parameter goes through a one-entry memo keyed by the argument's identity: called again with
-# the same parameter arrays (the usual inference loop), the operator skips their checks and views.
-# (So an operator keeps a reference to the last parameter arrays it was called with. The memo stays
-# memory-safe if such an array's shape or dtype attribute is reassigned in place: its entry keeps a
-# view of the memory that was checked, and numpy refuses to resize an array with views.)
+# Each parameter gets the same inline check as the input, on every call, and nothing is remembered
+# between calls. (A one-entry memo keyed by the argument's identity once skipped the check for the
+# same array object; but numpy lets an array's shape, dtype and strides be reassigned in place
+# (mean.shape = (3, 1)), and the memo then passed what a fresh check refuses: the parameter applied
+# along another axis. The check costs ~45 ns per parameter more than the identity test did, mostly
+# reading .shape, which builds a tuple.)
 
 
 def _mismatch(name: str, a: Any, d: Optional[TensorDesc]) -> Exception:
@@ -290,46 +292,23 @@ def _gen_conditions(specs, ns) -> str:
     return "\n                or ".join(conds)
 
 
-_NO_ARRAY = object()  # a memo key that is never an argument
-
-
-def _param_binder(name: str, d: Optional[TensorDesc]):
-    """The slow path of one parameter: check/convert it against its descriptor and return the memo
-    entry (key, array as checked). Only a plain ndarray argument is remembered (a list may change
-    between calls, and so may a masked array's mask)."""
-
-    def bind(a):
-        arr = _check_arg(name, a, d)
-        return (a if a.__class__ is _nd else _NO_ARRAY, arr)
-
-    return bind
-
-
 def _gen_params(params, ns) -> str:
-    """Per parameter, code that binds e_<name> = (key, checked array) through a one-entry memo keyed
-    by the argument's identity: calling again with the same arrays skips their checks. An absent
-    parameter (descriptor None) must be None."""
+    """Per parameter, the fast check (plain ndarray, the descriptor's shape, dtype and strides where
+    it gives them) and, on a mismatch, the slow path that converts or raises. An absent parameter
+    (descriptor None) must be None."""
     lines = []
-    glob = []
     for arg, d in params:
-        ns[f"{arg}_bind"] = _param_binder(arg, d)
+        ns[f"{arg}_slow"] = functools.partial(_check_arg, arg, d=d)
         if d is None:
-            lines.append(f"    if {arg} is not None:\n        {arg}_bind({arg})")
+            lines.append(f"    if {arg} is not None:\n        {arg}_slow({arg})")
             continue
-        ns[f"{arg}_M"] = (_NO_ARRAY, None)
-        glob.append(f"{arg}_M")
-        lines += [
-            f"    e_{arg} = {arg}_M",
-            f"    if e_{arg}[0] is not {arg}:",
-            f"        e_{arg} = {arg}_M = {arg}_bind({arg})",
-        ]
-    if glob:
-        lines.insert(0, "    global " + ", ".join(glob))
+        cond = _gen_conditions([(arg, d)], ns)
+        lines.append(f"    if ({arg}.__class__ is not _nd or {cond}):\n        {arg} = {arg}_slow({arg})")
     return "\n".join(lines)
 
 
 def _kernel_args(params) -> str:
-    return ", ".join("None" if d is None else f"e_{a}[1]" for a, d in params)
+    return ", ".join("None" if d is None else a for a, d in params)
 
 
 def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> str:
@@ -342,7 +321,7 @@ def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> s
         ns["OUT_T"] = ost
         st_cond = " or out.strides != OUT_T"
     ns["_run_overlapping"] = run_overlapping
-    plist = "".join(f", e_{a}[1]" for a, d in params if d is not None)
+    plist = "".join(f", {a}" for a, d in params if d is not None)
     return f"""    if out is None:
         out = _empty_like(input, subok=False)
         {kernel_call.format(target="out", check="False")}
@@ -358,7 +337,7 @@ def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> s
 
 def _gen_operator(name: str, signature: str, info: Any, params, kernel_call: str, ns: dict,
                   before_call: str = "", ret: str = "out"):
-    """Generate one compiled operator: the input's fast check, the parameters' memos, the body."""
+    """Generate one compiled operator: the input's fast check, the parameters', the body."""
     ns["input_slow"] = lambda a: _check_arg("input", a, info.input)
     ns["OUT_DESC"] = info.output
     # (A subclass takes the slow path: a masked array must be refused there.)
