@@ -9,6 +9,7 @@ import dataclasses
 import math
 import pickle
 import re
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -174,6 +175,12 @@ def test_bn_desc_valid(kw):
     (dict(epsilon=math.nan), ValueError, r"^epsilon: nan is not allowed"),
     (dict(epsilon=math.inf), ValueError, r"^epsilon: inf is not allowed"),
     (dict(epsilon="small"), TypeError, r"^epsilon: expected a real number, got str"),
+    # an int or Fraction past float64 (float() raises OverflowError): a bad epsilon like any other
+    (dict(epsilon=10 ** 400), ValueError, r"^epsilon: an int of about 10\*\*400 \(beyond float64's range\) is not "
+                                         r"allowed; epsilon must be finite and >= 0$"),
+    (dict(epsilon=-10 ** 5000), ValueError, r"^epsilon: an int of about -10\*\*5000 \(beyond float64's range\)"),
+    (dict(epsilon=Fraction(-10 ** 400)), ValueError, r"^epsilon: a Fraction beyond float64's range \(about -1.8e308\) "
+                                                    r"is not allowed"),
     (dict(activation="relu6"), ValueError, r"^activation: unknown name 'relu6'; valid names: identity, linear, relu"),
     (dict(activation=7), TypeError, r"^activation: expected None, an activation name"),
     (dict(spatial="yes"), TypeError, r"^spatial: expected a bool, got str"),
@@ -233,6 +240,8 @@ def test_mvn_desc_valid(kw):
     (dict(epsilon_mode="INSIDE"), ValueError, r"^epsilon_mode: 'INSIDE' is not valid; use 'inside'"),
     (dict(normalize_mean="yes"), TypeError, r"^normalize_mean: expected a bool"),
     (dict(epsilon=-0.1), ValueError, r"^epsilon: -0.1 is not allowed"),
+    (dict(epsilon=10 ** 400), ValueError, r"^epsilon: an int of about 10\*\*400 \(beyond float64's range\) is not "
+                                         r"allowed"),
     (dict(activation="nope"), ValueError, r"^activation: unknown name 'nope'"),
     (dict(input=td(dtype=np.uint16), output=td(dtype=np.uint16)), TypeError, r"^input: dtype uint16 is not supported"),
 ])
@@ -546,6 +555,14 @@ def test_activation_core_tuple_order():
     (("hard_sigmoid",), dict(beta=1e39), ValueError, r"'beta' is 1e\+39, beyond"),
     (("shrink",), dict(threshold=1e39), ValueError, r"'threshold' is 1e\+39, beyond"),
     (("parametric_softplus",), dict(alpha=2 ** 200), ValueError, r"'alpha' is 1.6069\d*e\+60, beyond"),
+    # ... and past float64 (float() raises OverflowError) a ValueError too
+    (("leaky_relu",), dict(alpha=10 ** 400), ValueError,
+     r"^activation 'leaky_relu': parameter 'alpha' is an int of about 10\*\*400 \(beyond float64's range\); "
+     r"activations are applied in float32, so it must be finite there: \|alpha\| <= 3.4028234663852886e\+38$"),
+    (("linear",), dict(beta=-10 ** 5000), ValueError, r"'beta' is an int of about -10\*\*5000 \(beyond float64's"),
+    (("softplus",), dict(steepness=Fraction(10 ** 400)), ValueError,
+     r"'steepness' is a Fraction beyond float64's range \(about 1.8e308\); activations are applied in float32"),
+    (("celu",), dict(alpha=-2 ** 1024), ValueError, r"'alpha' is an int of about -10\*\*308 \(beyond float64's"),
     # ... and a divisor non-zero in float32 with a finite reciprocal there
     (("celu",), dict(alpha=1e-46), ValueError,
      r"^activation 'celu': parameter 'alpha' is 1e-46, which rounds to 0 in float32; the formula divides by it "
@@ -580,6 +597,9 @@ def test_activation_parameters_at_the_float32_limits_are_accepted():
         assert np.isinf(np.float32(1) / np.nextafter(np.float32(tiny), np.float32(0)))
     assert Activation("linear", alpha=f32_max, beta=-f32_max).params == {"alpha": f32_max, "beta": -f32_max}
     assert Activation("clip", min=-1e39, max=1e300).params == {"min": -1e39, "max": 1e300}
+    # past float64 too (float() raises OverflowError): +-inf, as they round in float32
+    assert Activation("clip", min=-10 ** 400, max=Fraction(10 ** 400)).params == {"min": -math.inf, "max": math.inf}
+    assert Activation("clip", min=10 ** 5000).params == {"min": math.inf, "max": math.inf}
     for name, p in (("celu", "alpha"), ("softplus", "steepness")):
         for v in (tiny, f32_max, np.float32(tiny)):
             assert Activation(name, **{p: v}).params[p] == float(v)

@@ -249,7 +249,11 @@ def test_missing_and_bad_param_types():
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name,call", CALLS, ids=CALL_IDS)
-@pytest.mark.parametrize("eps", [math.nan, math.inf, -math.inf, -1e-5, np.float32("nan")])
+@pytest.mark.parametrize("eps", [math.nan, math.inf, -math.inf, -1e-5, np.float32("nan"),
+                                 # past float64: float() raises OverflowError; 10**5000 has no str() either
+                                 10 ** 400, -10 ** 400, 10 ** 5000, Fraction(10 ** 400, 3)],
+                         ids=lambda e: f"{type(e).__name__}~{'-' * (e < 0)}2**{abs(int(e)).bit_length()}" if
+                         isinstance(e, (int, Fraction)) else repr(e))
 def test_bad_epsilon_is_value_error(name, call, eps):
     x = np.ones((2, 4, 3, 5), F32)
     out = poisoned(x.shape)

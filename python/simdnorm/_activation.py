@@ -83,6 +83,15 @@ def _check_divisor(key: str, p: str, v: float) -> None:
     )
 
 
+def _beyond_float64(v: Any) -> str:
+    """How a message names a real number float() refused (OverflowError): 10**400 has 401 digits,
+    and an int past 4300 digits has no str() at all (ValueError) in Python >= 3.11."""
+    sign = "-" if v < 0 else ""
+    if isinstance(v, int):
+        return f"an int of about {sign}10**{int(abs(v).bit_length() * 0.30103)} (beyond float64's range)"
+    return f"a {type(v).__name__} beyond float64's range (about {sign}1.8e308)"
+
+
 def _names_list() -> str:
     return ", ".join(name for name, _ in _TABLE)
 
@@ -134,7 +143,16 @@ class Activation:
                 raise TypeError(
                     f"activation {key!r}: parameter {p!r} must be a real number, got {type(v).__name__}"
                 )
-            v = float(v)
+            try:
+                v = float(v)
+            except OverflowError:  # an int (or Fraction) past float64
+                if key == "clip":  # beyond float32 clip's bounds round to +-inf (as 1e300 does)
+                    v = -_INF if v < 0 else _INF
+                else:
+                    raise ValueError(
+                        f"activation {key!r}: parameter {p!r} is {_beyond_float64(v)}; activations are "
+                        f"applied in float32, so it must be finite there: |{p}| <= {_F32_MAX!r}"
+                    ) from None
             if key == "clip":
                 if math.isnan(v):
                     raise ValueError(f"activation 'clip': {p} is NaN; min and max must be numbers (±inf allowed)")

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 import ml_dtypes
 import numpy as np
 
-from ._activation import Activation, ActivationLike, resolve as _resolve_activation
+from ._activation import Activation, ActivationLike, _beyond_float64, resolve as _resolve_activation
 
 try:  # numpy >= 1.25
     from numpy.exceptions import AxisError
@@ -106,7 +106,12 @@ def _shape_str(sizes: Sequence[int]) -> str:
 def _check_real(name: str, v: Any) -> float:
     if not isinstance(v, (numbers.Real, np.floating, np.integer)) or isinstance(v, (bool, np.bool_)):
         raise _DescriptorTypeError(f"{name}: expected a real number, got {type(v).__name__}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an int (or Fraction) past float64: a bad value, not a crash
+        raise DescriptorError(
+            f"{name}: {_beyond_float64(v)} is not allowed; {name} must be finite and >= 0"
+        ) from None
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
