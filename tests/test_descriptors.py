@@ -110,6 +110,12 @@ def test_tensor_desc_valid(dtype, strides):
     (TD(F32, (2, 3), (1,)), ValueError, r"^t.strides: 1 strides for 2 sizes; give one stride per dim, or None"),
     (TD(F32, (2, 3), (1, 2.0)), TypeError, r"^t.strides\[1\]: expected an int, got float"),
     (TD(F32, (2, 3), 3), TypeError, r"^t.strides: expected None \(packed\) or a sequence of ints, got int"),
+    # a set's order is not the caller's ({4, 2} iterates as 2, 4), a dict gives its keys: not sequences
+    (TD(F32, {4, 2}), TypeError, r"^t.sizes: expected a sequence of ints, got set$"),
+    (TD(F32, {2: 3}), TypeError, r"^t.sizes: expected a sequence of ints, got dict$"),
+    (TD(F32, (n for n in (2, 3))), TypeError, r"^t.sizes: expected a sequence of ints, got generator$"),
+    (TD(F32, (2, 3), frozenset({1, 3})), TypeError, r"^t.strides: expected None \(packed\) or a sequence of ints, "
+                                                    r"got frozenset$"),
 ])
 def test_tensor_desc_invalid(desc, exc, msg):
     with pytest.raises(exc, match=msg) as info:
@@ -227,6 +233,9 @@ def test_mvn_desc_valid(kw):
     (dict(axes=(1, -3)), ValueError, r"^axes: axis 1 appears twice \(as 1 and -3\); each axis may appear once"),
     (dict(axes=(1.5,)), TypeError, r"^axes: expected ints, got float"),
     (dict(axes="1"), TypeError, r"^axes: expected an int or a sequence of ints, got str"),
+    (dict(axes={2, 3}), TypeError, r"^axes: expected an int or a sequence of ints, got set; pass the axes as a tuple "
+                                   r"or a list$"),
+    (dict(axes={1: 2}), TypeError, r"^axes: expected an int or a sequence of ints, got dict; pass the axes"),
     (dict(scale=td((4,))), ValueError,
      r"^scale: shape \(4,\) does not broadcast to the input's shape \(2, 4, 3, 5\) without enlarging it: it needs "
      r"at most the input's 4 dims, aligned to the right as in numpy broadcasting, each equal to the input's or 1"),

@@ -272,6 +272,13 @@ row("axes-np-duplicate", lambda **k: mvn(X, (np.int64(1), np.int32(-3)), **k), V
 row("layer_norm-axis-tuple", lambda **k: ln(X, axis=(1, 2), **k), TypeError, r"^axis: expected an int, got tuple")
 row("instance_norm-channel-axis-float", lambda **k: inorm(X, channel_axis=1.0, **k), TypeError,
     r"^channel_axis: expected an int, got float")
+row("compiled-axes-set", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE),
+    {3, 2})), TypeError, r"^axes: expected an int or a sequence of ints, got set; pass the axes", without_out=False)
+row("compiled-sizes-set", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, {4, 2}), 1)),
+    TypeError, r"^input.sizes: expected a sequence of ints, got set$", without_out=False)
+row("layer_norm-axis-set", lambda **k: ln(X, axis={1}, **k), TypeError, r"^axis: expected an int, got set")
+row("group_norm-channel-axis-dict", lambda **k: gn(X, 2, channel_axis={1: 1}, **k), TypeError,
+    r"^channel_axis: expected an int, got dict")
 row("compiled-axes-out-of-range", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE),
     (5,))), AxisError, r"^axes: axis 5 is out of range", without_out=False)
 

@@ -5,6 +5,7 @@ overlap), return_stats shapes and memory order of the result."""
 
 from __future__ import annotations
 
+import array
 import math
 import re
 from decimal import Decimal
@@ -357,6 +358,13 @@ def test_activation_forms_agree():
     ("12", TypeError, r"axes: expected an int or a sequence of ints, got str"),
     (None, TypeError, r"axes: expected an int or a sequence of ints, got NoneType"),
     (np.array([[1]]), TypeError, r"axes: expected an int or a 1-D sequence of ints, got a 2-D array"),
+    # SPEC: a sequence of ints; numpy's axis= refuses these too. A dict gave its keys as the axes.
+    ({1: 2}, TypeError, r"^axes: expected an int or a sequence of ints, got dict; pass the axes as a tuple or a list$"),
+    ({3, 1}, TypeError, r"^axes: expected an int or a sequence of ints, got set; pass the axes as a tuple"),
+    (frozenset({2}), TypeError, r"^axes: expected an int or a sequence of ints, got frozenset; pass the axes"),
+    ({1: 0, 3: 0}.keys(), TypeError, r"^axes: expected an int or a sequence of ints, got dict_keys; pass the axes"),
+    ((a for a in (1, 2)), TypeError, r"^axes: expected an int or a sequence of ints, got generator; pass the axes"),
+    (iter([2, 3]), TypeError, r"^axes: expected an int or a sequence of ints, got list_iterator; pass the axes"),
 ])
 def test_axes_errors(axes, exc, msg):
     x = np.ones((2, 4, 3, 5), F32)
@@ -389,7 +397,7 @@ def test_axis_error_is_also_value_error():
 
 
 @pytest.mark.parametrize("axes", [(0, 2, 3), (3, 0), [-1, 1], range(1, 4), np.array([2, 3]), np.int64(2),
-                                  (np.int32(1),)])
+                                  (np.int32(1),), array.array("b", [3, 1])])
 def test_axes_any_subset_any_order(axes):
     x = np.random.default_rng(5).standard_normal((2, 4, 3, 5)).astype(F32)
     norm = tuple(sorted(int(a) % 4 for a in np.atleast_1d(np.asarray(list(axes) if isinstance(axes, range) else axes))))
