@@ -123,6 +123,66 @@ def test_tensor_desc_invalid(desc, exc, msg):
     assert isinstance(info.value, DescriptorError) and isinstance(info.value, ValueError)
 
 
+I64_MAX = 2 ** 63 - 1
+
+
+@pytest.mark.parametrize("desc,msg", [
+    # sizes, strides, element count and byte extent are int64 in numpy and in the kernels
+    (TD(F32, (2, 10 ** 30)), r"^t.sizes\[1\]: about 10\*\*30 does not fit in int64; a size must be at most 2\*\*63 - 1$"),
+    (TD(F32, (2, 10 ** 5000)), r"^t.sizes\[1\]: about 10\*\*5000 does not fit in int64"),
+    (TD(F32, (0, 2 ** 63)), r"^t.sizes\[1\]: 9223372036854775808 does not fit in int64"),  # no element, still a size
+    (TD(F32, (2, 2 ** 62)), r"^t: sizes \(2, 4611686018427387904\) hold 9223372036854775808 elements of 4 bytes = "
+                            r"36893488147419103232 bytes, past int64 \(2\*\*63 - 1\); numpy makes no array that large"),
+    (TD(F64, (2 ** 30, 2 ** 30)), r"^t: sizes \(1073741824, 1073741824\) hold 1152921504606846976 elements of 8 bytes"),
+    (TD(F32, (2 ** 31,) * 3), r"^t: sizes .* hold about 10\*\*28 elements of 4 bytes = about 10\*\*28 bytes, past int64"),
+    (TD(F32, (2, 3), (2 ** 70, 1)), r"^t.strides\[0\]: about 10\*\*21 elements of 4 bytes do not fit in int64 \(about "
+                                    r"10\*\*21 bytes\); a stride in bytes must be within -2\*\*63 to 2\*\*63 - 1$"),
+    (TD(F32, (2, 3), (1, 2 ** 61)), r"^t.strides\[1\]: 2305843009213693952 elements of 4 bytes .*\(9223372036854775808 "
+                                    r"bytes\)"),
+    (TD(F16, (2, 3), (1, -2 ** 62 - 1)), r"^t.strides\[1\]: -4611686018427387905 elements of 2 bytes do not fit"),
+    (TD(F32, (1, 3), (-10 ** 5000, 1)), r"^t.strides\[0\]: about -10\*\*5000 elements"),
+    (TD(F32, (0, 3), (2 ** 70, 1)), r"^t.strides\[0\]: about 10\*\*21 elements"),  # no element, still a stride
+    (TD(F32, (3, 3), (2 ** 60, 2 ** 60)), r"^t: the byte extent of sizes \(3, 3\) with strides \(1152921504606846976, "
+                                          r"1152921504606846976\) is 18446744073709551620 bytes .* at most 2\*\*63 - 9 bytes"),
+    (TD(F32, (2, 3), (-2 ** 61, 1)), r"^t: the byte extent .* is 9223372036854775820 bytes"),
+    (TD(F64, (2, 2), (2 ** 59, 2 ** 59)), r"^t: the byte extent .* is 9223372036854775816 bytes"),
+    (TD(F16, (2,), (2 ** 62 - 4,)), r"^t: the byte extent .* is 9223372036854775802 bytes"),  # only the 8-byte room
+    (TD(F32, (1,) * 8 + (10 ** 5000,)), r"^t: 9 dimensions \(shape \(1, 1, 1, 1, 1, 1, 1, 1, about 10\*\*5000\)\)"),
+    (TD(F32, (2, -10 ** 5000)), r"^t.sizes\[1\]: about -10\*\*5000 is negative; sizes must be >= 0$"),
+])
+def test_tensor_desc_beyond_int64_is_refused(desc, msg):
+    """numpy's shapes and strides, and the kernels' sizes, counts and byte offsets, are int64: a
+    descriptor past them matches no array and would make the kernels' arithmetic wrap."""
+    with pytest.raises(DescriptorError, match=msg) as info:
+        desc.validate("t")
+    assert type(info.value) is DescriptorError
+
+
+@pytest.mark.parametrize("desc", [
+    TD(F32, (0, I64_MAX)),  # no element: a size up to int64's maximum
+    TD(F64, (2 ** 30, 2 ** 30 - 1)),  # count * itemsize just under 2**63
+    TD(np.int8, (I64_MAX,)),  # a parameter's dtype is checked by the op: 1 byte each
+    TD(F32, (1, 3), (2 ** 61 - 1, 1)),  # a size-1 dim: any stride whose bytes fit in int64
+    TD(F16, (1, 3), (-2 ** 62, 1)),  # -2**63 bytes
+    TD(F16, (2,), (2 ** 62 - 5,)),  # extent + 8 bytes of room = 2**63 - 1
+    TD(F32, (0, 3), (2 ** 61 - 1, 2 ** 61 - 1)),  # no element: no extent
+    TD(F32, (2 ** 30, 2 ** 30), (0, 0)),  # broadcast: 2**62 bytes as numpy counts them, 4 reached
+])
+def test_tensor_desc_at_the_int64_limits_is_accepted(desc):
+    desc._check("t", "param")
+
+
+def test_compile_refuses_sizes_and_strides_beyond_int64():
+    with pytest.raises(DescriptorError, match=r"^input: sizes \(2, 4611686018427387904\) hold 9223372036854775808 "):
+        simdnorm.compile(MVND(TD(F32, (2, 2 ** 62)), (1,)))
+    with pytest.raises(DescriptorError, match=r"^output.strides\[0\]: about 10\*\*21 elements of 4 bytes do not fit"):
+        simdnorm.compile(MVND(td(), (2, 3), output=td(strides=(2 ** 70, 1, 1, 1))))
+    with pytest.raises(DescriptorError, match=r"^mean.sizes\[0\]: about 10\*\*30 does not fit in int64"):
+        simdnorm.compile(bnd(mean=td((10 ** 30,))))
+    with pytest.raises(DescriptorError, match=r"^scale: the byte extent of sizes \(2, 4, 3, 5\)"):
+        simdnorm.compile(bnd(scale=td(strides=(2 ** 61 - 1, 1, 1, 1))))
+
+
 # ----------------------------------------------------------------------------------------------
 # BatchNormalizationDesc
 # ----------------------------------------------------------------------------------------------

@@ -83,13 +83,28 @@ def _check_divisor(key: str, p: str, v: float) -> None:
     )
 
 
+_SHORT_INT = 10 ** 20  # ints up to 20 digits (int64's and uint64's whole range) print in full
+
+
+def value_text(v: Any) -> str:
+    """How a message names a value the caller gave: ``repr(v)``, but an int of more than 20 digits
+    by its size ("about 10**5000"): an int past 4300 digits has no str() at all in Python >= 3.11
+    (ValueError, which would replace our message), and a long one helps no one. A value whose repr
+    fails that way (a Fraction of such ints) is named by its type."""
+    if isinstance(v, int) and not -_SHORT_INT < v < _SHORT_INT:
+        return f"about {'-' if v < 0 else ''}10**{int(abs(v).bit_length() * 0.30103)}"
+    try:
+        return repr(v)
+    except ValueError:  # pragma: no cover - depends on the type's repr
+        return f"a {type(v).__name__} too long to print"
+
+
 def _beyond_float64(v: Any) -> str:
     """How a message names a real number float() refused (OverflowError): 10**400 has 401 digits,
     and an int past 4300 digits has no str() at all (ValueError) in Python >= 3.11."""
-    sign = "-" if v < 0 else ""
     if isinstance(v, int):
-        return f"an int of about {sign}10**{int(abs(v).bit_length() * 0.30103)} (beyond float64's range)"
-    return f"a {type(v).__name__} beyond float64's range (about {sign}1.8e308)"
+        return f"an int of {value_text(v)} (beyond float64's range)"
+    return f"a {type(v).__name__} beyond float64's range (about {'-' if v < 0 else ''}1.8e308)"
 
 
 def _names_list() -> str:

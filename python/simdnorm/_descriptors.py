@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 import ml_dtypes
 import numpy as np
 
-from ._activation import Activation, ActivationLike, _beyond_float64, resolve as _resolve_activation
+from ._activation import Activation, ActivationLike, _beyond_float64, resolve as _resolve_activation, value_text
 
 try:  # numpy >= 1.25
     from numpy.exceptions import AxisError
@@ -107,7 +107,31 @@ def _as_int_tuple(v: Any) -> Any:
 
 
 def _shape_str(sizes: Sequence[int]) -> str:
-    return str(tuple(sizes))
+    """A shape for a message, as str(tuple) but any int past 20 digits by its size (value_text)."""
+    items = [value_text(s) for s in sizes]
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+# The kernels take sizes, element counts and byte strides as int64, and the byte extent with 8 bytes
+# of room (cpp/bindings/module.cpp, check_extent); numpy refuses an array whose size * itemsize
+# passes int64 (even a broadcast view).
+_I64_MAX = (1 << 63) - 1
+_I64_MIN = -(1 << 63)
+_EXTENT_MAX = _I64_MAX - 8
+
+
+def _too_large_sizes(name: str, sizes: Tuple[int, ...], count: int, isz: int) -> None:
+    """A size, or the element count in bytes, past int64: name the first size past it, else the count."""
+    for i, s in enumerate(sizes):
+        if s > _I64_MAX:
+            raise DescriptorError(
+                f"{name}.sizes[{i}]: {value_text(s)} does not fit in int64; a size must be at most 2**63 - 1"
+            )
+    raise DescriptorError(
+        f"{name}: sizes {_shape_str(sizes)} hold {value_text(count)} elements of {isz} bytes = "
+        f"{value_text(count * isz)} bytes, past int64 (2**63 - 1); numpy makes no array that large, and "
+        "the kernels count elements and bytes in int64"
+    )
 
 
 def _check_real(name: str, v: Any) -> float:
@@ -206,11 +230,16 @@ class TensorDesc:
             raise DescriptorError(
                 f"{name}: {nd} dimensions (shape {_shape_str(sizes)}); tensors must have 1 to {MAX_DIMS} dimensions"
             )
+        count = 1
         for i, s in enumerate(sizes):
-            if not _is_int(s):
+            if s.__class__ is not int and not _is_int(s):  # (sizes are Python ints: __post_init__)
                 raise _DescriptorTypeError(f"{name}.sizes[{i}]: expected an int, got {type(s).__name__}")
             if s < 0:
-                raise DescriptorError(f"{name}.sizes[{i}]: {s} is negative; sizes must be >= 0")
+                raise DescriptorError(f"{name}.sizes[{i}]: {value_text(s)} is negative; sizes must be >= 0")
+            count *= s
+        isz = dt.itemsize or 1  # (a parameter's dtype is checked by the op: S0 has none)
+        if count * isz > _I64_MAX or (not count and max(sizes) > _I64_MAX):
+            _too_large_sizes(name, sizes, count, isz)
         st = self.strides
         if st is None:
             return
@@ -222,9 +251,25 @@ class TensorDesc:
             raise DescriptorError(
                 f"{name}.strides: {len(st)} strides for {nd} sizes; give one stride per dim, or None (packed)"
             )
+        hi = _I64_MAX // isz  # a stride's bytes in int64: numpy's strides, the kernels' offsets
+        lo = -(-_I64_MIN // isz)
+        span = 0  # sum of (size - 1) * |stride|: the farthest element from the nearest, in elements
         for i, s in enumerate(st):
-            if not _is_int(s):
+            if s.__class__ is not int and not _is_int(s):
                 raise _DescriptorTypeError(f"{name}.strides[{i}]: expected an int, got {type(s).__name__}")
+            if not lo <= s <= hi:
+                raise DescriptorError(
+                    f"{name}.strides[{i}]: {value_text(s)} elements of {isz} bytes do not fit in int64 "
+                    f"({value_text(s * isz)} bytes); a stride in bytes must be within -2**63 to 2**63 - 1"
+                )
+            span += (sizes[i] - 1) * (s if s >= 0 else -s)
+        if count and span * isz > _EXTENT_MAX:
+            raise DescriptorError(
+                f"{name}: the byte extent of sizes {_shape_str(sizes)} with strides {st} is "
+                f"{value_text(span * isz + isz)} bytes ((size - 1) * |stride| summed over the dims, plus one "
+                f"element, times {isz} bytes); the kernels address a tensor with int64 byte offsets, so it "
+                f"must be at most 2**63 - 9 bytes (with 8 bytes of room for the last element)"
+            )
 
 
 def _require_desc(name: str, v: Any, optional: bool) -> None:
