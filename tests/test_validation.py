@@ -388,6 +388,48 @@ def test_axes_list_and_tuple_plans_are_cached():
         mvn(x, [1.0, 2])
 
 
+@pytest.mark.parametrize("axes,same", [
+    (range(1, 3), (1, 2)), (np.array([1, 2]), (1, 2)), (np.array([2, 0, 1], np.uint8)[::2], (2, 1)),
+    (np.array([2, -2], np.int32), (2, -2)), (np.int64(2), 2), (np.uint16(1), 1), (array.array("b", [2, 1]), (2, 1)),
+])
+def test_axes_range_array_and_numpy_int_plans_are_cached(axes, same, monkeypatch):
+    """A range, a 1-D integer array or a numpy integer validates as the tuple (or int) of its values:
+    it shares that plan (it was validated on every call, ~7x the cost of a cached call)."""
+    x = np.arange(24, dtype=F32).reshape(2, 3, 4)
+    want = mvn(x, same)
+    assert len(_api._MVN_CACHE) == 1
+
+    def miss(*args):
+        raise AssertionError("plan cache missed")
+
+    monkeypatch.setattr(_api, "_mvn_miss", miss)
+    for _ in range(2):
+        np.testing.assert_array_equal(mvn(x, axes), want)
+    assert len(_api._MVN_CACHE) == 1
+
+
+@pytest.mark.parametrize("axes,exc,msg", [
+    (np.array([1.0, 2.0]), TypeError, r"^axes: expected ints, got float \(1.0\)"),
+    (np.array([True, False]), TypeError, r"^axes: expected ints, got bool \(True\)"),
+    (np.array([1, 2 ** 64 - 1], np.uint64), AxisError, r"^axes: axis 18446744073709551615 is out of range"),
+    (np.array([[1, 2]]), TypeError, r"^axes: expected an int or a 1-D sequence of ints, got a 2-D array"),
+    (np.array(1), TypeError, r"^axes: expected an int or a 1-D sequence of ints, got a 0-D array"),
+    (np.bool_(True), TypeError, r"^axes: expected an int or a sequence of ints, got bool"),
+    (range(0), ValueError, r"^axes: empty"),
+    (range(1, 1), ValueError, r"^axes: empty"),
+])
+def test_axes_array_that_the_validator_refuses_never_hits_a_plan(axes, exc, msg):
+    x = np.ones((2, 3, 4), F32)
+    for good in ((1, 2), 1, [1, 2], ()):  # cached plans for their equals must not let these through
+        try:
+            mvn(x, good)
+        except ValueError:
+            pass
+    for _ in range(2):
+        with pytest.raises(exc, match=msg):
+            mvn(x, axes)
+
+
 def test_axis_error_is_also_value_error():
     x = np.ones((2, 3), F32)
     with pytest.raises(ValueError):

@@ -34,6 +34,7 @@ from ._descriptors import (
     MeanVarianceNormalizationDesc,
     TensorDesc,
     _DescriptorTypeError,
+    _as_int_tuple,
     _is_int,
     normalize_axis,
 )
@@ -54,6 +55,7 @@ _copyto = np.copyto
 _int = int
 _tuple = tuple
 _list = list
+_range = range
 _CACHE_MAX = 512
 
 _BN_CACHE: dict = {}
@@ -179,6 +181,29 @@ def _run_mvn(x, scale, bias, out, return_stats, plan, channel_axis=-1):
     return (out, mo, so) if return_stats else out
 
 
+def _other_axes(axes: Any) -> Tuple[Any, Any]:
+    """(axes, cache key) for axes that are neither an int nor a tuple or list: a numpy integer becomes
+    an int, a range, a 1-D integer array or another sequence of ints a tuple of ints, keyed as that
+    tuple is (they validate alike: the validator takes numpy integers as ints). Anything else (a bad
+    value, a float or bool array, a set) stays as given, uncached: the validator raises its message."""
+    cls = axes.__class__
+    if cls is _range:  # (its items are ints)
+        t = _tuple(axes)
+        return t, (t, (_int,) * len(t))
+    if cls is _nd and axes.ndim == 1 and axes.dtype.kind in "iu":
+        t = _tuple(axes.tolist())
+        return t, (t, (_int,) * len(t))
+    if isinstance(axes, np.integer) and not isinstance(axes, np.bool_):
+        axes = _int(axes)
+        return axes, axes
+    t = _as_int_tuple(axes)
+    if t.__class__ is _tuple:
+        types = _tuple(map(type, t))
+        if all(c is _int for c in types):
+            return t, (t, types)
+    return axes, None
+
+
 def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: Any = None, *,
                                 normalize_mean: bool = True, normalize_variance: bool = True,
                                 epsilon: float = 1e-5, epsilon_mode: str = "inside",
@@ -210,7 +235,7 @@ def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: 
     elif cls is _tuple or cls is _list:
         akey = (_tuple(axes), _tuple(map(type, axes)))  # (1.0,) and (True,) must not hit (1,)'s plan
     else:
-        akey = None  # arrays, ranges, bad values: validated every call, not cached
+        axes, akey = _other_axes(axes)
     if akey is None:
         plan = _mvn_miss(None, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode,
                          activation)
