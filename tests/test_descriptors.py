@@ -237,6 +237,8 @@ def test_bn_desc_valid(kw):
     (dict(input=td(dtype=np.int16), output=td(dtype=np.int16)), TypeError, r"^input: dtype int16 is not supported"),
     (dict(channel_axis=4), AxisError, r"^channel_axis: axis 4 is out of range for an input of 4 dims"),
     (dict(channel_axis=1.0), TypeError, r"^channel_axis: expected an int, got float"),
+    (dict(channel_axis=10 ** 5000), AxisError, r"^channel_axis: axis about 10\*\*5000 is out of range for an input of 4"),
+    (dict(spatial=-10 ** 5000), TypeError, r"^spatial: expected a bool, got int \(about -10\*\*5000\)$"),
     (dict(epsilon=-1.0), ValueError, r"^epsilon: -1.0 is not allowed; epsilon must be finite and >= 0"),
     (dict(epsilon=math.nan), ValueError, r"^epsilon: nan is not allowed"),
     (dict(epsilon=math.inf), ValueError, r"^epsilon: inf is not allowed"),
@@ -308,6 +310,9 @@ def test_mvn_desc_valid(kw):
     (dict(output=td(strides=(-60, 12, 3, -2))), ValueError, r"^output.strides: \(-60, 12, 3, -2\) .* same address"),
     (dict(epsilon_mode="INSIDE"), ValueError, r"^epsilon_mode: 'INSIDE' is not valid; use 'inside'"),
     (dict(normalize_mean="yes"), TypeError, r"^normalize_mean: expected a bool"),
+    (dict(normalize_mean=10 ** 5000), TypeError, r"^normalize_mean: expected a bool, got int \(about 10\*\*5000\)$"),
+    (dict(axes=(2, 10 ** 5000)), AxisError, r"^axes: axis about 10\*\*5000 is out of range for an input of 4 dims"),
+    (dict(epsilon_mode=-10 ** 5000), ValueError, r"^epsilon_mode: about -10\*\*5000 is not valid; use 'inside'"),
     (dict(epsilon=-0.1), ValueError, r"^epsilon: -0.1 is not allowed"),
     (dict(epsilon=10 ** 400), ValueError, r"^epsilon: an int of about 10\*\*400 \(beyond float64's range\) is not "
                                          r"allowed"),

@@ -261,7 +261,45 @@ row("eps-float16-inf", lambda **k: bn(X.astype(F16), C4, C4, epsilon=np.float16(
     r"^epsilon: .*inf.* is not allowed", out=out_like(SHAPE, F16))
 
 # ---- 6. axes spelled in numpy / Python types ----------------------------------------------------------
-row("axes-huge-int", lambda **k: mvn(X, 2 ** 70, **k), AxisError, r"^axes: axis 1180591620717411303424 is out of range")
+row("axes-huge-int", lambda **k: mvn(X, 2 ** 70, **k), AxisError, r"^axes: axis about 10\*\*21 is out of range")
+# Ints past 4300 digits have no str() in Python >= 3.11: a message names them by their size, and the error is
+# ours (it was ValueError "Exceeds the limit (4300 digits) for integer string conversion" from the message).
+_G = 10 ** 5000
+_RANGE = r" is out of range for an input of 4 dims \(valid: -4 to 3\)$"
+row("axes-int-past-4300-digits", lambda **k: mvn(X, _G, **k), AxisError, rf"^axes: axis about 10\*\*5000{_RANGE}")
+row("axes-item-past-4300-digits", lambda **k: mvn(X, (1, -_G), **k), AxisError, rf"^axes: axis about -10\*\*5000{_RANGE}")
+row("axes-fraction-past-4300-digits", lambda **k: mvn(X, (fractions.Fraction(_G + 1, _G),), **k), TypeError,
+    r"^axes: expected ints, got Fraction \(a Fraction too long to print\)$")
+row("layer_norm-axis-past-4300-digits", lambda **k: ln(X, axis=_G, **k), AxisError, rf"^axis: axis about 10\*\*5000{_RANGE}")
+row("rms_norm-axis-past-4300-digits", lambda **k: rms(X, axis=-_G, **k), AxisError, rf"^axis: axis about -10\*\*5000{_RANGE}")
+row("bn-channel-axis-past-4300-digits", lambda **k: bn(X, C4, C4, channel_axis=_G, **k), AxisError,
+    rf"^channel_axis: axis about 10\*\*5000{_RANGE}")
+row("instance_norm-channel-axis-past-4300-digits", lambda **k: inorm(X, channel_axis=-_G, **k), AxisError,
+    rf"^channel_axis: axis about -10\*\*5000{_RANGE}")
+row("group_norm-channel-axis-past-4300-digits", lambda **k: gn(X, 2, channel_axis=_G, **k), AxisError,
+    rf"^channel_axis: axis about 10\*\*5000{_RANGE}")
+row("group_norm-groups-past-4300-digits", lambda **k: gn(X, _G, **k), ValueError,
+    r"^num_groups: about 10\*\*5000 does not divide the number of channels C = 4; C % num_groups must be 0$")
+row("group_norm-groups-negative-past-4300-digits", lambda **k: gn(X, -_G, **k), ValueError,
+    r"^num_groups: about -10\*\*5000; it must be >= 1 and divide the number of channels C = 4$")
+row("mvn-flag-past-4300-digits", lambda **k: mvn(X, 1, normalize_variance=_G, **k), TypeError,
+    r"^normalize_variance: expected a bool, got int \(about 10\*\*5000\)$")
+row("mvn-return-stats-past-4300-digits", lambda **k: mvn(X, 1, return_stats=_G, **k), TypeError,
+    r"^return_stats: expected a bool, got int \(about 10\*\*5000\)$")
+row("mvn-epsilon-mode-past-4300-digits", lambda **k: mvn(X, 1, epsilon_mode=_G, **k), ValueError,
+    r"^epsilon_mode: about 10\*\*5000 is not valid")
+row("eps-fraction-past-4300-digits", lambda **k: mvn(X, 1, epsilon=fractions.Fraction(-_G - 1, _G), **k), ValueError,
+    r"^epsilon: a Fraction too long to print is not allowed; epsilon must be finite and >= 0$")
+row("compiled-axes-past-4300-digits", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(TensorDesc(F32, SHAPE),
+    _G)), AxisError, rf"^axes: axis about 10\*\*5000{_RANGE}", without_out=False)
+row("compiled-channel-axis-past-4300-digits", lambda **k: simdnorm.compile(BatchNormalizationDesc(
+    TensorDesc(F32, SHAPE), TensorDesc(F32, (4,)), TensorDesc(F32, (4,)), channel_axis=-_G)), AxisError,
+    rf"^channel_axis: axis about -10\*\*5000{_RANGE}", without_out=False)
+row("compiled-return-stats-past-4300-digits", lambda **k: simdnorm.compile(MeanVarianceNormalizationDesc(
+    TensorDesc(F32, SHAPE), 1))(X, return_stats=_G, **k), TypeError,
+    r"^return_stats: expected a bool, got int \(about 10\*\*5000\)$")
+row("desc-dtype-past-4300-digits", lambda **k: TensorDesc(_G, SHAPE).validate(), TypeError,
+    r"^tensor.dtype: about 10\*\*5000 is not a numpy dtype", without_out=False)
 row("axes-all-plus-one", lambda **k: mvn(X, (0, 1, 2, 3, 4), **k), AxisError, r"^axes: axis 4 is out of range")
 row("axes-float-array", lambda **k: mvn(X, np.array([1.5]), **k), TypeError, r"^axes: expected ints, got float")
 row("axes-bool-array", lambda **k: mvn(X, np.array([True, False]), **k), TypeError, r"^axes: expected ints, got bool")

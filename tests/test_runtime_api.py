@@ -48,6 +48,10 @@ def test_set_num_threads_returns_previous():
     (None, TypeError, r"^set_num_threads: n must be an int >= 1, got NoneType$"),
     (True, TypeError, r"^set_num_threads: n must be an int >= 1, got bool$"),
     (1 << 40, ValueError, r"^set_num_threads: n must be <= 65536, got 1099511627776$"),
+    # past 4300 digits an int has no str(): named by its size, not Python's "Exceeds the limit" ValueError
+    pytest.param(10 ** 5000, ValueError, r"^set_num_threads: n must be <= 65536, got about 10\*\*5000$", id="10**5000"),
+    pytest.param(-10 ** 5000, ValueError, r"^set_num_threads: n must be >= 1, got about -10\*\*5000$", id="-10**5000"),
+    (np.int64(2 ** 63 - 1), ValueError, r"^set_num_threads: n must be <= 65536, got 9223372036854775807$"),
 ])
 def test_set_num_threads_errors(n, exc, msg):
     before = simdnorm.get_num_threads()

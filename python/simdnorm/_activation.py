@@ -95,7 +95,7 @@ def value_text(v: Any) -> str:
         return f"about {'-' if v < 0 else ''}10**{int(abs(v).bit_length() * 0.30103)}"
     try:
         return repr(v)
-    except ValueError:  # pragma: no cover - depends on the type's repr
+    except ValueError:  # a Fraction of ints past the digit limit, say
         return f"a {type(v).__name__} too long to print"
 
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _core
-from ._activation import ActivationLike
+from ._activation import ActivationLike, value_text
 from ._compile import (
     as_input,
     as_param,
@@ -431,10 +431,10 @@ def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -
     g = int(num_groups)
     c = x.shape[ca]
     if g < 1:
-        raise DescriptorError(f"num_groups: {g}; it must be >= 1 and divide the number of channels C = {c}")
+        raise DescriptorError(f"num_groups: {value_text(g)}; it must be >= 1 and divide the number of channels C = {c}")
     if c % g:
         raise DescriptorError(
-            f"num_groups: {g} does not divide the number of channels C = {c}; C % num_groups must be 0"
+            f"num_groups: {value_text(g)} does not divide the number of channels C = {c}; C % num_groups must be 0"
         )
     _per_channel("scale", scale, c, "group_norm")
     _per_channel("bias", bias, c, "group_norm")

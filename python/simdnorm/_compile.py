@@ -25,7 +25,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _core
-from ._activation import core_tuple
+from ._activation import core_tuple, value_text
 from ._descriptors import (
     BatchNormalizationDesc,
     BNInfo,
@@ -116,7 +116,7 @@ def check_return_stats(v: Any) -> bool:
     taken; anything else, 1 and "no" included, is a TypeError (a truthy non-bool gave a tuple)."""
     if isinstance(v, (bool, np.bool_)):
         return bool(v)
-    raise TypeError(f"return_stats: expected a bool, got {type(v).__name__} ({v!r})")
+    raise TypeError(f"return_stats: expected a bool, got {type(v).__name__} ({value_text(v)})")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -152,10 +152,10 @@ def check_epsilon(v: Any, dt: Optional[np.dtype] = None) -> float:
     """Finite and >= 0; for data computed in float32 (all but float64), representable there."""
     eps = _check_real("epsilon", v)
     if not (math.isfinite(eps) and eps >= 0.0):
-        raise DescriptorError(f"epsilon: {v!r} is not allowed; epsilon must be finite and >= 0")
+        raise DescriptorError(f"epsilon: {value_text(v)} is not allowed; epsilon must be finite and >= 0")
     if eps > _F32_MAX and dt is not None and dt != F64:
         raise DescriptorError(
-            f"epsilon: {v!r} overflows float32, the compute type of {dtype_name(dt)} data; "
+            f"epsilon: {value_text(v)} overflows float32, the compute type of {dtype_name(dt)} data; "
             "epsilon must be finite in float32"
         )
     return eps
@@ -217,7 +217,9 @@ class TensorDesc:
         """role: 'data' (input/output: one of the four dtypes) or 'param' (dtype checked by the op)."""
         dt = self.dtype
         if not isinstance(dt, np.dtype):
-            raise _DescriptorTypeError(f"{name}.dtype: {dt!r} is not a numpy dtype; accepted: {_ACCEPTED}")
+            raise _DescriptorTypeError(
+                f"{name}.dtype: {value_text(dt)} is not a numpy dtype; accepted: {_ACCEPTED}"
+            )
         if role == "data" and dt not in SUPPORTED_DTYPES:
             raise _DescriptorTypeError(f"{name}: dtype {dtype_name(dt)} is not supported; accepted: {_ACCEPTED}")
         sizes = self.sizes
@@ -354,7 +356,7 @@ def normalize_axis(name: str, axis: Any, ndim: int) -> int:
     a = int(axis)
     if not -ndim <= a < ndim:
         raise _DescriptorAxisError(
-            f"{name}: axis {a} is out of range for an input of {ndim} dims (valid: {-ndim} to {ndim - 1})"
+            f"{name}: axis {value_text(a)} is out of range for an input of {ndim} dims (valid: {-ndim} to {ndim - 1})"
         )
     return a + ndim if a < 0 else a
 
@@ -377,7 +379,7 @@ def normalize_axes(axes: Any, ndim: int) -> Tuple[int, ...]:
     seen = {}
     for a in items:
         if not _is_int(a):
-            raise _DescriptorTypeError(f"axes: expected ints, got {type(a).__name__} ({a!r})")
+            raise _DescriptorTypeError(f"axes: expected ints, got {type(a).__name__} ({value_text(a)})")
         n = normalize_axis("axes", a, ndim)
         if n in seen:
             raise DescriptorError(
@@ -419,7 +421,7 @@ BN_PARAM_NAMES = ("mean", "variance", "scale", "bias")
 def _check_bool(name: str, v: Any) -> bool:
     if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
         return bool(v)
-    raise _DescriptorTypeError(f"{name}: expected a bool, got {type(v).__name__} ({v!r})")
+    raise _DescriptorTypeError(f"{name}: expected a bool, got {type(v).__name__} ({value_text(v)})")
 
 
 def _check_activation(v: Any) -> Optional[Activation]:
@@ -589,7 +591,7 @@ def check_epsilon_mode(v: Any) -> bool:
     if isinstance(v, str) and v in ("inside", "outside"):
         return v == "outside"
     raise DescriptorError(
-        f"epsilon_mode: {v!r} is not valid; use 'inside' (sqrt(variance + epsilon)) or "
+        f"epsilon_mode: {value_text(v)} is not valid; use 'inside' (sqrt(variance + epsilon)) or "
         "'outside' (sqrt(variance) + epsilon)"
     )
 

@@ -12,6 +12,7 @@ import warnings
 from typing import List, Optional
 
 from . import _core
+from ._activation import value_text
 
 __all__ = ["set_num_threads", "get_num_threads", "isa", "available_isas", "set_isa"]
 
@@ -35,9 +36,9 @@ def _check_threads(n: object, name: str = "n") -> int:
     except TypeError:
         raise TypeError(f"set_num_threads: {name} must be an int >= 1, got {type(n).__name__}") from None
     if v < 1:
-        raise ValueError(f"set_num_threads: {name} must be >= 1, got {v}")
+        raise ValueError(f"set_num_threads: {name} must be >= 1, got {value_text(v)}")
     if v > MAX_THREADS:
-        raise ValueError(f"set_num_threads: {name} must be <= {MAX_THREADS}, got {v}")
+        raise ValueError(f"set_num_threads: {name} must be <= {MAX_THREADS}, got {value_text(v)}")
     return v
 
 
