@@ -245,6 +245,42 @@ def test_fork_after_threaded_use():
 
 
 # ----------------------------------------------------------------------------------------------
+# Worker threads that cannot start: the call still completes, with the same bits
+# ----------------------------------------------------------------------------------------------
+
+THREADS_FAIL_SCRIPT = r"""
+import os, resource
+import numpy as np
+import simdnorm
+
+rng = np.random.default_rng(11)
+x = rng.normal(0.5, 2.0, (64, 1 << 14)).astype(np.float32)
+simdnorm.set_num_threads(1)
+want = simdnorm.layer_norm(x)
+out = np.empty_like(x)
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+# Address space for a few dozen thread stacks more, not for 1000.
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+simdnorm.set_num_threads(1000)
+for _ in range(3):
+    out[...] = np.nan
+    simdnorm.layer_norm(x, out=out)
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS and /proc/self/statm")
+@pytest.mark.skipif(under_asan(), reason="ASan's shadow memory does not fit under an address-space limit")
+def test_threads_that_cannot_start_leave_the_call_working():
+    # Before: the pool's constructor threw out of its loop of thread starts and destroyed the
+    # condition variables under the workers already waiting on them; the call never returned.
+    r = run_script(THREADS_FAIL_SCRIPT, clean_env(), timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+# ----------------------------------------------------------------------------------------------
 # SIMDNORM_ISA: every available ISA forced in a fresh process gives equal results
 # ----------------------------------------------------------------------------------------------
 

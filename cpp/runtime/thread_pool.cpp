@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -52,10 +53,18 @@ bool spin_until(Ready ready) {
 
 class Pool {
  public:
-  explicit Pool(int workers) {
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+  // A thread that cannot start (an address-space or process limit, a thread count set far past
+  // the cores) leaves the pool smaller, not the call broken: its parts are drained by the threads
+  // that did start and by the caller. (Thrown out of here, the exception destroyed the condition
+  // variables under the workers already waiting on them: the call hung.)
+  explicit Pool(int workers) : asked_(workers) {
+    try {
+      for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { work(); });
+    } catch (const std::exception&) {
+    }
   }
-  int workers() const { return static_cast<int>(threads_.size()); }
+  // The workers the pool was built for (kept, so that a short pool is not rebuilt every call).
+  int asked() const { return asked_; }
 
   // Caller holds region_mutex(). The caller takes parts too, and waits only for the workers that
   // joined the job: a worker that has not woken yet (its core busy with another process's thread,
@@ -120,6 +129,7 @@ class Pool {
     }
   }
 
+  const int asked_;
   std::vector<std::thread> threads_;
   std::mutex m_, region_;
   std::condition_variable wake_, done_;
@@ -178,7 +188,7 @@ void parallel_for(int nparts, const std::function<void(int)>& fn) {
       global.unlock();
       return run_here();
     }
-    if (g_pool->workers() == threads - 1) {
+    if (g_pool->asked() == threads - 1) {
       Pool* pool = g_pool;
       global.unlock();
       pool->run(nparts, fn);
