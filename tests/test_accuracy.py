@@ -451,6 +451,46 @@ def test_bn_scale_and_inv_std_whose_product_leaves_the_range(rng, threads, isa, 
     assert not plan.endswith(" scale-apart"), plan
 
 
+_OWN_PRODUCT_FITS = {  # dtype: (x - mean, variance, scale) where scale / std is 1 and (x - mean) / std
+    # overflows, then those of a channel whose scale / std overflows (its result in range)
+    F32: ((1e30, 1e-20, 1e-10), (1e-20, 1e-20, 1e30)), BF16: ((1e30, 1e-20, 1e-10), (1e-20, 1e-20, 1e30)),
+    F64: ((1e300, 1e-300, 1e-150), (1e-150, 1e-300, 1e300))}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_bn_channel_whose_product_fits_beside_one_whose_does_not(rng, threads, isa, dtype, layout):
+    """A call that keeps the factors apart (a channel's scale / std out of range) keeps each other
+    channel's own product when it fits: apart, (x - mean) / std would overflow there, and the
+    result is in range (before: inf)."""
+    (big, var, scale), (far_x, far_var, far_scale) = _OWN_PRODUCT_FITS[dtype]
+    pdt = np.float64 if dtype == F64 else np.float32
+    c = 6
+    shape = (2, 5, 7, c) if layout == "nhwc" else (2, c, 5, 7)
+    x = (big * (1.0 + 0.5 * rng.standard_normal(shape))).astype(dtype)
+    if layout == "nhwc":
+        x = x.transpose(0, 3, 1, 2)
+    mean = np.zeros(c, pdt)
+    variance = np.full(c, var, pdt) * rng.uniform(0.5, 2.0, c).astype(pdt)
+    g = np.full(c, scale, pdt) * rng.uniform(0.5, 2.0, c).astype(pdt)
+    # channel 2: scale / std past the largest finite value, so this call keeps the factors apart
+    x[:, 2] = (far_x * rng.standard_normal(x[:, 2].shape)).astype(dtype)
+    variance[2], g[2] = far_var, far_scale
+    b = rng.standard_normal(c).astype(pdt)
+    out = simdnorm.batch_normalization(x, mean, variance, g, b, epsilon=0.0)
+    if dtype != F64:
+        check_bn(out, x, mean, variance, g, b, epsilon=0.0)
+        return
+    # float64's own reference overflows the same way: x87 extended precision's range does not
+    if np.finfo(np.longdouble).maxexp <= np.finfo(np.float64).maxexp:
+        pytest.skip("no wider float type than float64 here")
+    per_channel = (1, c, 1, 1)
+    wide = [a.astype(np.longdouble).reshape(per_channel) for a in (mean, variance, g, b)]
+    ref = ((x.astype(np.longdouble) - wide[0]) / np.sqrt(wide[1]) * wide[2] + wide[3]).astype(np.float64)
+    assert np.isfinite(ref).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-13, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_bn_input_equal_to_the_mean_gives_exactly_bias(rng, dtype, layout):

@@ -4,6 +4,7 @@
 // Keeping (in - mean) rather than folding everything into one multiply-add (in * a + b) makes
 // in == mean give exactly bias, and keeps the error of a large mean out of the result.
 #include <cfloat>
+#include <cmath>
 #include <optional>
 
 #include "ops/common.h"
@@ -32,10 +33,23 @@ void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n,
   std::copy(in[3], in[3] + n, out[2]);
 }
 
-// in: mean, variance, scale, bias; out: shift, mul = 1 / sqrt(var + eps), scale, bias.
+// in: mean, variance, scale, bias; out: shift, mul = 1 / sqrt(var + eps), scale, bias; except
+// that a channel whose own scale / std is in range keeps that product as mul, with a scale of 1:
+// kept apart, its (in - mean) * inv_std could overflow where the result does not (in - mean 1e30,
+// var 1e-20, scale 1e-10 gave inf beside a channel whose product was out of range, 1e30 alone).
 void fold_separately(const double* const* in, double* const* out, int64_t n, const void* ctx) {
-  kernels().inv_std_lanes(in[1], out[1], n, 1, InvStdRule{true, false, static_cast<const FoldContext*>(ctx)->epsilon});
-  for (int c : {0, 2, 3}) std::copy(in[c], in[c] + n, out[c]);
+  const auto& c = *static_cast<const FoldContext*>(ctx);
+  kernels().inv_std_lanes(in[1], out[1], n, 1, InvStdRule{true, false, c.epsilon});
+  for (int k : {0, 2, 3}) std::copy(in[k], in[k] + n, out[k]);
+  const bool f64 = c.compute == DType::f64;
+  const double min = f64 ? DBL_MIN : FLT_MIN, max = f64 ? DBL_MAX : FLT_MAX;
+  for (int64_t i = 0; i < n; ++i) {
+    const double product = std::fabs(in[2][i] * out[1][i]);  // NaN: kept apart
+    if (product >= min && product <= max) {
+      out[1][i] = in[2][i] * out[1][i];
+      out[2][i] = 1.0;
+    }
+  }
 }
 
 }  // namespace
