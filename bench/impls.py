@@ -28,6 +28,10 @@ class Prepared:
     note: str = ""
     close: Optional[Callable[[], None]] = None
     out: Optional[np.ndarray] = None  # the preallocated output fn writes, if it writes one
+    # Ways of doing the same op into the same `out` (fn is one of them), by name: each is verified,
+    # all are timed in the same interleaved rounds, and the fastest by median stands for the
+    # implementation (the runner records every one; see CopyImpl).
+    variants: Optional[dict[str, Callable[[], Any]]] = None
 
 
 class Impl:
@@ -110,14 +114,26 @@ def prepared_out(fn: Callable[[], Any], out: np.ndarray, note: str = "") -> Prep
 class CopyImpl(Impl):
     """np.copyto(out, x): the same input into a same-layout output; the one-read one-write roofline.
 
-    At N threads the copy is split into N slices along the outermost axis that has at least N
-    entries, copied by a small pool of threads (np.copyto releases the GIL on large arrays).
+    At N > 1 threads, on an array of >= SPLIT_MIN_BYTES that has an axis of >= N entries, two copies
+    are timed in the same interleaved rounds and the faster by median is the roofline (both are in
+    the JSON under "variants", the note says which won):
+      - one np.copyto on the calling thread;
+      - the copy split into N slices along the outermost axis that has at least N entries, copied
+        by a small pool of Python threads (np.copyto releases the GIL on large arrays).
+    The split alone is not an honest roofline: the pool's per-call overhead (submit, wake a worker,
+    wait on a future: tens of us) made it slower than one thread up to ~12 MB. Measured here
+    (2 vCPUs, threads=2, medians of 7 interleaved samples): 1.5 MB one thread 37.6 us vs split
+    73.5 us, 3 MB 88 vs 147 us, 6 MB 254 vs 277 us, 12 MB 1086 vs 1368 us, 24.5 MB 2863 vs
+    2629 us. Timing only the split made every t/copy ratio there look up to ~2x better than it was.
+    Under SPLIT_MIN_BYTES only the one-thread copy is timed. At one thread nothing is split.
     """
 
     name = "copy"
     kind = "roofline"
     footnote = ("copy: np.copyto(out, x) of the same input into a same-layout output (the roofline of "
-                "a one-read one-write op); at N threads, N slices copied by a small thread pool")
+                "a one-read one-write op); at N threads on >= 1 MiB, the faster by median of one "
+                "np.copyto and N slices copied by a small Python thread pool (the pool's per-call "
+                "overhead makes the split slower on small and medium arrays); the note says which")
     SPLIT_MIN_BYTES = 1 << 20
 
     def __init__(self) -> None:
@@ -167,6 +183,7 @@ class CopyImpl(Impl):
         if len(pairs) == 1:
             fn = functools.partial(np.copyto, out, x)
             return prepared_out(fn, out, "one thread (no axis to split)")
+        one_thread = functools.partial(np.copyto, out, x)
         pool = self._get_pool()
         first, rest = pairs[0], pairs[1:]
         copyto = np.copyto
@@ -178,7 +195,9 @@ class CopyImpl(Impl):
             for f in futs:
                 f.result()
 
-        return prepared_out(threaded_copy, out, f"{len(pairs)} threads")
+        prep = prepared_out(threaded_copy, out, f"1 thread or {len(pairs)} threads, the faster")
+        prep.variants = {"1 thread": one_thread, f"{len(pairs)} threads": threaded_copy}
+        return prep
 
     def shutdown(self) -> None:
         if self._pool is not None:

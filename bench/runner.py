@@ -33,6 +33,15 @@ class ImplResult:
     vs_copy: Optional[float] = None  # time / copy time
     vs_best_other: Optional[float] = None  # time / fastest other non-copy implementation
     best_other: Optional[str] = None
+    # several ways of doing the op timed side by side (Prepared.variants): {name: {reps, samples_ns,
+    # median_ns, chosen}}; the figures above are the chosen one's (the lowest median)
+    variants: Optional[dict[str, dict[str, Any]]] = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(vars(self))
+        if d["variants"] is None:
+            del d["variants"]
+        return d
 
 
 @dataclass
@@ -57,7 +66,7 @@ class CaseResult:
             "input_bytes": c.nbytes,
             "bytes_moved": c.bytes_moved,
             "tolerance": {"atol": TOLERANCE[c.dtype][0], "rtol": TOLERANCE[c.dtype][1]},
-            "results": {k: vars(v) for k, v in self.results.items()},
+            "results": {k: v.to_json() for k, v in self.results.items()},
             "summary": summary(self),
         }
 
@@ -94,6 +103,17 @@ def _verify(case: Case, name: str, prep: Prepared, data: CaseData, ref: np.ndarr
     if name == "copy":
         if not copied_exactly(np.asarray(out), data.x):
             return ImplResult(WRONG, reason="copy output differs from its input", note=prep.note)
+        for vname, fn in (prep.variants or {}).items():
+            if prep.out is None:
+                break
+            prep.out[...] = 0
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                return ImplResult(ERROR, reason=f"{vname}: {type(e).__name__}: {e}"[:200], note=prep.note)
+            if not copied_exactly(prep.out, data.x):
+                return ImplResult(WRONG, reason=f"copy ({vname}) output differs from its input",
+                                  note=prep.note)
         return ImplResult(OK, note=prep.note, max_abs_err=0.0)
     ok, err = check(case, out, ref)
     if not ok:
@@ -137,8 +157,26 @@ def run_case(case: Case, impls: Sequence[Impl], rounds: int, min_sample_ns: floa
             prepared[impl.name] = prep
     del ref
     gc.collect()
-    timings = measure({k: p.fn for k, p in prepared.items()}, rounds, min_sample_ns, warmup_ns,
-                      progress=say, pause_ns=pause_ns)
+    fns: dict[str, Callable[[], Any]] = {}
+    for k, p in prepared.items():
+        if p.variants:
+            fns.update({f"{k} [{v}]": f for v, f in p.variants.items()})
+        else:
+            fns[k] = p.fn
+    raw = measure(fns, rounds, min_sample_ns, warmup_ns, progress=say, pause_ns=pause_ns)
+    timings = {}
+    for k, p in prepared.items():
+        if not p.variants:
+            timings[k] = raw[k]
+            continue
+        vt = {v: raw[f"{k} [{v}]"] for v in p.variants}
+        best = min(vt, key=lambda v: vt[v].median_ns)
+        timings[k] = vt[best]
+        results[k].variants = {v: {"reps": t.reps, "samples_ns": [round(s, 1) for s in t.samples_ns],
+                                   "median_ns": t.median_ns, "chosen": v == best}
+                               for v, t in vt.items()}
+        results[k].note = f"{best}; faster than " + ", ".join(
+            f"{v} ({vt[v].median_ns / 1e3:.4g} us)" for v in vt if v != best)
     for name, t in timings.items():
         r = results[name]
         r.reps = t.reps

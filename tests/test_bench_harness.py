@@ -211,6 +211,31 @@ def test_copy_really_copies(threads, layout):
         impl.shutdown()
 
 
+def test_copy_roofline_at_threads_is_the_faster_of_one_thread_and_the_split():
+    """At N > 1 threads the split copy's Python thread pool costs tens of us per call (slower than
+    one np.copyto up to ~12 MB here): both are timed in the same rounds, the faster by median is
+    the roofline, and the JSON keeps both. At one thread nothing changes."""
+    case = shapes.get_case("bn/8x64x56x56/nchw/f32").scaled((4, 64, 33, 35))  # > 1 MiB
+    impl = impls.CopyImpl()
+    impl.set_threads(2)
+    try:
+        cr = runner.run_case(case, [impl], rounds=3, min_sample_ns=2e5, warmup_ns=1e5)
+    finally:
+        impl.shutdown()
+    c = cr.results["copy"]
+    assert c.status == runner.OK and set(c.variants) == {"1 thread", "2 threads"}
+    chosen = [k for k, v in c.variants.items() if v["chosen"]]
+    assert len(chosen) == 1
+    v = c.variants[chosen[0]]
+    assert c.median_ns == v["median_ns"] == min(x["median_ns"] for x in c.variants.values())
+    assert c.samples_ns == v["samples_ns"] and len(v["samples_ns"]) == 3
+    assert c.note.startswith(chosen[0] + "; faster than ")
+    assert json.loads(json.dumps(cr.to_json()))["results"]["copy"]["variants"] == c.variants
+    one = runner.run_case(case, [impls.CopyImpl()], rounds=1, min_sample_ns=1e5, warmup_ns=1e4)
+    assert one.results["copy"].variants is None and one.results["copy"].note == ""
+    assert "variants" not in one.to_json()["results"]["copy"]
+
+
 # ------------------------------------------------------------------------ numpy (always there)
 @pytest.mark.parametrize("case", KINDS, ids=KIND_IDS)
 def test_numpy_peer_computes_the_named_op(case):
