@@ -18,6 +18,57 @@ from .timing import loop_overhead_ns
 
 DEFAULT_ROUNDS = 9
 QUICK_ROUNDS = 5
+FALLBACK_MAX_THREADS = 1 << 16  # simdnorm's own limit, when simdnorm does not import
+
+
+# ------------------------------------------------------------------------ option validation
+# argparse `type=` validators: a bad value is a one-line usage error (exit 2) before anything runs,
+# not a traceback, a silent default (--rounds 0) or a hang (--warmup-ms inf).
+def _shown(s: str) -> str:
+    return repr(s) if len(s) <= 40 else repr(s[:37] + "...")
+
+
+def _int_in(lo: int, hi: Optional[int] = None):
+    def parse(s: str) -> int:
+        top = f" and <= {hi}" if hi is not None else ""
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}{top}, got {_shown(s)}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}{top}, got {_shown(s)}")
+        return v
+    return parse
+
+
+def _nonnegative_ms(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of ms >= 0, got {_shown(s)}")
+    return v
+
+
+def max_threads() -> int:
+    """simdnorm's own maximum for set_num_threads (every library gets --threads)."""
+    from .impls import load_simdnorm
+
+    if load_simdnorm()[0] is not None:
+        try:
+            import importlib
+
+            return int(importlib.import_module("simdnorm._runtime").MAX_THREADS)
+        except Exception:  # noqa: BLE001 - an older simdnorm: its documented limit
+            pass
+    return FALLBACK_MAX_THREADS
+
+
+def _threads(s: str) -> int:
+    return _int_in(1, max_threads())(s)
+
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="GB/s counts the input read once and the output written once (2 x input bytes). "
                "t/copy = time / copy time; t/best other = time / the fastest other implementation "
                "(copy excluded).")
-    p.add_argument("--threads", type=int, default=1, metavar="N",
-                   help="threads for every library (default 1)")
+    p.add_argument("--threads", type=_threads, default=1, metavar="N",
+                   help="threads for every library (default 1; at most simdnorm's maximum)")
     p.add_argument("--quick", action="store_true",
                    help="a few shapes and fewer rounds (under a minute)")
     p.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
@@ -39,13 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", metavar="NAMES",
                    help=f"comma-separated implementations to run (default all: {','.join(IMPL_NAMES)}); "
                         "copy is always included")
-    p.add_argument("--rounds", type=int, default=None,
+    p.add_argument("--rounds", type=_int_in(1), default=None,
                    help=f"interleaved rounds (default {DEFAULT_ROUNDS}, --quick {QUICK_ROUNDS})")
-    p.add_argument("--min-sample-ms", type=float, default=2.0,
+    p.add_argument("--min-sample-ms", type=_nonnegative_ms, default=2.0,
                    help="minimum duration of one timing sample (default 2 ms)")
-    p.add_argument("--warmup-ms", type=float, default=None,
+    p.add_argument("--warmup-ms", type=_nonnegative_ms, default=None,
                    help="warm-up time per implementation and case (default 20 ms, --quick 5 ms)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the input data")
+    p.add_argument("--seed", type=_int_in(0), default=0, help="seed of the input data (>= 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     return p
 
@@ -109,9 +160,6 @@ def _select_impls(spec: Optional[str]):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.threads < 1:
-        print("--threads must be >= 1", file=sys.stderr)
-        return 2
     cases = shapes.select(quick=args.quick, filters=args.filter)
     if args.list:
         for c in cases:
@@ -120,7 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not cases:
         print("no case matches the filter; see --list", file=sys.stderr)
         return 2
-    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
+    rounds = args.rounds if args.rounds is not None else (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     warmup_ms = args.warmup_ms if args.warmup_ms is not None else (5.0 if args.quick else 20.0)
     impls = _select_impls(args.impl)
     for impl in impls:

@@ -423,3 +423,42 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "p.png"
     report.plot([cr, cr], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+cli = importlib.import_module(B.__name__ + ".cli")
+TINY_RUN = ["--filter", "tiny/bn/", "--impl", "copy,simdnorm", "--rounds", "1", "--min-sample-ms", "0.1",
+            "--warmup-ms", "0", "--no-progress"]
+
+
+def _usage_error(capsys, argv):
+    """main(argv) must stop with an argparse usage error (exit 2): returns its error line."""
+    with pytest.raises(SystemExit) as e:
+        B.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("python -m simdnorm bench: error: "), err
+    return err[-1]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--rounds", "-1"], ["--rounds", "0"], ["--rounds", "2.5"],
+    ["--min-sample-ms", "nan"], ["--min-sample-ms", "inf"], ["--min-sample-ms", "-1"],
+    ["--warmup-ms", "inf"], ["--warmup-ms", "-5"], ["--warmup-ms", "x"],
+    ["--seed", "-1"], ["--threads", "0"], ["--threads", "max+1"], ["--threads", "9" * 5000],
+], ids=lambda a: " ".join(a)[:30])
+def test_bad_numeric_options_are_usage_errors(capsys, argv):
+    """Each was a traceback, a silent default (--rounds 0), a hang (--warmup-ms inf) or simdnorm's
+    ValueError (--threads past its maximum)."""
+    if argv[1] == "max+1":
+        argv = [argv[0], str(cli.max_threads() + 1)]
+    line = _usage_error(capsys, ["--list"] + argv)
+    assert f"argument {argv[0]}: expected " in line and len(line) < 200
+
+
+def test_numeric_options_at_their_limits_parse():
+    a = cli.build_parser().parse_args(["--rounds", "1", "--min-sample-ms", "0", "--warmup-ms", "0",
+                                       "--seed", "0", "--threads", str(cli.max_threads())])
+    assert (a.rounds, a.min_sample_ms, a.warmup_ms, a.seed) == (1, 0.0, 0.0, 0)
+    mod = impls.load_simdnorm()[0]
+    if mod is not None:
+        assert cli.max_threads() == importlib.import_module("simdnorm._runtime").MAX_THREADS
