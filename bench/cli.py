@@ -69,8 +69,6 @@ def _threads(s: str) -> int:
     return _int_in(1, max_threads())(s)
 
 
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m simdnorm bench",
@@ -145,32 +143,57 @@ def shutil_cols() -> int:
     return cols if cols >= 40 else 100
 
 
-def _select_impls(spec: Optional[str]):
-    impls = all_impls()
+def _wanted_impls(spec: Optional[str]) -> Optional[set]:
+    """The implementation names --impl asks for (copy always added), None for all; ValueError for
+    an unknown name."""
     if not spec:
-        return impls
+        return None
     wanted = {s.strip() for s in spec.split(",") if s.strip()}
     unknown = wanted - set(IMPL_NAMES)
     if unknown:
-        raise SystemExit(f"unknown implementation(s): {', '.join(sorted(unknown))}; "
+        raise ValueError(f"--impl: unknown implementation(s): {', '.join(sorted(unknown))}; "
                          f"valid: {', '.join(IMPL_NAMES)}")
-    wanted.add("copy")
-    return [i for i in impls if i.name in wanted]
+    return wanted | {"copy"}
+
+
+def _select_impls(spec: Optional[str]):
+    wanted = _wanted_impls(spec)
+    return [i for i in all_impls() if wanted is None or i.name in wanted]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # the reader of stdout went away (`... --list | head -1`): the standard handling, no
+        # traceback (and none from the interpreter's own flush at exit)
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 1
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     cases = shapes.select(quick=args.quick, filters=args.filter)
+    if not cases:
+        parser.error(f"no case{' of --quick' if args.quick else ''} matches --filter "
+                     f"{' / '.join(map(repr, args.filter))}; --list without --filter lists them all")
+    try:
+        impls = _select_impls(args.impl)
+    except ValueError as e:
+        parser.error(str(e))
     if args.list:
         for c in cases:
             print(f"{c.name:<34} {c.describe()}  ({fmt_bytes(c.bytes_moved)} moved)")
         return 0
-    if not cases:
-        print("no case matches the filter; see --list", file=sys.stderr)
-        return 2
     rounds = args.rounds if args.rounds is not None else (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     warmup_ms = args.warmup_ms if args.warmup_ms is not None else (5.0 if args.quick else 20.0)
-    impls = _select_impls(args.impl)
     for impl in impls:
         if impl.unavailable() is None:
             impl.set_threads(args.threads)

@@ -462,3 +462,26 @@ def test_numeric_options_at_their_limits_parse():
     mod = impls.load_simdnorm()[0]
     if mod is not None:
         assert cli.max_threads() == importlib.import_module("simdnorm._runtime").MAX_THREADS
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--list", "--filter", "zzz"], "no case matches"),
+    (["--list", "--impl", "bogus"], "unknown implementation(s): bogus"),
+    (TINY_RUN + ["--impl", "bogus"], "unknown implementation(s): bogus"),
+], ids=["list-filter", "list-impl", "run-impl"])
+def test_list_and_run_refuse_the_same_selections(capsys, argv, says):
+    """--list used to exit 0 where a run exits 2; an unknown --impl exited 1 (SystemExit(msg))."""
+    assert says in _usage_error(capsys, argv)
+
+
+def test_list_into_a_closed_pipe_ends_without_a_traceback():
+    """`bench --list | head -1`: the reader goes away; no BrokenPipeError traceback."""
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-m", B.__name__, "--list"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with p:
+        p.stdout.close()  # before the child (still importing) writes anything
+        err = p.stderr.read().decode()
+        rc = p.wait(timeout=60)
+    assert rc == 1 and "Traceback" not in err and "BrokenPipe" not in err, (rc, err)
