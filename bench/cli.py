@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the cases whose name contains SUBSTR (repeatable: any of them)")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--json", metavar="FILE", help="write the results and machine info as JSON")
-    p.add_argument("--plot", metavar="FILE", help="draw GB/s per implementation vs the copy (PNG/SVG)")
+    p.add_argument("--plot", metavar="FILE",
+                   help="draw GB/s per implementation vs the copy (needs matplotlib; the format from "
+                        "the extension: .png, .svg, .pdf...; no extension: FILE.png)")
     p.add_argument("--impl", metavar="NAMES",
                    help=f"comma-separated implementations to run (default all: {','.join(IMPL_NAMES)}); "
                         "copy is always included")
@@ -161,6 +163,38 @@ def _select_impls(spec: Optional[str]):
     return [i for i in all_impls() if wanted is None or i.name in wanted]
 
 
+def _writable_file(opt: str, path: str) -> Optional[str]:
+    """Why `path` cannot be written as a file (None if it can), checked before any timing."""
+    if os.path.isdir(path):
+        return f"{opt}: {path} is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{opt}: directory {parent} does not exist"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"{opt}: {path} is not writable"
+    if not os.path.exists(path) and not os.access(parent, os.W_OK | os.X_OK):
+        return f"{opt}: directory {parent} is not writable"
+    return None
+
+
+def plot_path(path: str) -> str:
+    """The file --plot writes (matplotlib's choice for a name without an extension: FILE.png);
+    ValueError if matplotlib is missing or cannot write that format."""
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError as e:
+        raise ValueError(f"--plot needs matplotlib, which does not import: {e}") from None
+    ext = os.path.splitext(path)[1].lower()
+    if not ext or ext == ".":
+        path, ext = path.rstrip(".") + ".png", ".png"
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if ext[1:] not in formats:
+        raise ValueError(f"--plot: matplotlib cannot write {ext} files; use one of: "
+                         f"{', '.join('.' + k for k in sorted(formats))}")
+    return path
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         rc = _main(argv)
@@ -186,8 +220,15 @@ def _main(argv: Optional[Sequence[str]]) -> int:
                      f"{' / '.join(map(repr, args.filter))}; --list without --filter lists them all")
     try:
         impls = _select_impls(args.impl)
+        if args.plot and not args.list:  # the file it will write, and matplotlib can write it
+            args.plot = plot_path(args.plot)
     except ValueError as e:
         parser.error(str(e))
+    json_path = args.json
+    for opt, path in (("--json", json_path), ("--plot", args.plot)):  # before any timing
+        why = _writable_file(opt, path) if path and not args.list else None
+        if why:
+            parser.error(why)
     if args.list:
         for c in cases:
             print(f"{c.name:<34} {c.describe()}  ({fmt_bytes(c.bytes_moved)} moved)")
@@ -252,23 +293,28 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         for n in notes:
             print("  " + n)
     print(f"\n{len(results)} case(s) in {time.monotonic() - t0:.1f} s")
-    if args.json:
+    rc = 0
+    if json_path:
         doc = json_document(results, impls, config)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(_finite(doc), f, indent=1, allow_nan=False, default=_json_default)
-            f.write("\n")
-        print(f"wrote {args.json}")
+        try:
+            with open(json_path, "w", encoding="utf-8") as f:
+                json.dump(_finite(doc), f, indent=1, allow_nan=False, default=_json_default)
+                f.write("\n")
+            print(f"wrote {json_path}")
+        except OSError as e:
+            print(f"--json: cannot write {json_path}: {e}", file=sys.stderr)
+            rc = 2
     if args.plot:
         try:
             plot(results, args.plot, title=f"simdnorm bench, threads={args.threads}")
             print(f"wrote {args.plot}")
-        except ImportError as e:
-            print(f"--plot needs matplotlib: {e}", file=sys.stderr)
-            return 2
+        except (ImportError, OSError, ValueError) as e:
+            print(f"--plot: cannot write {args.plot}: {e}", file=sys.stderr)
+            rc = 2
     if failed:
         print("simdnorm produced a wrong result or failed on some case (see above)", file=sys.stderr)
         return 1
-    return 0
+    return rc
 
 
 def _finite(o):

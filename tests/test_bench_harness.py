@@ -440,6 +440,38 @@ def _usage_error(capsys, argv):
     return err[-1]
 
 
+@pytest.mark.parametrize("opt, path, says", [
+    ("--json", "nodir/r.json", "does not exist"),
+    ("--json", ".", "is a directory"),
+    ("--plot", "nodir/p.png", "does not exist"),
+    ("--plot", "p.xyz", "cannot write .xyz"),
+    ("--plot", "p.png", "needs matplotlib"),  # matplotlib made unimportable
+], ids=["json-no-dir", "json-is-dir", "plot-no-dir", "plot-bad-ext", "plot-no-matplotlib"])
+def test_output_paths_are_checked_before_any_timing(tmp_path, capsys, monkeypatch, opt, path, says):
+    """A --json/--plot that cannot be written is a usage error up front, not a traceback (or a
+    late error) after the whole run, its results lost."""
+    if opt == "--plot":
+        pytest.importorskip("matplotlib")
+    if says == "needs matplotlib":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+
+    def no_timing(*a, **k):
+        raise AssertionError("timed before checking the output paths")
+
+    monkeypatch.setattr(cli, "run_case", no_timing)
+    line = _usage_error(capsys, TINY_RUN + [opt, str(tmp_path / path)])
+    assert opt in line and says in line
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_plot_without_an_extension_says_the_file_it_wrote(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "adir").mkdir()  # matplotlib appends .png: adir.png, beside the directory
+    assert B.main(TINY_RUN + ["--plot", str(tmp_path / "adir")]) == 0
+    assert f"wrote {tmp_path / 'adir.png'}\n" in capsys.readouterr().out
+    assert (tmp_path / "adir.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("argv", [
     ["--rounds", "-1"], ["--rounds", "0"], ["--rounds", "2.5"],
     ["--min-sample-ms", "nan"], ["--min-sample-ms", "inf"], ["--min-sample-ms", "-1"],
