@@ -14,7 +14,7 @@ from . import _core
 
 _core.set_bfloat16_dtype(_np.dtype(_ml_dtypes.bfloat16))
 
-from ._activation import ACTIVATIONS, Activation  # noqa: E402
+from ._activation import ACTIVATIONS, Activation, ActivationLike  # noqa: E402
 from ._api import (  # noqa: E402
     batch_normalization,
     group_norm,
@@ -52,6 +52,7 @@ __all__ = [
     "BatchNormalizationDesc",
     "MeanVarianceNormalizationDesc",
     "Activation",
+    "ActivationLike",
     "ACTIVATIONS",
     "DescriptorError",
     "compile",

@@ -14,19 +14,26 @@ _Stats = Tuple[_Array, Optional[_Array], Optional[_Array]]
 class DescriptorError(ValueError): ...
 
 class Activation:
-    name: str
-    params: Mapping[str, float]
+    # frozen at runtime: read-only
+    @property
+    def name(self) -> str: ...
+    @property
+    def params(self) -> Mapping[str, float]: ...
     def __init__(self, name: str, **params: float) -> None: ...
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
 
 ACTIVATIONS: Mapping[str, Mapping[str, float]]
-ActivationLike = Union[None, str, Activation]
+ActivationLike = Union[None, str, Activation]  # also at runtime: simdnorm.ActivationLike
 
 class TensorDesc:
-    dtype: np.dtype[Any]
-    sizes: Tuple[int, ...]
-    strides: Optional[Tuple[int, ...]]
+    # frozen at runtime: read-only
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+    @property
+    def sizes(self) -> Tuple[int, ...]: ...
+    @property
+    def strides(self) -> Optional[Tuple[int, ...]]: ...
     def __init__(self, dtype: npt.DTypeLike, sizes: Sequence[int], strides: Optional[Sequence[int]] = ...) -> None: ...
     @classmethod
     def from_array(cls, array: _Array, *, strides: bool = ...) -> "TensorDesc": ...
@@ -36,16 +43,27 @@ class TensorDesc:
     def validate(self, name: str = ...) -> None: ...
 
 class BatchNormalizationDesc:
-    input: TensorDesc
-    mean: TensorDesc
-    variance: TensorDesc
-    scale: Optional[TensorDesc]
-    bias: Optional[TensorDesc]
-    output: TensorDesc
-    epsilon: float
-    activation: ActivationLike
-    channel_axis: int
-    spatial: bool
+    # frozen at runtime: read-only
+    @property
+    def input(self) -> TensorDesc: ...
+    @property
+    def mean(self) -> TensorDesc: ...
+    @property
+    def variance(self) -> TensorDesc: ...
+    @property
+    def scale(self) -> Optional[TensorDesc]: ...
+    @property
+    def bias(self) -> Optional[TensorDesc]: ...
+    @property
+    def output(self) -> TensorDesc: ...
+    @property
+    def epsilon(self) -> float: ...
+    @property
+    def activation(self) -> ActivationLike: ...
+    @property
+    def channel_axis(self) -> int: ...
+    @property
+    def spatial(self) -> bool: ...
     def __init__(
         self,
         input: TensorDesc,
@@ -63,16 +81,27 @@ class BatchNormalizationDesc:
     def validate(self) -> None: ...
 
 class MeanVarianceNormalizationDesc:
-    input: TensorDesc
-    axes: Union[int, Tuple[int, ...]]
-    scale: Optional[TensorDesc]
-    bias: Optional[TensorDesc]
-    output: TensorDesc
-    normalize_mean: bool
-    normalize_variance: bool
-    epsilon: float
-    epsilon_mode: Literal["inside", "outside"]
-    activation: ActivationLike
+    # frozen at runtime: read-only
+    @property
+    def input(self) -> TensorDesc: ...
+    @property
+    def axes(self) -> Union[int, Tuple[int, ...]]: ...
+    @property
+    def scale(self) -> Optional[TensorDesc]: ...
+    @property
+    def bias(self) -> Optional[TensorDesc]: ...
+    @property
+    def output(self) -> TensorDesc: ...
+    @property
+    def normalize_mean(self) -> bool: ...
+    @property
+    def normalize_variance(self) -> bool: ...
+    @property
+    def epsilon(self) -> float: ...
+    @property
+    def epsilon_mode(self) -> Literal["inside", "outside"]: ...
+    @property
+    def activation(self) -> ActivationLike: ...
     def __init__(
         self,
         input: TensorDesc,
@@ -89,7 +118,7 @@ class MeanVarianceNormalizationDesc:
     ) -> None: ...
     def validate(self) -> None: ...
 
-class CompiledBatchNormalization(Protocol):
+class _CompiledBatchNormalization(Protocol):
     desc: BatchNormalizationDesc
     def __call__(
         self,
@@ -102,7 +131,7 @@ class CompiledBatchNormalization(Protocol):
         out: Optional[_Array] = ...,
     ) -> _Array: ...
 
-class CompiledMeanVarianceNormalization(Protocol):
+class _CompiledMeanVarianceNormalization(Protocol):
     desc: MeanVarianceNormalizationDesc
     @overload
     def __call__(
@@ -126,9 +155,9 @@ class CompiledMeanVarianceNormalization(Protocol):
     ) -> _Stats: ...
 
 @overload
-def compile(desc: BatchNormalizationDesc) -> CompiledBatchNormalization: ...
+def compile(desc: BatchNormalizationDesc) -> _CompiledBatchNormalization: ...
 @overload
-def compile(desc: MeanVarianceNormalizationDesc) -> CompiledMeanVarianceNormalization: ...
+def compile(desc: MeanVarianceNormalizationDesc) -> _CompiledMeanVarianceNormalization: ...
 
 def batch_normalization(
     input: _ArrayLike,
