@@ -246,8 +246,10 @@ def test_cli_usage_and_unknown_command(capsys):
     from simdnorm.__main__ import main
 
     assert main([]) == 2
-    assert "usage: python -m simdnorm {info,bench}" in capsys.readouterr().out
+    no_args = capsys.readouterr()
+    assert "usage: python -m simdnorm {info,bench}" in no_args.err and no_args.out == ""
     assert main(["--help"]) == 0
+    assert "usage: python -m simdnorm {info,bench}" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
     assert main(["info", "extra"]) == 2

@@ -29,9 +29,12 @@ def info() -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:  # a usage error, as argparse reports one: on stderr, exit 2
+        sys.stderr.write(USAGE)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
-        return 0 if args else 2
+        return 0
     cmd, rest = args[0], args[1:]
     if cmd == "info":
         if rest:
