@@ -1,6 +1,6 @@
 """python/simdnorm/__init__.pyi promises only what the package has: every public name the stub
-declares exists at runtime, and the attributes of the classes frozen at runtime are read-only
-(properties) in the stub, so a type checker refuses an assignment that would raise."""
+declares exists at runtime, and the classes frozen at runtime are frozen dataclasses in the stub too,
+with every field declared, so a type checker refuses an assignment that would raise."""
 from __future__ import annotations
 
 import ast
@@ -42,9 +42,10 @@ def test_attributes_of_frozen_classes_are_read_only_in_the_stub(cls):
     runtime = getattr(simdnorm, cls)
     assert dataclasses.is_dataclass(runtime) and runtime.__dataclass_params__.frozen
     node = next(n for n in _stub().body if isinstance(n, ast.ClassDef) and n.name == cls)
-    writable = [n.target.id for n in node.body if isinstance(n, ast.AnnAssign)]
-    assert not writable, f"{cls}: declared writable in the stub, frozen at runtime: {writable}"
-    props = {n.name for n in node.body if isinstance(n, ast.FunctionDef)
-             and any(isinstance(d, ast.Name) and d.id == "property" for d in n.decorator_list)}
+    frozen = any(isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "dataclass"
+                 and any(k.arg == "frozen" and isinstance(k.value, ast.Constant) and k.value.value is True
+                         for k in d.keywords) for d in node.decorator_list)
+    assert frozen, f"{cls}: frozen at runtime, not declared @dataclass(frozen=True) in the stub"
+    declared = {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
     fields = {f.name for f in dataclasses.fields(runtime) if not f.name.startswith("_")}
-    assert fields <= props, f"{cls}: fields missing from the stub: {sorted(fields - props)}"
+    assert fields <= declared, f"{cls}: fields missing from the stub: {sorted(fields - declared)}"

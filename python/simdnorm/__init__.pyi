@@ -1,4 +1,5 @@
 """Type stubs for simdnorm's public API."""
+from dataclasses import dataclass
 from typing import Any, List, Literal, Mapping, Optional, Protocol, Sequence, Tuple, Union, overload
 
 import numpy as np
@@ -13,12 +14,10 @@ _Stats = Tuple[_Array, Optional[_Array], Optional[_Array]]
 
 class DescriptorError(ValueError): ...
 
+@dataclass(frozen=True, init=False)  # as at runtime: its fields are read-only
 class Activation:
-    # frozen at runtime: read-only
-    @property
-    def name(self) -> str: ...
-    @property
-    def params(self) -> Mapping[str, float]: ...
+    name: str
+    params: Mapping[str, float]
     def __init__(self, name: str, **params: float) -> None: ...
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
@@ -26,14 +25,11 @@ class Activation:
 ACTIVATIONS: Mapping[str, Mapping[str, float]]
 ActivationLike = Union[None, str, Activation]  # also at runtime: simdnorm.ActivationLike
 
+@dataclass(frozen=True, init=False)  # as at runtime: its fields are read-only
 class TensorDesc:
-    # frozen at runtime: read-only
-    @property
-    def dtype(self) -> np.dtype[Any]: ...
-    @property
-    def sizes(self) -> Tuple[int, ...]: ...
-    @property
-    def strides(self) -> Optional[Tuple[int, ...]]: ...
+    dtype: np.dtype[Any]
+    sizes: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]]
     def __init__(self, dtype: npt.DTypeLike, sizes: Sequence[int], strides: Optional[Sequence[int]] = ...) -> None: ...
     @classmethod
     def from_array(cls, array: _Array, *, strides: bool = ...) -> "TensorDesc": ...
@@ -42,28 +38,18 @@ class TensorDesc:
     def byte_strides(self) -> Optional[Tuple[int, ...]]: ...
     def validate(self, name: str = ...) -> None: ...
 
+@dataclass(frozen=True, init=False)  # as at runtime: its fields are read-only
 class BatchNormalizationDesc:
-    # frozen at runtime: read-only
-    @property
-    def input(self) -> TensorDesc: ...
-    @property
-    def mean(self) -> TensorDesc: ...
-    @property
-    def variance(self) -> TensorDesc: ...
-    @property
-    def scale(self) -> Optional[TensorDesc]: ...
-    @property
-    def bias(self) -> Optional[TensorDesc]: ...
-    @property
-    def output(self) -> TensorDesc: ...
-    @property
-    def epsilon(self) -> float: ...
-    @property
-    def activation(self) -> ActivationLike: ...
-    @property
-    def channel_axis(self) -> int: ...
-    @property
-    def spatial(self) -> bool: ...
+    input: TensorDesc
+    mean: TensorDesc
+    variance: TensorDesc
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    output: TensorDesc
+    epsilon: float
+    activation: ActivationLike
+    channel_axis: int
+    spatial: bool
     def __init__(
         self,
         input: TensorDesc,
@@ -80,28 +66,18 @@ class BatchNormalizationDesc:
     ) -> None: ...
     def validate(self) -> None: ...
 
+@dataclass(frozen=True, init=False)  # as at runtime: its fields are read-only
 class MeanVarianceNormalizationDesc:
-    # frozen at runtime: read-only
-    @property
-    def input(self) -> TensorDesc: ...
-    @property
-    def axes(self) -> Union[int, Tuple[int, ...]]: ...
-    @property
-    def scale(self) -> Optional[TensorDesc]: ...
-    @property
-    def bias(self) -> Optional[TensorDesc]: ...
-    @property
-    def output(self) -> TensorDesc: ...
-    @property
-    def normalize_mean(self) -> bool: ...
-    @property
-    def normalize_variance(self) -> bool: ...
-    @property
-    def epsilon(self) -> float: ...
-    @property
-    def epsilon_mode(self) -> Literal["inside", "outside"]: ...
-    @property
-    def activation(self) -> ActivationLike: ...
+    input: TensorDesc
+    axes: Union[int, Tuple[int, ...]]
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    output: TensorDesc
+    normalize_mean: bool
+    normalize_variance: bool
+    epsilon: float
+    epsilon_mode: Literal["inside", "outside"]
+    activation: ActivationLike
     def __init__(
         self,
         input: TensorDesc,
