@@ -17,39 +17,44 @@ struct FoldContext {
   double epsilon;
   DType compute;
   bool scale_fits = true;  // set by fold_scale_into_mul
+
+  // scale / sqrt(var + eps) into mul, and whether all (and, into fits unless null, each) lie in
+  // the compute type's normal range; the arithmetic is the active ISA's (kernels/lane_stats.h).
+  bool scale_over_std(const double* const* in, double* mul, uint8_t* fits, int64_t n) const {
+    const bool f64 = compute == DType::f64;
+    return kernels().scale_over_std_lanes(in[1], in[2], mul, fits, n, epsilon, f64 ? DBL_MIN : FLT_MIN,
+                                          f64 ? DBL_MAX : FLT_MAX);
+  }
 };
 
 // in: mean, variance, scale, bias; out: shift, mul = scale / sqrt(var + eps), bias.
 // A product that leaves the compute type's normal range while scale and 1/sqrt(var + eps) do not
 // (scale 1e30 over var 1e-20, say) would overflow or lose bits that (in - mean) * mul * scale keeps:
-// such a call clears scale_fits and takes the four-array form below. The arithmetic is the active
-// ISA's kernel (kernels/lane_stats.h).
+// such a call clears scale_fits and takes the four-array form below.
 void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   auto& c = *const_cast<FoldContext*>(static_cast<const FoldContext*>(ctx));
-  const bool f64 = c.compute == DType::f64;
-  c.scale_fits &= kernels().scale_over_std_lanes(in[1], in[2], out[1], n, c.epsilon, f64 ? DBL_MIN : FLT_MIN,
-                                                  f64 ? DBL_MAX : FLT_MAX);
+  c.scale_fits &= c.scale_over_std(in, out[1], nullptr, n);
   std::copy(in[0], in[0] + n, out[0]);
   std::copy(in[3], in[3] + n, out[2]);
 }
 
 // in: mean, variance, scale, bias; out: shift, mul = 1 / sqrt(var + eps), scale, bias; except
-// that a channel whose own scale / std is in range keeps that product as mul, with a scale of 1:
-// kept apart, its (in - mean) * inv_std could overflow where the result does not (in - mean 1e30,
-// var 1e-20, scale 1e-10 gave inf beside a channel whose product was out of range, 1e30 alone).
+// that a channel whose own scale / std fits keeps that product as mul (the same one as a folded
+// call's), with a scale of 1: kept apart, its (in - mean) * inv_std could overflow where the result
+// does not (in - mean 1e30, var 1e-20, scale 1e-10 gave inf beside a channel whose product was out
+// of range, 1e30 alone).
 void fold_separately(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   const auto& c = *static_cast<const FoldContext*>(ctx);
+  double product[FoldedParams::kChunk];
+  uint8_t fits[FoldedParams::kChunk];
+  c.scale_over_std(in, product, fits, n);
   kernels().inv_std_lanes(in[1], out[1], n, 1, InvStdRule{true, false, c.epsilon});
   for (int k : {0, 2, 3}) std::copy(in[k], in[k] + n, out[k]);
-  const bool f64 = c.compute == DType::f64;
-  const double min = f64 ? DBL_MIN : FLT_MIN, max = f64 ? DBL_MAX : FLT_MAX;
-  for (int64_t i = 0; i < n; ++i) {
-    const double product = std::fabs(in[2][i] * out[1][i]);  // NaN: kept apart
-    if (product >= min && product <= max) {
-      out[1][i] = in[2][i] * out[1][i];
+  for (int64_t i = 0; i < n; ++i)
+    if (fits[i]) {
+      out[1][i] = product[i];
       out[2][i] = 1.0;
     }
-  }
 }
 
 }  // namespace

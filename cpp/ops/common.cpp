@@ -78,7 +78,6 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
   }
   // Chunks of the flat broadcast index: gather each input (its dtype switch outside the loop),
   // fold the chunk, store it; no temporaries beyond the stack.
-  constexpr int64_t kChunk = 256;
   double vin[kMaxInputs][kChunk], vout[kMaxInputs][kChunk];
   const double* in_rows[kMaxInputs];
   double* out_rows[kMaxInputs];

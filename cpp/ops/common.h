@@ -27,9 +27,10 @@ class FoldedParams {
     const TensorView* view;  // nullptr: absent, reads as `absent_value`
     double absent_value;
   };
-  // fold(in, out, n, ctx) maps n elements of the broadcast shape, given as one array per input
-  // (in[i][k]), to one array per output (out[o][k]); the results are stored in the compute type.
-  // Output o is the kernel's operand operands[o] (kShift...kBias).
+  // fold(in, out, n, ctx) maps n <= kChunk elements of the broadcast shape, given as one array per
+  // input (in[i][k]), to one array per output (out[o][k]); the results are stored in the compute
+  // type. Output o is the kernel's operand operands[o] (kShift...kBias).
+  static constexpr int64_t kChunk = 256;
   using Fold = void (*)(const double* const* in, double* const* out, int64_t n, const void* ctx);
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx);

@@ -126,9 +126,10 @@ struct KernelTable {
   void (*inv_std_lanes)(const double* var, double* out, int64_t n, int64_t step, const InvStdRule& rule);
   // Batch norm's folded multiplier: mul[c] = scale[c] * (1 / sqrt(var[c] + epsilon)) for c < n.
   // Returns false when a product of finite, nonzero factors (0 < var[c] + epsilon < inf, scale[c]
-  // finite and nonzero) falls outside [min, max] (the compute type's normal range).
-  bool (*scale_over_std_lanes)(const double* var, const double* scale, double* mul, int64_t n, double epsilon,
-                               double min, double max);
+  // finite and nonzero) falls outside [min, max] (the compute type's normal range); fits, unless
+  // null, gets each lane's verdict (1: its product can stand for scale and 1 / std).
+  bool (*scale_over_std_lanes)(const double* var, const double* scale, double* mul, uint8_t* fits, int64_t n,
+                               double epsilon, double min, double max);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }
