@@ -103,9 +103,10 @@ def test_float16_rows_shift_folded(rng, threads, ratio, n):
         assert not bad.any(), f"{int(bad.sum())} off; worst {float(np.max(err - tol))} (ratio {ratio}, n {n})"
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("n", [768, 1024])
-def test_float16_row_stream_pivots(rng, threads, n):
-    # The float16 row stream sums a row around 0 when its first vector spreads as far from its
+def test_16bit_row_stream_pivots(rng, threads, dtype, n):
+    # The 16-bit row stream sums a row around 0 when its first vector spreads as far from its
     # first element as that is from 0, and around the first element otherwise (kernels/fused_rows.h,
     # pivot_of). A row whose mean turns out to be more than 8 standard deviations from 0 is summed
     # again: rows 2, 3 and 7 pick 0 (first element 0 or 400 with the rest near 1000, or -3000 with
@@ -123,7 +124,7 @@ def test_float16_row_stream_pivots(rng, threads, n):
     x[6] = 2.5
     x[7] = -3000.0 + rng.normal(0.0, 1.0, n)
     x[7, 5] = 0.0
-    x = x.astype(F16)
+    x = x.astype(dtype)
     scale = rng.uniform(0.5, 2.0, n).astype(np.float32)
     bias = rng.normal(0.0, 1.0, n).astype(np.float32)
     z, _, mean, inv = mvn_terms(x, 1, scale, bias)

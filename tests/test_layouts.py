@@ -388,31 +388,36 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
 
 
 def stream_rows_values(rng, rows, n):
-    """Rows for the float16 row stream (float64, to be cast): each at its own mean (sd 20) and spread
+    """Rows for the 16-bit row stream (float64, to be cast): each at its own mean (sd 20) and spread
     (0.5 to 4), and a float32 scale and bias of n."""
     x = rng.normal(0.0, 1.0, (rows, n)) * rng.uniform(0.5, 4.0, (rows, 1)) + rng.normal(0.0, 20.0, (rows, 1))
     return x, rng.uniform(0.5, 2.0, n).astype(F32), rng.normal(0.0, 1.0, n).astype(F32)
 
 
-# Float16 rows of whole steps (2W elements: 64 bytes at AVX-512) back to back, up to 1024 elements,
-# run as one stream of steps (kernels/fused_rows.h: RowStream): the step that holds one row's end and
-# the next row's start is summed and normalized once, its lanes taking each row's pivot, sums and
-# coefficients; the first and last steps are masked. Input and output at the same and at different
-# phases (the input then takes the output's steps), every ISA (steps of 32, 16 and 8 elements), rows
-# split between two threads at any row, rows whose first pass needs a second (the first element far
-# from the mean; the kernel leaves them to the op), a constant row, an inf, and in place.
+# Float16 and bfloat16 rows of whole steps (2W elements: 64 bytes at AVX-512) back to back, up to
+# 1024 elements, run as one stream of steps (kernels/fused_rows.h: RowStream): the step that holds
+# one row's end and the next row's start is summed and normalized once, its lanes taking each row's
+# pivot, sums and coefficients; the first and last steps are masked. Input and output at the same
+# and at different phases (the input then takes the output's steps), every ISA (steps of 32, 16 and
+# 8 elements), rows split between two threads at any row, rows whose first pass needs a second (the
+# first element far from the mean; the kernel leaves them to the op), a constant row (bfloat16: at
+# 1e38), a bfloat16 row near 1e30, an inf, and in place.
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
 @pytest.mark.parametrize("x_offset,out_offset", [(0, 0), (16, 16), (16, 32), (48, 0), (2, 50), (0, None)],
                          ids=lambda v: "inplace" if v is None else str(v))
-def test_float16_rows_stream(isa, rng, threads, n, x_offset, out_offset):
+def test_16bit_rows_stream(isa, rng, threads, dtype, n, x_offset, out_offset):
     from cases import empty_past_line
 
     rows = max(7, 70000 // n + 3)  # past two threads' worth of work: the rows are split
-    x = empty_past_line((rows, n), F16, x_offset)
+    x = empty_past_line((rows, n), dtype, x_offset)
     x[...], scale, bias = stream_rows_values(rng, rows, n)
     for r in (2, 6, 7, rows - 1):  # pivot far from the mean: a second pass (two in one batch, the last row)
         x[r, 0] = x[r, 1:].mean() + 300.0
     x[3] = x[3, 5]  # constant: bias
+    if dtype == BF16:  # float32's range: a constant row whose mean / sqrt(epsilon) overflows, and a row
+        x[4] = 1e38  # whose squares overflow float32 (a second pass)
+        x[5] *= 1e30
     x[9, 7] = np.inf  # NaN statistics, NaN row
     finite = np.arange(rows) != 9
     x0 = x.copy()
@@ -420,7 +425,7 @@ def test_float16_rows_stream(isa, rng, threads, n, x_offset, out_offset):
     for t in (1, 2):
         threads(t)
         x[...] = x0
-        out = x if out_offset is None else empty_past_line((rows, n), F16, out_offset)
+        out = x if out_offset is None else empty_past_line((rows, n), dtype, out_offset)
         if out_offset is not None:
             out[...] = np.nan
         y, m, i = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
@@ -446,17 +451,18 @@ def test_float16_rows_stream(isa, rng, threads, n, x_offset, out_offset):
 # from even rows, where they fit in L1: rows under 1024 elements), each row taking the operations
 # it takes alone, in the same order. The same rows from row 0 and from row 1 (every pair shifted by
 # one row, the phases the same), every ISA; rows whose first pass needs a second, in and out of pairs.
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
-def test_float16_rows_stream_bits_whatever_rows_pair_up(isa, rng, threads, n):
+def test_16bit_rows_stream_bits_whatever_rows_pair_up(isa, rng, threads, dtype, n):
     from cases import empty_past_line
 
     rows = 401  # enough rows that a sum rounded differently moves some output's last bit
     x, scale, bias = stream_rows_values(rng, rows, n)
     for r in (6, 9, 10):
         x[r, 0] = x[r, 1:].mean() + 300.0
-    x = x.astype(F16)
+    x = x.astype(dtype)
     threads(1)
-    outs = [empty_past_line(v.shape, F16, 16) for v in (x, x[1:])]
+    outs = [empty_past_line(v.shape, dtype, 16) for v in (x, x[1:])]
     for out in outs:
         out[...] = np.nan
     whole = simdnorm.layer_norm(x, scale, bias, out=outs[0], return_stats=True)
@@ -471,20 +477,21 @@ def test_float16_rows_stream_bits_whatever_rows_pair_up(isa, rng, threads, n):
 # line and 2 bytes past one, into outputs at two phases, every ISA. (Steps that followed the input,
 # as they did, gave other bits from the input 2 bytes past a line at the baseline ISA; at AVX-512
 # the bits came out the same at every phase tried, in both builds.)
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("n", [96, 768])
-def test_float16_rows_stream_bits_follow_the_output_phase(isa, rng, threads, n):
+def test_16bit_rows_stream_bits_follow_the_output_phase(isa, rng, threads, dtype, n):
     from cases import empty_past_line
 
     rows = 301
     values, scale, bias = stream_rows_values(rng, rows, n)
-    values = values.astype(F16)
+    values = values.astype(dtype)
     threads(1)
     for out_offset in (16, 32):
         first = None
         for x_offset in (0, 16, 32, 48, 2):
-            x = empty_past_line((rows, n), F16, x_offset)
+            x = empty_past_line((rows, n), dtype, x_offset)
             x[...] = values
-            out = empty_past_line((rows, n), F16, out_offset)
+            out = empty_past_line((rows, n), dtype, out_offset)
             out[...] = np.nan
             got = simdnorm.layer_norm(x, scale, bias, out=out, return_stats=True)
             context = f"isa={isa} x at {x_offset} out at {out_offset}"

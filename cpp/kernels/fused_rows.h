@@ -77,7 +77,9 @@ struct FusedRowsKernel {
     // conversions leave the loop short of FP issue slots, and one operation fewer per vector took
     // 3.15 -> 2.75 cycles a vector in a model of the loop (float16 rows of 768, all in L1). The
     // fold rounds -(shift * mul) once more, by at most 2^-24 |mean| / std in normalized units;
-    // float16's range (|x| <= 65504) keeps that product finite wherever the unfolded form is.
+    // float16's range (|x| <= 65504) keeps that product finite wherever the unfolded form is;
+    // bfloat16's does not (a constant row at 1e38: mean / sqrt(epsilon) overflows), so its
+    // streamed rows keep the unfolded form.
     // A task without scale (MVN without scale and bias: task.scale_folded) takes Fold::scale as
     // NormalizeKernel does, with no activation: other activations, and the float16 rows above,
     // read the scale of 1 and keep the same values (for 19 activations more, the loops below grew
@@ -126,7 +128,7 @@ struct FusedRowsKernel {
   static constexpr int batch_rows(int64_t len) {
     return len * static_cast<int64_t>(sizeof(T)) < kFourBelowBytes ? kMaxBatch : 2;
   }
-  static constexpr int64_t kKeptRowMax = 1024;  // longest float16 row kept converted in the ring
+  static constexpr int64_t kKeptRowMax = 1024;  // longest 16-bit row kept converted in the ring
   // Floats per kept row: the row, a vector of room past it, whole 64-byte lines.
   static constexpr int64_t kept_pitch(int64_t len) { return (len + M::W + 15) / 16 * 16; }
   // The ring: the batch's rows and the one being summed.
@@ -239,9 +241,9 @@ struct FusedRowsKernel {
     pipeline<Keep, 1>(task, a, 0, a.rows, k, rows_ahead, runs, kept_row);
   }
 
-  // ---- float16 rows back to back, as one stream of steps ----------------------------------------
+  // ---- float16 and bfloat16 rows back to back, as one stream of steps ---------------------------
   // Rows kept as float32 (up to kKeptRowMax), each a whole number of steps (2W elements: a 64-byte
-  // line of float16 at AVX-512), back to back in the input and in the output. Then both passes
+  // line of 16-bit values at AVX-512), back to back in the input and in the output. Then both passes
   // are one stream of steps over all the rows, aligned to the output: the step that holds the end
   // of one row and the start of the next is read, kept and written once, its lanes taking each
   // row's pivot, sums or coefficients, where pipeline() pays each row a masked head and tail in
@@ -432,8 +434,7 @@ struct FusedRowsKernel {
       T* q = out_period(p);
       const int l = lo(p), h = hi(p);
       if (l == 0 && h == S) {
-        L::store(q, r0);
-        L::store(q + W, r1);
+        L::store2(q, r0, r1);
       } else {
         L::store_span(q, r0, lanes_from(l), lanes_from(h));
         L::store_span(q + W, r1, lanes_from(l - W), lanes_from(h - W));
@@ -442,19 +443,18 @@ struct FusedRowsKernel {
     // A later step of the period, at element i of it: k in its slot, q in the output.
     SIMDNORM_CURSOR_METHOD static void normalize_step(const F& f, const Affine& af, const Coefficients& c,
                                                       const float* k, T* q, int64_t i) {
-      L::store(q, f(LF::load(k), c.shift, c.mul, af.first(i), af.second(i)));
-      L::store(q + W, f(LF::load(k + W), c.shift, c.mul, af.first(i + W), af.second(i + W)));
+      L::store2(q, f(LF::load(k), c.shift, c.mul, af.first(i), af.second(i)),
+                f(LF::load(k + W), c.shift, c.mul, af.first(i + W), af.second(i + W)));
     }
 
     // The same step of two periods normalized at once: one load of the scale and bias for both.
     SIMDNORM_CURSOR_METHOD static void normalize_step_pair(const F& f, const Affine& af, const Coefficients& c,
                                                            const Coefficients& c2, const float* k, const float* k2,
                                                            T* q, T* q2, int64_t i) {
-      for (int h = 0; h < S; h += W) {
-        const V scale = af.first(i + h), bias = af.second(i + h);
-        L::store(q + h, f(LF::load(k + h), c.shift, c.mul, scale, bias));
-        L::store(q2 + h, f(LF::load(k2 + h), c2.shift, c2.mul, scale, bias));
-      }
+      const V scale0 = af.first(i), bias0 = af.second(i), scale1 = af.first(i + W), bias1 = af.second(i + W);
+      L::store2(q, f(LF::load(k), c.shift, c.mul, scale0, bias0), f(LF::load(k + W), c.shift, c.mul, scale1, bias1));
+      L::store2(q2, f(LF::load(k2), c2.shift, c2.mul, scale0, bias0),
+                f(LF::load(k2 + W), c2.shift, c2.mul, scale1, bias1));
     }
 
     // Finishes the rows closed so far, kStreamBatch at a time (the rest once all are closed).
@@ -713,12 +713,17 @@ struct FusedRowsKernel {
     // 60 -> 54 ns, float32 rows of 2048 265 -> 188 ns (aligned: 188).
     // (float64 computes a lane at a time: nothing to line up.)
     FusedRowsArgs args = a;
+    // 16-bit rows back to back stream (RowStream). bfloat16 gains less from keeping a float32 copy
+    // (its conversion in is a shift): rows that do not stream convert twice. Layer norm, old and new
+    // builds alternating in one process (medians, 1 thread): bfloat16 4096 x 768 streamed 0.70x the
+    // time, rows of 192 0.65x; kept without the stream, rows of 700, 1.04x.
     constexpr bool kept_rows = std::is_same<T, f16_t>::value;
-    const bool keep = kept_rows && !task.stream_stores && a.len <= kKeptRowMax;
-    if constexpr (kept_rows) {
-      if (keep && rows_stream(a))
+    constexpr bool streamed_rows = kept_rows || std::is_same<T, bf16_t>::value;
+    if constexpr (streamed_rows) {
+      if (!task.stream_stores && a.len <= kKeptRowMax && rows_stream(a))
         return layout.template visit<float>(task, [&](const auto& runs) { stream_rows(runs, a, rows_ahead); });
     }
+    const bool keep = kept_rows && !task.stream_stores && a.len <= kKeptRowMax;
     constexpr int64_t pitch_c = kLinedUpMax + 64 / sizeof(C);
     C affine[N::W > 1 ? 2 * pitch_c : 1];
     if (N::W > 1 && layout.affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 && a.len <= kLinedUpMax) {
