@@ -112,7 +112,8 @@ def test_named_shape_lists():
     assert all(c.axes == (0, 2, 3) for c in shapes.CASES if c.op == "mvn")
     for op in ("layer_norm", "rms_norm"):
         got = {(c.shape, c.dtype) for c in shapes.CASES if c.op == op}
-        assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024), (4, 512, 4096)) for d in ("float32", "float16")}
+        assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024), (4, 512, 4096))
+                       for d in ("float32", "float16", "bfloat16")}
     tiny = [c for c in shapes.CASES if "tiny" in c.tags]
     assert {c.compiled for c in tiny} == {False, True}
     assert all(c.shape == (1, 16, 8, 8) and c.op == "batch_norm" for c in tiny)
@@ -313,6 +314,26 @@ class _WrongImpl(impls.Impl):
         return impls.Prepared(fn, lambda: (fn(), out)[1])
 
 
+class _IdleImpl(impls.Impl):
+    """Writes nothing, into an output that already holds the right answer (as a reused buffer may)."""
+    name = "idle"
+
+    def prepare(self, data):
+        out = data.new_output()
+        out[...] = bcases.reference(data).astype(out.dtype)
+        return impls.prepared_out(lambda: None, out)
+
+
+class _IdleCopy(impls.CopyImpl):
+    """A copy whose second way of copying writes nothing into the output the first one filled."""
+    name = "copy"
+
+    def prepare(self, data):
+        prep = super().prepare(data)
+        prep.variants = {"copyto": prep.fn, "idle": lambda: None}
+        return prep
+
+
 class _NaImpl(impls.Impl):
     name = "cannot"
 
@@ -333,6 +354,13 @@ def test_runner_verifies_before_timing_and_reports_ratios():
     assert n.vs_copy == pytest.approx(n.median_ns / c.median_ns)
     assert n.best_other is None  # the only other timed implementation is the copy
     assert n.q1_ns <= n.median_ns <= n.q3_ns and n.min_ns <= n.q1_ns and n.q3_ns <= n.max_ns
+
+
+def test_runner_poisons_outputs_before_it_verifies():
+    case = shapes.get_case("layer/8x512x768/f32").scaled((4, 8, 64))
+    res = runner.run_case(case, [_IdleCopy(), _IdleImpl()], rounds=3, min_sample_ns=2e5, warmup_ns=1e5).results
+    assert res["idle"].status == runner.WRONG and res["idle"].median_ns is None
+    assert res["copy"].status == runner.WRONG and "(idle)" in res["copy"].reason
 
 
 def test_interleaved_timing_calls_each_callable_per_round():
