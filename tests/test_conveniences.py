@@ -310,6 +310,44 @@ def test_group_norm_channels_last_lane_groups_tasks_split_a_sample(isa, rng, thr
     _check_lane_groups(isa, rng, threads, F32, (2, 70, 70, 384), 32, lanes_per_task=192)
 
 
+# Eight dims: the channel dim viewed as (G, C/G) would make nine, so group_norm first views two
+# neighbouring spatial dims that one stride walks (in the input and the output) as one. Channels
+# first, last and in the middle; contiguous; every dim strided apart but one of size 1; sliced and
+# reversed dims; an output of another memory order; in place; statistics; a new output.
+@pytest.mark.parametrize("channel_axis", [1, -1, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "size1", "strided", "inplace"])
+def test_group_norm_eight_dims(rng, channel_axis, layout):
+    shape = [2, 3, 2, 3, 2, 3, 2, 2]
+    shape[channel_axis] = 6
+    if layout == "size1":
+        shape[2 if channel_axis != 2 else 3] = 1
+    base = offset_input(rng, tuple(2 * n for n in shape), F32)
+    if layout == "size1":  # every dim at step 2: only the pairs with the size-1 dim merge
+        x = base[(slice(None, None, 2),) * 8]
+    elif layout == "strided":  # dims 0 and 1 at step 2, dim 2 reversed
+        x = offset_input(rng, tuple(2 * n if d < 2 else n for d, n in enumerate(shape)), F32)[::2, ::2, ::-1]
+    else:
+        x = np.ascontiguousarray(base[tuple(slice(n) for n in shape)])
+    x0 = x.copy()
+    scale = scale_bias_values(rng, (6,), F32)
+    bias = scale_bias_values(rng, (6,), F32, "bias")
+    if layout == "inplace":
+        out = x
+    else:  # dims 0 and 1 swapped in memory
+        out = np.full((x.shape[1], x.shape[0]) + x.shape[2:], np.nan, F32).transpose(1, 0, 2, 3, 4, 5, 6, 7)
+    y, m, inv = simdnorm.group_norm(x, 3, scale, bias, channel_axis=channel_axis, out=out, return_stats=True)
+    assert y is out
+    ref, rm, rinv = group_norm_ref(x0, 3, scale, bias, channel_axis=channel_axis)
+    zs = _group_zscale(x0, 3, scale, bias, channel_axis, 1e-5)
+    check_close(y, ref, zs, dtype=F32, context=layout)
+    assert m.shape == inv.shape == (x.shape[0], 3)
+    np.testing.assert_allclose(m.astype(np.float64), rm, rtol=1e-5, atol=3e-5)
+    np.testing.assert_allclose(inv.astype(np.float64), rinv, rtol=4e-5)
+    fresh = simdnorm.group_norm(x0, 3, scale, bias, channel_axis=channel_axis)
+    assert fresh.shape == x0.shape
+    check_close(fresh, ref, zs, dtype=F32, context=f"{layout}, new output")
+
+
 def test_group_norm_no_copy_of_input(rng):
     # the input is not modified and a 2-D (N, C) input works (groups of channels only)
     x = offset_input(rng, (4, 12), F32)
