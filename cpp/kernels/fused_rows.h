@@ -26,6 +26,7 @@ struct FusedRowsKernel {
     __builtin_prefetch(p + i * sizeof(T), 0, Locality);
     if constexpr (2 * M::W * sizeof(T) > 64) __builtin_prefetch(p + i * sizeof(T) + 64, 0, Locality);
   }
+  static constexpr int kPairSumsLead = 2;  // steps the sums of paired rows start ahead (interleave)
   // Runs `run` and takes the first-pass sums of next[r] (their scale must be 1) into out[r], for
   // Rows runs at one phase. ahead[r]: where a run after next[r] probably starts. Asked for ahead of
   // its sums, it arrives in time (measured: float32 4096 x 768 rows 0.82 ms with it, 0.98 without).
@@ -35,6 +36,21 @@ struct FusedRowsKernel {
     typename M::template ContiguousSums<false, Keep, Rows> sums(next, keep);
     RowsOf<const char*, Rows> prefetch;  // in registers: the loop's stores may alias any array
     prefetch.each([&](const char*& p, int r) SIMDNORM_INLINE_LAMBDA { p = ahead[r]; });
+    // Paired long rows: the sums start kPairSumsLead steps ahead of the normalization. In step
+    // they ran up to a vector behind it (each cursor aligns to its own array), and with the output
+    // at the input's phase to a page (numpy's large arrays all sit 16 bytes past one) their loads
+    // fell on the low 12 bits of the normalization's last stores and waited for them. Layer norm,
+    // input and output at that phase, old and new builds alternating (medians, 1 thread): float16
+    // 2048 x 4096 1921 -> 1377 us, 1024 x 8192 0.75x, bfloat16 2048 x 4096 2056 -> 1333 us; at
+    // other phases 1.01-1.05x; float32 2048 x 4096 1.00-1.01x. Single rows were measured only in
+    // a build whose normalization step was also rewritten, which alone cost float32 rows of 768
+    // 1.08-1.13x (float16 rows of 2048: 0.95-1.06x): they keep the lockstep.
+    if constexpr (Rows == 2) {
+      for (int s = 0; s < kPairSumsLead && sums.can_step(); ++s) {
+        prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<3>(p, sums.i); });
+        sums.step();
+      }
+    }
     while (run.can_step() && sums.can_step()) {
       prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<3>(p, sums.i); });
       run.step();
