@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -361,6 +362,20 @@ def test_runner_poisons_outputs_before_it_verifies():
     res = runner.run_case(case, [_IdleCopy(), _IdleImpl()], rounds=3, min_sample_ns=2e5, warmup_ns=1e5).results
     assert res["idle"].status == runner.WRONG and res["idle"].median_ns is None
     assert res["copy"].status == runner.WRONG and "(idle)" in res["copy"].reason
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_round_orders_let_every_implementation_follow_every_other_equally_often(k):
+    # What a sample's first calls find in the caches depends on the implementation run before it:
+    # over k rounds (2k for an odd k) each ordered pair of neighbours occurs equally often.
+    rounds = k if k % 2 == 0 else 2 * k
+    follows = Counter()
+    for r in range(rounds):
+        order = timing.round_order(k, r)
+        assert sorted(order) == list(range(k))
+        follows.update(zip(order, order[1:]))
+    assert len(follows) == k * (k - 1)
+    assert len(set(follows.values())) <= 1
 
 
 def test_interleaved_timing_calls_each_callable_per_round():
