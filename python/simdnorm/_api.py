@@ -422,10 +422,12 @@ def _split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
 def _merged_view(a: np.ndarray, d: int) -> Optional[np.ndarray]:
     """A view of ``a`` with dims d and d + 1 as one, or None when no single stride walks both."""
     sh, st = a.shape, a.strides
-    if sh[d] == 1 or a.size == 0:
+    if sh[d] == 1 or a.size == 0:  # the merged dim walks as d + 1 does
         stride = st[d + 1]
-    elif sh[d + 1] == 1 or st[d] == st[d + 1] * sh[d + 1]:
-        stride = st[d + 1] if sh[d + 1] != 1 else st[d]
+    elif sh[d + 1] == 1:  # ... as d does
+        stride = st[d]
+    elif st[d] == st[d + 1] * sh[d + 1]:  # d steps over one whole run of d + 1
+        stride = st[d + 1]
     else:
         return None
     return _as_strided(a, sh[:d] + (sh[d] * sh[d + 1],) + sh[d + 2:], st[:d] + (stride,) + st[d + 2:],
