@@ -146,8 +146,9 @@ struct NormalizeKernel {
         // Both rows loaded before either is stored: rows a multiple of 4 KB apart (4096 float16
         // elements) put the second row's loads on the low 12 bits of the first row's stores.
         // (Alone it measured within noise, 0.95-1.03x; paired rows were measured with it and the
-        // sums' lead, interleave() in fused_rows.h.) Single rows keep the loop as it was: a build
-        // that wrote theirs through these lambdas took float32 rows of 768 1.08-1.13x the time.
+        // sums' lead, interleave() in fused_rows.h.) Single rows keep their loads and stores in
+        // turn: a build that wrote theirs through these lambdas took float32 rows of 768
+        // 1.08-1.13x the time.
         auto result = [&](const Row& row, int64_t at, V s, V b) SIMDNORM_INLINE_LAMBDA {
           return f(LI::load(row.x + at), row.st.first(at), row.st.second(at), s, b);
         };
@@ -159,16 +160,13 @@ struct NormalizeKernel {
         rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
           const V r0 = f(LI::load(row.x + i), row.st.first(i), row.st.second(i), s0, b0);
           const V r1 = f(LI::load(row.x + i + W), row.st.first(i + W), row.st.second(i + W), s1, b1);
-          if (stream)  // a predictable branch: cheaper than twice the code
-            L::store2_stream(row.y + i, r0, r1);
-          else
-            L::store2(row.y + i, r0, r1);
+          store_pair(row, r0, r1);
         });
       }
       i += 2 * W;
     }
     SIMDNORM_CURSOR_METHOD void store_pair(const Row& row, V r0, V r1) {
-      if (stream)
+      if (stream)  // a predictable branch: cheaper than twice the code
         L::store2_stream(row.y + i, r0, r1);
       else
         L::store2(row.y + i, r0, r1);

@@ -18,11 +18,12 @@ struct FoldContext {
   DType compute;
   bool scale_fits = true;  // set by fold_scale_into_mul
 
-  // scale / sqrt(var + eps) into mul, and whether all (and, into fits unless null, each) lie in
-  // the compute type's normal range; the arithmetic is the active ISA's (kernels/lane_stats.h).
-  bool scale_over_std(const double* const* in, double* mul, uint8_t* fits, int64_t n) const {
+  // scale / sqrt(var + eps) into mul (and 1 / sqrt(var + eps) into inv_std unless null), and
+  // whether all (and, into fits unless null, each) lie in the compute type's normal range; the
+  // arithmetic is the active ISA's (kernels/lane_stats.h).
+  bool scale_over_std(const double* const* in, double* mul, double* inv_std, uint8_t* fits, int64_t n) const {
     const bool f64 = compute == DType::f64;
-    return kernels().scale_over_std_lanes(in[1], in[2], mul, fits, n, epsilon, f64 ? DBL_MIN : FLT_MIN,
+    return kernels().scale_over_std_lanes(in[1], in[2], mul, inv_std, fits, n, epsilon, f64 ? DBL_MIN : FLT_MIN,
                                           f64 ? DBL_MAX : FLT_MAX);
   }
 };
@@ -33,7 +34,7 @@ struct FoldContext {
 // such a call clears scale_fits and takes the four-array form below.
 void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   auto& c = *const_cast<FoldContext*>(static_cast<const FoldContext*>(ctx));
-  c.scale_fits &= c.scale_over_std(in, out[1], nullptr, n);
+  c.scale_fits &= c.scale_over_std(in, out[1], nullptr, nullptr, n);
   std::copy(in[0], in[0] + n, out[0]);
   std::copy(in[3], in[3] + n, out[2]);
 }
@@ -47,8 +48,7 @@ void fold_separately(const double* const* in, double* const* out, int64_t n, con
   const auto& c = *static_cast<const FoldContext*>(ctx);
   double product[FoldedParams::kChunk];
   uint8_t fits[FoldedParams::kChunk];
-  c.scale_over_std(in, product, fits, n);
-  kernels().inv_std_lanes(in[1], out[1], n, 1, InvStdRule{true, false, c.epsilon});
+  c.scale_over_std(in, product, out[1], fits, n);
   for (int k : {0, 2, 3}) std::copy(in[k], in[k] + n, out[k]);
   for (int64_t i = 0; i < n; ++i)
     if (fits[i]) {

@@ -127,9 +127,10 @@ struct KernelTable {
   // Batch norm's folded multiplier: mul[c] = scale[c] * (1 / sqrt(var[c] + epsilon)) for c < n.
   // Returns false when a product of finite, nonzero factors (0 < var[c] + epsilon < inf, scale[c]
   // finite and nonzero) falls outside [min, max] (the compute type's normal range); fits, unless
-  // null, gets each lane's verdict (1: its product can stand for scale and 1 / std).
-  bool (*scale_over_std_lanes)(const double* var, const double* scale, double* mul, uint8_t* fits, int64_t n,
-                               double epsilon, double min, double max);
+  // null, gets each lane's verdict (1: its product can stand for scale and 1 / std), and inv_std,
+  // unless null, each 1 / sqrt(var[c] + epsilon).
+  bool (*scale_over_std_lanes)(const double* var, const double* scale, double* mul, double* inv_std, uint8_t* fits,
+                               int64_t n, double epsilon, double min, double max);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }
