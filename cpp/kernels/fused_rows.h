@@ -42,9 +42,10 @@ struct FusedRowsKernel {
     // fell on the low 12 bits of the normalization's last stores and waited for them. Layer norm,
     // input and output at that phase, old and new builds alternating (medians, 1 thread): float16
     // 2048 x 4096 1921 -> 1377 us, 1024 x 8192 0.75x, bfloat16 2048 x 4096 2056 -> 1333 us; at
-    // other phases 1.01-1.05x; float32 2048 x 4096 1.00-1.01x. Single rows were measured only in
-    // a build whose normalization step was also rewritten, which alone cost float32 rows of 768
-    // 1.08-1.13x (float16 rows of 2048: 0.95-1.06x): they keep the lockstep.
+    // other phases 1.01-1.05x; float32 2048 x 4096 1.00-1.01x. Single rows keep the lockstep: at
+    // the input's phase they showed no such wait (float32 layer norm, 2048 rows, medians: rows of
+    // 768, 1024 and 2048 took 298, 467 and 1189 us there, 274-317, 444-655 and 1028-1292 with the
+    // output at six other phases).
     if constexpr (Rows == 2) {
       for (int s = 0; s < kPairSumsLead && sums.can_step(); ++s) {
         prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<3>(p, sums.i); });
