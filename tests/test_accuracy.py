@@ -358,6 +358,25 @@ def test_million_element_channel_planes(rng, threads):
     check_mvn(y, x, (0, 2, 3), stats=(m, inv), stat_rtol=1e-5)
 
 
+@pytest.mark.parametrize("inner", ["contiguous", "strided"])
+def test_channel_planes_with_blocks_ending_inside_a_run(rng, threads, inner):
+    # MVN over (0, 2, 3) with planes of 3000 elements: each channel's 36000 cross the 2^15 elements
+    # of a block of sums inside a plane. One thread normalizes a channel's planes in the loop that
+    # sums the next channel's (a kernel call a channel: normalize_group_and_sum), two split each
+    # channel's blocks between them: the same bits. Strided planes take the kernel's unfused loops.
+    base = (7.0 + 2.0 * rng.normal(size=(12, 2, 50, 120))).astype(np.float32)
+    x = base[..., :60] if inner == "contiguous" else base[..., ::2]
+    threads(1)
+    out = np.empty(x.shape, np.float32)
+    plan = simdnorm._core.explain_mvn(x, (0, 2, 3), None, None, out, 1e-5, True, True, False, (0, 0.0, 0.0),
+                                      None, None, -1, False)
+    assert plan.startswith("rows groups=2 lanes=1 group_size=36000 fused nest"), plan
+    r1, r2 = _both_thread_counts(threads, lambda: mvn(x, (0, 2, 3), return_stats=True))
+    _assert_bitwise(r1, r2, f"{inner} planes")
+    y, m, inv = r1
+    check_mvn(y, x, (0, 2, 3), stats=(m, inv), stat_rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["rows", "rows_odd", "columns_nhwc", "instance_nchw", "group_nhwc", "all"])
 def test_threads_bitwise_mvn_strategies(rng, threads, case):
     if case == "rows":  # many small groups: layer norm of (4096, 300)

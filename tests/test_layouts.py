@@ -343,11 +343,9 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
 
     threads(1)
     itemsize = np.dtype(dtype).itemsize
-    cache = _core.last_level_cache_bytes()
-    if cache > 64 << 20:
-        pytest.skip(f"a {cache >> 20} MB cache needs inputs too big for the suite to stream")
+    threshold = _core.stream_threshold_bytes()
     per_outer = int(np.prod(inner))
-    outer = cache // (4 * itemsize * per_outer) + 2  # input + output just over half the cache
+    outer = threshold // (2 * itemsize * per_outer) + 2  # input + output just over the threshold
     shape = (outer, *inner) if op != "mvn023" else (inner[0], outer, *inner[1:])  # mvn023: (N, C, H, W)
     x = empty_past_line(shape, dtype, x_offset)
     x[...] = make_input(rng, shape, dtype, loc=3.0)

@@ -101,13 +101,13 @@ def test_strided_views_fall_back_to_the_strided_loop():
 def test_streaming_stores_only_for_large_out_of_place_outputs():
     small = np.zeros((2, 4, 16), np.float32)
     assert "stream" not in bn_plan(small, (1, 4, 1))
-    # Streaming once input and output together outgrow half the last-level cache (np.zeros maps
-    # pages lazily, and explaining a plan touches no element).
-    cache = _core.last_level_cache_bytes()
-    assert cache >= 1 << 20
-    fits = np.zeros((1, 8, cache // 128, 1), np.float32)  # input + output = half the cache
+    # Streaming once input and output together pass the threshold (np.zeros maps pages lazily,
+    # and explaining a plan touches no element).
+    threshold = _core.stream_threshold_bytes()
+    assert 1 << 19 <= threshold <= 16 << 20
+    fits = np.zeros((1, 8, threshold // 64, 1), np.float32)  # input + output = the threshold
     assert "stream" not in bn_plan(fits, (1, 8, 1, 1))
-    big = np.zeros((1, 8, cache // 128 + 16, 1), np.float32)
+    big = np.zeros((1, 8, threshold // 64 + 16, 1), np.float32)
     assert bn_plan(big, (1, 8, 1, 1)).endswith("stream")
     assert "stream" not in bn_plan(big, (1, 8, 1, 1), out=big)  # in place: the lines are cached
 

@@ -354,9 +354,9 @@ PYBIND11_MODULE(_core, m) {
         }
       },
       py::arg("name"));
-  m.def("last_level_cache_bytes", &last_level_cache_bytes,
-        "Bytes of the largest cache the cores share; operations moving more than this (input plus output) "
-        "write with non-temporal stores.");
+  m.def("stream_threshold_bytes", &stream_threshold_bytes,
+        "Input plus output bytes past which an out-of-place operation writes with non-temporal stores "
+        "(half the largest cache the cores share, at most 16 MiB).");
   m.def("get_num_threads", &get_num_threads);
   m.def(
       "set_num_threads",

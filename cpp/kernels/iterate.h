@@ -1,5 +1,24 @@
-// Walking a planned LoopNest: calls fn(len, pointers, inner byte strides) for each piece of an
-// innermost run that falls in the flat index range [begin, end). Included inside an ISA namespace.
+// Walking a planned LoopNest. Included inside an ISA namespace (and by ops/mvn.cpp).
+
+// The runs of one group: dims [first, last) of the nest (a group's reduced dims outside its
+// innermost run) stepped as an odometer; off[op] is the current run's byte offset in the group.
+struct RunOdometer {
+  const LoopNest& nest;
+  const int first, last;
+  int64_t idx[kMaxDims] = {}, off[kNumOperands] = {};
+  RunOdometer(const LoopNest& n, int first_dim, int last_dim) : nest(n), first(first_dim), last(last_dim) {}
+  void advance() {
+    for (int d = last - 1; d >= first; --d) {
+      for (int op = 0; op < kNumOperands; ++op) off[op] += nest.strides[op][d];
+      if (++idx[d] < nest.sizes[d]) return;
+      for (int op = 0; op < kNumOperands; ++op) off[op] -= idx[d] * nest.strides[op][d];
+      idx[d] = 0;
+    }
+  }
+};
+
+// Calls fn(len, pointers, inner byte strides) for each piece of an innermost run that falls in the
+// flat index range [begin, end).
 
 template <class RunFn>
 static inline void for_each_run(const LoopNest& nest, int64_t begin, int64_t end, RunFn&& fn) {

@@ -223,11 +223,11 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) 
 }
 
 bool wants_stream_stores(const NormalizeTask& task) {
-  // Half the cache: it is shared (other cores, other tenants). Measured on 8x512x28x28 float32
-  // batch norm and 8x512x768 float32 layer norm (25 MB in + out, 32 MB L3): 0.59-0.78x the time
-  // with streaming stores, alternating processes.
+  // Measured on 8x512x28x28 float32 batch norm and 8x512x768 float32 layer norm (25 MB in + out,
+  // 32 MB L3): 0.59-0.78x the time with streaming stores, alternating processes. See
+  // stream_threshold_bytes().
   return task.loop.data[kOut] != task.loop.data[kIn] &&
-         2 * element_count(task.loop) * itemsize(task.dtype) > last_level_cache_bytes() / 2;
+         2 * element_count(task.loop) * itemsize(task.dtype) > stream_threshold_bytes();
 }
 
 void fence_streaming_stores() {

@@ -105,6 +105,22 @@ struct FusedRowsArgs {
   int64_t stats_step[2];
 };
 
+// Group g of an MVN normalized run by run while the first-pass sums of group g + 1 are taken over
+// the same runs (groups of several runs, as in MVN over (0, 2, 3), one channel's planes across the
+// batch). The nest's dims [first_dim, ndim - 1) step the runs (each nest.sizes[ndim - 1] long) at the
+// same offsets in every group. The sums are added up in blocks of `block` elements of the group,
+// each block's added to the totals in order, as the split statistics add theirs: the same bits.
+struct GroupPairArgs {
+  char* group[kNumOperands];  // group g's operands
+  const char* next;           // group g + 1's input, summed
+  const char* after;          // group g + 2's input, prefetched as the sums reach group g + 1's end
+  int first_dim;
+  int64_t lead;               // runs the prefetch runs ahead of the sums, at least one
+  int64_t block;
+  double pivot, scale;        // group g + 1's first pass
+  double *sum, *sum_sq;       // group g + 1's totals, +=
+};
+
 struct KernelTable {
   const char* name;
   // out = act(fma((in - shift) * mul, scale, bias)) over the flat index range [begin, end) of the nest.
@@ -114,11 +130,9 @@ struct KernelTable {
   void (*normalize_run)(const NormalizeTask& task, char* const* pointers, int64_t n);
   void (*row_moments)(const RowMomentsArgs& args);
   void (*col_moments)(const ColMomentsArgs& args);
-  // normalize_run(task, pointers, n), and row_moments(next) in the same loop: the sums are
-  // bitwise those row_moments gives. `ahead`: where a run summed later starts (prefetched as far
-  // into it as the loop is into next).
-  void (*normalize_run_and_sum)(const NormalizeTask& task, char* const* pointers, int64_t n,
-                                const RowMomentsArgs& next, const char* ahead);
+  // Each run of group g normalized in the loop that sums the same run of group g + 1 (the sums
+  // bitwise those row_moments gives), one call a group.
+  void (*normalize_group_and_sum)(const NormalizeTask& task, const GroupPairArgs& args);
   void (*normalize_rows_fused)(const NormalizeTask& task, const FusedRowsArgs& args);
   // Returns how many lanes are slow.
   int64_t (*lane_stats)(const LaneStatsArgs& args);
