@@ -169,9 +169,9 @@ def test_a_single_huge_group_is_split_over_blocks():
 
 # The NCHW loops for short planes (a row stream; float32 with streaming stores: unpeeled rows) and
 # the lengthened channels-last runs, checked against the float64 reference: every plane length
-# around the vector widths (4, 8, 16 lanes), offsets that put rows at every alignment, and a
+# around the vector widths (2 to 16 lanes), offsets that put rows at every alignment, and a
 # fused activation whose lanes must take their own row's coefficients.
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
 @pytest.mark.parametrize("plane", [(1, 7), (3, 5), (4, 4), (1, 17), (7, 7), (3, 11), (5, 13)])
 def test_short_planes_match_the_reference(isa, rng, dtype, plane):
     import ml_dtypes
@@ -195,7 +195,7 @@ def test_short_planes_match_the_reference(isa, rng, dtype, plane):
         check_bn(out, x, mean, var, scale, bias, activation="leaky_relu", context=f"offset {offset}")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 @pytest.mark.parametrize("channels", [1, 3, 8, 24, 64, 100])
 def test_lengthened_channels_last_runs_match_the_reference(isa, rng, dtype, channels):
     from reference import check_bn

@@ -94,6 +94,7 @@ template <class V> struct ActScaledTanh {
 // plus the part of p lost in rounding it to float (p_lo). float64 needs no correction (p_lo unused).
 static inline vf act_product_lo(vf p_hi, vf p_lo, vf x, vf z) { return vfma(p_lo, x, vprod_err(p_hi, x, z)); }
 static inline double act_product_lo(double, double, double, double) { return 0.0; }
+static inline vd act_product_lo(vd, vd, vd, vd) { return vd{}; }
 
 // softplus(p0 = steepness s > 0): log(1 + exp(s x)) / s = max(x, 0) + log1p(exp(-|s x|)) / s.
 // max(s x, 0) / s is taken as max(x, 0) exactly, so s x overflowing to inf cannot give inf.

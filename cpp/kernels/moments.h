@@ -7,9 +7,6 @@
 // two, but x - pivot cannot overflow where x and the pivot lie near the largest float with opposite
 // signs (it made such a group's statistics NaN).
 
-static inline vmask lanes_mask(vf*, int m) { return vlanes_below(m); }
-static inline bool lanes_mask(double*, int) { return true; }
-
 template <class T>
 struct MomentsKernel {
   using L = Lanes<T>;

@@ -305,7 +305,7 @@ struct NormalizeKernel {
       scale_at += scale_step;
       bias_at += bias_step;
       const Coefficients next = coefficients();
-      const auto own = vlanes_below(static_cast<int>(row_end - at));
+      const auto own = lanes_mask(static_cast<V*>(nullptr), static_cast<int>(row_end - at));
       const V r = f(in, vselect(own, cur.shift, next.shift), vselect(own, cur.mul, next.mul),
                     vselect(own, cur.scale, next.scale), vselect(own, cur.bias, next.bias));
       cur = next;

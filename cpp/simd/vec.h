@@ -10,9 +10,10 @@
 // Arithmetic uses GCC/Clang vector extensions (the operators), intrinsics only where the generic
 // form would be slow or unavailable: FMA, half-precision conversion, masked memory access, rounding.
 //
-// Compute types: `vf` (float lanes) for float32/float16/bfloat16 data; `double` (one lane) for
-// float64 data, which is not a performance focus. Every helper below has both overloads, so kernels
-// and activations are written once as templates on the compute type.
+// Compute types: `vf` (float lanes) for float32/float16/bfloat16 data, `vd` (double lanes, half as
+// many) for float64 data; plain `double` for scalar work (the activations' float64 formulas, one
+// lane at a time). Every helper below has the overloads, so kernels and activations are written
+// once as templates on the compute type.
 
 #if defined(__AVX512BF16__)
 constexpr int kWidth = 16;
@@ -32,6 +33,10 @@ typedef float vf __attribute__((vector_size(kWidth * 4)));
 typedef int32_t vi __attribute__((vector_size(kWidth * 4)));
 typedef uint32_t vu __attribute__((vector_size(kWidth * 4)));
 typedef uint16_t vh __attribute__((vector_size(kWidth * 2)));
+constexpr int kWidthD = kWidth / 2;  // double lanes
+typedef double vd __attribute__((vector_size(kWidth * 4)));
+typedef int64_t vl __attribute__((vector_size(kWidth * 4)));
+typedef uint64_t vul __attribute__((vector_size(kWidth * 4)));
 
 // Storage tags for the 16-bit formats (the bits, as numpy holds them).
 struct f16_t { uint16_t bits; };
@@ -50,6 +55,15 @@ static inline vf vbroadcast(float x) {
 #endif
 }
 static inline double vbroadcast_d(double x) { return x; }
+static inline vd vbroadcast_vd(double x) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_set1_pd(x);
+#elif defined(__AVX2__)
+  return (vd)_mm256_set1_pd(x);
+#else
+  return (vd){x, x};
+#endif
+}
 
 static inline vf vfma(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
@@ -61,6 +75,15 @@ static inline vf vfma(vf a, vf b, vf c) {
 #endif
 }
 static inline double vfma(double a, double b, double c) { return std::fma(a, b, c); }
+static inline vd vfma(vd a, vd b, vd c) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#elif defined(__AVX2__)
+  return (vd)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+  return vd{std::fma(a[0], b[0], c[0]), std::fma(a[1], b[1], c[1])};  // as the scalar double path
+#endif
+}
 
 // min/max with x86 semantics: when either operand is NaN the SECOND operand is returned. Callers put
 // the data second (vmax(zero, x)) so that NaN propagates.
@@ -84,9 +107,28 @@ static inline vf vmin(vf a, vf b) {
 }
 static inline double vmax(double a, double b) { return a > b ? a : b; }
 static inline double vmin(double a, double b) { return a < b ? a : b; }
+static inline vd vmax(vd a, vd b) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_max_pd((__m512d)a, (__m512d)b);
+#elif defined(__AVX2__)
+  return (vd)_mm256_max_pd((__m256d)a, (__m256d)b);
+#else
+  return a > b ? a : b;
+#endif
+}
+static inline vd vmin(vd a, vd b) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_min_pd((__m512d)a, (__m512d)b);
+#elif defined(__AVX2__)
+  return (vd)_mm256_min_pd((__m256d)a, (__m256d)b);
+#else
+  return a < b ? a : b;
+#endif
+}
 
 static inline vf vabs(vf a) { return (vf)((vu)a & 0x7fffffffu); }
 static inline double vabs(double a) { return std::fabs(a); }
+static inline vd vabs(vd a) { return (vd)((vul)a & 0x7fffffffffffffffull); }
 
 static inline vf vsqrt(vf a) {
 #if defined(__AVX512F__)
@@ -100,6 +142,15 @@ static inline vf vsqrt(vf a) {
 #endif
 }
 static inline double vsqrt(double a) { return std::sqrt(a); }
+static inline vd vsqrt(vd a) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_sqrt_pd((__m512d)a);
+#elif defined(__AVX2__)
+  return (vd)_mm256_sqrt_pd((__m256d)a);
+#else
+  return vd{std::sqrt(a[0]), std::sqrt(a[1])};
+#endif
+}
 
 // Round to nearest, ties to even (valid for |x| < 2^22 in the baseline form, which is all the
 // range reductions need).
@@ -116,6 +167,7 @@ static inline vf vround(vf a) {
 
 // Select lanewise: m ? a : b, where m comes from a comparison of vf (a vi of 0 / -1).
 static inline vf vselect(vi m, vf a, vf b) { return m ? a : b; }
+static inline vd vselect(vl m, vd a, vd b) { return m ? a : b; }
 static inline double vselect(bool m, double a, double b) { return m ? a : b; }
 
 // Whether a >= b in any lane (false for NaN lanes).
@@ -130,6 +182,18 @@ static inline bool vany_ge(vf a, vf b) {
   return false;
 #endif
 }
+static inline bool vany_ge(vd a, vd b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_pd_mask((__m512d)a, (__m512d)b, _CMP_GE_OQ) != 0;
+#elif defined(__AVX2__)
+  return _mm256_movemask_pd(_mm256_cmp_pd((__m256d)a, (__m256d)b, _CMP_GE_OQ)) != 0;
+#else
+  for (int i = 0; i < kWidthD; ++i)
+    if (a[i] >= b[i]) return true;
+  return false;
+#endif
+}
+static inline bool vany_ge(double a, double b) { return a >= b; }
 
 // Lanes [0, m) set, the rest clear (0 <= m <= kWidth), for vselect: masks the unused lanes of a
 // partial vector, or the lanes of a vector that belong to one row of two. At AVX-512 a mask
@@ -140,16 +204,29 @@ static inline bool vany_ge(vf a, vf b) {
 // 8x512x8x8 float16 0.95x; float32 1.005x.
 #if defined(__AVX512F__)
 typedef __mmask16 vmask;
+typedef __mmask8 vmaskd;
 static inline vmask vlanes_below(int m) { return static_cast<vmask>((1u << m) - 1u); }
+static inline vmaskd vlanes_below_d(int m) { return static_cast<vmaskd>((1u << m) - 1u); }
 static inline vf vselect(vmask m, vf a, vf b) { return (vf)_mm512_mask_blend_ps(m, (__m512)b, (__m512)a); }
+static inline vd vselect(vmaskd m, vd a, vd b) { return (vd)_mm512_mask_blend_pd(m, (__m512d)b, (__m512d)a); }
 #else
 typedef vi vmask;
+typedef vl vmaskd;
 static inline vmask vlanes_below(int m) {
   vi iota;
   for (int i = 0; i < kWidth; ++i) iota[i] = i;  // folds to a constant
   return iota < m;
 }
+static inline vmaskd vlanes_below_d(int m) {
+  vl iota;
+  for (int i = 0; i < kWidthD; ++i) iota[i] = i;
+  return iota < m;
+}
 #endif
+// The lanes [0, m) of the compute type V (named by a null pointer to it): a mask for vselect.
+static inline vmask lanes_mask(vf*, int m) { return vlanes_below(m); }
+static inline vmaskd lanes_mask(vd*, int m) { return vlanes_below_d(m); }
+static inline bool lanes_mask(double*, int) { return true; }
 
 static inline vi vto_int(vf a) { return __builtin_convertvector(a, vi); }  // truncates
 static inline vf vto_float(vi a) { return __builtin_convertvector(a, vf); }
@@ -163,6 +240,15 @@ static inline float vreduce_add(vf a) {
 #else
   float s = 0.0f;
   for (int i = 0; i < kWidth; ++i) s += a[i];
+  return s;
+#endif
+}
+static inline double vreduce_add(vd a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_pd((__m512d)a);
+#else
+  double s = 0.0;
+  for (int i = 0; i < kWidthD; ++i) s += a[i];
   return s;
 #endif
 }
@@ -207,6 +293,7 @@ template <class T> struct Lanes;
 #if defined(__AVX512F__)
 static inline __mmask16 tail_mask(int n) { return (__mmask16)((1u << n) - 1u); }
 static inline __mmask16 span_mask(int lo, int hi) { return (__mmask16)((1u << hi) - (1u << lo)); }  // lo <= hi
+static inline __mmask8 tail_mask_d(int n) { return (__mmask8)((1u << n) - 1u); }
 #endif
 
 template <> struct Lanes<float> {
@@ -426,22 +513,53 @@ template <> struct Lanes<f16_t>
 template <> struct Lanes<bf16_t>
     : Lanes16<bf16_t, vf_from_bf16, bf16_from_vf, bf16_bits_to_float, float_to_bf16_bits> {};
 
-// float64 data computes in double, one lane at a time.
+// float64 data computes in double lanes.
 template <> struct Lanes<double> {
-  using V = double;
-  static constexpr int W = 1;
-  static V load(const double* p) { double x; std::memcpy(&x, p, 8); return x; }
-  static void store(double* p, V v) { std::memcpy(p, &v, 8); }
+  using V = vd;
+  static constexpr int W = kWidthD;
+  static V load(const double* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static void store(double* p, V v) { std::memcpy(p, &v, sizeof v); }
   static void store2(double* p, V v0, V v1) {
     store(p, v0);
-    store(p + 1, v1);
+    store(p + W, v1);
   }
-  static void store2_stream(double* p, V v0, V v1) { store2(p, v0, v1); }
-  static V load_partial(const double* p, int) { return load(p); }
-  static void store_partial(double* p, V v, int) { store(p, v); }
-  static void store_partial_stream(double* p, V v, int) { stream_bytes(p, &v, sizeof v); }
-  static double load_one(const double* p) { return load(p); }
-  static void store_one(double* p, double x) { store(p, x); }
+  static void store2_stream(double* p, V v0, V v1) {
+#if defined(__AVX512F__)
+    _mm512_stream_pd(p, (__m512d)v0);
+    _mm512_stream_pd(p + W, (__m512d)v1);
+#elif defined(__AVX2__)
+    _mm256_stream_pd(p, (__m256d)v0);
+    _mm256_stream_pd(p + W, (__m256d)v1);
+#elif defined(__SSE2__)
+    _mm_stream_pd(p, (__m128d)v0);
+    _mm_stream_pd(p + W, (__m128d)v1);
+#else
+    store2(p, v0, v1);
+#endif
+  }
+  static V load_partial(const double* p, int n) {
+#if defined(__AVX512F__)
+    return (vd)_mm512_maskz_loadu_pd(tail_mask_d(n), p);
+#else
+    V v = {};
+    std::memcpy(&v, p, sizeof(double) * n);
+    return v;
+#endif
+  }
+  static void store_partial(double* p, V v, int n) {
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_pd(p, tail_mask_d(n), (__m512d)v);
+#else
+    std::memcpy(p, &v, sizeof(double) * n);
+#endif
+  }
+  static void store_partial_stream(double* p, V v, int n) { stream_bytes(p, &v, sizeof(double) * n); }
+  static double load_one(const double* p) { double x; std::memcpy(&x, p, 8); return x; }
+  static void store_one(double* p, double x) { std::memcpy(p, &x, 8); }
 };
 
 // For the methods of loop cursors (ContiguousRun, ContiguousSums): their state must stay in
@@ -483,3 +601,4 @@ template <> struct ComputeOf<double> { using type = double; };
 template <class V> static inline V splat(double c);
 template <> inline vf splat<vf>(double c) { return vbroadcast((float)c); }
 template <> inline double splat<double>(double c) { return c; }
+template <> inline vd splat<vd>(double c) { return vbroadcast_vd(c); }

@@ -3,8 +3,9 @@
 //
 // Included after simd/vec.h inside an ISA namespace (see vec.h): no includes, internal linkage only,
 // no intrinsics (the math is written with vec.h's helpers and the vector operators, once for every
-// width). Each function also has a `double` overload forwarding to <cmath>, so activations and
-// kernels templated on the compute type V compile for both.
+// width). Each function also has a `double` overload forwarding to <cmath>, and a `vd` one that
+// applies it lane by lane, so activations and kernels templated on the compute type V compile for
+// all three.
 //
 // Public:   vexp vexpm1 vlog1p vtanh verf      (the functions themselves)
 //           vsigmoid vsilu vgelu vlog1p_exp_negabs  (activations that need care at the edges)
@@ -254,7 +255,7 @@ static inline vf vgelu(vf x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// double (float64 data, one lane): the C library, with the same edge behaviour as above.
+// double (float64 data): the C library, with the same edge behaviour as above.
 static inline double vexp(double x) { return std::exp(x); }
 static inline double vexpm1(double x) { return std::expm1(x); }
 static inline double vlog1p(double x) { return std::log1p(x); }
@@ -272,3 +273,24 @@ static inline double vsilu(double x) { return x == -__builtin_inf() ? -0.0 : x *
 static inline double vgelu(double x) {
   return x == -__builtin_inf() ? -0.0 : 0.5 * x * std::erfc(-x * 0.70710678118654752440);
 }
+
+// Vectors of doubles (float64 data): the same C library formulas, lane by lane, so that a float64
+// activation is the one above whichever lane computes it.
+template <class Fn, class... Args>
+static inline vd lanewise(Fn fn, Args... args) {
+  vd r;
+  for (int i = 0; i < kWidthD; ++i) r[i] = fn(args[i]...);
+  return r;
+}
+static inline vd vexp(vd x) { return lanewise([](double v) { return vexp(v); }, x); }
+static inline vd vexpm1(vd x) { return lanewise([](double v) { return vexpm1(v); }, x); }
+static inline vd vlog1p(vd x) { return lanewise([](double v) { return vlog1p(v); }, x); }
+static inline vd vtanh(vd x) { return lanewise([](double v) { return vtanh(v); }, x); }
+static inline vd verf(vd x) { return lanewise([](double v) { return verf(v); }, x); }
+static inline vd vprod_err(vd, vd, vd) { return vd{}; }
+static inline vd vlog1p_exp_negabs(vd zh, vd zl) {
+  return lanewise([](double h, double l) { return vlog1p_exp_negabs(h, l); }, zh, zl);
+}
+static inline vd vsigmoid(vd x) { return lanewise([](double v) { return vsigmoid(v); }, x); }
+static inline vd vsilu(vd x) { return lanewise([](double v) { return vsilu(v); }, x); }
+static inline vd vgelu(vd x) { return lanewise([](double v) { return vgelu(v); }, x); }

@@ -263,7 +263,8 @@ static V apply(const Activation& a, V x) {
 }
 
 // float64 path: the same functors on V = double against the same reference; NaN/inf mismatches and
-// differences beyond 1e-12 of max(|ref|, |x| * |params|) (both sides round in double) count.
+// differences beyond 1e-12 of max(|ref|, |x| * |params|) (both sides round in double) count. The
+// kernels' vectors of doubles (vd) must give the same bits as V = double in every lane.
 static uint64_t check_double(const Activation& a, uint64_t stride, const std::vector<uint32_t>& edges) {
   uint64_t bad = 0;
   auto one = [&](double x) {
@@ -272,6 +273,11 @@ static uint64_t check_double(const Activation& a, uint64_t stride, const std::ve
     const bool ok = (std::isnan(got) && std::isnan(ref)) || got == ref ||
                     (std::isfinite(got) && std::fabs(got - ref) <= 1e-12 * scale + 1e-300);
     if (!ok && bad++ < 3) std::printf("    float64 mismatch at %a: got %a ref %a\n", x, got, ref);
+    const acc::vd lanes = apply<acc::vd>(a, acc::splat<acc::vd>(x));
+    for (int i = 0; i < acc::kWidthD; ++i) {
+      const bool same = std::memcmp(&lanes[i], &got, sizeof got) == 0 || (std::isnan(lanes[i]) && std::isnan(got));
+      if (!same && bad++ < 3) std::printf("    float64 lane %d differs at %a: %a, one lane %a\n", i, x, lanes[i], got);
+    }
   };
   for (uint64_t b = 0; b <= 0xffffffffull; b += stride * 64) one((double)from_bits((uint32_t)b));
   for (uint32_t b : edges) one((double)from_bits(b));
