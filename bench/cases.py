@@ -2,8 +2,11 @@
 
 Every implementation of a case gets the same input array (same values, dtype and memory layout)
 and the same parameter values; parameters are float32 arrays whose values are exactly representable
-in float16 and bfloat16, so a peer that wants its parameters in the input's dtype computes the very
-same op.
+in float16, bfloat16 and float64, so a peer that wants its parameters in the input's dtype
+(``CaseData.params_as``; ``user_params`` gives what a user of that dtype passes) computes the very
+same op. A float64 input holds float64 values (not float32 ones widened), so that an
+implementation which reads it in float32 is off by ~1e-8 and fails the float64 tolerance even
+before its arithmetic does.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def empty_like_layout(case: Case, shape=None, dtype=None) -> np.ndarray:
 class CaseData:
     case: Case
     x: np.ndarray  # logical shape, case dtype, case layout
-    params: dict[str, np.ndarray] = field(default_factory=dict)  # 1-D float32
+    params: dict[str, np.ndarray] = field(default_factory=dict)  # 1-D float32 (values exact in every dtype)
 
     def new_output(self) -> np.ndarray:
         """A fresh output array like the input (same layout), filled with NaN."""
@@ -62,6 +65,18 @@ class CaseData:
     def params_as(self, dtype) -> dict[str, np.ndarray]:
         dt = np.dtype(dtype)
         return {k: v.astype(dt) for k, v in self.params.items()}
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        """What a user passes the parameters as: float64 with float64 data, float32 otherwise
+        (float32 parameters with float16/bfloat16 data: the mixed-precision norm)."""
+        return np.dtype(np.float64 if self.case.dtype == "float64" else np.float32)
+
+    def user_params(self) -> dict[str, np.ndarray]:
+        """The parameters as :attr:`param_dtype` arrays (the float32 ones themselves for float32)."""
+        if self.param_dtype == np.float32:
+            return self.params
+        return self.params_as(self.param_dtype)
 
     @property
     def base(self) -> np.ndarray:
@@ -77,8 +92,10 @@ class CaseData:
 def make_data(case: Case, seed: int = 0) -> CaseData:
     rng = np.random.default_rng(seed)
     x = empty_like_layout(case)
-    # standard normal plus a per-case offset so that the mean matters
-    vals = rng.standard_normal(case.numel, dtype=np.float32).reshape(case.shape) + np.float32(0.25)
+    # standard normal plus a per-case offset so that the mean matters (float64 values for a
+    # float64 input, float32 ones rounded to the input's type otherwise)
+    gen = np.float64 if x.dtype == np.float64 else np.float32
+    vals = rng.standard_normal(case.numel, dtype=gen).reshape(case.shape) + gen(0.25)
     x[...] = vals.astype(x.dtype)
     n = case.param_len
     params: dict[str, np.ndarray] = {}

@@ -207,12 +207,13 @@ class CopyImpl(Impl):
 
 # -------------------------------------------------------------------------------------------- numpy
 class NumpyImpl(Impl):
-    """numpy written the obvious way: float32 work, preallocated temporaries, rounded once."""
+    """numpy written the obvious way: float32 work (float64 for float64 data), preallocated
+    temporaries, rounded once."""
 
     name = "numpy"
     kind = "numpy"
-    footnote = ("numpy: the obvious ufunc code, float32 work with preallocated temporaries, rounded "
-                "once; always one thread")
+    footnote = ("numpy: the obvious ufunc code, float32 work (float64 work and parameters for "
+                "float64 data) with preallocated temporaries, rounded once; always one thread")
 
     def __init__(self) -> None:
         self.threads = 1
@@ -224,29 +225,31 @@ class NumpyImpl(Impl):
         case = data.case
         x = data.x
         out = data.new_output()
-        f32 = np.float32
+        # the work type: float32, or float64 for float64 data (a float64 user's obvious code)
+        wt = data.param_dtype.type
+        params = data.user_params()
         eps = case.epsilon
-        is_f32 = x.dtype == np.float32
+        in_wt = x.dtype == wt  # no separate temporaries: work in the output
         nd = x.ndim
         note = "single-threaded" if self.threads > 1 else ""
         if case.op == "batch_norm":
             bshape = (1, -1) + (1,) * (nd - 2)
-            mean, var, scale, bias = (data.params[k].reshape(bshape)
+            mean, var, scale, bias = (params[k].reshape(bshape)
                                       for k in ("mean", "var", "scale", "bias"))
-            tmp = out if is_f32 else np.empty_like(x, dtype=f32)
+            tmp = out if in_wt else np.empty_like(x, dtype=wt)
 
             def fn() -> None:
                 a = scale / np.sqrt(var + eps)
                 b = bias - mean * a
-                np.multiply(x, a, out=tmp, dtype=f32)
-                np.add(tmp, b, out=out, dtype=f32)
+                np.multiply(x, a, out=tmp, dtype=wt)
+                np.add(tmp, b, out=out, dtype=wt)
 
             return prepared_out(fn, out, note)
 
         # the mean-variance family
         xv, ov_ = x, out
-        scale = data.params.get("scale")
-        bias = data.params.get("bias")
+        scale = params.get("scale")
+        bias = params.get("bias")
         if case.op == "group_norm":
             n, c = x.shape[:2]
             g = case.groups
@@ -264,29 +267,30 @@ class NumpyImpl(Impl):
             scale = scale.reshape(pshape)
         if bias is not None:
             bias = bias.reshape(pshape)
-        d = ov_ if is_f32 else np.empty_like(xv, dtype=f32)
-        sq = np.empty_like(xv, dtype=f32)
+        d = ov_ if in_wt else np.empty_like(xv, dtype=wt)
+        sq = np.empty_like(xv, dtype=wt)
         center = case.op != "rms_norm"
+        one = wt(1.0)
 
         def fn() -> None:
             if center:
-                mean = np.mean(xv, axis=axes, keepdims=True, dtype=f32)
-                np.subtract(xv, mean, out=d, dtype=f32)
+                mean = np.mean(xv, axis=axes, keepdims=True, dtype=wt)
+                np.subtract(xv, mean, out=d, dtype=wt)
                 src = d
             else:
                 src = xv
-            np.multiply(src, src, out=sq, dtype=f32)
+            np.multiply(src, src, out=sq, dtype=wt)
             var = np.mean(sq, axis=axes, keepdims=True)
-            inv = np.float32(1.0) / np.sqrt(var + eps)
+            inv = one / np.sqrt(var + eps)
             if scale is None and bias is None:
-                np.multiply(src, inv, out=ov_, dtype=f32)
+                np.multiply(src, inv, out=ov_, dtype=wt)
                 return
-            np.multiply(src, inv, out=d, dtype=f32)
+            np.multiply(src, inv, out=d, dtype=wt)
             if bias is None:
-                np.multiply(d, scale, out=ov_, dtype=f32)
+                np.multiply(d, scale, out=ov_, dtype=wt)
             else:
                 np.multiply(d, scale, out=d)
-                np.add(d, bias, out=ov_, dtype=f32)
+                np.add(d, bias, out=ov_, dtype=wt)
 
         return prepared_out(fn, out, note)
 
@@ -312,7 +316,7 @@ class SimdnormImpl(Impl):
     name = "simdnorm"
     kind = "simdnorm"
     footnote = ("simdnorm: the functional call with out= (tiny/bn-compiled: simdnorm.compile(desc)), "
-                "float32 (C,) parameters")
+                "float32 (C,) parameters (float64 ones for float64 data)")
 
     def __init__(self) -> None:
         self.threads = 1
@@ -348,7 +352,8 @@ class SimdnormImpl(Impl):
         case = data.case
         x = data.x
         out = data.new_output()
-        p = data.params  # float32, 1-D (mixed precision for float16/bfloat16 inputs)
+        # 1-D, float32 (mixed precision for float16/bfloat16 inputs) or float64 for float64 data
+        p = data.user_params()
         eps = case.epsilon
         partial = functools.partial
         if case.op == "batch_norm" and case.compiled:
@@ -358,7 +363,7 @@ class SimdnormImpl(Impl):
             item = x.dtype.itemsize
             strides = None if x.flags.c_contiguous else tuple(s // item for s in x.strides)
             xdesc = TensorDesc(x.dtype, tuple(x.shape), strides)
-            pdesc = [TensorDesc(np.dtype(np.float32), (case.param_len,)) for _ in range(4)]
+            pdesc = [TensorDesc(data.param_dtype, (case.param_len,)) for _ in range(4)]
             desc = BND(xdesc, *pdesc, epsilon=eps)
             op = compile_(desc)
             fn = partial(op, x, p["mean"], p["var"], p["scale"], p["bias"], out=out)

@@ -36,7 +36,7 @@ def _import():
 
 def _elem_type(TensorProto, dtype_name: str) -> int:
     return {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
-            "bfloat16": TensorProto.BFLOAT16}[dtype_name]
+            "bfloat16": TensorProto.BFLOAT16, "float64": TensorProto.DOUBLE}[dtype_name]
 
 
 class OnnxRuntimeImpl(LazyPeerImpl):
@@ -65,8 +65,11 @@ class OnnxRuntimeImpl(LazyPeerImpl):
         Y = helper.make_tensor_value_info("Y", et, base_shape)
         eps = float(case.epsilon)
         # parameters in the input's dtype (ONNX ties scale/bias to T), except BatchNormalization,
-        # which takes float32 ones with a float16 input (T1/T2 since opset 15)
-        pdt = {"float32": np.float32, "float16": np.float16, "bfloat16": data.x.dtype}[case.dtype]
+        # which takes float32 ones with a float16 input (T1/T2 since opset 15); with a float64
+        # input float64 ones (ORT's double BatchNormalization kernel takes no float32 parameters)
+        pdt = {"float32": np.float32, "float16": np.float16, "bfloat16": data.x.dtype,
+               "float64": np.float64}[case.dtype]
+        bn_pdt = np.float64 if case.dtype == "float64" else np.float32
         inits = []
         nodes = []
         note = ""
@@ -87,7 +90,7 @@ class OnnxRuntimeImpl(LazyPeerImpl):
             return init(name, np.asarray(value, dtype=dtype or pdt))
 
         if case.op == "batch_norm" and case.layout == "nchw":
-            names = [init(k, data.params[k].astype(np.float32)) for k in ("scale", "bias", "mean", "var")]
+            names = [init(k, data.params[k].astype(bn_pdt)) for k in ("scale", "bias", "mean", "var")]
             nodes.append(helper.make_node("BatchNormalization", ["X"] + names, ["Y"], epsilon=eps))
         elif case.op == "batch_norm":
             # ONNX BatchNormalization is channels-first only: the same op on the NHWC data is
@@ -167,6 +170,10 @@ class OnnxRuntimeImpl(LazyPeerImpl):
                                             providers=["CPUExecutionProvider"])
             except Exception as e:  # noqa: BLE001 - e.g. NOT_IMPLEMENTED for the dtype
                 msg = str(e).split(":")[-1].strip() or type(e).__name__
+                if "NOT_IMPLEMENTED" in str(e):  # no CPU kernel registered for this op and type
+                    raise NotAvailable(f"ORT CPU has no {case.dtype} kernel for "
+                                       f"{ONNX_OP[case.op] if keep else 'these ops'} "
+                                       f"(NOT_IMPLEMENTED: {msg[:100]})") from None
                 raise NotAvailable(f"ORT: {msg[:120]}") from None
             ran = onnx.load(opt_path)
         finally:
@@ -182,6 +189,12 @@ class OnnxRuntimeImpl(LazyPeerImpl):
         op_types = [n.op_type for n in ran_nodes]
         if keep is not None and op_types != [keep]:
             note = f"ORT expands {keep} into {len(op_types)} nodes (no kernel)"
+        if case.dtype == "float64" and keep is not None:
+            # ONNX attributes are float32: epsilon 1e-5 is 9.99999975e-06 (~1e-12 off the
+            # reference, within the float64 tolerance; against that epsilon ~1e-15)
+            eps32 = float(np.float32(case.epsilon))
+            if eps32 != case.epsilon:
+                note = (note + "; " if note else "") + f"epsilon attribute is float32 ({eps32:.9g})"
         x = data.base
         out = data.new_output()
         y = out.transpose(0, 2, 3, 1) if case.layout == "nhwc" else out

@@ -89,9 +89,13 @@ class TorchImpl(LazyPeerImpl):
         # Parameters: float32 (torch's mixed-precision path, as under autocast) or the input's
         # dtype; the values are exact in both, so both are the same op. For a float16/bfloat16
         # input the faster of the two (3 calls each, during setup) is verified and timed; the
-        # note says which.
-        variants = [("float32", {k: torch.from_numpy(v) for k, v in data.params.items()})]
-        if case.dtype != "float32" and data.params:
+        # note says which. For a float64 input only float64 ones: what a float64 user passes
+        # (torch's float64 kernels take no float32 parameters).
+        if case.dtype == "float64":
+            variants = [("float64", {k: torch.from_numpy(v) for k, v in data.user_params().items()})]
+        else:
+            variants = [("float32", {k: torch.from_numpy(v) for k, v in data.params.items()})]
+        if case.dtype in ("float16", "bfloat16") and data.params:
             tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
             variants.append((case.dtype, {k: torch.from_numpy(v).to(tdt) for k, v in data.params.items()}))
         built = []

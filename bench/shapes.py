@@ -35,6 +35,14 @@ SPATIAL_NORM_SHAPES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 56, 56),)
 SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024), (4, 512, 4096))
 # Per-call overhead: a tiny batch norm, called functionally and through simdnorm.compile(desc).
 TINY_SHAPE: tuple[int, int, int, int] = (1, 16, 8, 8)
+# float64 (SPEC: float64 data with float64 statistics), one case of each kind of loop: layer norm
+# rows (the sequence shape of BERT), an NCHW batch norm (the largest ResNet-50 layer) and instance
+# norm over (2, 3). Tagged "float64"; not in --quick.
+FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
+    ("layer_norm", SEQUENCE_NORM_SHAPES[0], "contig"),
+    ("batch_norm", RESNET50_BN_SHAPES[0], "nchw"),
+    ("instance_norm", SPATIAL_NORM_SHAPES[0], "nchw"),
+)
 
 BN_DTYPES = ("float32", "float16", "bfloat16")
 BN_LAYOUTS = ("nchw", "nhwc")
@@ -49,7 +57,8 @@ DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64"
 
 # What each op is, in words (shown by --list and stored in the JSON).
 OP_DESCRIPTIONS = {
-    "batch_norm": "y = scale*(x-mean)/sqrt(var+eps)+bias, per-channel (C,) float32 parameters",
+    "batch_norm": "y = scale*(x-mean)/sqrt(var+eps)+bias, per-channel (C,) float32 parameters "
+                  "(float64 for float64 data)",
     "instance_norm": "per (n, c) over (2, 3), eps inside sqrt, (C,) scale and bias",
     "group_norm": "per (n, group) over the group's channels and (2, 3), (C,) scale and bias",
     "mvn": "mean/variance over axes, y = (x-mean)/sqrt(var+eps), no scale or bias",
@@ -65,7 +74,7 @@ class Case:
     name: str
     op: str  # one of OP_DESCRIPTIONS
     shape: tuple[int, ...]  # logical shape (channels at axis 1 for 4-D cases)
-    dtype: str  # "float32" | "float16" | "bfloat16"
+    dtype: str  # "float32" | "float16" | "bfloat16" | "float64"
     layout: str = "nchw"  # "nchw" | "nhwc" | "contig"
     axes: tuple[int, ...] = ()  # reduced axes (normalized-over dims) for the MVN-type ops
     groups: int = 0  # group_norm only
@@ -193,6 +202,15 @@ def _build_cases() -> tuple[Case, ...]:
                                   tiny=True),
                         "batch_norm", TINY_SHAPE, "float32", "nchw", axes=(0, 2, 3),
                         compiled=compiled, tags=frozenset({"tiny", "quick", "float32"})))
+    for op, shape, layout in FLOAT64_CASES:  # tagged as the float32 cases of their kind are
+        if op == "batch_norm":
+            axes, tags = (0, 2, 3), {"bn", layout}
+        elif op == "instance_norm":
+            axes, tags = (2, 3), {"spatial"}
+        else:  # layer_norm
+            axes, tags = (len(shape) - 1,), {"sequence"}
+        out.append(Case(make_name(op, shape, "float64", layout), op, shape, "float64", layout,
+                        axes=axes, tags=frozenset(tags | {"float64"})))
     names = [c.name for c in out]
     assert len(names) == len(set(names)), "case names must be unique"
     return tuple(out)

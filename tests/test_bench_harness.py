@@ -102,7 +102,7 @@ def test_named_shape_lists():
         (8, 1024, 14, 14), (8, 256, 14, 14), (8, 2048, 7, 7), (8, 512, 7, 7))
     names = [c.name for c in shapes.CASES]
     assert len(names) == len(set(names))
-    bn = [c for c in shapes.CASES if c.op == "batch_norm" and "tiny" not in c.tags]
+    bn = [c for c in shapes.CASES if c.op == "batch_norm" and "tiny" not in c.tags and c.dtype != "float64"]
     assert {(c.shape, c.layout, c.dtype) for c in bn} == {
         (s, lay, d) for s in shapes.RESNET50_BN_SHAPES for lay in ("nchw", "nhwc")
         for d in ("float32", "float16", "bfloat16")}
@@ -112,7 +112,7 @@ def test_named_shape_lists():
     assert all(c.groups == 32 for c in shapes.CASES if c.op == "group_norm")
     assert all(c.axes == (0, 2, 3) for c in shapes.CASES if c.op == "mvn")
     for op in ("layer_norm", "rms_norm"):
-        got = {(c.shape, c.dtype) for c in shapes.CASES if c.op == op}
+        got = {(c.shape, c.dtype) for c in shapes.CASES if c.op == op and c.dtype != "float64"}
         assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024), (4, 512, 4096))
                        for d in ("float32", "float16", "bfloat16")}
     tiny = [c for c in shapes.CASES if "tiny" in c.tags]
@@ -122,6 +122,41 @@ def test_named_shape_lists():
     assert tiny[0] in quick and len(quick) < len(shapes.CASES)
     assert all("nhwc" in c.name for c in shapes.select(filters=["nhwc"]))
     assert [c.name for c in shapes.select(quick=True, filters=["tiny"])] == [c.name for c in tiny]
+
+
+# The 80 cases before the float64 ones, by name: adding cases must not rename or drop any.
+CASES_BEFORE_FLOAT64 = (
+    [f"bn/{shapes.shape_str(s)}/{lay}/{d}" for s in shapes.RESNET50_BN_SHAPES for lay in ("nchw", "nhwc")
+     for d in ("f32", "f16", "bf16")]
+    + [n for d in ("f32", "f16")
+       for n in (f"instance/8x256x56x56/{d}", f"group32/8x256x56x56/{d}", f"mvn023/8x256x56x56/{d}")]
+    + [f"{op}/{s}/{d}" for s in ("8x512x768", "32x128x1024", "4x512x4096") for d in ("f32", "f16", "bf16")
+       for op in ("layer", "rms")]
+    + ["tiny/bn/1x16x8x8/f32", "tiny/bn-compiled/1x16x8x8/f32"])
+FLOAT64_CASES = {  # name: (op, shape, layout, axes, tags)
+    "layer/8x512x768/f64": ("layer_norm", (8, 512, 768), "contig", (2,), {"sequence", "float64"}),
+    "bn/8x64x112x112/nchw/f64": ("batch_norm", (8, 64, 112, 112), "nchw", (0, 2, 3),
+                                 {"bn", "nchw", "float64"}),
+    "instance/8x256x56x56/f64": ("instance_norm", (8, 256, 56, 56), "nchw", (2, 3), {"spatial", "float64"}),
+}
+
+
+def test_float64_cases_are_added_beside_the_others():
+    names = [c.name for c in shapes.CASES]
+    assert len(CASES_BEFORE_FLOAT64) == 80
+    assert [n for n in names if not n.endswith("/f64")] == CASES_BEFORE_FLOAT64
+    f64 = [c for c in shapes.CASES if c.dtype == "float64"]
+    assert [c.name for c in f64] == list(FLOAT64_CASES) == [c.name for c in shapes.select(filters=["f64"])]
+    for c in f64:
+        op, shape, layout, axes, tags = FLOAT64_CASES[c.name]
+        assert (c.op, c.shape, c.layout, c.axes, set(c.tags)) == (op, shape, layout, axes, tags)
+        assert c.name == shapes.make_name(c.op, c.shape, "float64", c.layout) and not c.compiled
+        assert c.bytes_moved == 2 * 8 * math.prod(shape)
+        assert c.describe().startswith(f"{op} {shapes.shape_str(shape)} float64 {layout}")
+    assert all("float64" in c.tags for c in shapes.CASES if c.dtype == "float64")
+    assert not any("float64" in c.tags for c in shapes.CASES if c.dtype != "float64")
+    assert not any(c.dtype == "float64" for c in shapes.select(quick=True))
+    assert shapes.select(quick=True, filters=["f64"]) == []
 
 
 def test_byte_count_formula():
@@ -187,6 +222,74 @@ def test_parameters_exact_in_every_dtype():
     for v in d.params.values():
         assert np.array_equal(v.astype(np.float16).astype(np.float32), v)
         assert np.array_equal(v.astype(ml.bfloat16).astype(np.float32), v)
+
+
+def test_float64_data_parameters_and_poisoned_output():
+    """A float64 case's input holds float64 values (not float32 ones widened); its parameters are
+    the float32 ones' values, given as float64 to whoever passes parameters in the input's dtype;
+    its output starts as NaN."""
+    for name in FLOAT64_CASES:
+        case = shapes.get_case(name)
+        case = case.scaled(small_shape(case))
+        d = bcases.make_data(case)
+        x = d.x
+        assert x.dtype == np.float64 and x.shape == case.shape and x.flags.c_contiguous
+        assert np.mean(x.astype(np.float32).astype(np.float64) != x) > 0.9
+        assert abs(x.mean() - 0.25) < 0.3 and 0.5 < x.std() < 1.5
+        assert d.param_dtype == np.float64
+        up = d.user_params()
+        assert set(up) == set(case.params) == set(d.params)
+        for k, v in up.items():
+            assert v.dtype == np.float64 and v.shape == (case.param_len,)
+            assert d.params[k].dtype == np.float32 and np.array_equal(v, d.params[k])
+        out = d.new_output()
+        assert out.dtype == np.float64 and out.strides == x.strides and np.isnan(out).all()
+        assert bcases.reference(d).dtype == np.float64
+    f32 = bcases.make_data(shapes.get_case("layer/8x512x768/f32").scaled((2, 3, 37)))
+    assert f32.param_dtype == np.float32 and f32.user_params() is f32.params
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_copy_really_copies_float64(threads):
+    case = shapes.get_case("bn/8x64x112x112/nchw/f64").scaled((4, 64, 23, 25))  # 1.18 MB: > 1 MiB, split at 2 threads
+    data = bcases.make_data(case)
+    impl = impls.CopyImpl()
+    impl.set_threads(threads)
+    try:
+        prep = impl.prepare(data)
+        assert runner.copied_exactly(prep.run_once(), data.x)
+        for f in (prep.variants or {"fn": prep.fn}).values():
+            prep.out[...] = np.nan
+            f()
+            assert runner.copied_exactly(prep.out, data.x)
+        assert set(prep.variants or {}) == ({"1 thread", "2 threads"} if threads == 2 else set())
+    finally:
+        impl.shutdown()
+    y = data.x.copy()
+    y.flat[7] = np.nextafter(y.flat[7], np.inf)  # one ulp off in one element: not a copy
+    assert not runner.copied_exactly(y, data.x)
+
+
+class _Float32WorkImpl(impls.Impl):
+    """The op done exactly, but on the input read as float32: what a float64 case must catch."""
+    name = "f32work"
+
+    def prepare(self, data):
+        x32 = data.x.astype(np.float32).astype(data.x.dtype)
+        out = data.new_output()
+        ref = bcases.reference(bcases.CaseData(data.case, x32, data.params))
+        return impls.prepared_out(lambda: np.copyto(out, ref), out)
+
+
+@pytest.mark.parametrize("name", list(FLOAT64_CASES))
+def test_float64_tolerance_catches_float32_work(name):
+    case = shapes.get_case(name)
+    case = case.scaled(small_shape(case))
+    assert bcases.TOLERANCE["float64"] == (1e-10, 1e-10)
+    res = runner.run_case(case, [impls.CopyImpl(), _Float32WorkImpl()], rounds=1, min_sample_ns=1e4,
+                          warmup_ns=0).results
+    assert res["copy"].status == runner.OK
+    assert res["f32work"].status == runner.WRONG and 1e-9 < res["f32work"].max_abs_err < 1e-5
 
 
 # -------------------------------------------------------------------------------------- copy
@@ -259,8 +362,44 @@ def test_simdnorm_callable_computes_the_named_op(case):
     _check_timed_callable(case, prep, ref)
 
 
+def _array_args(fn):
+    """The array arguments of a functools.partial (numpy arrays or torch tensors), by position."""
+    return [a for a in list(fn.args) + list(fn.keywords.values()) if hasattr(a, "dtype")]
+
+
+@pytest.mark.parametrize("name", list(FLOAT64_CASES))
+def test_simdnorm_gets_float64_parameters_for_float64_data(name):
+    """SPEC: parameters in the input's dtype or float32; a float64 user passes float64 ones."""
+    _simdnorm_or_skip()
+    case = shapes.get_case(name)
+    case = case.scaled(small_shape(case))
+    data = bcases.make_data(case)
+    prep = impls.SimdnormImpl().prepare(data)
+    args = _array_args(prep.fn)
+    assert len(args) == 2 + len(case.params)  # x, the parameters, out
+    assert all(a.dtype == np.float64 for a in args)
+    _check_timed_callable(case, prep, bcases.reference(data))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["functional", "compiled"])
+def test_simdnorm_tiny_batch_norm_in_float64(compiled):
+    """The tiny cases are float32 only, but their code paths take float64 data and float64
+    parameter descriptors too (compile(desc) with float64 TensorDescs)."""
+    import dataclasses
+
+    _simdnorm_or_skip()
+    base = shapes.get_case(f"tiny/bn{'-compiled' if compiled else ''}/1x16x8x8/f32")
+    case = dataclasses.replace(base, dtype="float64", tags=frozenset({"tiny", "float64"}))
+    data = bcases.make_data(case)
+    prep = impls.SimdnormImpl().prepare(data)
+    assert prep.note == ("compile(desc)" if compiled else "")
+    assert all(a.dtype == np.float64 for a in _array_args(prep.fn))
+    _check_timed_callable(case, prep, bcases.reference(data))
+
+
 @pytest.mark.parametrize("name", ["tiny/bn/1x16x8x8/f32", "tiny/bn-compiled/1x16x8x8/f32",
-                                  "bn/8x512x7x7/nhwc/f16", "layer/8x512x768/f32"])
+                                  "bn/8x512x7x7/nhwc/f16", "layer/8x512x768/f32",
+                                  "layer/8x512x768/f64"])
 def test_simdnorm_real_cases(name):
     _simdnorm_or_skip()
     case = shapes.get_case(name)
@@ -303,6 +442,80 @@ def test_peer_computes_the_named_op_or_says_why_not(peer):
         _check_timed_callable(case, prep, bcases.reference(data))
         done += 1
     assert done > 0
+
+
+F64_KINDS = [c for c in KINDS if c.dtype == "float64"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("peer", ["torch", "onnxruntime", "openvino"])
+def test_peer_on_float64_computes_in_float64_or_says_it_cannot(peer):
+    """On float64 a peer either meets the float64 tolerance (1e-10), with its parameters in float64,
+    or is n/a with a reason naming float64: a peer that computes in float32 (OpenVINO's CPU plugin
+    converts f64 models to f32) or has no float64 kernel (ORT's InstanceNormalization) is never
+    timed."""
+    impl = _peer(peer)
+    assert [c.op for c in F64_KINDS] == ["layer_norm", "batch_norm", "instance_norm"]
+    done = []
+    for case in F64_KINDS:
+        data = bcases.make_data(case)
+        try:
+            prep = impl.prepare(data)
+        except bcases.NotAvailable as e:
+            assert "float64" in str(e), f"{peer} n/a on {case.name}: {e}"
+            continue
+        _check_timed_callable(case, prep, bcases.reference(data))
+        if peer == "torch":
+            assert all(str(a.dtype) == "torch.float64" for a in _array_args(prep.fn))
+        done.append(case.op)
+    if peer == "torch":  # torch has float64 kernels for all three
+        assert done == ["layer_norm", "batch_norm", "instance_norm"]
+
+
+def test_onnxruntime_float64_model_is_float64_throughout():
+    impl = _peer("onnxruntime")
+    TensorProto = impl._load()[4]
+    for case in F64_KINDS:
+        model, note, keep = impl.build_model(bcases.make_data(case))
+        g = model.graph
+        assert [v.type.tensor_type.elem_type for v in (*g.input, *g.output)] == [TensorProto.DOUBLE] * 2
+        assert g.initializer and all(t.data_type == TensorProto.DOUBLE for t in g.initializer)
+        assert [n.op_type for n in g.node] == [keep]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_float64_case_runs_through_every_implementation():
+    """A scaled float64 case through the runner with every implementation: each is verified against
+    the reference at the float64 tolerance and timed, or n/a with its reason; none is WRONG."""
+    case = shapes.get_case("bn/8x64x112x112/nchw/f64").scaled((2, 24, 5, 7))
+    all_ = impls.all_impls()
+    for i in all_:
+        if i.unavailable() is None:
+            i.set_threads(1)
+    try:
+        cr = runner.run_case(case, all_, rounds=2, min_sample_ns=1e5, warmup_ns=1e4)
+    finally:
+        for i in all_:
+            i.shutdown()
+    res = cr.results
+    assert set(res) == set(impls.IMPL_NAMES)
+    for name, r in res.items():
+        assert r.status in (runner.OK, runner.NA), (name, r.status, r.reason)
+        if r.status == runner.OK:
+            assert r.gbps == pytest.approx(2 * 8 * 2 * 24 * 5 * 7 / r.median_ns)
+            assert name == "copy" or r.max_abs_err <= 1e-10
+        else:
+            assert r.reason
+    assert res["copy"].status == res["numpy"].status == runner.OK
+    if impls.load_simdnorm()[0] is not None:
+        assert res["simdnorm"].status == runner.OK
+    doc = json.loads(json.dumps(cr.to_json()))
+    assert doc["dtype"] == "float64" and doc["tolerance"] == {"atol": 1e-10, "rtol": 1e-10}
+    assert doc["input_bytes"] == 2 * 24 * 5 * 7 * 8
+    assert "bn/2x24x5x7/nchw/f64" in report.format_case(cr)
+    assert "bn/2x24x5x7/nchw/f64" in report.format_summary([cr])
 
 
 # ------------------------------------------------------------------------------- runner, timing
@@ -426,6 +639,10 @@ def test_list(capsys):
     out = capsys.readouterr().out
     assert "tiny/bn/1x16x8x8/f32" in out and "tiny/bn-compiled/1x16x8x8/f32" in out
     assert "bn/8x64x112x112" not in out
+    assert B.main(["--list", "--filter", "f64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(FLOAT64_CASES)
+    assert "float64" in lines[0] and "(50.3 MB moved)" in lines[0]  # 2 x 8 x 512 x 768 x 8 bytes
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
