@@ -446,9 +446,10 @@ def test_16bit_rows_stream(isa, rng, threads, dtype, n, x_offset, out_offset):
 
 # A row's bits do not depend on the rows the stream runs beside it. From its fifth row on, the
 # stream sums and normalizes two rows' periods in one loop (kernels/fused_rows.h: run_pair, pairs
-# from even rows, where they fit in L1: rows under 1024 elements), each row taking the operations
-# it takes alone, in the same order. The same rows from row 0 and from row 1 (every pair shifted by
-# one row, the phases the same), every ISA; rows whose first pass needs a second, in and out of pairs.
+# from even rows, where they fit in L1: rows under 1024 elements on a 32 KB L1, up to 1024 on a 48
+# KB one), each row taking the operations it takes alone, in the same order. The same rows from
+# row 0 and from row 1 (every pair shifted by one row, the phases the same), every ISA; rows whose
+# first pass needs a second, in and out of pairs.
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
 @pytest.mark.parametrize("n", [32, 96, 768, 1024])
 def test_16bit_rows_stream_bits_whatever_rows_pair_up(isa, rng, threads, dtype, n):

@@ -377,7 +377,7 @@ struct NormalizeKernel {
   // coefficients (kBlockBytes with its input and output) stay in the L1 while its rows stream
   // through. Row by row, each row's input and output lines pushed the coefficients out before the
   // next row reread them (an L1 under LRU loses a cyclic working set larger than itself whole).
-  // kL1Bytes is the L1 data cache of current x86 cores (32 KB; 48 KB on some). The block
+  // Rows up to the L1's size (the task's l1_bytes, read from the CPU) run whole. The block
   // boundaries after the first sit on the first row's output lines. Not with streaming stores:
   // a block's rows write their lines a few KB at a time, and the non-temporal stores lost
   // (float32 8x2048x14x14 and 32x2048x7x7, 26 MB each way: 1.43-1.45x the time).
@@ -385,17 +385,19 @@ struct NormalizeKernel {
   // batch norm 8x2048x7x7 float32 144-148 -> 99-126 us, 8x4096x7x7 float32 388-395 -> 295-369
   // and float16 260-264 -> 155-158; instance norm 8x2048x7x7 float32 335 -> 258-263. Rows of
   // exactly the L1 run whole: float16 batch norm at 2048 channels (32 KB a row) took 1.13-1.18x
-  // the time in blocks.
-  static constexpr int64_t kL1Bytes = 32 << 10, kBlockBytes = 20 << 10;
+  // the time in blocks. So do rows that fit a larger L1: an Intel Xeon's 48 KB, channels-last
+  // batch norm 8x2048x7x7 float32 (40 KB a row), 1 thread, separate processes alternating, t / copy:
+  // in blocks 1.24-1.31, whole 1.10-1.11.
+  static constexpr int64_t kBlockBytes = 20 << 10;
   // A block, with the first one's head (under a line) and the rounding (under a line), of four
   // coefficient arrays at most, never blocks again.
-  static_assert(kBlockBytes + 2 * (64 / sizeof(T)) * (4 * sizeof(C) + 2 * sizeof(T)) <= kL1Bytes,
+  static_assert(kBlockBytes + 2 * (64 / sizeof(T)) * (4 * sizeof(C) + 2 * sizeof(T)) <= kMinL1DataBytes,
                 "a block of columns fits the L1 whole");
   // Columns a block spans (a whole number of output lines), or 0 when rows of n run whole;
-  // coefficient_bytes: the bytes of coefficients an element reads.
-  static int64_t column_block(int64_t n, int64_t coefficient_bytes) {
+  // coefficient_bytes: the bytes of coefficients an element reads; l1: the L1's bytes.
+  static int64_t column_block(int64_t n, int64_t coefficient_bytes, int64_t l1) {
     const int64_t row_bytes = n * (coefficient_bytes + 2 * static_cast<int64_t>(sizeof(T)));
-    if (coefficient_bytes == 0 || row_bytes <= kL1Bytes) return 0;
+    if (coefficient_bytes == 0 || row_bytes <= l1) return 0;
     constexpr int64_t per_line = 64 / sizeof(T);
     const int64_t blocks = (row_bytes + kBlockBytes - 1) / kBlockBytes, columns = (n + blocks - 1) / blocks;
     return (columns + per_line - 1) / per_line * per_line;
@@ -420,10 +422,11 @@ struct NormalizeKernel {
     }
   }
 
-  // `rows` runs of n elements, run r at p + r * rs; the loop is chosen once for all of them.
+  // `rows` runs of n elements, run r at p + r * rs; the loop is chosen once for all of them (l1:
+  // the L1's bytes).
   template <class F>
   static void run_rows(const F& f, int64_t rows, int64_t n, char* const* p, const int64_t* s,
-                       const int64_t* rs, bool stream) {
+                       const int64_t* rs, bool stream, int64_t l1) {
     char* q[kNumOperands];
     std::memcpy(q, p, sizeof q);
     auto each_row = [&](auto&& one_row) {
@@ -440,14 +443,14 @@ struct NormalizeKernel {
       const bool af_const = scale_const && s[kBias] == 0, af_vary = scale_vary && s[kBias] == cs;
       const int64_t arrays = (st_vary ? 2 : 0) + (af_vary ? (F::kScaleFolded ? 1 : 2) : 0);
       const bool contiguous = (st_const || st_vary) && (af_const || af_vary);
-      if (const int64_t block = rows > 1 && contiguous && !stream ? column_block(n, arrays * cs) : 0) {
+      if (const int64_t block = rows > 1 && contiguous && !stream ? column_block(n, arrays * cs, l1) : 0) {
         const int64_t first = head_to_line(p[kOut]) + block;
         for (int64_t b0 = 0, b1; b0 < n; b0 = b1) {
           b1 = b0 == 0 ? first : b0 + block;
           if (b1 > n) b1 = n;
           char* at[kNumOperands];
           for (int op = 0; op < kNumOperands; ++op) at[op] = p[op] + b0 * s[op];
-          run_rows(f, rows, b1 - b0, at, s, rs, stream);  // a block's rows never block again
+          run_rows(f, rows, b1 - b0, at, s, rs, stream, l1);  // a block's rows never block again
         }
         return;
       }
@@ -488,7 +491,7 @@ struct NormalizeKernel {
     visit_formula(task, [&](const auto& f) {
       for_each_block(task.loop, begin, end,
                      [&](int64_t rows, int64_t len, char* const* p, const int64_t* s, const int64_t* rs) {
-                       run_rows(f, rows, len, p, s, rs, stream);
+                       run_rows(f, rows, len, p, s, rs, stream, task.l1_bytes);
                      });
     });
     if (stream) stream_fence();
@@ -500,7 +503,7 @@ struct NormalizeKernel {
     int64_t s[kNumOperands];
     for (int op = 0; op < kNumOperands; ++op) s[op] = task.loop.strides[op][task.loop.ndim - 1];
     const int64_t no_step[kNumOperands] = {};
-    visit_formula(task, [&](const auto& f) { run_rows(f, 1, n, p, s, no_step, task.stream_stores); });
+    visit_formula(task, [&](const auto& f) { run_rows(f, 1, n, p, s, no_step, task.stream_stores, task.l1_bytes); });
   }
 };
 

@@ -101,7 +101,7 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
   align_coefficients(task.loop, *folded, x.dtype);
   task.dtype = x.dtype;
   task.act = a.activation;
-  task.stream_stores = wants_stream_stores(task);
+  fit_to_caches(task);
   task.scale_folded = scale_folded;
   if (explain != nullptr) {
     *explain = describe_normalize(task) + (scale_folded ? "" : " scale-apart");

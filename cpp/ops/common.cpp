@@ -222,12 +222,13 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) 
   for (int op = kOut; op <= kIn; ++op) nest.strides[op][outer] *= copies;
 }
 
-bool wants_stream_stores(const NormalizeTask& task) {
-  // Measured on 8x512x28x28 float32 batch norm and 8x512x768 float32 layer norm (25 MB in + out,
-  // 32 MB L3): 0.59-0.78x the time with streaming stores, alternating processes. See
+void fit_to_caches(NormalizeTask& task) {
+  // Streaming: measured on 8x512x28x28 float32 batch norm and 8x512x768 float32 layer norm (25 MB
+  // in + out, 32 MB L3): 0.59-0.78x the time with streaming stores, alternating processes. See
   // stream_threshold_bytes().
-  return task.loop.data[kOut] != task.loop.data[kIn] &&
-         2 * element_count(task.loop) * itemsize(task.dtype) > stream_threshold_bytes();
+  task.stream_stores = task.loop.data[kOut] != task.loop.data[kIn] &&
+                       2 * element_count(task.loop) * itemsize(task.dtype) > stream_threshold_bytes();
+  task.l1_bytes = l1_data_cache_bytes();
 }
 
 void fence_streaming_stores() {

@@ -75,10 +75,11 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);
-// Non-temporal stores: for operations that move more bytes (input plus output) than
-// stream_threshold_bytes() (smaller ones stay cached between calls, and their output is cached for
-// its reader), never in place.
-bool wants_stream_stores(const NormalizeTask& task);
+// What the task needs to know of the caches, once its loop and dtype are set: the L1's size, and
+// whether to write with non-temporal stores: for operations that move more bytes (input plus
+// output) than stream_threshold_bytes() (smaller ones stay cached between calls, and their output
+// is cached for its reader), never in place.
+void fit_to_caches(NormalizeTask& task);
 // Orders this thread's non-temporal stores before what it does next (kernels that take single runs
 // leave this to their caller).
 void fence_streaming_stores();

@@ -106,7 +106,7 @@ class MvnRunner {
 
     fold_affine();
     build_plan();
-    task_.stream_stores = wants_stream_stores(task_);
+    fit_to_caches(task_);
     if (explain != nullptr) {
       *explain = (plan_.lanes ? "columns" : "rows") + std::string(" groups=") + std::to_string(plan_.groups) +
                  " lanes=" + std::to_string(plan_.lane_count) + " group_size=" + std::to_string(plan_.group_size) +

@@ -122,29 +122,55 @@ void set_isa(const std::string& name) {
                               " (built: " + known + ")");
 }
 
+namespace {
+// The caches sysfs lists for cpu0, as fn(level, type, bytes), until fn returns true.
+template <class Fn>
+void each_cache(Fn&& fn) {
+  for (int index = 0; index < 16; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    int level = 0;
+    long long kib = 0;
+    char unit = 0, type[16] = {};
+    FILE* f = std::fopen((dir + "level").c_str(), "r");
+    if (f == nullptr) return;
+    const bool got_level = std::fscanf(f, "%d", &level) == 1;
+    std::fclose(f);
+    f = std::fopen((dir + "size").c_str(), "r");
+    if (f == nullptr) continue;
+    const bool got_size = std::fscanf(f, "%lld%c", &kib, &unit) == 2 && unit == 'K';
+    std::fclose(f);
+    f = std::fopen((dir + "type").c_str(), "r");
+    if (f == nullptr) continue;
+    const bool got_type = std::fscanf(f, "%15s", type) == 1;
+    std::fclose(f);
+    if (got_level && got_size && got_type && kib > 0 && fn(level, std::string(type), static_cast<int64_t>(kib) << 10))
+      return;
+  }
+}
+}  // namespace
+
 int64_t last_level_cache_bytes() {
   static const int64_t bytes = [] {
     int best_level = 0;
     int64_t best_size = int64_t(8) << 20;
-    for (int index = 0; index < 16; ++index) {
-      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
-      int level = 0;
-      long long kib = 0;
-      char unit = 0;
-      FILE* f = std::fopen((dir + "level").c_str(), "r");
-      if (f == nullptr) break;
-      const bool got_level = std::fscanf(f, "%d", &level) == 1;
-      std::fclose(f);
-      f = std::fopen((dir + "size").c_str(), "r");
-      if (f == nullptr) continue;
-      const bool got_size = std::fscanf(f, "%lld%c", &kib, &unit) == 2 && unit == 'K';
-      std::fclose(f);
-      if (got_level && got_size && level > best_level && kib > 0) {
-        best_level = level;
-        best_size = static_cast<int64_t>(kib) << 10;
-      }
-    }
+    each_cache([&](int level, const std::string&, int64_t size) {
+      if (level > best_level) best_level = level, best_size = size;
+      return false;
+    });
     return best_size;
+  }();
+  return bytes;
+}
+
+int64_t l1_data_cache_bytes() {
+  static const int64_t bytes = [] {
+    int64_t size = kMinL1DataBytes;
+    each_cache([&](int level, const std::string& type, int64_t found) {
+      if (level != 1 || type != "Data") return false;
+      if (found > size) size = found;
+      return true;
+    });
+    return size;
   }();
   return bytes;
 }

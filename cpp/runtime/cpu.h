@@ -21,6 +21,9 @@ void set_isa(const std::string& name);
 // sysconf(_SC_LEVEL3_CACHE_SIZE) reports the whole socket on AMD: 384 MiB for twelve 32 MiB L3s.)
 int64_t last_level_cache_bytes();
 
+// The L1 data cache of cpu0 (sysfs), bytes; kMinL1DataBytes where that is not readable or less.
+int64_t l1_data_cache_bytes();
+
 // Input plus output bytes past which an out-of-place op writes with non-temporal stores: half the
 // last-level cache (it is shared with other cores and tenants), at most kStreamCapBytes.
 constexpr int64_t kStreamCapBytes = int64_t(16) << 20;
