@@ -296,56 +296,80 @@ static inline __mmask16 span_mask(int lo, int hi) { return (__mmask16)((1u << hi
 static inline __mmask8 tail_mask_d(int n) { return (__mmask8)((1u << n) - 1u); }
 #endif
 
-template <> struct Lanes<float> {
-  using V = vf;
-  static constexpr int W = kWidth;
-  static V load(const float* p) {
+// The full-precision lanes, float in vf and double in vd: the instructions that differ by element
+// type, then one Lanes for both.
+static inline void stream_vector(float* p, vf v) {
+#if defined(__AVX512F__)
+  _mm512_stream_ps(p, (__m512)v);
+#elif defined(__AVX2__)
+  _mm256_stream_ps(p, (__m256)v);
+#elif defined(__SSE2__)
+  _mm_stream_ps(p, (__m128)v);
+#else
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
+static inline void stream_vector(double* p, vd v) {
+#if defined(__AVX512F__)
+  _mm512_stream_pd(p, (__m512d)v);
+#elif defined(__AVX2__)
+  _mm256_stream_pd(p, (__m256d)v);
+#elif defined(__SSE2__)
+  _mm_stream_pd(p, (__m128d)v);
+#else
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
+#if defined(__AVX512F__)
+static inline vf masked_load(const float* p, int n) { return (vf)_mm512_maskz_loadu_ps(tail_mask(n), p); }
+static inline vd masked_load(const double* p, int n) { return (vd)_mm512_maskz_loadu_pd(tail_mask_d(n), p); }
+static inline void masked_store(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, tail_mask(n), (__m512)v); }
+static inline void masked_store(double* p, vd v, int n) { _mm512_mask_storeu_pd(p, tail_mask_d(n), (__m512d)v); }
+#endif
+
+template <class E, class Vec>
+struct FullLanes {
+  using V = Vec;
+  static constexpr int W = sizeof(Vec) / sizeof(E);
+  static V load(const E* p) {
     V v;
     std::memcpy(&v, p, sizeof v);
     return v;
   }
-  static void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
-  static void store2(float* p, V v0, V v1) {
+  static void store(E* p, V v) { std::memcpy(p, &v, sizeof v); }
+  static void store2(E* p, V v0, V v1) {
     store(p, v0);
     store(p + W, v1);
   }
   // Non-temporal stores of two consecutive vectors to a 64-byte aligned address (bypasses the
   // cache: no read-for-ownership of the destination lines). The caller fences with stream_fence().
-  static void store2_stream(float* p, V v0, V v1) {
-#if defined(__AVX512F__)
-    _mm512_stream_ps(p, (__m512)v0);
-    _mm512_stream_ps(p + W, (__m512)v1);
-#elif defined(__AVX2__)
-    _mm256_stream_ps(p, (__m256)v0);
-    _mm256_stream_ps(p + W, (__m256)v1);
-#elif defined(__SSE2__)
-    _mm_stream_ps(p, (__m128)v0);
-    _mm_stream_ps(p + W, (__m128)v1);
-#else
-    store(p, v0);
-    store(p + W, v1);
-#endif
+  static void store2_stream(E* p, V v0, V v1) {
+    stream_vector(p, v0);
+    stream_vector(p + W, v1);
   }
-  static V load_partial(const float* p, int n) {
+  static V load_partial(const E* p, int n) {
 #if defined(__AVX512F__)
-    return (vf)_mm512_maskz_loadu_ps(tail_mask(n), p);
+    return masked_load(p, n);
 #else
     V v = {};
-    std::memcpy(&v, p, sizeof(float) * n);
+    std::memcpy(&v, p, sizeof(E) * n);
     return v;
 #endif
   }
-  static void store_partial(float* p, V v, int n) {
+  static void store_partial(E* p, V v, int n) {
 #if defined(__AVX512F__)
-    _mm512_mask_storeu_ps(p, tail_mask(n), (__m512)v);
+    masked_store(p, v, n);
 #else
-    std::memcpy(p, &v, sizeof(float) * n);
+    std::memcpy(p, &v, sizeof(E) * n);
 #endif
   }
-  static void store_partial_stream(float* p, V v, int n) { stream_bytes(p, &v, sizeof(float) * n); }
-  static float load_one(const float* p) { float x; std::memcpy(&x, p, 4); return x; }
-  static void store_one(float* p, float x) { std::memcpy(p, &x, 4); }
+  static void store_partial_stream(E* p, V v, int n) { stream_bytes(p, &v, sizeof(E) * n); }
+  static E load_one(const E* p) { E x; std::memcpy(&x, p, sizeof x); return x; }
+  static void store_one(E* p, E x) { std::memcpy(p, &x, sizeof x); }
 };
+template <> struct Lanes<float> : FullLanes<float, vf> {};
+// float64 data computes in double lanes.
+template <> struct Lanes<double> : FullLanes<double, vd> {};
 
 // Packs the low 16 bits of each lane.
 static inline vh narrow16(vu a) { return __builtin_convertvector(a, vh); }
@@ -512,55 +536,6 @@ template <> struct Lanes<f16_t>
     : Lanes16<f16_t, vf_from_f16, f16_from_vf, f16_bits_to_float, float_to_f16_bits> {};
 template <> struct Lanes<bf16_t>
     : Lanes16<bf16_t, vf_from_bf16, bf16_from_vf, bf16_bits_to_float, float_to_bf16_bits> {};
-
-// float64 data computes in double lanes.
-template <> struct Lanes<double> {
-  using V = vd;
-  static constexpr int W = kWidthD;
-  static V load(const double* p) {
-    V v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  }
-  static void store(double* p, V v) { std::memcpy(p, &v, sizeof v); }
-  static void store2(double* p, V v0, V v1) {
-    store(p, v0);
-    store(p + W, v1);
-  }
-  static void store2_stream(double* p, V v0, V v1) {
-#if defined(__AVX512F__)
-    _mm512_stream_pd(p, (__m512d)v0);
-    _mm512_stream_pd(p + W, (__m512d)v1);
-#elif defined(__AVX2__)
-    _mm256_stream_pd(p, (__m256d)v0);
-    _mm256_stream_pd(p + W, (__m256d)v1);
-#elif defined(__SSE2__)
-    _mm_stream_pd(p, (__m128d)v0);
-    _mm_stream_pd(p + W, (__m128d)v1);
-#else
-    store2(p, v0, v1);
-#endif
-  }
-  static V load_partial(const double* p, int n) {
-#if defined(__AVX512F__)
-    return (vd)_mm512_maskz_loadu_pd(tail_mask_d(n), p);
-#else
-    V v = {};
-    std::memcpy(&v, p, sizeof(double) * n);
-    return v;
-#endif
-  }
-  static void store_partial(double* p, V v, int n) {
-#if defined(__AVX512F__)
-    _mm512_mask_storeu_pd(p, tail_mask_d(n), (__m512d)v);
-#else
-    std::memcpy(p, &v, sizeof(double) * n);
-#endif
-  }
-  static void store_partial_stream(double* p, V v, int n) { stream_bytes(p, &v, sizeof(double) * n); }
-  static double load_one(const double* p) { double x; std::memcpy(&x, p, 8); return x; }
-  static void store_one(double* p, double x) { std::memcpy(p, &x, 8); }
-};
 
 // For the methods of loop cursors (ContiguousRun, ContiguousSums): their state must stay in
 // registers, which it does only when every method is inlined into the loop that drives them.
