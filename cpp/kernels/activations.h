@@ -91,10 +91,12 @@ template <class V> struct ActScaledTanh {
 };
 
 // p * x as hi + lo for the softplus family: lo = the rounding error of the float product z = p_hi x
-// plus the part of p lost in rounding it to float (p_lo). float64 needs no correction (p_lo unused).
+// plus the part of p lost in rounding it to float (p_lo). float64 lanes (vd) take the rounding error
+// of the double product (a parameter is exact in double: p_lo unused); the scalar double path
+// (<cmath>, not used by the kernels) takes none.
 static inline vf act_product_lo(vf p_hi, vf p_lo, vf x, vf z) { return vfma(p_lo, x, vprod_err(p_hi, x, z)); }
 static inline double act_product_lo(double, double, double, double) { return 0.0; }
-static inline vd act_product_lo(vd, vd, vd, vd) { return vd{}; }
+static inline vd act_product_lo(vd p_hi, vd, vd x, vd z) { return vprod_err(p_hi, x, z); }
 
 // softplus(p0 = steepness s > 0): log(1 + exp(s x)) / s = max(x, 0) + log1p(exp(-|s x|)) / s.
 // max(s x, 0) / s is taken as max(x, 0) exactly, so s x overflowing to inf cannot give inf.

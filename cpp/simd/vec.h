@@ -164,6 +164,17 @@ static inline vf vround(vf a) {
   return (a + magic) - magic;
 #endif
 }
+// The same on double lanes (valid for |x| < 2^51 in the baseline form: SSE2 has no roundpd).
+static inline vd vround(vd a) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_roundscale_pd((__m512d)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__)
+  return (vd)_mm256_round_pd((__m256d)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vd magic = vbroadcast_vd(6755399441055744.0);  // 1.5 * 2^52
+  return (a + magic) - magic;
+#endif
+}
 
 // Select lanewise: m ? a : b, where m comes from a comparison of vf (a vi of 0 / -1).
 static inline vf vselect(vi m, vf a, vf b) { return m ? a : b; }
@@ -232,6 +243,28 @@ static inline vi vto_int(vf a) { return __builtin_convertvector(a, vi); }  // tr
 static inline vf vto_float(vi a) { return __builtin_convertvector(a, vf); }
 static inline vi vbits(vf a) { return (vi)a; }
 static inline vf vfrom_bits(vi a) { return (vf)a; }
+static inline vl vbits(vd a) { return (vl)a; }
+static inline vd vfrom_bits(vl a) { return (vd)a; }
+// Integral double lanes (|a| < 2^51) to int64 lanes and back, exact. AVX-512DQ has the instructions;
+// elsewhere (AVX2 and SSE2 have no packed int64 <-> double conversion) 1.5 * 2^52 added to such an
+// integer holds it, two's complement, in the low mantissa bits. Unsigned lane arithmetic: no signed
+// overflow for the lanes of NaN or infinite inputs (whose results callers discard).
+static inline vl vto_long(vd a) {
+#if defined(__AVX512DQ__)
+  return (vl)_mm512_cvtpd_epi64((__m512d)a);  // rounds to nearest: exact for integral a
+#else
+  const vd magic = vbroadcast_vd(6755399441055744.0);  // 1.5 * 2^52
+  return (vl)((vul)(a + magic) - (vul)magic);
+#endif
+}
+static inline vd vto_double(vl a) {
+#if defined(__AVX512DQ__)
+  return (vd)_mm512_cvtepi64_pd((__m512i)a);
+#else
+  const vd magic = vbroadcast_vd(6755399441055744.0);
+  return (vd)((vul)a + (vul)magic) - magic;
+#endif
+}
 
 // Sum of the lanes in a fixed order (the result must not depend on anything but the lanes).
 static inline float vreduce_add(vf a) {
