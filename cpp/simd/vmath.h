@@ -22,6 +22,15 @@
 // The polynomial coefficients were fitted for this file (Lawson-weighted least squares against
 // mpmath, i.e. near-minimax in relative error), then rounded to float.
 
+// c0 x^n + c1 x^(n-1) + ... + cn by Horner's rule, one FMA a step, the coefficients given highest
+// degree first and rounded to V's element type (float literals for vf, so that nothing rounds twice).
+template <class V, class... C>
+static inline V vhorner(V x, double c0, C... rest) {
+  V acc = splat<V>(c0);
+  ((acc = vfma(acc, x, splat<V>(rest))), ...);
+  return acc;
+}
+
 // 2^n as a float, for -126 <= n <= 127 (n = -127 gives 0, which expm1 relies on).
 // Unsigned lane arithmetic: lanes of NaN inputs carry INT_MIN here, and signed overflow or a left
 // shift of a negative value would be undefined behaviour (UBSan reports it) although the lane's
@@ -46,12 +55,8 @@ static inline vf vm_expm1_core(vf hi, vf lo, vi& n) {
   if (kLo) r = r + lo;
   r = vfma(k, vbroadcast(2.12194440e-4f), r);  // ln2 = 0.693359375 - 2.12194440e-4
   // expm1(r) = r + r^2 * P(r): fitted relative error 2.4e-10 (0.004 ulp) on |r| <= 0.3476.
-  vf p = vbroadcast(0.000198459005f);
-  p = vfma(p, r, vbroadcast(0.00139409222f));
-  p = vfma(p, r, vbroadcast(0.00833338965f));
-  p = vfma(p, r, vbroadcast(0.0416663587f));
-  p = vfma(p, r, vbroadcast(0.166666657f));
-  p = vfma(p, r, vbroadcast(0.5f));
+  const vf p = vhorner(r, 0.000198459005f, 0.00139409222f, 0.00833338965f, 0.0416663587f, 0.166666657f,
+                       0.5f);
   return vfma(r * r, p, r);
 }
 
@@ -107,11 +112,7 @@ static inline vf vlog1p(vf x) {
   const vf s = f / (vbroadcast(2.0f) + f);
   const vf z = s * s;
   // R(z) = z (Lg1 + Lg2 z + Lg3 z^2 + Lg4 z^3): fitted abs error 1e-11 on |s| <= 0.1716.
-  vf R = vbroadcast(0.235991806f);
-  R = vfma(R, z, vbroadcast(0.285364598f));
-  R = vfma(R, z, vbroadcast(0.400003463f));
-  R = vfma(R, z, vbroadcast(0.666666627f));
-  R = R * z;
+  const vf R = vhorner(z, 0.235991806f, 0.285364598f, 0.400003463f, 0.666666627f) * z;
   const vf hfsq = vbroadcast(0.5f) * f * f;
   // ln2 = ln2_hi + ln2_lo, ln2_hi with its 7 low bits zero.
   vf r = vfma(s, hfsq + R, vfma(kf, vbroadcast(9.05800061e-6f), c)) - hfsq + f;
@@ -129,12 +130,8 @@ static inline vf vlog1p(vf x) {
 static inline vf vtanh(vf x) {
   const vf a = vabs(x);
   const vf z = x * x;
-  vf p = vbroadcast(0.00213626493f);
-  p = vfma(p, z, vbroadcast(-0.00817029178f));
-  p = vfma(p, z, vbroadcast(0.0216979198f));
-  p = vfma(p, z, vbroadcast(-0.0539462715f));
-  p = vfma(p, z, vbroadcast(0.133332029f));
-  p = vfma(p, z, vbroadcast(-0.333333313f));
+  const vf p = vhorner(z, 0.00213626493f, -0.00817029178f, 0.0216979198f, -0.0539462715f, 0.133332029f,
+                       -0.333333313f);
   const vf small = vfma(x * z, p, x);
   const vf e = vexpm1(a + a);
   const vf big = vselect(a > vbroadcast(9.1f), vbroadcast(1.0f),
@@ -147,13 +144,8 @@ static inline vf vtanh(vf x) {
 // Small |x| < 0.921875: erf(x) = x + x P(x^2), P fitted to relative error 7e-10 (0.007 ulp).
 static inline vf vm_erf_small(vf x) {
   const vf z = x * x;
-  vf p = vbroadcast(8.35700412e-05f);
-  p = vfma(p, z, vbroadcast(-0.000813960913f));
-  p = vfma(p, z, vbroadcast(0.00520075951f));
-  p = vfma(p, z, vbroadcast(-0.026859289f));
-  p = vfma(p, z, vbroadcast(0.112836935f));
-  p = vfma(p, z, vbroadcast(-0.376126349f));
-  p = vfma(p, z, vbroadcast(0.128379166f));
+  const vf p = vhorner(z, 8.35700412e-05f, -0.000813960913f, 0.00520075951f, -0.026859289f,
+                       0.112836935f, -0.376126349f, 0.128379166f);
   return vfma(x, p, x);
 }
 
@@ -164,17 +156,9 @@ static inline vf vm_erf_small(vf x) {
 // in erfc. Returns m with erfc = m * 2^n (see vm_scale).
 static inline vf vm_erfc_tail(vf a, vf sq_hi, vf sq_lo, vi& n) {
   const vf t = vbroadcast(1.0f) / vfma(a, vbroadcast(0.75f), vbroadcast(1.0f));
-  vf h = vbroadcast(-0.40212515f);
-  h = vfma(h, t, vbroadcast(1.70234048f));
-  h = vfma(h, t, vbroadcast(-2.87010598f));
-  h = vfma(h, t, vbroadcast(2.19611526f));
-  h = vfma(h, t, vbroadcast(-0.403201848f));
-  h = vfma(h, t, vbroadcast(-0.273148119f));
-  h = vfma(h, t, vbroadcast(-0.159116626f));
-  h = vfma(h, t, vbroadcast(0.0573047288f));
-  h = vfma(h, t, vbroadcast(0.305344343f));
-  h = vfma(h, t, vbroadcast(0.423056483f));
-  h = vfma(h, t, vbroadcast(0.423144668f));
+  const vf h = vhorner(t, -0.40212515f, 1.70234048f, -2.87010598f, 2.19611526f, -0.403201848f,
+                       -0.273148119f, -0.159116626f, 0.0573047288f, 0.305344343f, 0.423056483f,
+                       0.423144668f);
   const vf th = t * h;
   const vf q = vm_expm1_core<true>(vbroadcast(0.0f) - sq_hi, vbroadcast(0.0f) - sq_lo, n);
   return vfma(q, th, th);
@@ -315,16 +299,10 @@ static inline vd vm_exp_reduce(vd x, vd lo, vd& k, vd& rlo) {
 // relative error; rounded to double one at a time, the rest refitted), relative error 3.0e-18
 // (2^-58.2) with the double coefficients.
 static inline vd vm_expm1_dd(vd r, vd rlo, vd& ql) {
-  vd q = splat<vd>(2.0918112025030626e-09);
-  q = vfma(q, r, splat<vd>(2.5105460561288464e-08));
-  q = vfma(q, r, splat<vd>(2.7557258495183673e-07));
-  q = vfma(q, r, splat<vd>(2.755725461892094e-06));
-  q = vfma(q, r, splat<vd>(2.48015873454674e-05));
-  q = vfma(q, r, splat<vd>(0.000198412698756576));
-  q = vfma(q, r, splat<vd>(0.001388888888887495));
-  q = vfma(q, r, splat<vd>(0.008333333333325811));
-  q = vfma(q, r, splat<vd>(0.04166666666666668));
-  q = vfma(q, r, splat<vd>(0.1666666666666667));
+  const vd q = vhorner(r, 2.0918112025030626e-09, 2.5105460561288464e-08, 2.7557258495183673e-07,
+                       2.755725461892094e-06, 2.48015873454674e-05, 0.000198412698756576,
+                       0.001388888888887495, 0.008333333333325811, 0.04166666666666668,
+                       0.1666666666666667);
   const vd r2 = r * r;
   const vd r2l = vfma(r, r, -r2);
   const vd hh = r2 * splat<vd>(0.5);
@@ -427,13 +405,9 @@ static inline vd vm_log1p(vd x, vd lo) {
   c = c * inv_m * vm_pow2d(vmax(splat<vd>(-1022.0), splat<vd>(0.0) - k));
   const vd s = f / (splat<vd>(2.0) + f);
   const vd z = s * s;
-  vd R = splat<vd>(1.479819860511658591e-01);
-  R = vfma(R, z, splat<vd>(1.531383769920937332e-01));
-  R = vfma(R, z, splat<vd>(1.818357216161805012e-01));
-  R = vfma(R, z, splat<vd>(2.222219843214978396e-01));
-  R = vfma(R, z, splat<vd>(2.857142874366239149e-01));
-  R = vfma(R, z, splat<vd>(3.999999999940941908e-01));
-  R = vfma(R, z, splat<vd>(6.666666666666735130e-01));
+  const vd R = vhorner(z, 1.479819860511658591e-01, 1.531383769920937332e-01, 1.818357216161805012e-01,
+                       2.222219843214978396e-01, 2.857142874366239149e-01, 3.999999999940941908e-01,
+                       6.666666666666735130e-01);
   // fdlibm sums k ln2_hi - ((hfsq - (s (hfsq + z R) + (k ln2_lo + c))) - f), k ln2_hi exact (ln2 split
   // as in vm_exp_reduce). Here k ln2_hi + f, hfsq = f^2 / 2, hfsq - T and their sum are kept exact
   // (f^2 as two doubles; Fast2Sums: |f| < ln2_hi, |T| < hfsq, |hfsq - T| < |k ln2_hi + f|), which
@@ -559,25 +533,17 @@ static inline VmErfcParts vm_erfc_parts(vd a, vd al, vd nsq_h, vd nsq_l) {
   // their last steps, and the partial sums selected: cheaper than selecting every coefficient
   // (vblendvpd is two uops on Intel's AVX2 cores).
   const vd z = a * a, sb = a - one;
-  vd PA = splat<vd>(-2.37630166566501626084e-05);
-  PA = vfma(PA, z, splat<vd>(-5.77027029648944159157e-03));
-  PA = vfma(PA, z, splat<vd>(-2.84817495755985104766e-02));
-  vd PB = splat<vd>(-2.16637559486879084300e-03);
-  PB = vfma(PB, sb, splat<vd>(3.54783043256182359371e-02));
-  PB = vfma(PB, sb, splat<vd>(-1.10894694282396677476e-01));
-  PB = vfma(PB, sb, splat<vd>(3.18346619901161753674e-01));
-  PB = vfma(PB, sb, splat<vd>(-3.72207876035701323847e-01));
-  vd QA = splat<vd>(-3.96022827877536812320e-06);
-  QA = vfma(QA, z, splat<vd>(1.32494738004321644526e-04));
-  QA = vfma(QA, z, splat<vd>(5.08130628187576562776e-03));
-  QA = vfma(QA, z, splat<vd>(6.50222499887672944485e-02));
-  QA = vfma(QA, z, splat<vd>(3.97917223959155352819e-01));
-  vd QB = splat<vd>(1.19844998467991074170e-02);
-  QB = vfma(QB, sb, splat<vd>(1.36370839120290507362e-02));
-  QB = vfma(QB, sb, splat<vd>(1.26171219808761642112e-01));
-  QB = vfma(QB, sb, splat<vd>(7.18286544141962662868e-02));
-  QB = vfma(QB, sb, splat<vd>(5.40397917702171048937e-01));
-  QB = vfma(QB, sb, splat<vd>(1.06420880400844228286e-01));
+  const vd PA = vhorner(z, -2.37630166566501626084e-05, -5.77027029648944159157e-03,
+                        -2.84817495755985104766e-02);
+  const vd PB = vhorner(sb, -2.16637559486879084300e-03, 3.54783043256182359371e-02,
+                        -1.10894694282396677476e-01, 3.18346619901161753674e-01,
+                        -3.72207876035701323847e-01);
+  const vd QA = vhorner(z, -3.96022827877536812320e-06, 1.32494738004321644526e-04,
+                        5.08130628187576562776e-03, 6.50222499887672944485e-02,
+                        3.97917223959155352819e-01);
+  const vd QB = vhorner(sb, 1.19844998467991074170e-02, 1.36370839120290507362e-02,
+                        1.26171219808761642112e-01, 7.18286544141962662868e-02,
+                        5.40397917702171048937e-01, 1.06420880400844228286e-01);
   const vd w = vselect(inA, z, sb), P = vselect(inA, PA, PB), Q = vselect(inA, QA, QB);
   // The last two steps of P and the last of Q in two doubles (their roundings would cost up to 1 ulp
   // of erfc, which is 1 - a (1 + P/Q) in A and cancels against P/Q in B).
@@ -609,36 +575,22 @@ static inline VmErfcParts vm_erfc_parts(vd a, vd al, vd nsq_h, vd nsq_l) {
   const vd ra = one / a;  // (A lanes with a = 0: inf, unused)
   const vd s = ra * ra;
   // (C and D evaluated apart, then selected, as A and B.)
-  vd RC = splat<vd>(-9.81432934416914548592e+00);
-  RC = vfma(RC, s, splat<vd>(-8.12874355063065934246e+01));
-  RC = vfma(RC, s, splat<vd>(-1.84605092906711035994e+02));
-  RC = vfma(RC, s, splat<vd>(-1.62396669462573470355e+02));
-  RC = vfma(RC, s, splat<vd>(-6.23753324503260060396e+01));
-  RC = vfma(RC, s, splat<vd>(-1.05586262253232909814e+01));
-  RC = vfma(RC, s, splat<vd>(-6.93858572707181764372e-01));
-  RC = vfma(RC, s, splat<vd>(-9.86494403484714822705e-03));
-  vd RD = splat<vd>(-4.83519191608651397019e+02);
-  RD = vfma(RD, s, splat<vd>(-1.02509513161107724954e+03));
-  RD = vfma(RD, s, splat<vd>(-6.37566443368389627722e+02));
-  RD = vfma(RD, s, splat<vd>(-1.60636384855821916062e+02));
-  RD = vfma(RD, s, splat<vd>(-1.77579549177547519889e+01));
-  RD = vfma(RD, s, splat<vd>(-7.99283237680523006574e-01));
-  RD = vfma(RD, s, splat<vd>(-9.86494292470009928597e-03));
-  vd SC = splat<vd>(-6.04244152148580987438e-02);
-  SC = vfma(SC, s, splat<vd>(6.57024977031928170135e+00));
-  SC = vfma(SC, s, splat<vd>(1.08635005541779435134e+02));
-  SC = vfma(SC, s, splat<vd>(4.29008140027567833386e+02));
-  SC = vfma(SC, s, splat<vd>(6.45387271733267880336e+02));
-  SC = vfma(SC, s, splat<vd>(4.34565877475229228821e+02));
-  SC = vfma(SC, s, splat<vd>(1.37657754143519042600e+02));
-  SC = vfma(SC, s, splat<vd>(1.96512716674392571292e+01));
-  vd SD = splat<vd>(-2.24409524465858183362e+01);
-  SD = vfma(SD, s, splat<vd>(4.74528541206955367215e+02));
-  SD = vfma(SD, s, splat<vd>(2.55305040643316442583e+03));
-  SD = vfma(SD, s, splat<vd>(3.19985821950859553908e+03));
-  SD = vfma(SD, s, splat<vd>(1.53672958608443695994e+03));
-  SD = vfma(SD, s, splat<vd>(3.25792512996573918826e+02));
-  SD = vfma(SD, s, splat<vd>(3.03380607434824582924e+01));
+  const vd RC = vhorner(s, -9.81432934416914548592e+00, -8.12874355063065934246e+01,
+                        -1.84605092906711035994e+02, -1.62396669462573470355e+02,
+                        -6.23753324503260060396e+01, -1.05586262253232909814e+01,
+                        -6.93858572707181764372e-01, -9.86494403484714822705e-03);
+  const vd RD = vhorner(s, -4.83519191608651397019e+02, -1.02509513161107724954e+03,
+                        -6.37566443368389627722e+02, -1.60636384855821916062e+02,
+                        -1.77579549177547519889e+01, -7.99283237680523006574e-01,
+                        -9.86494292470009928597e-03);
+  const vd SC = vhorner(s, -6.04244152148580987438e-02, 6.57024977031928170135e+00,
+                        1.08635005541779435134e+02, 4.29008140027567833386e+02,
+                        6.45387271733267880336e+02, 4.34565877475229228821e+02,
+                        1.37657754143519042600e+02, 1.96512716674392571292e+01);
+  const vd SD = vhorner(s, -2.24409524465858183362e+01, 4.74528541206955367215e+02,
+                        2.55305040643316442583e+03, 3.19985821950859553908e+03,
+                        1.53672958608443695994e+03, 3.25792512996573918826e+02,
+                        3.03380607434824582924e+01);
   const vd R = vselect(inC, RC, RD);
   const vd S = vfma(vselect(inC, SC, SD), s, one);
   const vd rS = one / S;
