@@ -1,4 +1,4 @@
-// Fused activations as small functors on the compute type V (vf or double), applied in registers
+// Fused activations as small functors on the compute type V (vf or vd), applied in registers
 // before the single rounding to the output type. Included inside an ISA namespace after simd/vec.h
 // and simd/vmath.h (see vec.h): internal linkage only.
 //
@@ -92,10 +92,8 @@ template <class V> struct ActScaledTanh {
 
 // p * x as hi + lo for the softplus family: lo = the rounding error of the float product z = p_hi x
 // plus the part of p lost in rounding it to float (p_lo). float64 lanes (vd) take the rounding error
-// of the double product (a parameter is exact in double: p_lo unused); the scalar double path
-// (<cmath>, not used by the kernels) takes none.
+// of the double product (a parameter is exact in double: p_lo unused).
 static inline vf act_product_lo(vf p_hi, vf p_lo, vf x, vf z) { return vfma(p_lo, x, vprod_err(p_hi, x, z)); }
-static inline double act_product_lo(double, double, double, double) { return 0.0; }
 static inline vd act_product_lo(vd p_hi, vd, vd x, vd z) { return vprod_err(p_hi, x, z); }
 
 // softplus(p0 = steepness s > 0): log(1 + exp(s x)) / s = max(x, 0) + log1p(exp(-|s x|)) / s.

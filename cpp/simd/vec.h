@@ -11,9 +11,9 @@
 // form would be slow or unavailable: FMA, half-precision conversion, masked memory access, rounding.
 //
 // Compute types: `vf` (float lanes) for float32/float16/bfloat16 data, `vd` (double lanes, half as
-// many) for float64 data; plain `double` for scalar work (the activations' float64 formulas, one
-// lane at a time). Every helper below has the overloads, so kernels and activations are written
-// once as templates on the compute type.
+// many) for float64 data; plain `double` for scalar work (coefficients, sums, single elements).
+// Every helper below has the overloads, so kernels and activations are written once as templates
+// on the compute type.
 
 #if defined(__AVX512BF16__)
 constexpr int kWidth = 16;
@@ -81,7 +81,7 @@ static inline vd vfma(vd a, vd b, vd c) {
 #elif defined(__AVX2__)
   return (vd)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
 #else
-  return vd{std::fma(a[0], b[0], c[0]), std::fma(a[1], b[1], c[1])};  // as the scalar double path
+  return vd{std::fma(a[0], b[0], c[0]), std::fma(a[1], b[1], c[1])};  // fused: vmath.h relies on it
 #endif
 }
 
@@ -605,7 +605,7 @@ static inline void stream_fence() {
 template <class T> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
 
-// A constant in the compute type (templates on V use this instead of naming vf or double).
+// A constant in the compute type (templates on V use this instead of naming vf, vd or double).
 template <class V> static inline V splat(double c);
 template <> inline vf splat<vf>(double c) { return vbroadcast((float)c); }
 template <> inline double splat<double>(double c) { return c; }

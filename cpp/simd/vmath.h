@@ -4,9 +4,7 @@
 //
 // Included after simd/vec.h inside an ISA namespace (see vec.h): no includes, internal linkage only,
 // no intrinsics (the math is written with vec.h's helpers and the vector operators, once for every
-// width). Each function also has a `double` overload forwarding to <cmath> (scalar code; the
-// kernels run float64 data on vd), so activations and kernels templated on the compute type V
-// compile for all three.
+// width), on vf and on vd, so activations templated on the compute type V compile for both.
 //
 // Public:   vexp vexpm1 vlog1p vtanh verf      (the functions themselves)
 //           vsigmoid vsilu vgelu vlog1p_exp_negabs  (activations that need care at the edges)
@@ -237,27 +235,6 @@ static inline vf vgelu(vf x) {
   const vf neg_small = half * x * (one + es);
   const vf neg_tail = vm_scale(half * xt * m, n);
   return vselect(neg, vselect(a < half, neg_small, neg_tail), half * x * pos2);
-}
-
-// ---------------------------------------------------------------------------------------------
-// double (scalar; not used by the kernels, whose float64 data runs on vd below): the C library, with
-// the same edge behaviour as above.
-static inline double vexp(double x) { return std::exp(x); }
-static inline double vexpm1(double x) { return std::expm1(x); }
-static inline double vlog1p(double x) { return std::log1p(x); }
-static inline double vtanh(double x) { return std::tanh(x); }
-static inline double verf(double x) { return std::erf(x); }
-static inline double vprod_err(double, double, double) { return 0.0; }  // float64 needs none here
-static inline double vlog1p_exp_negabs(double zh, double zl) {
-  return std::log1p(std::exp(-std::fabs(zh + zl)));
-}
-static inline double vsigmoid(double x) {
-  const double e = std::exp(-std::fabs(x));
-  return x < 0 ? e / (1.0 + e) : 1.0 / (1.0 + e);
-}
-static inline double vsilu(double x) { return x == -__builtin_inf() ? -0.0 : x * vsigmoid(x); }
-static inline double vgelu(double x) {
-  return x == -__builtin_inf() ? -0.0 : 0.5 * x * std::erfc(-x * 0.70710678118654752440);
 }
 
 // ---------------------------------------------------------------------------------------------
