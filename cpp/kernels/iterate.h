@@ -2,6 +2,8 @@
 
 // The runs of one group: dims [first, last) of the nest (a group's reduced dims outside its
 // innermost run) stepped as an odometer; off[op] is the current run's byte offset in the group.
+// advance() past the last run comes back to the first (offset 0), where a walk that runs ahead
+// into the next group continues from that group's start.
 struct RunOdometer {
   const LoopNest& nest;
   const int first, last;

@@ -341,9 +341,7 @@ class MvnRunner {
     return group_stats(g, first, pass);
   }
 
-  // The runs of one group (the innermost reduced dim), in the order block_sums takes them: off[op]
-  // is each operand's byte offset of the current run from the group's first element. advance()
-  // past the last run comes back to the first.
+  // How many runs (the innermost reduced dim's length each) one group has.
   int64_t runs_per_group() const { return plan_.group_size / plan_.nest.sizes[plan_.nest.ndim - 1]; }
 
   // Pointers of consecutive groups: the nest's operands, then the user's mean and inv_std arrays,

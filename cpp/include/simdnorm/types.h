@@ -29,6 +29,10 @@ struct Activation {
   double p1 = 0.0;  // second parameter (beta, gamma, max, threshold, ...)
 };
 
+// The smallest L1 data cache of the x86 cores the kernels are tuned for (32 KB; 48 KB on Intel
+// since Ice Lake): what the kernels assume where the size is not known.
+constexpr int64_t kMinL1DataBytes = int64_t(32) << 10;
+
 // The one elementwise operation both ops end in:
 //   out = act(fma((in - shift) * mul, scale, bias))
 // MVN: shift = group mean, mul = group 1/std, scale and bias = its optional parameters.
@@ -37,10 +41,6 @@ struct Activation {
 // So does MVN without scale and bias (scale 1, bias 0): fma(in - mean, 1/std, 0) has the values of
 // fma((in - mean) * (1/std), 1, 0), with one multiply fewer.
 // shift/mul/scale/bias point to compute-type (float or double) arrays addressed with byte strides.
-// The smallest L1 data cache of the x86 cores the kernels are tuned for (32 KB; 48 KB on Intel
-// since Ice Lake): what the kernels assume where the size is not known.
-constexpr int64_t kMinL1DataBytes = int64_t(32) << 10;
-
 enum Operand : int { kOut = 0, kIn = 1, kShift = 2, kMul = 3, kScale = 4, kBias = 5, kNumOperands = 6 };
 
 // A strided iteration space after planning: dims ordered outermost first, innermost last.
