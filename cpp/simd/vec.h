@@ -11,9 +11,8 @@
 // form would be slow or unavailable: FMA, half-precision conversion, masked memory access, rounding.
 //
 // Compute types: `vf` (float lanes) for float32/float16/bfloat16 data, `vd` (double lanes, half as
-// many) for float64 data; plain `double` for scalar work (coefficients, sums, single elements).
-// Every helper below has the overloads, so kernels and activations are written once as templates
-// on the compute type.
+// many) for float64 data. Every helper below has both overloads, so kernels and activations are
+// written once as templates on the compute type.
 
 #if defined(__AVX512BF16__)
 constexpr int kWidth = 16;
@@ -43,7 +42,7 @@ struct f16_t { uint16_t bits; };
 struct bf16_t { uint16_t bits; };
 
 // ---------------------------------------------------------------------------------------------
-// Arithmetic on vf (and the same names on double, so templates serve both).
+// Arithmetic on vf and vd (the same names, so templates serve both).
 // (Not `vf{} + x`: that adds +0.0, which turns -0.0 into +0.0.)
 static inline vf vbroadcast(float x) {
 #if defined(__AVX512F__)
@@ -54,7 +53,6 @@ static inline vf vbroadcast(float x) {
   return (vf){x, x, x, x};
 #endif
 }
-static inline double vbroadcast_d(double x) { return x; }
 static inline vd vbroadcast_vd(double x) {
 #if defined(__AVX512F__)
   return (vd)_mm512_set1_pd(x);
@@ -74,7 +72,6 @@ static inline vf vfma(vf a, vf b, vf c) {
   return a * b + c;
 #endif
 }
-static inline double vfma(double a, double b, double c) { return std::fma(a, b, c); }
 static inline vd vfma(vd a, vd b, vd c) {
 #if defined(__AVX512F__)
   return (vd)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
@@ -105,8 +102,6 @@ static inline vf vmin(vf a, vf b) {
   return a < b ? a : b;
 #endif
 }
-static inline double vmax(double a, double b) { return a > b ? a : b; }
-static inline double vmin(double a, double b) { return a < b ? a : b; }
 static inline vd vmax(vd a, vd b) {
 #if defined(__AVX512F__)
   return (vd)_mm512_max_pd((__m512d)a, (__m512d)b);
@@ -127,7 +122,6 @@ static inline vd vmin(vd a, vd b) {
 }
 
 static inline vf vabs(vf a) { return (vf)((vu)a & 0x7fffffffu); }
-static inline double vabs(double a) { return std::fabs(a); }
 static inline vd vabs(vd a) { return (vd)((vul)a & 0x7fffffffffffffffull); }
 
 static inline vf vsqrt(vf a) {
@@ -141,7 +135,6 @@ static inline vf vsqrt(vf a) {
   return r;
 #endif
 }
-static inline double vsqrt(double a) { return std::sqrt(a); }
 static inline vd vsqrt(vd a) {
 #if defined(__AVX512F__)
   return (vd)_mm512_sqrt_pd((__m512d)a);
@@ -179,7 +172,6 @@ static inline vd vround(vd a) {
 // Select lanewise: m ? a : b, where m comes from a comparison of vf (a vi of 0 / -1).
 static inline vf vselect(vi m, vf a, vf b) { return m ? a : b; }
 static inline vd vselect(vl m, vd a, vd b) { return m ? a : b; }
-static inline double vselect(bool m, double a, double b) { return m ? a : b; }
 
 // Whether a >= b in any lane (false for NaN lanes).
 static inline bool vany_ge(vf a, vf b) {
@@ -204,7 +196,6 @@ static inline bool vany_ge(vd a, vd b) {
   return false;
 #endif
 }
-static inline bool vany_ge(double a, double b) { return a >= b; }
 
 // Lanes [0, m) set, the rest clear (0 <= m <= kWidth), for vselect: masks the unused lanes of a
 // partial vector, or the lanes of a vector that belong to one row of two. At AVX-512 a mask
@@ -237,7 +228,6 @@ static inline vmaskd vlanes_below_d(int m) {
 // The lanes [0, m) of the compute type V (named by a null pointer to it): a mask for vselect.
 static inline vmask lanes_mask(vf*, int m) { return vlanes_below(m); }
 static inline vmaskd lanes_mask(vd*, int m) { return vlanes_below_d(m); }
-static inline bool lanes_mask(double*, int) { return true; }
 
 static inline vi vto_int(vf a) { return __builtin_convertvector(a, vi); }  // truncates
 static inline vf vto_float(vi a) { return __builtin_convertvector(a, vf); }
@@ -285,7 +275,6 @@ static inline double vreduce_add(vd a) {
   return s;
 #endif
 }
-static inline double vreduce_add(double a) { return a; }
 
 #include "simd/half.h"
 
@@ -605,8 +594,7 @@ static inline void stream_fence() {
 template <class T> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
 
-// A constant in the compute type (templates on V use this instead of naming vf, vd or double).
+// A constant in the compute type (templates on V use this instead of naming vf or vd).
 template <class V> static inline V splat(double c);
 template <> inline vf splat<vf>(double c) { return vbroadcast((float)c); }
-template <> inline double splat<double>(double c) { return c; }
 template <> inline vd splat<vd>(double c) { return vbroadcast_vd(c); }
