@@ -23,7 +23,7 @@
 // c0 x^n + c1 x^(n-1) + ... + cn by Horner's rule, one FMA a step, the coefficients given highest
 // degree first and rounded to V's element type (float literals for vf, so that nothing rounds twice).
 template <class V, class... C>
-static inline V vhorner(V x, double c0, C... rest) {
+static inline __attribute__((always_inline)) V vhorner(V x, double c0, C... rest) {
   V acc = splat<V>(c0);
   ((acc = vfma(acc, x, splat<V>(rest))), ...);
   return acc;
