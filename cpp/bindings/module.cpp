@@ -62,12 +62,14 @@ TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
   TensorView v;
   v.dtype = dtype_of(obj, name);
   v.ndim = a->nd;
-  if (v.ndim < 1 || v.ndim > kMaxDims)
-    throw py::value_error(std::string(name) + ": expected 1 to 8 dimensions, got " + std::to_string(v.ndim));
+  // (kMaxViewDims: the Python layer lets users pass up to kMaxDims, and group norm adds one.)
+  if (v.ndim < 1 || v.ndim > kMaxViewDims)
+    throw py::value_error(std::string(name) + ": expected 1 to " + std::to_string(kMaxViewDims) + " dimensions, got " +
+                          std::to_string(v.ndim));
   if (writeable && !(a->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
     throw py::value_error(std::string(name) + " is read-only");
   v.data = a->data;
-  for (int d = 0; d < kMaxDims; ++d) {  // every slot: TensorView's arrays have no initializer
+  for (int d = 0; d < kMaxViewDims; ++d) {  // every slot: TensorView's arrays have no initializer
     v.sizes[d] = d < v.ndim ? a->dimensions[d] : 0;
     v.strides[d] = d < v.ndim ? a->strides[d] : 0;
   }

@@ -7,7 +7,7 @@
 struct RunOdometer {
   const LoopNest& nest;
   const int first, last;
-  int64_t idx[kMaxDims] = {}, off[kNumOperands] = {};
+  int64_t idx[kMaxNestDims] = {}, off[kNumOperands] = {};
   RunOdometer(const LoopNest& n, int first_dim, int last_dim) : nest(n), first(first_dim), last(last_dim) {}
   void advance() {
     for (int d = last - 1; d >= first; --d) {
@@ -27,7 +27,7 @@ static inline void for_each_run(const LoopNest& nest, int64_t begin, int64_t end
   if (begin >= end) return;
   const int nd = nest.ndim;
   const int inner = nd - 1;
-  int64_t idx[kMaxDims];
+  int64_t idx[kMaxNestDims];
   int64_t rem = begin;
   for (int d = inner; d >= 0; --d) {
     idx[d] = rem % nest.sizes[d];
@@ -67,7 +67,7 @@ template <class BlockFn>
 static inline void for_each_block(const LoopNest& nest, int64_t begin, int64_t end, BlockFn&& fn) {
   if (begin >= end) return;
   const int nd = nest.ndim, inner = nd - 1, row = nd - 2;
-  int64_t idx[kMaxDims];
+  int64_t idx[kMaxNestDims];
   int64_t rem = begin;
   for (int d = inner; d >= 0; --d) {
     idx[d] = rem % nest.sizes[d];

@@ -9,6 +9,7 @@
 
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
+#include "simdnorm/check.h"
 
 namespace simdnorm {
 namespace {
@@ -44,6 +45,8 @@ double load_scalar(DType dtype, const char* p) {
 
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                            std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx) {
+  SIMDNORM_CHECK(ndim >= 0 && ndim <= kMaxViewDims);
+  SIMDNORM_CHECK(operands.size() <= kMaxInputs && inputs.size() <= kMaxInputs);
   elsize_ = itemsize(compute);
   outputs_ = static_cast<int>(operands.size());
   std::copy(operands.begin(), operands.end(), operands_);
@@ -52,7 +55,7 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
   const Input* in = inputs.begin();
   // The broadcast shape, reduced to its dims of size > 1, with each input's byte stride on them.
   int nd = 0;
-  int64_t shape[kMaxDims], in_strides[kMaxInputs][kMaxDims];
+  int64_t shape[kMaxViewDims], in_strides[kMaxInputs][kMaxViewDims];
   for (int d = 0; d < ndim; ++d) {
     bool varies = false;
     for (int i = 0; i < nin; ++i) varies |= in[i].view != nullptr && in[i].view->sizes[d] != 1;
@@ -94,7 +97,7 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
       }
       // Position of element c0 of the broadcast shape in input i (no dims: one element).
       const char* p = in[i].view->data;
-      int64_t rem = c0, idx[kMaxDims] = {};
+      int64_t rem = c0, idx[kMaxViewDims] = {};
       for (int d = nd - 1; d >= 0; --d) {
         idx[d] = rem % shape[d];
         rem /= shape[d];

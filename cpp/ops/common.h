@@ -52,7 +52,7 @@ class FoldedParams {
   alignas(64) char local_[4096];
   std::unique_ptr<char[]> heap_;
   char* storage_ = local_;
-  int64_t strides_[kMaxDims] = {};
+  int64_t strides_[kMaxViewDims] = {};
   int64_t count_ = 1;
   int64_t elsize_ = 4;
   int64_t pitch_ = 0;  // bytes from one output array to the next

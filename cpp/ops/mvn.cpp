@@ -350,7 +350,7 @@ class MvnRunner {
   struct GroupCursor {
     const MvnRunner& r;
     char* p[kGroupPointers];
-    int64_t idx[kMaxDims] = {};
+    int64_t idx[kMaxNestDims] = {};
     GroupCursor(const MvnRunner& runner, int64_t g) : r(runner) {
       for (int d = r.plan_.kept_dims - 1; d >= 0; --d) {
         idx[d] = g % r.plan_.nest.sizes[d];
@@ -831,7 +831,7 @@ class MvnRunner {
       const TensorView& v = **t;
       int64_t count = 1;
       for (int d = 0; d < v.ndim; ++d) count *= v.sizes[d];
-      int64_t idx[kMaxDims] = {};
+      int64_t idx[kMaxViewDims] = {};
       for (int64_t i = 0; i < count; ++i) {
         char* p = v.data;
         for (int d = 0; d < v.ndim; ++d) p += idx[d] * v.strides[d];
@@ -857,8 +857,8 @@ class MvnRunner {
   std::vector<char> shift_, mul_;
   char* user_mean_ = nullptr;
   char* user_inv_std_ = nullptr;
-  int64_t user_mean_strides_[kMaxDims] = {};
-  int64_t user_inv_std_strides_[kMaxDims] = {};
+  int64_t user_mean_strides_[kMaxNestDims] = {};
+  int64_t user_inv_std_strides_[kMaxNestDims] = {};
   const float one_f_ = 1.0f, zero_f_ = 0.0f;
   const double one_d_ = 1.0, zero_d_ = 0.0;
 };

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "simdnorm/check.h"
+
 namespace simdnorm {
 namespace {
 
@@ -12,15 +14,14 @@ struct Dim {
   bool reduced;
 };
 
-// At most kMaxDims dims: a fixed array, so that planning a call allocates nothing.
+// A fixed array, so that planning a call allocates nothing, as large as a loop nest: the plan is
+// copied into one. Every insertion is checked, so no layout can write past it.
 struct DimList {
-  Dim items[kMaxDims];
+  Dim items[kMaxNestDims];
   int n = 0;
-  void push_back(const Dim& d) { items[n++] = d; }
-  void insert_front(const Dim& d) {
-    for (int i = n; i > 0; --i) items[i] = items[i - 1];
-    items[0] = d;
-    ++n;
+  void push_back(const Dim& d) {
+    SIMDNORM_CHECK(n < kMaxNestDims);
+    items[n++] = d;
   }
   void pop_back() { --n; }
   bool empty() const { return n == 0; }
@@ -33,6 +34,7 @@ struct DimList {
 };
 
 DimList collect(const Problem& p, uint32_t reduced_mask) {
+  SIMDNORM_CHECK(p.ndim >= 0 && p.ndim <= kMaxViewDims);
   DimList dims;
   for (int d = 0; d < p.ndim; ++d) {
     if (p.sizes[d] == 1) continue;

@@ -11,8 +11,8 @@ namespace simdnorm {
 // Operands a problem does not use have data == nullptr and zero strides.
 struct Problem {
   int ndim = 0;
-  int64_t sizes[kMaxDims] = {};
-  int64_t strides[kNumOperands][kMaxDims] = {};
+  int64_t sizes[kMaxViewDims] = {};
+  int64_t strides[kNumOperands][kMaxViewDims] = {};
   char* data[kNumOperands] = {};
 };
 

@@ -19,8 +19,8 @@ struct TensorView {
   char* data = nullptr;
   DType dtype = DType::f32;
   int ndim = 0;
-  int64_t sizes[kMaxDims];
-  int64_t strides[kMaxDims];
+  int64_t sizes[kMaxViewDims];
+  int64_t strides[kMaxViewDims];
 };
 
 struct BatchNormArgs {

@@ -8,7 +8,13 @@
 
 namespace simdnorm {
 
+// Dims of a user's tensor.
 constexpr int kMaxDims = 8;
+// Dims of a view an op takes: group norm views the channel dim as (groups, channels per group).
+constexpr int kMaxViewDims = kMaxDims + 1;
+// Dims of a planned loop nest: a reduction puts a unit kept dim before its reduced ones when every
+// dim is reduced (or a unit reduced dim after its kept ones), one more than the view's.
+constexpr int kMaxNestDims = kMaxViewDims + 1;
 
 // Element types of the input/output. Coefficients and statistics are always the compute type:
 // float32 for f32/f16/bf16 data, float64 for f64 data.
@@ -46,8 +52,8 @@ enum Operand : int { kOut = 0, kIn = 1, kShift = 2, kMul = 3, kScale = 4, kBias 
 // A strided iteration space after planning: dims ordered outermost first, innermost last.
 struct LoopNest {
   int ndim = 0;
-  int64_t sizes[kMaxDims] = {};
-  int64_t strides[kNumOperands][kMaxDims] = {};  // bytes
+  int64_t sizes[kMaxNestDims] = {};
+  int64_t strides[kNumOperands][kMaxNestDims] = {};  // bytes
   char* data[kNumOperands] = {};
 };
 
