@@ -943,17 +943,6 @@ def test_split_view_never_copies():
     np.testing.assert_array_equal(v.reshape(x.shape), x)
 
 
-def test_group_norm_eight_dims_that_cannot_merge_is_a_clear_error():
-    # Eight dims, none of size 1, every step 2: no two neighbouring spatial dims are one stride apart
-    # (group_norm views the channel dim as two, and kernels take 8 dims), in the input or in the output.
-    def strided():
-        return np.ones((4,) * 8, F32)[(slice(None, None, 2),) * 8]
-
-    for x, out in ((strided(), None), (strided(), np.empty((2,) * 8, F32)), (np.ones((2,) * 8, F32), strided())):
-        with pytest.raises(ValueError, match=r"^input: 8 dims, strides .* two neighbouring spatial dims must be"):
-            simdnorm.group_norm(x, 2, out=out)
-
-
 def test_bool_flags():
     x = np.random.default_rng(17).standard_normal((3, 5)).astype(F32)
     np.testing.assert_array_equal(mvn(x, -1, normalize_variance=0), mvn(x, -1, normalize_variance=False))

@@ -30,7 +30,7 @@ from ._compile import (
 from ._descriptors import (
     BatchNormalizationDesc,
     DescriptorError,
-    MAX_DIMS,
+    VIEW_MAX_DIMS,
     MeanVarianceNormalizationDesc,
     TensorDesc,
     _DescriptorTypeError,
@@ -419,50 +419,8 @@ def _split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
     return v
 
 
-def _merged_view(a: np.ndarray, d: int) -> Optional[np.ndarray]:
-    """A view of ``a`` with dims d and d + 1 as one, or None when no single stride walks both."""
-    sh, st = a.shape, a.strides
-    if sh[d] == 1 or a.size == 0:  # the merged dim walks as d + 1 does
-        stride = st[d + 1]
-    elif sh[d + 1] == 1:  # ... as d does
-        stride = st[d]
-    elif st[d] == st[d + 1] * sh[d + 1]:  # d steps over one whole run of d + 1
-        stride = st[d + 1]
-    else:
-        return None
-    return _as_strided(a, sh[:d] + (sh[d] * sh[d + 1],) + sh[d + 2:], st[:d] + (stride,) + st[d + 2:],
-                       subok=False, writeable=a.flags.writeable)
-
-
-def _group_norm_merged(x, num_groups, scale, bias, epsilon, channel_axis, activation, out, return_stats):
-    """group_norm of an input of MAX_DIMS dims: its channel dim viewed as (G, C/G) would make one dim
-    too many, so two neighbouring spatial dims that one stride walks (in the input and the output)
-    are viewed as one first. The statistics are those of the same (n, group) sets of elements."""
-    ca = _channel_axis(x, channel_axis, "group_norm")
-    if out is None:
-        res = _empty_like(x, subok=False)
-    else:
-        check_out(out, x)
-        res = out
-    spatial = [d for d in range(1, x.ndim) if d != ca]
-    for d in spatial:
-        if d + 1 not in spatial:
-            continue
-        xm, rm = _merged_view(x, d), _merged_view(res, d)
-        if xm is not None and rm is not None:
-            r = group_norm(xm, num_groups, scale, bias, epsilon=epsilon, channel_axis=ca - (ca > d),
-                           activation=activation, out=rm, return_stats=return_stats)
-            return (res,) + r[1:] if return_stats else res
-    raise DescriptorError(
-        f"input: {x.ndim} dims, strides {x.strides} (out: {res.strides}); group_norm views the channel dim as "
-        f"(num_groups, C / num_groups), one dim more, and kernels take up to {MAX_DIMS}: two neighbouring "
-        "spatial dims must be viewable as one in both (size 1, or one stride walking both)"
-    )
-
-
 def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
     ca = _channel_axis(x, channel_axis, "group_norm")
-    assert x.ndim < MAX_DIMS, "group_norm merges two dims of an input of MAX_DIMS first"
     if not _is_int(num_groups):
         raise _DescriptorTypeError(f"num_groups: expected an int, got {type(num_groups).__name__}")
     g = int(num_groups)
@@ -484,7 +442,7 @@ def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -
                                          None if scale is None else TensorDesc(scale.dtype, pshape),
                                          None if bias is None else TensorDesc(bias.dtype, pshape),
                                          epsilon=epsilon, activation=activation)
-    return (ca, g, k, vshape, pshape, plan_mvn(desc._validated()), (x.shape[0], g))
+    return (ca, g, k, vshape, pshape, plan_mvn(desc._validated(VIEW_MAX_DIMS)), (x.shape[0], g))
 
 
 def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
@@ -508,8 +466,6 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
         if type(bias) is not _nd:
             bias = as_param(bias, "bias", x)
         bk = (bias.dtype, bias.shape)
-    if x.ndim >= MAX_DIMS:
-        return _group_norm_merged(x, num_groups, scale, bias, epsilon, channel_axis, activation, out, return_stats)
     xs = x.shape
     key = ("group", x.dtype, xs, num_groups, num_groups.__class__, channel_axis, channel_axis.__class__, sk, bk,
            epsilon, epsilon.__class__, activation)

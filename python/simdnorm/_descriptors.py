@@ -41,9 +41,13 @@ __all__ = [
     "BatchNormalizationDesc",
     "MeanVarianceNormalizationDesc",
     "MAX_DIMS",
+    "VIEW_MAX_DIMS",
 ]
 
 MAX_DIMS = 8
+# The kernels take views of one dim more than a user's tensor: group norm views the channel dim as
+# (groups, channels per group).
+VIEW_MAX_DIMS = MAX_DIMS + 1
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
@@ -213,8 +217,9 @@ class TensorDesc:
         """Check the rules every tensor follows (any dtype of the four); raise DescriptorError."""
         self._check(name, "data")
 
-    def _check(self, name: str, role: str) -> None:
-        """role: 'data' (input/output: one of the four dtypes) or 'param' (dtype checked by the op)."""
+    def _check(self, name: str, role: str, max_dims: int = MAX_DIMS) -> None:
+        """role: 'data' (input/output: one of the four dtypes) or 'param' (dtype checked by the op).
+        max_dims: MAX_DIMS for a user's tensor; an op's internal view may have one more (VIEW_MAX_DIMS)."""
         dt = self.dtype
         if not isinstance(dt, np.dtype):
             raise _DescriptorTypeError(
@@ -228,7 +233,7 @@ class TensorDesc:
                 f"{name}.sizes: expected a sequence of ints, got {type(sizes).__name__}"
             )
         nd = len(sizes)
-        if not 1 <= nd <= MAX_DIMS:
+        if not 1 <= nd <= max_dims:
             raise DescriptorError(
                 f"{name}: {nd} dimensions (shape {_shape_str(sizes)}); tensors must have 1 to {MAX_DIMS} dimensions"
             )
@@ -282,8 +287,8 @@ def _require_desc(name: str, v: Any, optional: bool) -> None:
         raise _DescriptorTypeError(f"{name}: expected {what}, got {type(v).__name__}")
 
 
-def _check_output(out: TensorDesc, x: TensorDesc) -> None:
-    out._check("output", "data")
+def _check_output(out: TensorDesc, x: TensorDesc, max_dims: int = MAX_DIMS) -> None:
+    out._check("output", "data", max_dims)
     if out.dtype != x.dtype:
         raise _DescriptorTypeError(
             f"output: dtype {dtype_name(out.dtype)} differs from the input's {dtype_name(x.dtype)}; "
@@ -579,10 +584,11 @@ class MeanVarianceNormalizationDesc:
         """Raise DescriptorError (naming the field and the rule) unless every rule holds."""
         self._validated()
 
-    def _validated(self) -> MVNInfo:
+    def _validated(self, max_dims: int = MAX_DIMS) -> MVNInfo:
+        """max_dims: VIEW_MAX_DIMS for an op's internal view (group norm's), never a user's tensor."""
         info = self.__dict__.get("_info")
         if info is None:
-            info = _validate_mvn(self)
+            info = _validate_mvn(self, max_dims)
             object.__setattr__(self, "_info", info)
         return info
 
@@ -596,18 +602,18 @@ def check_epsilon_mode(v: Any) -> bool:
     )
 
 
-def _validate_mvn(d: MeanVarianceNormalizationDesc) -> MVNInfo:
+def _validate_mvn(d: MeanVarianceNormalizationDesc, max_dims: int = MAX_DIMS) -> MVNInfo:
     _require_desc("input", d.input, False)
     x = d.input
-    x._check("input", "data")
+    x._check("input", "data", max_dims)
     _require_desc("output", d.output, False)
-    _check_output(d.output, x)
+    _check_output(d.output, x, max_dims)
     axes = normalize_axes(d.axes, x.ndim)
     for name in ("scale", "bias"):
         p = getattr(d, name)
         _require_desc(name, p, True)
         if p is not None:
-            p._check(name, "param")
+            p._check(name, "param", max_dims)
             _check_param_dtype(name, p, x)
             mvn_param_rule(name, p.sizes, x.sizes)
     nm = _check_bool("normalize_mean", d.normalize_mean)
