@@ -348,10 +348,13 @@ struct FusedRowsKernel {
     struct Coefficients {
       V shift, mul;
     };
+    using Sums = typename M::Sums;
     // The sums of the row open in the period being summed. A local of run() whose address no
-    // call takes: it stays in registers across the loop's stores.
+    // call takes: it stays in registers across the loop's stores. Its lanes follow the output's
+    // phase: step lane P holds the row's lane (P - o) mod S (Sums::tree_rotated).
     struct OpenRow {
-      V piv, s1a, s1b, s2a, s2b;
+      vd piv;
+      Sums lanes;
       double pivot;
     };
     // Rows closed and not yet finished, row r in slot r % kClosedSlots (batches never wrap), and
@@ -377,6 +380,7 @@ struct FusedRowsKernel {
     T* const y;
     const int o;
     const vmask prev0, prev1;  // the lanes of a period's first step that are the previous row's
+    vmaskd prev_d[Sums::Q];    // the same, of its double quarters
     float* const kept;         // kStreamSlots periods, 64-byte aligned
     const Affine af;           // scale and bias, rotated by o when they vary: element t of a period
     const bool pairs;          // run_pair(): its footprint fits in L1
@@ -389,7 +393,9 @@ struct FusedRowsKernel {
           prev1(vlanes_below(lanes_from(phase - W))), kept(kept_storage),
           af(AffineVary ? reinterpret_cast<const char*>(rotated_scale) : args.data[kScale],
              AffineVary ? reinterpret_cast<const char*>(rotated_bias) : args.data[kBias]),
-          pairs(len * kPairBytesPerElement < l1) {}
+          pairs(len * kPairBytesPerElement < l1) {
+      for (int q = 0; q < Sums::Q; ++q) prev_d[q] = vlanes_below_d(std::min(std::max(o - q * Sums::WD, 0), Sums::WD));
+    }
 
     const T* in_period(int64_t q) const { return x + q * len - o; }
     T* out_period(int64_t q) const { return y + q * len - o; }
@@ -420,24 +426,31 @@ struct FusedRowsKernel {
       LF::store(k, v0);
       LF::store(k + W, v1);
     }
+    // Adds the lanes of a period's first step (v0, v1) that are the previous row's (Previous) or
+    // the next row's to `row`.
+    template <bool Previous>
+    SIMDNORM_CURSOR_METHOD void add_first(V v0, V v1, OpenRow& row) const {
+      const vd zero = vbroadcast_vd(0.0);
+      for_constant<0, Sums::Q>([&](auto q) SIMDNORM_INLINE_LAMBDA {
+        constexpr int qi = decltype(q)::value, h = qi / Sums::kParts, p = qi % Sums::kParts;
+        const vd d = Sums::template part<p>(h == 0 ? v0 : v1) - row.piv;
+        row.lanes.template add_d<qi>(Previous ? vselect(prev_d[qi], d, zero) : vselect(prev_d[qi], zero, d));
+      });
+    }
     // Closes row q - 1 with the lanes of period q's first step (v0, v1) that are its.
-    SIMDNORM_CURSOR_METHOD void close_row(int64_t q, V v0, V v1, const OpenRow& row, Closed& closed) const {
-      const V zero = splat<V>(0.0);
-      const V d0 = vselect(prev0, v0 - row.piv, zero), d1 = vselect(prev1, v1 - row.piv, zero);
+    SIMDNORM_CURSOR_METHOD void close_row(int64_t q, V v0, V v1, OpenRow row, Closed& closed) const {
+      add_first<true>(v0, v1, row);
       const int slot = static_cast<int>((q - 1) % kClosedSlots);
-      closed.sum[slot] = static_cast<double>(vreduce_add((row.s1a + d0) + (row.s1b + d1)));
-      closed.sum_sq[slot] = static_cast<double>(vreduce_add(vfma(d0, d0, row.s2a) + vfma(d1, d1, row.s2b)));
+      closed.sum[slot] = Sums::tree_rotated(row.lanes.s1, o);
+      closed.sum_sq[slot] = Sums::tree_rotated(row.lanes.s2, o);
       closed.pivot[slot] = row.pivot;
     }
     // Opens row q with the rest of those lanes.
     SIMDNORM_CURSOR_METHOD void open_row(int64_t q, V v0, V v1, OpenRow& row) const {
-      const V zero = splat<V>(0.0);
       row.pivot = a.centered ? pivot_of(x + q * len) : 0.0;
-      row.piv = splat<V>(row.pivot);
-      row.s1a = vselect(prev0, zero, v0 - row.piv);
-      row.s1b = vselect(prev1, zero, v1 - row.piv);
-      row.s2a = row.s1a * row.s1a;
-      row.s2b = row.s1b * row.s1b;
+      row.piv = vbroadcast_vd(row.pivot);
+      row.lanes.clear();
+      add_first<false>(v0, v1, row);
     }
     // A row's pivot: its first element, or 0 when one of its first W elements lies as far from the
     // first as that is from 0. The mean is then likely a few spreads from 0, inside the 8 standard
@@ -461,11 +474,11 @@ struct FusedRowsKernel {
       const V v0 = L::load(p), v1 = L::load(p + W);
       LF::store(k, v0);
       LF::store(k + W, v1);
-      const V d0 = Pivoted ? v0 - row.piv : v0, d1 = Pivoted ? v1 - row.piv : v1;
-      row.s1a += d0;
-      row.s1b += d1;
-      row.s2a = vfma(d0, d0, row.s2a);
-      row.s2b = vfma(d1, d1, row.s2b);
+      for_constant<0, Sums::Q>([&](auto q) SIMDNORM_INLINE_LAMBDA {
+        constexpr int qi = decltype(q)::value, h = qi / Sums::kParts, p = qi % Sums::kParts;
+        const vd x = Sums::template part<p>(h == 0 ? v0 : v1);
+        row.lanes.template add_d<qi>(Pivoted ? x - row.piv : x);
+      });
     }
 
     Coefficients coefficients(int64_t r) const {
@@ -539,7 +552,7 @@ struct FusedRowsKernel {
         sum[i] = c.sum[slot];
         sum_sq[i] = c.sum_sq[slot];
       }
-      const auto stats = lane_stats_of<!std::is_same_v<T, f16_t>>(pivot, sum, sum_sq, a.inv_n, a.centered, a.underflow);
+      const auto stats = lane_stats_of<false>(pivot, sum, sum_sq, a.inv_n, a.centered, a.underflow);
       const double2 inv_std = inv_std_of(stats.var, a.rule);
       for (int i = 0; i < count; ++i) {
         const int64_t r = row + i;

@@ -68,7 +68,7 @@ static inline auto squares_may_underflow(D pivot, D sum_sq, const UnderflowRule&
 // centered), and whether its first pass leaves it unsettled: sums that overflowed or are NaN, a
 // pivot too far from the mean, or squares that may have underflowed. Each bound compared on its own
 // so that D may be a vector (x <= max and x >= -max is |x| <= max, NaN included). MayUnderflow
-// false leaves the last test out, for float16 data (whose squares never underflow a float).
+// false leaves the last test out, for float data (whose squares never underflow the double sums).
 template <bool MayUnderflow = true, class D>
 static inline auto lane_stats_of(D pivot, D sum, D sum_sq, double inv_n, bool centered, const UnderflowRule& u) {
   const FirstMomentsOf<D> m = first_moments(sum, sum_sq, inv_n);

@@ -1,64 +1,136 @@
 // Shifted sums for mean-variance normalization statistics. Included inside an ISA namespace.
-// d = (x - pivot) * scale is accumulated in the compute type over fixed chunks, and each chunk's
-// lane sums are added to double totals in order: the totals depend only on the data and where it
-// lies in memory, never on how the work was split between threads.
-// The scale is 1, or a power of two for a pass after squares overflowed or may have underflowed
-// (ops/mvn.cpp: Scaling), and d is taken as x * scale - pivot * scale: the same value for a power of
-// two, but x - pivot cannot overflow where x and the pivot lie near the largest float with opposite
-// signs (it made such a group's statistics NaN).
+// d = (x - pivot) * scale is accumulated in double lanes (SumLanes): element e of a run, counted
+// from the run's first element, goes to lane e mod S of S (two input vectors' worth), and the lanes
+// are added in one fixed tree when the run ends. So a run's sums depend only on its values: not on
+// its address, not on the loop that reads it (contiguous, strided, fused with a normalization, the
+// 16-bit row stream), not on how work was split between threads (runs are cut where ops/mvn.cpp's
+// blocks end, whatever the split). In double, float data loses nothing to the subtraction, and its
+// squares and their sums can neither overflow nor underflow.
+// The scale is 1, or for float64 data a power of two for a pass after squares overflowed or may
+// have underflowed (ops/mvn.cpp: Scaling), and d is taken as x * scale - pivot * scale: the same
+// value for a power of two, but x - pivot cannot overflow where x and the pivot lie near the
+// largest double with opposite signs (it made such a group's statistics NaN).
+
+// The S double lanes of one run's sums, Q vectors of doubles: a step of two input vectors V (vf,
+// two vd each; or vd), step lane q * kWidthD + j in s1.at<q>()[j] and s2.at<q>()[j]. The half of a
+// step (H) and the part of a vector (P) are template arguments: every member index is a constant.
+template <class V>
+struct SumLanes {
+  static constexpr int kParts = std::is_same<V, vf>::value ? 2 : 1;  // vd per input vector
+  static constexpr int Q = 2 * kParts;
+  static constexpr int WD = kWidthD;
+  static constexpr int S = Q * WD;
+  VdSet<Q> s1, s2;
+
+  template <int P>
+  SIMDNORM_CURSOR_METHOD static vd part(V x) {
+    if constexpr (kParts == 1) return x;
+    else if constexpr (P == 0) return vwiden_lo(x);
+    else return vwiden_hi(x);
+  }
+  SIMDNORM_CURSOR_METHOD void clear() {
+    for_constant<0, Q>([&](auto q) SIMDNORM_INLINE_LAMBDA {
+      s1.template at<decltype(q)::value>() = s2.template at<decltype(q)::value>() = vbroadcast_vd(0.0);
+    });
+  }
+  template <int q>
+  SIMDNORM_CURSOR_METHOD void add_d(vd d) {
+    s1.template at<q>() += d;
+    s2.template at<q>() = vfma(d, d, s2.template at<q>());
+  }
+  // (x - pivot) * scale, the pivot given times the scale (see the top of the file).
+  template <bool Scaled>
+  SIMDNORM_CURSOR_METHOD static vd shifted(vd x, vd scaled_pivot, vd scale) {
+    if constexpr (Scaled) return x * scale - scaled_pivot;
+    else return x - scaled_pivot;
+  }
+  // The input vector x at half H of a step (0: the step's first W elements).
+  template <int H, bool Scaled>
+  SIMDNORM_CURSOR_METHOD void add(V x, vd scaled_pivot, vd scale) {
+    for_constant<0, kParts>([&](auto p) SIMDNORM_INLINE_LAMBDA {
+      constexpr int pi = decltype(p)::value;
+      add_d<H * kParts + pi>(shifted<Scaled>(part<pi>(x), scaled_pivot, scale));
+    });
+  }
+  // Its lanes [0, m) only, at half h.
+  template <bool Scaled>
+  SIMDNORM_CURSOR_METHOD void add_partial(int h, V x, int m, vd scaled_pivot, vd scale) {
+    auto at_half = [&](auto half) SIMDNORM_INLINE_LAMBDA {
+      for_constant<0, kParts>([&](auto p) SIMDNORM_INLINE_LAMBDA {
+        constexpr int pi = decltype(p)::value;
+        const int lanes = m - pi * WD < 0 ? 0 : m - pi * WD > WD ? WD : m - pi * WD;
+        const vd d = shifted<Scaled>(part<pi>(x), scaled_pivot, scale);
+        add_d<decltype(half)::value * kParts + pi>(vselect(vlanes_below_d(lanes), d, vbroadcast_vd(0.0)));
+      });
+    };
+    if (h == 0) at_half(std::integral_constant<int, 0>{});
+    else at_half(std::integral_constant<int, 1>{});
+  }
+  // The lanes' total, in one tree.
+  SIMDNORM_CURSOR_METHOD static double tree(const VdSet<Q>& s) {
+    if constexpr (Q == 4) return vreduce_add((s.v0 + s.v1) + (s.v2 + s.v3));
+    else return vreduce_add(s.v0 + s.v1);
+  }
+  // The same, of lanes that a loop aligned elsewhere filled rotated: step lane P holding run lane
+  // (P - o) mod S (the 16-bit row stream, whose steps follow the output's phase o).
+  static double tree_rotated(const VdSet<Q>& s, int o) {
+    if (o == 0) return tree(s);
+    alignas(64) double lanes[2 * S];
+    for_constant<0, Q>([&](auto q) SIMDNORM_INLINE_LAMBDA {
+      constexpr int qi = decltype(q)::value;
+      Lanes<double>::store(lanes + qi * WD, s.template at<qi>());
+      Lanes<double>::store(lanes + S + qi * WD, s.template at<qi>());
+    });
+    VdSet<Q> t;
+    for_constant<0, Q>([&](auto q) SIMDNORM_INLINE_LAMBDA {
+      constexpr int qi = decltype(q)::value;
+      t.template at<qi>() = Lanes<double>::load(lanes + o + qi * WD);
+    });
+    return tree(t);
+  }
+};
 
 template <class T>
 struct MomentsKernel {
   using L = Lanes<T>;
   using V = typename L::V;
   using C = typename ComputeOf<T>::type;
+  using Sums = SumLanes<V>;
   static constexpr int W = L::W;
-  static constexpr int64_t kChunkSteps = kMomentChunk / W;  // vector steps per float chunk
+  static_assert(Sums::S == 2 * W, "a step of the sums is two input vectors");
 
   // The shifted sums of one contiguous run, as a cursor: a caller may interleave its steps with
-  // other work (kernels/normalize.h normalizes the previous row in the same loop) and gets the same
+  // other work (kernels/fused_rows.h normalizes an earlier row in the same loop) and gets the same
   // bits as row(), which runs the same steps back to back. Unscaled, it skips the multiply by a
   // scale of 1 (x * 1 == x exactly: the same bits, one multiply fewer per vector). With Keep, it
   // also stores the row as it reads it, converted, at `keep` (float; room for a vector past n).
-  // With Rows > 1 it sums that many runs of n in step, at the same phase to a vector (each run's
-  // sums are those it would have alone).
+  // With Rows > 1 it sums that many runs of n in step (each run's sums are those it would have
+  // alone).
   template <bool Scaled, bool Keep = false, int Rows = 1>
   struct ContiguousSums {
     struct Row {
       float* keep;
       const T* x;
-      V pivot, s1a, s1b, s2a, s2b;
+      vd pivot;
+      Sums lanes;
       double sum, sum_sq;
     };
     RowsOf<Row, Rows> rows;
-    int64_t n, i = 0, steps = 0;
-    V scale;
+    int64_t n, i = 0;
+    vd scale;
 
     SIMDNORM_CURSOR_METHOD explicit ContiguousSums(const RowMomentsArgs& a, float* keep_at = nullptr)
         : ContiguousSums(&a, &keep_at) {}
     // a[r], keep_at[r]: run r's (the scale is run 0's, shared).
     SIMDNORM_CURSOR_METHOD ContiguousSums(const RowMomentsArgs* a, float* const* keep_at)
-        : n(a[0].len), scale(splat<V>(a[0].scale)) {
+        : n(a[0].len), scale(vbroadcast_vd(a[0].scale)) {
       rows.each([&](Row& row, int r) SIMDNORM_INLINE_LAMBDA {
         row.keep = keep_at[r];
         row.x = reinterpret_cast<const T*>(a[r].data);
-        row.pivot = splat<V>(Scaled ? a[r].pivot * a[0].scale : a[r].pivot);  // (see shifted())
-        row.s1a = row.s1b = row.s2a = row.s2b = splat<V>(0.0);
+        row.pivot = vbroadcast_vd(Scaled ? a[r].pivot * a[0].scale : a[r].pivot);
+        row.lanes.clear();
         row.sum = row.sum_sq = 0.0;
       });
-      if constexpr (W > 1) {  // align the loads (line-straddling loads cost on this hardware)
-        constexpr uintptr_t vbytes = W * sizeof(T);
-        const uintptr_t addr = reinterpret_cast<uintptr_t>(rows.r0.x);
-        if (addr % sizeof(T) == 0) {
-          int64_t head = static_cast<int64_t>(((vbytes - addr % vbytes) % vbytes) / sizeof(T));
-          if (head > n) head = n;
-          if (head > 0) {
-            const int m = static_cast<int>(head);
-            rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA { add_partial(row, L::load_partial(row.x, m), m); });
-          }
-          i = head;
-        }
-      }
     }
     SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
     SIMDNORM_CURSOR_METHOD void step() {
@@ -66,18 +138,10 @@ struct MomentsKernel {
         const V x0 = L::load(row.x + i), x1 = L::load(row.x + i + W);
         kept(row, i, x0);
         kept(row, i + W, x1);
-        const V d0 = shifted(x0, row.pivot);
-        const V d1 = shifted(x1, row.pivot);
-        row.s1a += d0;
-        row.s1b += d1;
-        row.s2a = vfma(d0, d0, row.s2a);
-        row.s2b = vfma(d1, d1, row.s2b);
+        row.lanes.template add<0, Scaled>(x0, row.pivot, scale);
+        row.lanes.template add<1, Scaled>(x1, row.pivot, scale);
       });
       i += 2 * W;
-      if ((steps += 2) >= kChunkSteps) {
-        flush();
-        steps = 0;
-      }
     }
     // The rest of the runs; adds run r's totals to the caller's total[r] and total_sq[r].
     SIMDNORM_CURSOR_METHOD void finish(double* total, double* total_sq) {
@@ -94,38 +158,26 @@ struct MomentsKernel {
         rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
           const V xv = L::load(row.x + i);
           kept(row, i, xv);
-          const V d = shifted(xv, row.pivot);
-          row.s1a += d;
-          row.s2a = vfma(d, d, row.s2a);
+          row.lanes.template add<0, Scaled>(xv, row.pivot, scale);
         });
         i += W;
       }
       if (i < n) {
-        const int m = static_cast<int>(n - i);
-        rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA { add_partial(row, L::load_partial(row.x + i, m), m); });
+        const int m = static_cast<int>(n - i), h = static_cast<int>(i / W % 2);
+        rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
+          const V x_part = L::load_partial(row.x + i, m);
+          kept(row, i, x_part);  // a whole vector: the lanes past m land where later steps or the padding go
+          row.lanes.template add_partial<Scaled>(h, x_part, m, row.pivot, scale);
+        });
+        i = n;
       }
-      flush();
-    }
-    SIMDNORM_CURSOR_METHOD void add_partial(Row& row, V x_part, int m) {
-      kept(row, i, x_part);  // a whole vector: the lanes past m land where later steps or the padding go
-      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), shifted(x_part, row.pivot), splat<V>(0.0));
-      row.s1a += d;
-      row.s2a = vfma(d, d, row.s2a);
+      rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
+        row.sum = Sums::tree(row.lanes.s1);
+        row.sum_sq = Sums::tree(row.lanes.s2);
+      });
     }
     SIMDNORM_CURSOR_METHOD void kept(const Row& row, int64_t at, V v) const {
       if constexpr (Keep) Lanes<float>::store(row.keep + at, v);
-    }
-    // (x - pivot) * scale, the pivot given times the scale (see the top of the file).
-    SIMDNORM_CURSOR_METHOD V shifted(V x, V scaled_pivot) const {
-      if constexpr (Scaled) return x * scale - scaled_pivot;
-      else return x - scaled_pivot;
-    }
-    SIMDNORM_CURSOR_METHOD void flush() {
-      rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
-        row.sum += static_cast<double>(vreduce_add(row.s1a + row.s1b));
-        row.sum_sq += static_cast<double>(vreduce_add(row.s2a + row.s2b));
-        row.s1a = row.s1b = row.s2a = row.s2b = splat<V>(0.0);
-      });
     }
   };
 
@@ -133,87 +185,78 @@ struct MomentsKernel {
     if (a.stride == static_cast<int64_t>(sizeof(T)))
       return a.scale == 1.0 ? ContiguousSums<false>(a).finish(a.sum, a.sum_sq)
                             : ContiguousSums<true>(a).finish(a.sum, a.sum_sq);
-    const V pivot = splat<V>(a.pivot * a.scale), scale = splat<V>(a.scale), zero = splat<V>(0.0);
-    V s1 = zero, s2 = zero;
-    double sum = 0.0, sum_sq = 0.0;
-    T buf[W];
-    int64_t steps = 0;
-    for (int64_t i = 0; i < a.len; i += W) {
-      const int m = static_cast<int>(a.len - i < W ? a.len - i : W);
+    // Gathered a step at a time, each element into the lane it takes in a contiguous run.
+    const vd pivot = vbroadcast_vd(a.pivot * a.scale), scale = vbroadcast_vd(a.scale);
+    Sums lanes;
+    lanes.clear();
+    T buf[2 * W];
+    for (int64_t i = 0; i < a.len; i += 2 * W) {
+      const int m = static_cast<int>(a.len - i < 2 * W ? a.len - i : 2 * W);
       for (int k = 0; k < m; ++k) std::memcpy(&buf[k], a.data + (i + k) * a.stride, sizeof(T));
-      const V d = vselect(lanes_mask(static_cast<V*>(nullptr), m), L::load_partial(buf, m) * scale - pivot, zero);
-      s1 += d;
-      s2 = vfma(d, d, s2);
-      if (++steps >= kChunkSteps) {
-        sum += static_cast<double>(vreduce_add(s1));
-        sum_sq += static_cast<double>(vreduce_add(s2));
-        s1 = s2 = zero;
-        steps = 0;
-      }
+      lanes.template add_partial<true>(0, L::load_partial(buf, m < W ? m : W), m < W ? m : W, pivot, scale);
+      if (m > W) lanes.template add_partial<true>(1, L::load_partial(buf + W, m - W), m - W, pivot, scale);
     }
-    sum += static_cast<double>(vreduce_add(s1));
-    sum_sq += static_cast<double>(vreduce_add(s2));
-    *a.sum += sum;
-    *a.sum_sq += sum_sq;
+    *a.sum += Sums::tree(lanes.s1);
+    *a.sum_sq += Sums::tree(lanes.s2);
   }
 
-  // Lane blocks of at most kLanes, rows in chunks of kRowChunk before each flush to double.
+  // Lane blocks of at most kLanes, each lane's sums in double down all the rows.
   static constexpr int kLanes = 256;
-  static constexpr int64_t kRowChunk = 64;
 
   static void col(const ColMomentsArgs& a) {
-    constexpr int kVecs = kLanes / W;
+    constexpr int kParts = Sums::kParts, WD = Sums::WD, kVecs = kLanes / W;
     for (int64_t c0 = 0; c0 < a.cols; c0 += kLanes) {
       const int nb = static_cast<int>(a.cols - c0 < kLanes ? a.cols - c0 : kLanes);
       const int nv = (nb + W - 1) / W;
       const int last = nb - (nv - 1) * W;  // lanes in the last vector
-      C piv[kLanes];
-      for (int c = 0; c < nb; ++c) piv[c] = static_cast<C>(a.pivot[c0 + c] * a.scale);
-      for (int c = nb; c < nv * W; ++c) piv[c] = 0;
-      V vp[kVecs], s1[kVecs], s2[kVecs];
-      for (int v = 0; v < nv; ++v) vp[v] = Lanes<C>::load(piv + v * W);
-      const V scale = splat<V>(a.scale), zero = splat<V>(0.0);
+      alignas(64) double piv[kLanes];
+      for (int c = 0; c < nb; ++c) piv[c] = a.pivot[c0 + c] * a.scale;
+      for (int c = nb; c < nv * W; ++c) piv[c] = 0.0;
+      vd vp[kVecs * kParts], s1[kVecs * kParts], s2[kVecs * kParts];  // (in memory: too many for registers)
+      for (int v = 0; v < nv * kParts; ++v) {
+        vp[v] = Lanes<double>::load(piv + v * WD);
+        s1[v] = s2[v] = vbroadcast_vd(0.0);
+      }
+      const vd scale = vbroadcast_vd(a.scale);
       const bool contiguous = a.col_stride == static_cast<int64_t>(sizeof(T));
       // Rows are prefetched kPrefetchAheadBytes ahead (at least a row): channels-last instance
-      // norm of (8, 56, 56, 256) float32, 1 thread, 3.0 -> 2.0 ms. (Sums kept in registers, eight
-      // vectors of lanes at a time down the rows rather than all sixteen spilled: no gain.)
+      // norm of (8, 56, 56, 256) float32, 1 thread, 3.0 -> 2.0 ms.
       const int64_t step = a.row_stride < 0 ? -a.row_stride : a.row_stride;
       const int64_t ahead = step == 0 ? 0 : prefetch_units_ahead(step);
       const int64_t block_bytes = nb * static_cast<int64_t>(sizeof(T));
-      for (int64_t r0 = 0; r0 < a.rows; r0 += kRowChunk) {
-        const int64_t r1 = r0 + kRowChunk < a.rows ? r0 + kRowChunk : a.rows;
-        for (int v = 0; v < nv; ++v) s1[v] = s2[v] = zero;
-        for (int64_t r = r0; r < r1; ++r) {
-          const char* row = a.data + r * a.row_stride + c0 * a.col_stride;
-          if (contiguous && ahead > 0 && r + ahead < a.rows) {
-            const char* later = row + ahead * a.row_stride;
-            for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(later + b, 0, 3);
-          }
-          for (int v = 0; v < nv; ++v) {
-            const int m = v == nv - 1 ? last : W;
-            V x;
-            if (contiguous) {
-              const T* px = reinterpret_cast<const T*>(row) + v * W;
-              x = m == W ? L::load(px) : L::load_partial(px, m);
-            } else {
-              T buf[W];
-              for (int k = 0; k < m; ++k) std::memcpy(&buf[k], row + (v * W + k) * a.col_stride, sizeof(T));
-              x = L::load_partial(buf, m);
-            }
-            const V d = x * scale - vp[v];
-            s1[v] += d;
-            s2[v] = vfma(d, d, s2[v]);
-          }
+      for (int64_t r = 0; r < a.rows; ++r) {
+        const char* row = a.data + r * a.row_stride + c0 * a.col_stride;
+        if (contiguous && ahead > 0 && r + ahead < a.rows) {
+          const char* later = row + ahead * a.row_stride;
+          for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(later + b, 0, 3);
         }
-        C t1[kLanes], t2[kLanes];
         for (int v = 0; v < nv; ++v) {
-          Lanes<C>::store(t1 + v * W, s1[v]);
-          Lanes<C>::store(t2 + v * W, s2[v]);
+          const int m = v == nv - 1 ? last : W;
+          V x;
+          if (contiguous) {
+            const T* px = reinterpret_cast<const T*>(row) + v * W;
+            x = m == W ? L::load(px) : L::load_partial(px, m);
+          } else {
+            T buf[W];
+            for (int k = 0; k < m; ++k) std::memcpy(&buf[k], row + (v * W + k) * a.col_stride, sizeof(T));
+            x = L::load_partial(buf, m);
+          }
+          for_constant<0, kParts>([&](auto p) SIMDNORM_INLINE_LAMBDA {
+            const int q = v * kParts + decltype(p)::value;
+            const vd d = Sums::template part<decltype(p)::value>(x) * scale - vp[q];  // lanes past nb: 0 - 0
+            s1[q] += d;
+            s2[q] = vfma(d, d, s2[q]);
+          });
         }
-        for (int c = 0; c < nb; ++c) {
-          a.sum[c0 + c] += static_cast<double>(t1[c]);
-          a.sum_sq[c0 + c] += static_cast<double>(t2[c]);
-        }
+      }
+      alignas(64) double t1[kLanes], t2[kLanes];
+      for (int v = 0; v < nv * kParts; ++v) {
+        Lanes<double>::store(t1 + v * WD, s1[v]);
+        Lanes<double>::store(t2 + v * WD, s2[v]);
+      }
+      for (int c = 0; c < nb; ++c) {
+        a.sum[c0 + c] += t1[c];
+        a.sum_sq[c0 + c] += t2[c];
       }
     }
   }

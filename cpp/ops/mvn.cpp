@@ -6,12 +6,13 @@
 //                                                  are accumulated per lane while the rows are walked
 //                                                  (with lane groups, e.g. group norm on channels-last
 //                                                  data, then combined a group of lanes at a time)
-// Statistics: shifted sums d = (x - pivot) * scale in float chunks, totals in double (kernels/
-// moments.h). The pivot is the group's first element, so a large mean costs no precision; when the
-// sums show that the pivot was far from the mean (|mean - pivot| > 8 std) the group is summed again
-// around its mean; when squares overflow (|x| ~ 1e30 in float32, or x - pivot itself near the
-// largest float) again scaled down, and when they may have underflowed (|x| ~ 1e-23 in float32, with
-// an epsilon too small to outweigh the variance) again scaled up (Scaling).
+// Statistics: shifted sums d = (x - pivot) * scale in double lanes (kernels/moments.h). The pivot is
+// the group's first element, so a large mean costs no precision; when the sums show that the pivot
+// was far from the mean (|mean - pivot| > 8 std) the group is summed again around its mean. Float
+// data can neither overflow nor underflow double sums; float64 data is summed again scaled down when
+// squares overflow (|x| ~ 1e154, or x - pivot itself near the largest double), and scaled up when
+// they may have underflowed (|x| ~ 1e-162, with an epsilon too small to outweigh the variance)
+// (Scaling).
 // Every group's sums are taken over fixed blocks combined in a fixed order, so the result is
 // bitwise the same for any number of threads.
 //
@@ -53,21 +54,19 @@ constexpr int64_t kFusedBatchBytes = 2 << 10;
 // shared L3) between the statistics and the normalize pass, while rows stay long enough for SIMD.
 constexpr int64_t kColumnBlockBytes = 4 << 20;
 
-// The scales of the passes after the first, per type the sums are taken in: float (float32,
-// float16 and bfloat16 input) and double. Powers of two, so that scaling is exact.
-//   down: squares overflowed. A double group needs more than 2^-100: data near 1e200 still
-//     overflowed, and its statistics came out NaN.
-//   up: the mean square around the pivot is below tiny (float squares are subnormal below 2^-126,
-//     double ones below 2^-1022), unless epsilon outweighs any variance that small by 1 / margin
-//     (underflow_rule()), or the pivot lies past max_pivot (UnderflowRule). float32 rows near 1e-23
-//     with epsilon 0 had a 1 / std 3x too large, near 1e-25 an infinite one.
+// The scales of float64 data's passes after the first (float data, whose |x - pivot| is below 2^129
+// and whose squares are 0 or above 2^-298, never needs them). Powers of two, so that scaling is exact.
+//   down: squares overflowed. 2^-100 was too little: data near 1e200 still overflowed, and its
+//     statistics came out NaN.
+//   up: the mean square around the pivot is below tiny (double squares are subnormal below
+//     2^-1022), unless epsilon outweighs any variance that small by 1 / margin (underflow_rule()),
+//     or the pivot lies past max_pivot (UnderflowRule).
 // The up scale keeps d = x * up - pivot * up finite: |pivot| <= max_pivot, and |x - pivot| is below
-// sqrt(n * tiny). Squares within range again, a variance outside double's range (float64 data past
-// ~1e154 or below ~1e-162) stays in scaled units (GroupResult).
+// sqrt(n * tiny). Squares within range again, a variance outside double's range (data past ~1e154
+// or below ~1e-162) stays in scaled units (GroupResult).
 struct Scaling {
   double down, up, tiny, max_pivot, margin;
 };
-constexpr Scaling kFloatScaling{0x1p-100, 0x1p100, 0x1p-100, 0x1p20, 0x1p-30};
 constexpr Scaling kDoubleScaling{0x1p-600, 0x1p600, 0x1p-900, 0x1p300, 0x1p-60};
 
 struct Pass {
@@ -90,7 +89,6 @@ class MvnRunner {
  public:
   explicit MvnRunner(const MvnArgs& a)
       : a_(a), compute_(compute_type(a.input.dtype)), csize_(itemsize(compute_)),
-        scaling_(compute_ == DType::f64 ? kDoubleScaling : kFloatScaling),
         inv_std_rule_{a.normalize_variance, a.epsilon_outside, a.epsilon} {}
 
   void run(std::string* explain) {
@@ -212,24 +210,24 @@ class MvnRunner {
     return pass;
   }
 
-  // Scaling::up is needed only where the variance matters next to epsilon: a variance below tiny
-  // changes var + epsilon (or sqrt(var) + epsilon) by less than margin, relative, once epsilon is
-  // past tiny / margin (sqrt(tiny) / margin); float16 squares never underflow a float.
+  // Scaling::up is needed only for float64 data, and only where the variance matters next to
+  // epsilon: a variance below tiny changes var + epsilon (or sqrt(var) + epsilon) by less than
+  // margin, relative, once epsilon is past tiny / margin (sqrt(tiny) / margin).
   // (A bound on the sum of squares: with one on the mean square, the kernels' lane loops shared
   // sum_sq * inv_n between the two tests, and GCC no longer fused the variance's subtraction into
   // it: float64 columns' statistics changed in their last bits.)
   UnderflowRule underflow_rule() const {
-    const Scaling& k = scaling_;
+    const Scaling& k = kDoubleScaling;
     const double outweighing = a_.epsilon_outside ? std::sqrt(k.tiny) / k.margin : k.tiny / k.margin;
-    const bool off = !a_.normalize_variance || a_.input.dtype == DType::f16 || a_.epsilon >= outweighing;
+    const bool off = !a_.normalize_variance || compute_ != DType::f64 || a_.epsilon >= outweighing;
     return {off ? 0.0 : k.tiny * static_cast<double>(plan_.group_size), k.max_pivot};
   }
 
   // Decides whether the sums under `pass` are good; if not, returns false with the next pass.
   bool judge(const Sums& s, Pass& pass, GroupResult& out) const {
     if (!std::isfinite(s.s1) || !std::isfinite(s.s2)) {
-      if (pass.scale == 1.0) {  // squares overflowed: again, scaled down
-        pass.scale = scaling_.down;
+      if (pass.scale == 1.0 && compute_ == DType::f64) {  // squares overflowed: again, scaled down
+        pass.scale = kDoubleScaling.down;
         return false;
       }
       // An inf or NaN in the data: the group's statistics are NaN (those that are used at all).
@@ -240,7 +238,7 @@ class MvnRunner {
     // (Tested first: the pivot's test reads those squares too. The rule's own test first: every
     // row of a layer norm comes here, and the rule is off for the usual epsilons.)
     if (underflow_.sum_sq_below != 0.0 && pass.scale == 1.0 && squares_may_underflow(pass.pivot, s.s2, underflow_)) {
-      pass.scale = scaling_.up;
+      pass.scale = kDoubleScaling.up;
       return false;
     }
     // Every row's statistics end in this chain of dependent operations, which the row's
@@ -706,7 +704,7 @@ class MvnRunner {
       lanes.push_back(l);
     }
     for (int round = 1; round < 3; ++round) {
-      for (const double scale : {1.0, scaling_.down, scaling_.up}) {
+      for (const double scale : {1.0, kDoubleScaling.down, kDoubleScaling.up}) {
         bool any = false;
         for (Slow& l : lanes) {
           const bool take = !l.done && l.pass.scale == scale;
@@ -850,7 +848,6 @@ class MvnRunner {
   std::unique_ptr<FoldedParams> affine_;
   ReductionPlan plan_;
   double inv_group_size_ = 0.0;  // 1 / plan_.group_size: judge's mean is a multiplication
-  const Scaling scaling_;
   const InvStdRule inv_std_rule_;
   UnderflowRule underflow_{};  // (set with the plan: it bounds a sum over the group)
   NormalizeTask task_;

@@ -256,6 +256,27 @@ static inline vd vto_double(vl a) {
 #endif
 }
 
+// The low and the high half of a vf's lanes, as doubles (exact): the statistics sum float data in
+// double lanes.
+static inline vd vwiden_lo(vf a) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)a));
+#elif defined(__AVX2__)
+  return (vd)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)a));
+#else
+  return vd{a[0], a[1]};
+#endif
+}
+static inline vd vwiden_hi(vf a) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)a), 1)));
+#elif defined(__AVX2__)
+  return (vd)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)a, 1));
+#else
+  return vd{a[2], a[3]};
+#endif
+}
+
 // Sum of the lanes in a fixed order (the result must not depend on anything but the lanes).
 static inline float vreduce_add(vf a) {
 #if defined(__AVX512F__)
@@ -581,6 +602,29 @@ template <class E> struct RowsOf<E, 2> {
   E r0, r1;
   template <class Fn> SIMDNORM_CURSOR_METHOD void each(Fn&& fn) { fn(r0, 0); fn(r1, 1); }
   template <class Fn> SIMDNORM_CURSOR_METHOD void each(Fn&& fn) const { fn(r0, 0); fn(r1, 1); }
+};
+
+// Calls fn(std::integral_constant<int, I>) for I = First, ..., Last - 1: loops whose index must be
+// a constant (a member chosen by it, a template argument). fn is a SIMDNORM_INLINE_LAMBDA.
+template <int First, int Last, class Fn>
+SIMDNORM_CURSOR_METHOD void for_constant(Fn&& fn) {
+  if constexpr (First < Last) {
+    fn(std::integral_constant<int, First>{});
+    for_constant<First + 1, Last>(fn);
+  }
+}
+
+// N vectors of doubles as named members, for the same reason as RowsOf: at<q>() is member q.
+template <int N> struct VdSet;
+template <> struct VdSet<2> {
+  vd v0, v1;
+  template <int q> SIMDNORM_CURSOR_METHOD vd& at() { return q == 0 ? v0 : v1; }
+  template <int q> SIMDNORM_CURSOR_METHOD const vd& at() const { return q == 0 ? v0 : v1; }
+};
+template <> struct VdSet<4> {
+  vd v0, v1, v2, v3;
+  template <int q> SIMDNORM_CURSOR_METHOD vd& at() { return q == 0 ? v0 : q == 1 ? v1 : q == 2 ? v2 : v3; }
+  template <int q> SIMDNORM_CURSOR_METHOD const vd& at() const { return q == 0 ? v0 : q == 1 ? v1 : q == 2 ? v2 : v3; }
 };
 
 // Orders this thread's non-temporal stores before whatever it does next (e.g. signalling "done").

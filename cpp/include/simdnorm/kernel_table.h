@@ -8,9 +8,8 @@ namespace simdnorm {
 
 // Shifted sums for the moments of a normalization group (see ops/mvn.cpp for how they merge):
 //   sum += sum_i d_i,  sum_sq += sum_i d_i^2,  d_i = (x_i - pivot) * scale
-// accumulated in the compute type over chunks of at most kMomentChunk elements per lane, each chunk
-// added to the double totals in order, so the result depends only on the data and its addresses.
-constexpr int64_t kMomentChunk = 1024;
+// accumulated in double lanes that element i of the run takes by its index alone (kernels/moments.h),
+// so the result depends only on the run's values, never on its address.
 
 // One strided run of `len` elements.
 struct RowMomentsArgs {
