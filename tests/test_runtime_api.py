@@ -247,9 +247,9 @@ def test_cli_usage_and_unknown_command(capsys):
 
     assert main([]) == 2
     no_args = capsys.readouterr()
-    assert "usage: python -m simdnorm {info,bench}" in no_args.err and no_args.out == ""
+    assert "usage: python -m simdnorm {info,bench,accuracy}" in no_args.err and no_args.out == ""
     assert main(["--help"]) == 0
-    assert "usage: python -m simdnorm {info,bench}" in capsys.readouterr().out
+    assert "usage: python -m simdnorm {info,bench,accuracy}" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
     assert main(["info", "extra"]) == 2

@@ -1,13 +1,15 @@
-"""``python -m simdnorm info`` | ``python -m simdnorm bench [args]``."""
+"""``python -m simdnorm info`` | ``python -m simdnorm bench [args]`` | ``python -m simdnorm accuracy [args]``."""
 from __future__ import annotations
 
 import sys
 from typing import List, Optional
 
-USAGE = """usage: python -m simdnorm {info,bench} [args]
+USAGE = """usage: python -m simdnorm {info,bench,accuracy} [args]
 
-  info          print the version, the active and available instruction sets and the thread count
-  bench [args]  run the microbenchmark suite (python -m simdnorm bench --help)
+  info             print the version, the active and available instruction sets and the thread count
+  bench [args]     run the microbenchmark suite (python -m simdnorm bench --help)
+  accuracy [args]  output and statistics errors against float64, PyTorch's next to them
+                   (python -m simdnorm accuracy --help)
 """
 
 
@@ -45,6 +47,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from simdnorm.bench import main as bench_main
 
         return bench_main(rest)
+    if cmd == "accuracy":
+        from simdnorm.bench.accuracy import main as accuracy_main
+
+        return accuracy_main(rest)
     sys.stderr.write(f"unknown command {cmd!r}\n" + USAGE)
     return 2
 
