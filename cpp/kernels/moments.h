@@ -52,6 +52,15 @@ struct SumLanes {
       add_d<H * kParts + pi>(shifted<Scaled>(part<pi>(x), scaled_pivot, scale));
     });
   }
+  // The same, read from float32 data at p: each part loaded and widened on its own (an extract fewer).
+  template <int H, bool Scaled>
+  SIMDNORM_CURSOR_METHOD void add_widened(const float* p, vd scaled_pivot, vd scale) {
+    static_assert(kParts == 2, "float32 data has two parts a vector");
+    for_constant<0, kParts>([&](auto part_index) SIMDNORM_INLINE_LAMBDA {
+      constexpr int pi = decltype(part_index)::value;
+      add_d<H * kParts + pi>(shifted<Scaled>(vload_widened(p + pi * WD), scaled_pivot, scale));
+    });
+  }
   // Its lanes [0, m) only, at half h.
   template <bool Scaled>
   SIMDNORM_CURSOR_METHOD void add_partial(int h, V x, int m, vd scaled_pivot, vd scale) {
@@ -108,6 +117,7 @@ struct MomentsKernel {
   // alone).
   template <bool Scaled, bool Keep = false, int Rows = 1>
   struct ContiguousSums {
+    static_assert(!(Keep && std::is_same<T, float>::value), "float32 rows are read where they lie, never kept");
     struct Row {
       float* keep;
       const T* x;
@@ -135,11 +145,16 @@ struct MomentsKernel {
     SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
     SIMDNORM_CURSOR_METHOD void step() {
       rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
-        const V x0 = L::load(row.x + i), x1 = L::load(row.x + i + W);
-        kept(row, i, x0);
-        kept(row, i + W, x1);
-        row.lanes.template add<0, Scaled>(x0, row.pivot, scale);
-        row.lanes.template add<1, Scaled>(x1, row.pivot, scale);
+        if constexpr (std::is_same<T, float>::value) {  // (nothing to keep: only 16-bit rows are kept)
+          row.lanes.template add_widened<0, Scaled>(row.x + i, row.pivot, scale);
+          row.lanes.template add_widened<1, Scaled>(row.x + i + W, row.pivot, scale);
+        } else {
+          const V x0 = L::load(row.x + i), x1 = L::load(row.x + i + W);
+          kept(row, i, x0);
+          kept(row, i + W, x1);
+          row.lanes.template add<0, Scaled>(x0, row.pivot, scale);
+          row.lanes.template add<1, Scaled>(x1, row.pivot, scale);
+        }
       });
       i += 2 * W;
     }

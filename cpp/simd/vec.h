@@ -277,6 +277,18 @@ static inline vd vwiden_hi(vf a) {
 #endif
 }
 
+// kWidthD floats from p, as doubles: vwiden_lo of a load, without loading the other half (widening
+// the high half of a loaded vector takes an extract more).
+static inline vd vload_widened(const float* p) {
+#if defined(__AVX512F__)
+  return (vd)_mm512_cvtps_pd(_mm256_loadu_ps(p));
+#elif defined(__AVX2__)
+  return (vd)_mm256_cvtps_pd(_mm_loadu_ps(p));
+#else
+  return vd{p[0], p[1]};
+#endif
+}
+
 // Sum of the lanes in a fixed order (the result must not depend on anything but the lanes).
 static inline float vreduce_add(vf a) {
 #if defined(__AVX512F__)
