@@ -51,8 +51,8 @@ DOUBLE_ALLOWANCE = 2.0 ** -40  # of max|x| (mean) or of inv_std: a double comput
 GROUPS = 32
 MVN_AXES = (0, 2, 3)
 # Byte offsets of the input and output from a 64-byte line: on a line, and 16 bytes past one (where
-# numpy's allocator usually puts an array). simdnorm's sums follow the input's address, so each
-# placement gives its own last bits; fixed placements keep every run of a test the same.
+# numpy's allocator usually puts an array). The bound must hold at both (that the bits are the same
+# at every offset is tests/test_crash_repros.py's).
 PLACEMENTS = (0, 16)
 
 SHAPES = {
