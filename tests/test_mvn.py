@@ -340,14 +340,27 @@ def test_long_rows_in_pairs_match_single_rows(isa, rng, threads, dtype, n, rows)
             alone = empty_past_line((1, n), dtype, 36)
             call(x[r:r + 1], alone)
             assert np.array_equal(bits(alone[0]), bits(out[r])), f"{context}: row {r} differs from the row alone"
-    # in place: the bits of the same input into an output at the same phase (the bits depend on
-    # where the data lies against a line, not on whether the output is the input)
+    # in place: the bits of the same input into a separate output
     inplace = empty_past_line((rows, n), dtype, 16)
     inplace[...] = x
     simdnorm.layer_norm(inplace, g, b, out=inplace)
     expected = empty_past_line((rows, n), dtype, 16)
     simdnorm.layer_norm(x, g, b, out=expected)
     assert np.array_equal(bits(inplace), bits(expected)), f"in place rows={rows} n={n} isa={isa}"
+
+
+# A pair of long rows reads its first row's scale and bias: rows whose scale and bias differ (MVN
+# over the last axis with parameters of the input's full shape) must not pair up. (They did: every
+# second row took the first's bias; the whole-space fuzzer found it.)
+@pytest.mark.parametrize("dtype,n", LONG_ROWS, ids=[f"{dtype_id(d)}-{n}" for d, n in LONG_ROWS])
+def test_long_rows_with_their_own_scale_and_bias(isa, rng, threads, dtype, n):
+    rows = 4
+    x = make_input(rng, (rows, n), dtype, loc=0.5)
+    s = scale_bias_values(rng, (rows, n), dtype, "scale")
+    b = scale_bias_values(rng, (rows, n), dtype, "bias")
+    out = np.full((rows, n), np.nan, dtype)
+    mvn(x, -1, s, b, out=out)
+    check_mvn(out, x, -1, s, b, context=f"n={n} isa={isa}")
 
 
 # ----------------------------------------------------------------------------------------------

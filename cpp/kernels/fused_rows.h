@@ -271,12 +271,15 @@ struct FusedRowsKernel {
   // driver, rows 16 bytes past a line, ns a row, single -> paired: float32 (streamed) 3072
   // 428 -> 393, 4096 666 -> 550; float16 4096 454 -> 386, 8192 921 -> 745. Under the footprint,
   // pairs lost: float32 2048 212 -> 221, float16 3072 266 -> 288. The rows must sit at one phase
-  // to a 64-byte line (their steps whole lines, as with the usual hidden sizes).
+  // to a 64-byte line (their steps whole lines, as with the usual hidden sizes), and share their
+  // scale and bias (a pair reads its first row's: a layer norm whose bias has the input's full
+  // shape gave every second row the first's bias).
   static constexpr int64_t kPairFootprint = 48 << 10;  // two rows and the scale and bias, bytes
   static bool rows_pair_up(const FusedRowsArgs& a, bool affine_vary) {
     const int64_t per_element = 2 * static_cast<int64_t>(sizeof(T) + sizeof(typename N::C));
-    return N::W > 1 && affine_vary && a.len * per_element >= kPairFootprint && a.rows >= 2 * kPairRows &&
-           a.step[kIn] % 64 == 0 && a.step[kOut] % 64 == 0;
+    return N::W > 1 && affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 &&
+           a.len * per_element >= kPairFootprint && a.rows >= 2 * kPairRows && a.step[kIn] % 64 == 0 &&
+           a.step[kOut] % 64 == 0;
   }
   // All rows through pipeline<false, 2> when they pair up (the last of an odd count on its own),
   // else through pipeline<Keep, 1>. (Kept float16 rows, at most 1024, never pair up.)
