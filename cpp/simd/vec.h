@@ -285,7 +285,9 @@ static inline vd vload_widened(const float* p) {
 #elif defined(__AVX2__)
   return (vd)_mm256_cvtps_pd(_mm_loadu_ps(p));
 #else
-  return vd{p[0], p[1]};
+  float two[2];
+  std::memcpy(two, p, sizeof two);  // (p may be misaligned: float32 data at any byte offset)
+  return vd{two[0], two[1]};
 #endif
 }
 
