@@ -477,11 +477,13 @@ struct FusedRowsKernel {
       const V v0 = L::load(p), v1 = L::load(p + W);
       LF::store(k, v0);
       LF::store(k + W, v1);
-      for_constant<0, Sums::Q>([&](auto q) SIMDNORM_INLINE_LAMBDA {
-        constexpr int qi = decltype(q)::value, h = qi / Sums::kParts, p = qi % Sums::kParts;
-        const vd x = Sums::template part<p>(h == 0 ? v0 : v1);
-        row.lanes.template add_d<qi>(Pivoted ? x - row.piv : x);
-      });
+      if constexpr (Pivoted) {
+        row.lanes.template add<0, false>(v0, row.piv, row.piv);  // (unscaled: the last operand is unused)
+        row.lanes.template add<1, false>(v1, row.piv, row.piv);
+      } else {
+        row.lanes.template add_unshifted<0>(v0);
+        row.lanes.template add_unshifted<1>(v1);
+      }
     }
 
     Coefficients coefficients(int64_t r) const {

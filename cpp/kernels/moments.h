@@ -52,6 +52,14 @@ struct SumLanes {
       add_d<H * kParts + pi>(shifted<Scaled>(part<pi>(x), scaled_pivot, scale));
     });
   }
+  // The same with a pivot of 0 (x itself: subtracting 0 would give the same bits).
+  template <int H>
+  SIMDNORM_CURSOR_METHOD void add_unshifted(V x) {
+    for_constant<0, kParts>([&](auto p) SIMDNORM_INLINE_LAMBDA {
+      constexpr int pi = decltype(p)::value;
+      add_d<H * kParts + pi>(part<pi>(x));
+    });
+  }
   // The same, read from float32 data at p: each part loaded and widened on its own (an extract fewer).
   template <int H, bool Scaled>
   SIMDNORM_CURSOR_METHOD void add_widened(const float* p, vd scaled_pivot, vd scale) {
