@@ -28,8 +28,8 @@ struct FusedRowsKernel {
   }
   static constexpr int kPairSumsLead = 2;  // steps the sums of paired rows start ahead (interleave)
   // Runs `run` and takes the first-pass sums of next[r] (their scale must be 1) into out[r], for
-  // Rows runs at one phase. ahead[r]: where a run after next[r] probably starts. Asked for ahead of
-  // its sums, it arrives in time (measured: float32 4096 x 768 rows 0.82 ms with it, 0.98 without).
+  // Rows runs at one phase. ahead[r]: where a run after next[r] probably starts, prefetched ahead
+  // of its sums so that it arrives in time.
   template <bool Keep, int Rows, class Run>
   static void interleave(Run run, const RowMomentsArgs* next, const char* const* ahead, float* const* keep,
                          Totals* out) {
@@ -37,15 +37,10 @@ struct FusedRowsKernel {
     RowsOf<const char*, Rows> prefetch;  // in registers: the loop's stores may alias any array
     prefetch.each([&](const char*& p, int r) SIMDNORM_INLINE_LAMBDA { p = ahead[r]; });
     // Paired long rows: the sums start kPairSumsLead steps ahead of the normalization. In step
-    // they ran up to a vector behind it (each cursor aligns to its own array), and with the output
-    // at the input's phase to a page (numpy's large arrays all sit 16 bytes past one) their loads
-    // fell on the low 12 bits of the normalization's last stores and waited for them. Layer norm,
-    // input and output at that phase, old and new builds alternating (medians, 1 thread): float16
-    // 2048 x 4096 1921 -> 1377 us, 1024 x 8192 0.75x, bfloat16 2048 x 4096 2056 -> 1333 us; at
-    // other phases 1.01-1.05x; float32 2048 x 4096 1.00-1.01x. Single rows keep the lockstep: at
-    // the input's phase they showed no such wait (float32 layer norm, 2048 rows, medians: rows of
-    // 768, 1024 and 2048 took 298, 467 and 1189 us there, 274-317, 444-655 and 1028-1292 with the
-    // output at six other phases).
+    // they would run up to a vector behind it (each cursor aligns to its own array), and with the
+    // output at the input's phase to a page (numpy's large arrays all sit 16 bytes past one) their
+    // loads would fall on the low 12 bits of its last stores and wait for them. Single rows keep
+    // the lockstep: they do not wait so.
     if constexpr (Rows == 2) {
       for (int s = 0; s < kPairSumsLead && sums.can_step(); ++s) {
         prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<3>(p, sums.i); });
@@ -91,16 +86,15 @@ struct FusedRowsKernel {
     }
     // Calls fn(runs) with the RunMaker of the task's activation and layout.
     // Float16 rows read from their float32 copy fold the shift into the multiply (Formula): the
-    // conversions leave the loop short of FP issue slots, and one operation fewer per vector took
-    // 3.15 -> 2.75 cycles a vector in a model of the loop (float16 rows of 768, all in L1). The
-    // fold rounds -(shift * mul) once more, by at most 2^-24 |mean| / std in normalized units;
-    // float16's range (|x| <= 65504) keeps that product finite wherever the unfolded form is;
-    // bfloat16's does not (a constant row at 1e38: mean / sqrt(epsilon) overflows), so its
+    // conversions leave the loop short of FP issue slots, and the fold takes an operation a vector
+    // off it. It rounds -(shift * mul) once more, by at most 2^-24 |mean| / std in normalized
+    // units; float16's range (|x| <= 65504) keeps that product finite wherever the unfolded form
+    // is; bfloat16's does not (a constant row at 1e38: mean / sqrt(epsilon) overflows), so its
     // streamed rows keep the unfolded form.
     // A task without scale (MVN without scale and bias: task.scale_folded) takes Fold::scale as
     // NormalizeKernel does, with no activation: other activations, and the float16 rows above,
-    // read the scale of 1 and keep the same values (for 19 activations more, the loops below grew
-    // the module by 23%, 46.5 -> 57.4 MB, and its build time by as much).
+    // read the scale of 1 and keep the same values (Fold::scale for every activation would compile
+    // the loops below once more each, growing the module and its build time).
     template <class In = T, class Fn>
     void visit(const NormalizeTask& task, Fn&& fn) const {
       constexpr bool shift_folded = std::is_same<T, f16_t>::value && std::is_same<In, float>::value;
@@ -122,9 +116,8 @@ struct FusedRowsKernel {
   };
 
   // GroupPairArgs: each run of group g normalized in the loop that sums the same run of group
-  // g + 1, the runs stepped here. (With a call a run, the caller's bookkeeping between calls ran
-  // after each run had pushed the L1's lines out: MVN over (0, 2, 3) on (8, 256, 56, 56) float32
-  // spent a quarter of its time between calls, mostly waiting for loads of its own state.)
+  // g + 1, the runs stepped here: with a call a run, the caller's bookkeeping between calls would
+  // run after each run had pushed the L1's lines out, waiting on loads of its own state.
   static void execute_group(const NormalizeTask& task, const GroupPairArgs& a) {
     const LoopNest& nest = task.loop;
     const int inner = nest.ndim - 1;
@@ -266,14 +259,10 @@ struct FusedRowsKernel {
   }
 
   // Long rows run two in step, sharing each load of the scale and bias. Per row the loop reads the
-  // next row, rereads the row it normalizes and the whole scale and bias: past the L1 (48 KB here)
-  // those come from L2 each time. Paired, the scale and bias are read once for two rows. Kernel
-  // driver, rows 16 bytes past a line, ns a row, single -> paired: float32 (streamed) 3072
-  // 428 -> 393, 4096 666 -> 550; float16 4096 454 -> 386, 8192 921 -> 745. Under the footprint,
-  // pairs lost: float32 2048 212 -> 221, float16 3072 266 -> 288. The rows must sit at one phase
-  // to a 64-byte line (their steps whole lines, as with the usual hidden sizes), and share their
-  // scale and bias (a pair reads its first row's: a layer norm whose bias has the input's full
-  // shape gave every second row the first's bias).
+  // next row, rereads the row it normalizes and the whole scale and bias: past the L1 those come
+  // from L2 each time, and paired they are read once for two rows (under kPairFootprint pairs lose).
+  // The rows must sit at one phase to a 64-byte line (their steps whole lines, as with the usual
+  // hidden sizes), and share their scale and bias (a pair reads its first row's).
   static constexpr int64_t kPairFootprint = 48 << 10;  // two rows and the scale and bias, bytes
   static bool rows_pair_up(const FusedRowsArgs& a, bool affine_vary) {
     const int64_t per_element = 2 * static_cast<int64_t>(sizeof(T) + sizeof(typename N::C));
@@ -311,24 +300,17 @@ struct FusedRowsKernel {
   // sums keep a period in a slot of the ring and the normalization reads it back, writing the
   // same elements of the output, whole lines. Aligned to the output, not the input: with the two
   // at different phases, a load that spans two lines costs less than a store that does (each step
-  // stores a line of output and two of the ring, and the store unit is the busier: 32 bytes a
-  // cycle on a Zen 4, against 64 loaded). Layer norm 1024 x 768, ns a row, input and output at
-  // each of the 16 pairs of phases 0, 16, 32 and 48 bytes past a line, the two builds alternating
-  // in one process: the 8 pairs 16 or 48 bytes apart 92.1-93.4 -> 86.6-90.3, the other 8 the same
-  // (86.3-88.8). Row q's sums close at the first step of period q + 1. A row's sums depend only on
-  // its data and the output's phase, not on where a thread's rows begin: the bits are the same for
-  // any number of threads.
+  // stores a line of output and two of the ring, and the store unit is the busier: it takes half
+  // the bytes a cycle that the loads take). Row q's sums close at the first step of period q + 1.
+  // A row's sums depend only on its data and the output's phase, not on where a thread's rows
+  // begin: the bits are the same for any number of threads.
   static constexpr int kStreamBatch = 2;                 // rows finished together
   static constexpr int kStreamLead = kStreamBatch + 2;   // periods the sums run ahead (see run())
   // Kept periods. The period summed writes into the slot of the one normalized in the same
   // iteration, each step reading that slot's elements before it overwrites them, so the ring
-  // holds kStreamLead periods, not kStreamLead + 1. With the scale and bias that is 18 KB at rows
-  // of 768 (21 KB with a slot more), on a 32 KB L1 that also takes a line of input and one of
-  // output each step. float16 layer norm 4096 x 768, one build with 5 and 4 slots chosen at run
-  // time (medians of 300 alternating calls, two runs): 96.2 -> 92.9 and 96.8 -> 93.2 ns a row.
-  // (Running the sums 3 periods ahead in 3 slots, each batch finished right after it closes, was
-  // slower: with the compare of pivot_of, 0.985-1.003x the old build's time against
-  // 0.949-0.975x with 4 slots.)
+  // holds kStreamLead periods, not kStreamLead + 1: with the scale and bias that is 18 KB at rows
+  // of 768, on a 32 KB L1 that also takes a line of input and one of output each step. (Three
+  // periods ahead in three slots, each batch finished right after it closes, is slower.)
   static constexpr int kStreamSlots = kStreamLead;
 
   static bool rows_stream(const FusedRowsArgs& a) {
@@ -459,12 +441,9 @@ struct FusedRowsKernel {
     // first as that is from 0. The mean is then likely a few spreads from 0, inside the 8 standard
     // deviations past which the sums lose digits to cancellation (a row past them is summed
     // again), and the row's steps drop the subtraction. A row whose first W elements hold an
-    // outlier as large as its mean pays that second pass. float16 rows, 4096 x 768, x, out and
-    // the copy's output apart (old/new side by side, medians): layer norm 94.0 -> 89.2 ns a row,
-    // 93.7 -> 88.3; rows of 1024 127.8 -> 123.0; RMS norm (pivot 0 before too) 90.3 -> 84.1.
-    // Decided from the row alone, not its address or neighbours: the same bits for any thread
-    // count. (A lanewise compare, not the largest distance: one horizontal reduction a row fewer,
-    // 0.986-0.989x the time of layer norm 4096 x 768.)
+    // outlier as large as its mean pays that second pass. Decided from the row alone, not its
+    // address or neighbours: the same bits for any thread count. (A lanewise compare, not the
+    // largest distance: one horizontal reduction a row fewer.)
     static double pivot_of(const T* start) {
       const V v = L::load(start);
       const V first = splat<V>(v[0]);
@@ -539,15 +518,13 @@ struct FusedRowsKernel {
         c.finished += count;
       }
     }
-    // The statistics of `count` rows from row on, by lane_stats.h's formulas, here and a row per
-    // lane (a lone last row in both lanes: every row takes the same instructions, whatever its
-    // batch). Kernel driver, float16 rows of 768, ns a row (medians of 5, alternating): with the
-    // op's finish, a call per batch, 53.7; finished here a row at a time, 51.0; in lanes, 47.6 ->
-    // 46.9. A row whose first pass does not settle it is left to the op's finish (settle()).
+    // The statistics of `count` rows from row on, by lane_stats.h's formulas, here (no call to the
+    // op's finish) and a row per lane (a lone last row in both lanes: every row takes the same
+    // instructions, whatever its batch). A row whose first pass does not settle it is left to the
+    // op's finish (settle()).
     // It is inlined into run_pair(): reading a's pointers and steps into locals here (the stores
-    // may alias a) made GCC keep two of the pair loop's sums on the stack, loaded and stored every
-    // step: 1.08x the time. After any change near run_pair(), look for rsp in its loop (objdump)
-    // before timing it.
+    // may alias a) makes GCC keep two of the pair loop's sums on the stack, loaded and stored every
+    // step. After any change near run_pair(), look for rsp in its loop (objdump) before timing it.
     SIMDNORM_CURSOR_METHOD void finish_rows(int64_t row, int count, Closed& c) const {
       static_assert(kStreamBatch == 2, "a batch of rows is one double2");
       double2 pivot, sum, sum_sq;
@@ -585,12 +562,10 @@ struct FusedRowsKernel {
     // Iteration t sums period t and normalizes period t - kStreamLead, in one loop over their
     // steps; between the first steps of the two, the rows closed so far (0 .. t - 2) are
     // finished. The normalization's first step comes first, its coefficients loaded before the
-    // finish stores others: loaded after, they waited for those stores (whose addresses come at
-    // the end of a chain through a division and a square root) though the row was finished an
-    // iteration before (kernel driver, rows of 768: 50.3 -> 49.0 ns a row, medians of 5).
-    // A call in the loop made the compiler keep the sums in memory across it: rows that need the
-    // caller's finish are settled between runs of the loop (kernel driver: 51.6 -> 49.3 ns a row
-    // without the call).
+    // finish stores others: loaded after, they would wait for those stores (whose addresses come
+    // at the end of a chain through a division and a square root) though the row was finished an
+    // iteration before. Rows that need the caller's finish are settled between runs of the loop:
+    // a call in the loop would make the compiler keep the sums in memory across it.
     void run(int64_t rows_ahead) const {
       Progress state;
       while (state.t <= rows + kStreamLead) {
@@ -602,22 +577,16 @@ struct FusedRowsKernel {
     // ahead as the pipeline asks for its input into L1: the lines it keeps in L1 (ring, scale and
     // bias: 18 KB at rows of 768, 24 KB at 1024) then stay there on a 32 KB L1, and the output's
     // lines are in cache before its stores (the first store to a line that is not waits for it,
-    // and the output of a large op is rarely still cached). Measured on a Zen 4 (32 KB L1), 4096
-    // rows, ns a row, the output not in cache (the copy between samples writes another array):
-    // input into L1 at 1x only -> both into L2 at 2x: 768 elements 105-110 -> 94-97, 1024
-    // 188-208 -> 133-138; the output in cache: 768 92-95 -> 89-92. (The pipeline's float32 rows,
-    // bound by memory, gained nothing from the same prefetch of their output.)
+    // and the output of a large op is rarely still cached). (The pipeline's float32 rows, bound by
+    // memory, gain nothing from the same prefetch of their output.)
     static constexpr int kL2Ahead = 2;
     // Iterations t and t + 1 (t even, both periods summed and normalized) as one loop over their
     // steps, each load of the scale and bias serving both normalizations, one loop's entry, exit
     // and bookkeeping for two rows; the rows closed in iterations t - 1 and t are finished in it
     // (a batch). Each row takes the same steps in the same order as alone: the same bits,
-    // whichever rows pair up. Measured (old/new side by side, medians, 1 thread, the same bits):
-    // float16 layer norm 4096 x 768 0.946-0.949x the time, (8, 512, 768) 0.940-0.980x, rows of
-    // 192 1.005x; rows of 1024, whose ring, scale, bias and two periods of input and output
-    // outgrow a 32 KB L1, 0.998-1.124x: those keep one period an iteration there. On a 48 KB L1
-    // (Intel Xeon, the L1's size read at run time) rows of 1024 pair: layer norm (32, 128, 1024),
-    // separate processes alternating, t / copy: float16 1.39 -> 1.21, bfloat16 1.67 -> 1.26.
+    // whichever rows pair up. Rows whose ring, scale, bias and two periods of input and output
+    // outgrow the L1 (its size read at run time: rows of 1024 outgrow a 32 KB L1, not a 48 KB
+    // one) keep one period an iteration.
     static constexpr int64_t kPairBytesPerElement = kStreamSlots * sizeof(float) + 2 * sizeof(C) + 4 * sizeof(T);
     // Where iteration t's later steps read and write: period t summed into its slot of the ring,
     // period p = t - kStreamLead normalized from that same slot (kStreamSlots == kStreamLead: each
@@ -706,8 +675,8 @@ struct FusedRowsKernel {
         float* k = at.kept;
         T* dst = at.dst;
         const Coefficients c = cur;
-        // The period's first step too (the loop starts past it): with the L3 flushed before each
-        // sample of 8 calls, (8, 512, 768) took 275-301 us without, 267-271 with.
+        // The period's first step too (the loop starts past it): from memory, its lines would
+        // otherwise come late.
         prefetch_step<2>(ahead, -S);
         prefetch_step<2>(out_ahead, -S);
         auto sum_and_normalize = [&](auto pivoted) SIMDNORM_INLINE_LAMBDA {
@@ -756,8 +725,7 @@ struct FusedRowsKernel {
 
   // The pipeline of FusedRowsArgs: every row's sums, its statistics (the caller's finish), and its
   // normalization while a later row is summed. One call for all rows: the cost of entering the
-  // kernel, choosing the loop and the activation is paid once, not per row (measured on 1024 rows
-  // of 768 float16: 102 us against 180 us with a call per row).
+  // kernel, choosing the loop and the activation is paid once, not per row.
   static void execute_rows(const NormalizeTask& task, const FusedRowsArgs& a) {
     const InnerRun layout(task);
     if (!layout.fusable) {
@@ -775,23 +743,17 @@ struct FusedRowsKernel {
     // Row r is normalized in the loop that sums row r + k, and rows are finished k at a time,
     // before the first of them is normalized. A row's statistics end in a chain of dependent
     // divisions and a square root that nothing after it can retire past: finished one at a time,
-    // one row ahead, the chain held up every row; k rows' chains are independent and overlap.
-    // Measured, ns per row: float16 4096 x 768 86 -> 68 (k = 2; 72 with k = 4), 16384 x 192
-    // 41 -> 31 (k = 4; 33 with k = 2 or 8), 65536 x 16 24.5 -> 18. The k rows wait in L1 between
-    // their two passes.
+    // one row ahead, the chain would hold up every row; k rows' chains are independent and
+    // overlap. The k rows wait in L1 between their two passes.
     const int k = batch_rows(a.len);
     // The prefetch runs at least kPrefetchAheadBytes ahead of the sums.
     const int64_t step_bytes = a.step[kIn] < 0 ? -a.step[kIn] : a.step[kIn];  // 0: a broadcast input
     const int64_t rows_ahead = step_bytes == 0 ? 1 : prefetch_units_ahead(step_bytes);
-    // Scale and bias that vary along the row are the same for every row: copied once to where
-    // their loads line up with the output's stores, so that no load in the loop straddles two
-    // lines. Measured (kernel driver, the two 16 bytes off the output's phase): float16 rows of 768
-    // 60 -> 54 ns, float32 rows of 2048 265 -> 188 ns (aligned: 188).
+    // Scale and bias that vary along the row are the same for every row: copied once to where their
+    // loads line up with the output's stores, so that no load in the loop straddles two lines.
     FusedRowsArgs args = a;
     // 16-bit rows back to back stream (RowStream). bfloat16 gains less from keeping a float32 copy
-    // (its conversion in is a shift): rows that do not stream convert twice. Layer norm, old and new
-    // builds alternating in one process (medians, 1 thread): bfloat16 4096 x 768 streamed 0.70x the
-    // time, rows of 192 0.65x; kept without the stream, rows of 700, 1.04x.
+    // (its conversion in is a shift): its rows that do not stream convert twice.
     constexpr bool kept_rows = std::is_same<T, f16_t>::value;
     constexpr bool streamed_rows = kept_rows || std::is_same<T, bf16_t>::value;
     if constexpr (streamed_rows) {
@@ -813,9 +775,8 @@ struct FusedRowsKernel {
     // float16 rows: the conversions bound the loop (vcvtph2ps and vcvtps2ph, six per 32 elements).
     // The sums pass keeps each row as it converts it, in a ring of k + 1 float32 rows in L1, and
     // the normalize pass reads that copy: two conversions fewer per 32 elements, the same values.
-    // Measured (ns a row, kernel driver): 768 elements 63-65 -> 55-57, 192 28.6 -> 22.1, 1024
-    // 86 -> 75; with rows of 1536 and more the ring and the rows outgrow L1 (115 -> 148), and from
-    // memory (streaming stores) the loads are the bound: those keep converting twice.
+    // Rows past kKeptRowMax (the ring and the rows outgrow L1) and rows from memory (streaming
+    // stores: the loads are the bound) keep converting twice.
     if constexpr (kept_rows) {
       if (keep) {
         const int64_t pitch = kept_pitch(a.len);

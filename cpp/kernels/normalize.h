@@ -102,16 +102,14 @@ struct NormalizeKernel {
     bool stream;
 
     // Peels a masked head up to a 64-byte boundary, so that full stores never straddle a cache
-    // line (on this hardware that costs up to 2x, and numpy hands out 16/32-byte aligned buffers)
-    // and each pair of vectors below covers whole lines (what non-temporal stores need to avoid
+    // line (such a store can cost as much as two, and numpy hands out 16/32-byte aligned buffers) and
+    // each pair of vectors below covers whole lines (what non-temporal stores need to avoid
     // partial-line writes). An element pointer that is not even element-aligned cannot be peeled
     // into alignment: it takes plain stores.
     // With StreamEdges, a streamed run's head and tail lines are streamed as well, in 4- and
-    // 16-byte pieces (stream_bytes): for rows pipelined with the reads of later rows (layer norm
-    // float32 8x512x768 at 16 bytes past a line, 1.53-1.70 -> 1.13-1.27x the copy). Runs that
-    // only stream (NCHW batch norm planes) lost with them (0.76-0.80 -> 0.88-0.91x the copy), so
-    // they keep plain edges. A template parameter: as a run-time flag it cost channels-last batch
-    // norm 3-7%.
+    // 16-byte pieces (stream_bytes): for rows pipelined with the reads of later rows. Runs that
+    // only stream (NCHW batch norm planes) lose with them, so they keep plain edges. A template
+    // parameter: as a run-time flag it slowed channels-last batch norm.
     SIMDNORM_CURSOR_METHOD ContiguousRun(const F& formula, int64_t len, char* const* p, bool streaming, bool peel)
         : ContiguousRun(formula, len, &p, streaming, peel) {}
     // p[r]: the operands of row r (the scale and bias are row 0's, shared).
@@ -144,11 +142,9 @@ struct NormalizeKernel {
       const V s0 = af.first(i), b0 = af.second(i), s1 = af.first(i + W), b1 = af.second(i + W);
       if constexpr (Rows == 2) {
         // Both rows loaded before either is stored: rows a multiple of 4 KB apart (4096 float16
-        // elements) put the second row's loads on the low 12 bits of the first row's stores.
-        // (Alone it measured within noise, 0.95-1.03x; paired rows were measured with it and the
-        // sums' lead, interleave() in fused_rows.h.) Single rows keep their loads and stores in
-        // turn: a build that wrote theirs through these lambdas took float32 rows of 768
-        // 1.08-1.13x the time.
+        // elements) put the second row's loads on the low 12 bits of the first row's stores (see
+        // also the sums' lead, interleave() in fused_rows.h). Single rows keep their loads and
+        // stores in turn: written through these lambdas, their loop is slower.
         auto result = [&](const Row& row, int64_t at, V s, V b) SIMDNORM_INLINE_LAMBDA {
           return f(LI::load(row.x + at), row.st.first(at), row.st.second(at), s, b);
         };
@@ -245,11 +241,10 @@ struct NormalizeKernel {
           L::store2(y + at, r0, r1);
       };
       if (i + 2 * W > total) return;
-      // Each pair is loaded before the one before it is stored. Loaded after, its loads follow
-      // that store in program order, and with the output 40-62 bytes past the input's phase to a
-      // page both of them match the store's low 12 bits: they wait for a non-temporal store to
-      // leave (NCHW batch norm 8x64x112x112 float16, input on a line: 1.92-1.96 ms with the
-      // output 40-56 bytes past it, 0.53-0.69 ms at 0-32).
+      // Each pair is loaded before the one before it is stored. Loaded after, its loads would
+      // follow that store in program order, and with the output 40-62 bytes past the input's phase
+      // to a page both would match the store's low 12 bits and wait for a non-temporal store to
+      // leave.
       V r0 = value(i, W), r1 = value(i + W, W);
       for (; i + 4 * W <= total; i += 2 * W) {
         const V n0 = value(i + 2 * W, W), n1 = value(i + 3 * W, W);
@@ -319,13 +314,9 @@ struct NormalizeKernel {
   // channels-last batch norm and instance norm, their channels (repeated along runs of ~1024, see
   // lengthen_repeating_runs) innermost. Run as one stream of rows * n elements, as
   // run_row_stream() runs rows of constant coefficients: the stores stay 64-byte aligned across
-  // rows. Row by row, an output that does not start on a line gave each row a head and a tail of
-  // plain stores into lines the rest of the stream keeps out of the cache (non-temporal stores):
-  // each such line was read from memory first, and the stores behind it waited. Batch norm
-  // 8x64x112x112 channels-last, Zen 4, one thread, row by row -> one stream (medians, old and new
-  // builds alternating), the output 16 bytes past a line: float16 1259 -> 569 us, bfloat16
-  // 1596 -> 773, float32 1412 -> 1033; on a line: 606 -> 547, 802 -> 786, 1109 -> 1016. In cache
-  // (8x64x56x56 float16): 154-168 -> 123-130.
+  // rows. Row by row, an output that does not start on a line would give each row a head and a
+  // tail of plain stores into lines the rest of the stream keeps out of the cache (non-temporal
+  // stores): each such line would be read from memory first, and the stores behind it wait.
   // Element j of the stream takes the coefficients of element j mod n of a row, read from copies
   // of the arrays that repeat their first W elements past their end, so that a vector that wraps
   // to the next row reads them in one piece.
@@ -375,19 +366,12 @@ struct NormalizeKernel {
   // outgrow the L1 (channels-last batch norm with 2048 channels and more: 40 KB a row in float32)
   // run in blocks of columns, each block over all the rows before the next: a block's
   // coefficients (kBlockBytes with its input and output) stay in the L1 while its rows stream
-  // through. Row by row, each row's input and output lines pushed the coefficients out before the
-  // next row reread them (an L1 under LRU loses a cyclic working set larger than itself whole).
-  // Rows up to the L1's size (the task's l1_bytes, read from the CPU) run whole. The block
-  // boundaries after the first sit on the first row's output lines. Not with streaming stores:
-  // a block's rows write their lines a few KB at a time, and the non-temporal stores lost
-  // (float32 8x2048x14x14 and 32x2048x7x7, 26 MB each way: 1.43-1.45x the time).
-  // Measured (Zen 4, one thread, data in cache, old and new builds alternating in one process):
-  // batch norm 8x2048x7x7 float32 144-148 -> 99-126 us, 8x4096x7x7 float32 388-395 -> 295-369
-  // and float16 260-264 -> 155-158; instance norm 8x2048x7x7 float32 335 -> 258-263. Rows of
-  // exactly the L1 run whole: float16 batch norm at 2048 channels (32 KB a row) took 1.13-1.18x
-  // the time in blocks. So do rows that fit a larger L1: an Intel Xeon's 48 KB, channels-last
-  // batch norm 8x2048x7x7 float32 (40 KB a row), 1 thread, separate processes alternating, t / copy:
-  // in blocks 1.24-1.31, whole 1.10-1.11.
+  // through. Row by row, each row's input and output lines would push the coefficients out before
+  // the next row reread them (an L1 under LRU loses a cyclic working set larger than itself whole).
+  // Rows up to the L1's size (the task's l1_bytes, read from the CPU), exactly the L1 included, run
+  // whole: blocks cost them more than they save. The block boundaries after the first sit on the
+  // first row's output lines. Not with streaming stores: a block's rows write their lines a few KB
+  // at a time, which suits non-temporal stores worse than whole rows.
   static constexpr int64_t kBlockBytes = 20 << 10;
   // A block, with the first one's head (under a line) and the rounding (under a line), of four
   // coefficient arrays at most, never blocks again.
@@ -457,11 +441,8 @@ struct NormalizeKernel {
       if (st_const && af_const) {
         if constexpr (W > 1) {
           // 16-bit data: each row's masked head and tail cost two more conversions; the row
-          // stream has neither (measured: NCHW 7x7 bfloat16 2.0-2.4x the copy, 2.9-3.4x per row).
-          // float32 rows pay a masked tail each: batch norm NCHW, Zen 4, per row -> stream,
-          // output not in cache: 8x2048x7x7 135-138 -> 90-111 us, 8x512x7x7 35.5 -> 30.0,
-          // 8x1024x14x14 204 -> 173-184, 8x64x56x56 173-188 -> 163-172. Not with streaming stores
-          // (outputs past the caches: 8x64x112x112 and 8x256x56x56 took 1.00-1.07x the time).
+          // stream has neither. float32 rows pay a masked tail each, and stream too, but not with
+          // streaming stores (outputs past the caches), where the stream gains them nothing.
           const bool stream_rows = sizeof(T) == 2 || !stream;
           if (stream_rows && rows > 1 && n >= W && rs[kIn] == n * ts && rs[kOut] == n * ts)
             return run_row_stream(f, rows, n, p, rs, stream);

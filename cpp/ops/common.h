@@ -67,10 +67,8 @@ class FoldedParams {
 void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Coefficient arrays read beside the data (folded's operands, varying along the inner run) are
-// moved so that their vectors are 64-byte aligned where the kernel's stores are (it peels the
-// output to a 64-byte boundary): a vector load that straddles two cache lines costs about twice as
-// much. Measured on channels-last 8x64x56x56 float32 with 64-byte aligned data: 146 us aligned vs
-// 246 us with the coefficients 16 bytes off.
+// moved so that their vectors are 64-byte aligned where the kernel's stores are (it peels the output
+// to a 64-byte boundary): a vector load that straddles two cache lines costs about twice as much.
 void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
@@ -87,7 +85,8 @@ void fence_streaming_stores();
 // "nest=... inner=<loop>": the loop nest and the inner loop the normalize kernel picks for it.
 std::string describe_normalize(const NormalizeTask& task);
 
-// Minimum elements per thread before a second thread is worth waking (measured: ~30 us of work).
+// Minimum elements per thread before a second thread is worth waking (less work than this costs
+// less than the wake-up).
 constexpr int64_t kMinElementsPerThread = 1 << 15;
 
 }  // namespace simdnorm

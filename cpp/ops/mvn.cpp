@@ -46,9 +46,8 @@ constexpr int64_t kBlock = 1 << 15;
 // Rows that are not one pipeline (e.g. kept dims that do not merge): groups smaller than this are
 // normalized in batches of about this many bytes (one kernel call per batch instead of per short
 // group). Larger groups run one at a time: the statistics of a group, then its normalization while
-// it is in L1. Measured on 8x512x768 float32 (AMD EPYC, 32 MB L3): batches of 8 rows (24 KB) took
-// 1.6x the time of single rows, whose reads and writes interleave finely enough to run at the speed
-// of a copy.
+// it is in L1; their reads and writes then interleave finely enough to run at the speed of a copy,
+// which batches of them do not.
 constexpr int64_t kFusedBatchBytes = 2 << 10;
 // Columns: a task's lanes are chosen so that its rows x lanes block stays in cache (L2, or the large
 // shared L3) between the statistics and the normalize pass, while rows stay long enough for SIMD.
@@ -196,10 +195,7 @@ class MvnRunner {
     task_.act = a_.activation;
     // Without scale and bias, fma(x - mean, 1/std, 0): the values of fma((x - mean) / std, 1, 0)
     // (a zero is +0 in both; only a product that underflows to zero keeps its sign here) with one
-    // multiply fewer a vector, which float16 and bfloat16, bound by the vector pipes, feel. Zen 4,
-    // one thread, old and new builds alternating (same bits): MVN over (0, 2, 3) of
-    // (8, 256, 56, 56) float16 0.87-0.93x the time, bfloat16 0.92-0.94x, float32 0.95-0.99x; over
-    // (2, 3) float16 0.93x; rows of 768 float32 0.92-0.98x.
+    // multiply fewer a vector, which float16 and bfloat16, bound by the vector pipes, feel.
     task_.scale_folded = !affine_;
   }
 
@@ -244,8 +240,8 @@ class MvnRunner {
     // Every row's statistics end in this chain of dependent operations, which the row's
     // normalization waits for: no call, and multiplications where they serve. The scale is a
     // power of two, whose inverse is exact; 1/n is not, so m1 may differ from s1 / n in a double's
-    // last bit, far below the rounding of the float statistics (the division cost ~4 ns a row of
-    // 768).
+    // last bit, far below the rounding of the float statistics (a division would lengthen the
+    // chain).
     const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
     const FirstMoments m = first_moments(s.s1, s.s2, inv_n);
     if (a_.normalize_mean && !pass.refined && pivot_too_far(m)) {
@@ -451,10 +447,8 @@ class MvnRunner {
           cursor.next();
         };
         if (pipelined) {
-          // Long or short rows alike. (Rows under 2 KB used to go in batches, a statistics call
-          // per row and a normalize call per batch: 1.4-1.7x the time of the pipeline. So did the
-          // rows of kept dims that do not merge, such as layer norm of x[:, :T]: rows of 256
-          // float32 took 5.2x the time of a copy, 1.3x here.)
+          // Long or short rows alike, and rows of kept dims that do not merge (layer norm of
+          // x[:, :T]): batches (a statistics call per row, a normalize call per batch) are slower.
           const int inner = plan_.kept_dims - 1;
           const int64_t stretch = plan_.nest.sizes[inner];
           for (int64_t g = g0; g < g1;) {
@@ -483,23 +477,15 @@ class MvnRunner {
           // Groups of several runs (MVN over (0, 2, 3)) or past one block of sums: group g
           // is normalized (from cache) in the loop that takes the first-pass sums of group g + 1
           // (from memory), run by run, so that reads and writes overlap as in a copy; a second
-          // pass, when one is needed, runs on its own. Measured on 4096 x 768 rows against
-          // running the two loops one after the other: float32 0.72 vs 0.88-1.04 ms, float16
-          // 0.46 vs 0.53-0.73 ms.
+          // pass, when one is needed, runs on its own.
           // Runs are cut where block_sums' blocks end, and each block's sums are added to the
-          // group's in order, as group_stats adds them: groups of any size are fused. (They were
-          // not past one block: MVN over (0, 2, 3) on (32, 64, 56, 56) float32 took 2.0x the
-          // time of a copy, 1.0-1.1x fused.)
+          // group's in order, as group_stats adds them: groups of any size are fused.
           // The loop prefetches the run `lead` runs after the one it sums (past the group's last
           // run, in the group after), at least kPrefetchAheadBytes ahead in the order the sums
-          // read. It used to prefetch where the run ends, the same plane of the next channel in
-          // MVN over (0, 2, 3): a group ahead, which the L2 does not keep for large groups and
-          // which left the sums waiting on their loads. On (8, 256, 56, 56) float32: 1.29-1.34x
-          // the time of a copy -> 1.05-1.12x; (2, 1024, 56, 56) 1.15x -> 0.84x.
+          // read, not where the run ends (in MVN over (0, 2, 3) the same plane of the next channel:
+          // a group ahead, which the L2 does not keep for large groups).
           // One kernel call a group, which steps the runs itself: with a call a run, this loop's
-          // bookkeeping between calls (its state pushed out of L1 by each run) took a quarter of
-          // the time. Intel Xeon, 1 thread, the arrays warm in L3, t / copy: (8, 256, 56, 56)
-          // float32 1.42-1.52 -> 1.12-1.15, (8, 1024, 28, 28) 1.74-1.79 -> 1.12-1.17.
+          // bookkeeping between calls would wait on its state, pushed out of L1 by each run.
           const int last = plan_.nest.ndim - 1;
           const int64_t run = plan_.nest.sizes[last], runs = runs_per_group();
           const int64_t run_bytes = run * itemsize(a_.input.dtype);
@@ -613,9 +599,9 @@ class MvnRunner {
 
   // A task's lanes are finished together by the lane kernels (kernels/lane_stats.h: judge()'s
   // common case, finite sums and the pivot close enough to the mean, for every lane; then the square
-  // roots and divisions), vectorized. One lane at a time (judge, inv_std and the stores behind
-  // branches) they cost ~15 ns a lane: MVN over axis 0 of (8, 256, 28, 28), eight rows a lane, took
-  // 3.3 ms, 1.75 ms now. Lanes that fail the common case go through judge() and are summed again.
+  // roots and divisions), vectorized: one lane at a time (judge, inv_std and the stores behind
+  // branches) they would cost lanes of few rows as much as their sums. Lanes that fail the common
+  // case go through judge() and are summed again.
   void column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
     const LoopNest& nest = plan_.nest;
     const int lanes_dim = nest.ndim - 1;

@@ -108,12 +108,10 @@ int64_t product(const DimList& dims) {
 
 // The innermost reduced dim r, contiguous and short, sits right inside the innermost kept dim k
 // (group norm on channels-last data: r the channels of a group, k the groups), with other reduced
-// dims outside: as rows, each group would be many runs of r, a kernel call each (32 ns a run of 8
-// float32: channels-last group norm took 44x the time of a copy). k x r merge into one dim of
-// lanes for every operand read or written per element.
-// Each lane then costs its own statistics (~15 ns here): with fewer rows per lane than elements
-// per run, the rows cost less (MVN over (0, 2, 3) of (8, 4096, 14, 14) float32: 1.9 ms as rows,
-// 11.9 ms as 8 rows of lane groups).
+// dims outside: as rows, each group would be many runs of r, a kernel call each (a call costs far
+// more than a short run's work). k x r merge into one dim of lanes for every operand read or
+// written per element. Each lane then costs its own statistics: with fewer rows per lane than
+// elements per run, the rows cost less.
 constexpr int64_t kLaneGroupMaxBytes = 1024;
 bool lane_groups_fit(const DimList& kept, const DimList& reduced, int64_t itemsize) {
   if (kept.empty() || reduced.n < 2) return false;

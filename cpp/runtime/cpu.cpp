@@ -175,12 +175,8 @@ int64_t l1_data_cache_bytes() {
   return bytes;
 }
 
-// The cap: a server's large L3 is far from any one core. On 2 vCPUs of an Intel Xeon (family 6
-// model 207) whose sysfs L3 is 260 MB (half: 130 MB), float32 layer norm rows of 768, 1 thread,
-// non-temporal against plain stores, as t / np.copyto of the same arrays, with the L3 warm from the
-// previous call: 2 MB arrays 0.78 against 1.05, 4 MB 0.83 / 1.02, 32 MB 0.89 / 1.09; after 256 MB of
-// other traffic: 0.90 / 1.18, 0.78 / 1.19, 0.73 / 1.22. 16 MB is half the 32 MB L3 of a Zen 4,
-// where streaming was measured to lose below it (1.4x the copy's time on a 6 MB array).
+// The cap: a server's large L3 is far from any one core, and streaming wins there on outputs far
+// smaller than half of it. 16 MB is half a 32 MB L3, on which streaming smaller outputs loses.
 int64_t stream_threshold_bytes() {
   const int64_t half = last_level_cache_bytes() / 2;
   return half < kStreamCapBytes ? half : kStreamCapBytes;

@@ -28,10 +28,9 @@ int default_threads() {
 
 std::atomic<int> g_num_threads{default_threads()};
 
-// A wake-up through the kernel costs tens of microseconds on a VM (measured here: 8x512x7x7 float32
-// batch norm took 25 us at 1 thread and 57 us at 2, sleeping workers), more than a small call's
-// work. So workers poll for the next job, and the caller for the workers' end, for up to kSpin
-// before they block, as OpenMP runtimes do by default.
+// A wake-up through the kernel costs tens of microseconds on a VM, more than a small call's work.
+// So workers poll for the next job, and the caller for the workers' end, for up to kSpin before
+// they block, as OpenMP runtimes do by default.
 constexpr auto kSpin = std::chrono::microseconds(100);
 
 inline void cpu_relax() {

@@ -199,11 +199,8 @@ static inline bool vany_ge(vd a, vd b) {
 
 // Lanes [0, m) set, the rest clear (0 <= m <= kWidth), for vselect: masks the unused lanes of a
 // partial vector, or the lanes of a vector that belong to one row of two. At AVX-512 a mask
-// register, set from (1 << m) - 1 with one kmovw: the compare of a broadcast m against 0..15 was
-// two operations on the vector pipes the arithmetic is bound by. NCHW batch norm over 7x7 planes,
-// one vector in three straddling two rows (Zen 4, one thread, old and new builds alternating, the
-// same bits): 8x512x7x7 float16 0.96x the time, bfloat16 0.97x, 8x2048x7x7 float16 0.96x,
-// 8x512x8x8 float16 0.95x; float32 1.005x.
+// register, set from (1 << m) - 1 with one kmovw: the compare of a broadcast m against 0..15 takes
+// two operations on the vector pipes the arithmetic is bound by.
 #if defined(__AVX512F__)
 typedef __mmask16 vmask;
 typedef __mmask8 vmaskd;
@@ -317,8 +314,7 @@ static inline double vreduce_add(vd a) {
 // then 16-byte ones, then 4-byte ones. Writing a partial line this way (a row's head or tail,
 // whose other part the next or previous row writes the same way) keeps the line out of the cache
 // like the rest of a streamed output: a plain store to it costs a read of the line from memory
-// (float32 layer-norm rows of 768 back to back, 16 bytes past a line: 92 -> 75 ns a row; not so
-// for every loop: see ContiguousRun).
+// (not every loop gains by it: see ContiguousRun).
 // A dst that is not 4-byte aligned (2-byte elements at an odd phase) and a 2-byte rest take plain
 // stores. Out of line: it runs once or twice a row, and inlined it grew the loops that call it.
 __attribute__((noinline)) static void stream_bytes(void* dst, const void* src, int64_t bytes) {
@@ -431,8 +427,7 @@ template <> struct Lanes<double> : FullLanes<double, vd> {};
 // Packs the low 16 bits of each lane.
 static inline vh narrow16(vu a) { return __builtin_convertvector(a, vh); }
 // Zero-extends each 16-bit lane. (GCC turns the generic conversion of 16 lanes into two 8-lane
-// ones, an extract and an insert: 3.24 cycles a vector on a Zen 4 against 2.03 for the one
-// instruction, measured in a loop that widens, adds and stores.)
+// ones, an extract and an insert, where one instruction does.)
 static inline vu widen16(vh a) {
 #if defined(__AVX512F__)
   return (vu)_mm512_cvtepu16_epi32((__m256i)a);
@@ -481,8 +476,7 @@ static inline vh bf16_from_vf(vf v) {
 }
 #if defined(__AVX512BF16__)
 // Two vectors at once, lo's lanes first: the same bits as bf16_from_vf of each, with one
-// instruction and one test for subnormals for both (a Zen 4 loop that converts and stores: 2.32
-// cycles a vector one at a time, 1.66 two at a time).
+// instruction and one test for subnormals for both.
 static inline __m512i bf16_from_vf2(vf lo, vf hi) {
   if ((_mm512_fpclass_ps_mask((__m512)lo, 0x20) | _mm512_fpclass_ps_mask((__m512)hi, 0x20)) == 0)
     return (__m512i)_mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);
@@ -513,8 +507,7 @@ struct Lanes16 {
     vh h = FromFloat(v);
 #if defined(__AVX2__)
     // Keeps the compiler from folding the store into vcvtps2ph's memory form, which costs several
-    // times the register form on AMD Zen 4/5 (measured: the store was the hottest instruction of
-    // the float16 layer-norm loop).
+    // times the register form on AMD Zen 4/5.
     __asm__("" : "+x"(h));
 #endif
     std::memcpy(p, &h, sizeof h);
@@ -599,8 +592,8 @@ template <> struct Lanes<bf16_t>
 #define SIMDNORM_CURSOR_METHOD inline __attribute__((always_inline))
 
 // For a lambda called inside a hot loop (after its parameter list): GCC inlines lambdas by its
-// size heuristics, which change as the unit grows; an outlined per-vector lambda made NCHW float16
-// batch norm 2x slower (run_row_stream's vector_at).
+// size heuristics, which change as the unit grows; an outlined per-vector lambda (run_row_stream's
+// vector_at) costs a call per vector.
 #define SIMDNORM_INLINE_LAMBDA __attribute__((always_inline))
 
 // The per-row state of a cursor that runs one or two rows in step: named members, not an array

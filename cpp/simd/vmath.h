@@ -316,7 +316,7 @@ static inline vd vm_exp_finish(vd hi, vd lo, vd k, vd* low_out = nullptr) {
   // above rounded m and then the product (ARM optimized-routines' exp specialcase does the same).
   // (k + 1022 clamped to 1023: beyond, the exponent field would wrap around, and lanes that do not
   // use sub (k > 1) would compute it from tiny numbers; a subnormal operand or result costs a
-  // microcode assist: 1.5 -> 2.5 ns an element for exp on inputs in [-20, 20] at AVX-512.)
+  // microcode assist.)
   const vd sc = vm_pow2d(vmin(splat<vd>(1023.0), k + splat<vd>(1022.0)));
   const vd yh = hi * sc, yl = lo * sc;
   const vd one = splat<vd>(1.0);

@@ -23,11 +23,8 @@ struct RowMomentsArgs {
   double* sum_sq;   // one value, +=
 };
 
-// How far ahead of the sums the fused loops prefetch what they will sum, at least: from memory, one
-// row of 1.5 KB ahead was too late (float16 65536 x 768 rows: 106 -> 93 ns a row at 3 KB). Kernel
-// driver, rows 16 bytes past a line, ns a row, 3 KB -> 6 KB: streamed float16 65536 x 768 89.6 ->
-// 82.9, float32 32768 x 768 132.7 -> 125.6, float32 65536 x 300 55.4 -> 49.4; from the L3 float32
-// 4096 x 768 111.0 -> 106.5, float16 4096 x 768 61.3 -> 60.5; 12 KB was no better than 6.
+// How far ahead of the sums the fused loops prefetch what they will sum, at least: from memory, a
+// row of 1.5 KB ahead is too late, and twice this far gains nothing more.
 constexpr int64_t kPrefetchAheadBytes = 6144;
 // Units (rows, runs) of `unit_bytes` > 0 that cover kPrefetchAheadBytes: at least one.
 constexpr int64_t prefetch_units_ahead(int64_t unit_bytes) {

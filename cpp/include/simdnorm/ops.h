@@ -13,8 +13,8 @@ namespace simdnorm {
 int64_t itemsize(DType dtype);
 
 // A strided N-d array as numpy describes it: sizes in elements, strides in bytes. The binding
-// (view_of) fills every slot, zeros past ndim; the arrays have no initializer, whose zero-fill of
-// each view (GCC: `rep stos`, slow to start) cost ~20 ns a view, six views per small call.
+// (view_of) fills every slot, zeros past ndim; the arrays have no initializer: zero-filling each
+// view (GCC: `rep stos`, slow to start) would add up over the six views of a small call.
 struct TensorView {
   char* data = nullptr;
   DType dtype = DType::f32;
