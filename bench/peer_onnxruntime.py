@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from .cases import CaseData, NotAvailable
-from .impls import LazyPeerImpl, Prepared, prepared_out  # noqa: F401
+from .impl_base import LazyPeerImpl, Prepared, prepared_out  # noqa: F401
 
 OPSET = 23  # RMSNormalization-23; BatchNormalization-15, LayerNormalization-17, GroupNormalization-21
 ONNX_OP = {

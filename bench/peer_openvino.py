@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cases import CaseData, NotAvailable
-from .impls import LazyPeerImpl, Prepared, prepared_out  # noqa: F401
+from .impl_base import LazyPeerImpl, Prepared, prepared_out  # noqa: F401
 
 
 def _import():

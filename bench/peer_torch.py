@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 
 from .cases import CaseData, NotAvailable
-from .impls import LazyPeerImpl, Prepared
+from .impl_base import LazyPeerImpl, Prepared
 from .timing import run_reps
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from .cases import TOLERANCE, CaseData, NotAvailable, check, make_data, reference
-from .impls import Impl, Prepared
+from .impl_base import Impl, Prepared
 from .shapes import OP_DESCRIPTIONS, Case
 from .timing import measure
 
