@@ -25,6 +25,7 @@ namespace {
 #include "kernels/moments.h"
 #include "kernels/lane_stats.h"
 #include "kernels/fused_rows.h"
+#include "kernels/row_stream.h"
 }  // namespace
 
 extern const KernelTable kernel_table;

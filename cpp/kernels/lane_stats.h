@@ -24,9 +24,13 @@ static inline FirstMomentsOf<D> first_moments(D sum, D sum_sq, double inv_n) {
 }
 
 // The pivot was so far from the mean that the variance lost digits to cancellation: the group is
-// summed again around the mean found.
+// summed again around the mean found. kPivotReach: how many standard deviations from the mean a
+// pivot may lie (the digits lost grow with its square).
+constexpr double kPivotReach = 8.0;
 template <class D>
-static inline auto pivot_too_far(const FirstMomentsOf<D>& m) { return m.m1 * m.m1 > 64.0 * m.var; }
+static inline auto pivot_too_far(const FirstMomentsOf<D>& m) {
+  return m.m1 * m.m1 > kPivotReach * kPivotReach * m.var;
+}
 
 // Two groups' doubles, one per lane.
 typedef double double2 __attribute__((vector_size(16)));

@@ -7,7 +7,7 @@
 // blocks end, whatever the split). In double, float data loses nothing to the subtraction, and its
 // squares and their sums can neither overflow nor underflow.
 // The scale is 1, or for float64 data a power of two for a pass after squares overflowed or may
-// have underflowed (ops/mvn.cpp: Scaling), and d is taken as x * scale - pivot * scale: the same
+// have underflowed (ops/mvn_runner.h: Scaling), and d is taken as x * scale - pivot * scale: the same
 // value for a power of two, but x - pivot cannot overflow where x and the pivot lie near the
 // largest double with opposite signs (it made such a group's statistics NaN).
 
@@ -251,7 +251,7 @@ struct MomentsKernel {
         const char* row = a.data + r * a.row_stride + c0 * a.col_stride;
         if (contiguous && ahead > 0 && r + ahead < a.rows) {
           const char* later = row + ahead * a.row_stride;
-          for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(later + b, 0, 3);
+          for (int64_t b = 0; b < block_bytes; b += kLineBytes) __builtin_prefetch(later + b, 0, 3);
         }
         for (int v = 0; v < nv; ++v) {
           const int m = v == nv - 1 ? last : W;

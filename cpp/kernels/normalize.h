@@ -196,7 +196,8 @@ struct NormalizeKernel {
   // its full stores are whole lines (0 for a pointer not aligned to its elements: never peeled).
   static int64_t head_to_line(const void* out) {
     const uintptr_t addr = reinterpret_cast<uintptr_t>(out);
-    return addr % sizeof(T) == 0 ? static_cast<int64_t>(((64 - addr % 64) % 64) / sizeof(T)) : 0;
+    if (addr % sizeof(T) != 0) return 0;
+    return static_cast<int64_t>(((kLineBytes - addr % kLineBytes) % kLineBytes) / sizeof(T));
   }
 
   // Whether a contiguous run peels its head to a 64-byte boundary. Short rows with constant
@@ -375,14 +376,14 @@ struct NormalizeKernel {
   static constexpr int64_t kBlockBytes = 20 << 10;
   // A block, with the first one's head (under a line) and the rounding (under a line), of four
   // coefficient arrays at most, never blocks again.
-  static_assert(kBlockBytes + 2 * (64 / sizeof(T)) * (4 * sizeof(C) + 2 * sizeof(T)) <= kMinL1DataBytes,
+  static_assert(kBlockBytes + 2 * (kLineBytes / sizeof(T)) * (4 * sizeof(C) + 2 * sizeof(T)) <= kMinL1DataBytes,
                 "a block of columns fits the L1 whole");
   // Columns a block spans (a whole number of output lines), or 0 when rows of n run whole;
   // coefficient_bytes: the bytes of coefficients an element reads; l1: the L1's bytes.
   static int64_t column_block(int64_t n, int64_t coefficient_bytes, int64_t l1) {
     const int64_t row_bytes = n * (coefficient_bytes + 2 * static_cast<int64_t>(sizeof(T)));
     if (coefficient_bytes == 0 || row_bytes <= l1) return 0;
-    constexpr int64_t per_line = 64 / sizeof(T);
+    constexpr int64_t per_line = kLineBytes / sizeof(T);
     const int64_t blocks = (row_bytes + kBlockBytes - 1) / kBlockBytes, columns = (n + blocks - 1) / blocks;
     return (columns + per_line - 1) / per_line * per_line;
   }

@@ -163,7 +163,7 @@ void FoldedParams::realign(int64_t phase) {
   const int64_t array_bytes = count_ * elsize_, pitch = (array_bytes + 63) / 64 * 64;
   std::unique_ptr<char[]> moved(new char[static_cast<size_t>(pitch * outputs_ + 128)]);
   const uintptr_t start = reinterpret_cast<uintptr_t>(moved.get());
-  char* to = moved.get() + ((64 - start % 64) % 64) + phase;
+  char* to = moved.get() + ((kLineBytes - start % kLineBytes) % kLineBytes) + phase;
   for (int o = 0; o < outputs_; ++o) std::memcpy(to + o * pitch, data(o), static_cast<size_t>(array_bytes));
   heap_ = std::move(moved);
   storage_ = to;
@@ -186,8 +186,8 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype) {
   // The kernel's first full vector is at element `head` of the run (see ContiguousRun).
   const int64_t head = static_cast<int64_t>((64 - out % 64) % 64) / ts;
   const int64_t phase = ((-(offset[0] + head * cs)) % 64 + 64) % 64;
-  const bool aligned = (reinterpret_cast<uintptr_t>(nest.data[folded.operand(0)]) + head * cs) % 64 == 0;
-  if (aligned && (folded.count() * cs) % 64 == 0) return;  // every array then starts in phase
+  const bool aligned = (reinterpret_cast<uintptr_t>(nest.data[folded.operand(0)]) + head * cs) % kLineBytes == 0;
+  if (aligned && (folded.count() * cs) % kLineBytes == 0) return;  // every array then starts in phase
   folded.realign(phase);
   for (int o = 0; o < folded.outputs(); ++o) nest.data[folded.operand(o)] = folded.data(o) + offset[o];
 }

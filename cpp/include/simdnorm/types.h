@@ -38,6 +38,8 @@ struct Activation {
 // The smallest L1 data cache of the x86 cores the kernels are tuned for (32 KB; 48 KB on Intel
 // since Ice Lake): what the kernels assume where the size is not known.
 constexpr int64_t kMinL1DataBytes = int64_t(32) << 10;
+// A cache line: the unit the loops align their stores to and prefetch by.
+constexpr int64_t kLineBytes = 64;
 
 // The one elementwise operation both ops end in:
 //   out = act(fma((in - shift) * mul, scale, bias))

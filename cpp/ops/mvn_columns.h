@@ -1,0 +1,228 @@
+// The column strategy of the MVN driver (ops/mvn.cpp has the overview): the innermost kept dim is
+// contiguous, and statistics are accumulated per lane while the rows (the reduced dims) are walked.
+// Part of ops/mvn.cpp's translation unit (ops/mvn_runner.h).
+#pragma once
+#include "ops/mvn_runner.h"
+
+namespace simdnorm {
+namespace {
+
+// Tasks of lanes_per_task() lanes at one kept index, split between threads; each task's
+// statistics and then its normalization while its block is cached.
+void MvnRunner::run_columns() {
+  const int64_t lanes_per_task = this->lanes_per_task();
+  const int64_t blocks = (plan_.lane_count + lanes_per_task - 1) / lanes_per_task;
+  const int64_t tasks = plan_.groups * blocks;
+  int parts = parts_for(plan_.groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
+  if (parts > tasks) parts = static_cast<int>(tasks);
+  const int64_t per = (tasks + parts - 1) / parts;
+  parallel_for(parts, [&](int part) {
+    LaneScratch lane(lanes_per_task);
+    for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
+      const int64_t ko = t / blocks, c0 = (t % blocks) * lanes_per_task;
+      const int64_t nb = c0 + lanes_per_task < plan_.lane_count ? lanes_per_task : plan_.lane_count - c0;
+      column_task(ko, c0, nb, lane);
+    }
+  });
+}
+
+// A task's lanes are finished together by the lane kernels (kernels/lane_stats.h: judge()'s
+// common case, finite sums and the pivot close enough to the mean, for every lane; then the square
+// roots and divisions), vectorized: one lane at a time (judge, inv_std and the stores behind
+// branches) they would cost lanes of few rows as much as their sums. Lanes that fail the common
+// case go through judge() and are summed again.
+void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
+  const LoopNest& nest = plan_.nest;
+  const int lanes_dim = nest.ndim - 1;
+  const int64_t lane_stride = nest.strides[kIn][lanes_dim];
+  const char* first = group_first_element(ko) + c0 * lane_stride;
+  double *pivot = lane.pivot.data(), *s1 = lane.s1.data(), *s2 = lane.s2.data(), *mean = lane.mean.data(),
+         *var = lane.var.data(), *istd = lane.inv_std.data();
+  unsigned char* slow = lane.slow.data();
+  // Every lane starts unscaled around its first element (first_pass()).
+  if (a_.normalize_mean) load_as_double(a_.input.dtype, first, lane_stride, nb, pivot);
+  else std::fill(pivot, pivot + nb, 0.0);
+  column_sums(ko, c0, nb, pivot, 1.0, s1, s2);
+  const KernelTable& table = kernels();
+  std::vector<ScaledLane> scaled;  // lanes whose var is in scaled units (GroupResult): rarely any
+  if (table.lane_stats(LaneStatsArgs{nb, inv_group_size_, a_.normalize_mean, underflow_, pivot, s1, s2, mean, var,
+                                     slow}) > 0)
+    judge_slow_lanes(ko, c0, nb, lane, scaled);
+  const int64_t k = plan_.lane_group;
+  if (k > 1) combine_lane_groups(mean, var, nb, scaled);  // each group's statistics in its first lane
+  table.inv_std_lanes(var, istd, nb, k, inv_std_rule_);
+  for (const ScaledLane& l : scaled) istd[l.c] = inv_std_scaled(var[l.c], l.scale, inv_std_rule_);
+  // The internal shift and mul: each lane its group's (k > 1) or its own.
+  const int64_t base = ko * plan_.lane_count + c0;
+  if (compute_ == DType::f64) {
+    double* shift = reinterpret_cast<double*>(shift_.data()) + base;
+    double* mul = reinterpret_cast<double*>(mul_.data()) + base;
+    spread_lanes(mean, istd, nb, k, shift, mul);
+  } else {
+    float* shift = reinterpret_cast<float*>(shift_.data()) + base;
+    float* mul = reinterpret_cast<float*>(mul_.data()) + base;
+    spread_lanes(mean, istd, nb, k, shift, mul);
+  }
+  // The user's statistics step per group.
+  if (a_.mean_out && a_.normalize_mean) {
+    char* um = user_mean_ + user_offset(user_mean_strides_, ko);
+    for (int64_t c = 0; c < nb; c += k) store_compute(um + (c0 + c) / k * user_mean_strides_[lanes_dim], mean[c]);
+  }
+  if (a_.inv_std_out && a_.normalize_variance) {
+    char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko);
+    for (int64_t c = 0; c < nb; c += k) store_compute(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim], istd[c]);
+  }
+  // Normalize this block: a nest of [reduced..., nb lanes] at kept index ko, lane c0.
+  NormalizeTask sub = task_;
+  LoopNest& sn = sub.loop;
+  sn.ndim = plan_.reduced_dims + 1;
+  for (int op = 0; op < kNumOperands; ++op) {
+    char* p = nest.data[op];
+    for_dim_indices(nest, 0, plan_.kept_dims, ko, [&](int d, int64_t i) { p += i * nest.strides[op][d]; });
+    sn.data[op] = p + c0 * nest.strides[op][lanes_dim];
+    for (int d = 0; d <= plan_.reduced_dims; ++d) sn.strides[op][d] = nest.strides[op][plan_.kept_dims + d];
+  }
+  for (int d = 0; d < plan_.reduced_dims; ++d) sn.sizes[d] = nest.sizes[plan_.kept_dims + d];
+  sn.sizes[plan_.reduced_dims] = nb;
+  table.normalize(sub, 0, plan_.group_size * nb);
+}
+
+// Accumulates lanes [c0, c0 + nb) of kept index `ko` down all rows (the reduced dims).
+void MvnRunner::column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, double* s1,
+                            double* s2) const {
+  const LoopNest& nest = plan_.nest;
+  const int lanes_dim = nest.ndim - 1, r0 = plan_.kept_dims, rlast = plan_.kept_dims + plan_.reduced_dims - 1;
+  const char* base = group_first_element(ko) + c0 * nest.strides[kIn][lanes_dim];
+  std::fill(s1, s1 + nb, 0.0);
+  std::fill(s2, s2 + nb, 0.0);
+  // Walk the outer reduced dims; the innermost reduced dim is the kernel's rows.
+  int64_t outer = 1;
+  for (int d = r0; d < rlast; ++d) outer *= nest.sizes[d];
+  const KernelTable& k = kernels();
+  for (int64_t o = 0; o < outer; ++o) {
+    const char* p = base;
+    for_dim_indices(nest, r0, rlast, o, [&](int d, int64_t i) { p += i * nest.strides[kIn][d]; });
+    ColMomentsArgs args{p, a_.input.dtype, nest.sizes[rlast], nb, nest.strides[kIn][rlast],
+                        nest.strides[kIn][lanes_dim], pivots, scale, s1, s2};
+    k.col_moments(args);
+  }
+}
+
+// The lanes marked slow: judged one by one, summed again (the kernel takes one scale per call, so
+// lanes needing another scale get a pass of their own: applied to ordinary lanes, the scale down
+// would underflow their squares), at most three passes of each scale (kMaxPassRounds). Their mean
+// and var replace the first pass's; a lane still unsettled after that gets NaN. Lanes whose var
+// comes in scaled units are added to `scaled`, in order.
+void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
+                                 std::vector<ScaledLane>& scaled) {
+  struct Slow {
+    int64_t c;
+    Pass pass;
+    bool done;
+    double result_scale;
+  };
+  std::vector<Slow> lanes;
+  for (int64_t c = 0; c < nb; ++c) {
+    if (!lane.slow[c]) continue;
+    Slow l{c, Pass{lane.pivot[c], 1.0, false}, false, 1.0};
+    GroupResult r{NAN, NAN};
+    l.done = judge(Sums{lane.s1[c], lane.s2[c]}, l.pass, r);
+    lane.mean[c] = r.mean;
+    lane.var[c] = r.var;
+    l.result_scale = r.scale;
+    lanes.push_back(l);
+  }
+  for (int round = 1; round < kMaxPassRounds; ++round) {  // (round 0: column_task's first pass)
+    for (const double scale : {1.0, kDoubleScaling.down, kDoubleScaling.up}) {
+      bool any = false;
+      for (Slow& l : lanes) {
+        const bool take = !l.done && l.pass.scale == scale;
+        if (take) lane.pivot[l.c] = l.pass.pivot;  // other lanes' sums are taken and dropped
+        any |= take;
+      }
+      if (!any) continue;
+      column_sums(ko, c0, nb, lane.pivot.data(), scale, lane.s1.data(), lane.s2.data());
+      for (Slow& l : lanes) {
+        if (l.done || l.pass.scale != scale) continue;
+        GroupResult r;
+        l.done = judge(Sums{lane.s1[l.c], lane.s2[l.c]}, l.pass, r);
+        if (l.done) lane.mean[l.c] = r.mean, lane.var[l.c] = r.var, l.result_scale = r.scale;
+      }
+    }
+  }
+  for (const Slow& l : lanes)
+    if (l.done && l.result_scale != 1.0) scaled.push_back({l.c, l.result_scale});
+}
+
+// Each lane's mean and variance, over the same count, combined lane_group lanes at a time into
+// their group's (Chan et al.: the mean of the means; the mean of the variances plus the variance
+// of the means), left in the group's first lane. In double, from each lane's judged statistics.
+// `scaled` (lanes whose var is in scaled units) becomes the groups whose var is.
+void MvnRunner::combine_lane_groups(double* mean, double* var, int64_t nb, std::vector<ScaledLane>& scaled) const {
+  const int64_t k = plan_.lane_group;
+  std::vector<ScaledLane> lanes;
+  lanes.swap(scaled);
+  size_t next = 0;  // the first of `lanes` at or past c0
+  for (int64_t c0 = 0; c0 < nb; c0 += k) {
+    double m = 0.0, v = 0.0, spread = 0.0;
+    for (int64_t j = 0; j < k; ++j) m += mean[c0 + j];
+    m /= static_cast<double>(k);
+    const size_t first = next;
+    while (next < lanes.size() && lanes[next].c < c0 + k) ++next;
+    if (first == next) {
+      for (int64_t j = 0; j < k; ++j) {
+        const double d = mean[c0 + j] - m;
+        v += var[c0 + j];
+        spread += d * d;
+      }
+      const double group_var = (v + spread) / static_cast<double>(k);
+      if (!std::isinf(group_var) || !std::isfinite(m)) {  // (inf: float64 means +-1e200 apart)
+        mean[c0] = m;
+        var[c0] = group_var;
+        continue;
+      }
+    }
+    // Past double's range: in units of the largest standard deviation or distance between means.
+    auto lane_std = [&, first](int64_t c) {
+      for (size_t i = first; i < next; ++i)
+        if (lanes[i].c == c) return std::sqrt(var[c]) / lanes[i].scale;
+      return std::sqrt(var[c]);
+    };
+    double largest = 0.0;
+    for (int64_t j = 0; j < k; ++j)
+      largest = std::max({largest, lane_std(c0 + j), std::fabs(mean[c0 + j] - m)});
+    int exponent = 0;
+    std::frexp(largest, &exponent);
+    const double scale = std::ldexp(1.0, -exponent);
+    v = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const double sd = lane_std(c0 + j) * scale, d = (mean[c0 + j] - m) * scale;
+      v += sd * sd + d * d;
+    }
+    mean[c0] = m;
+    var[c0] = v / static_cast<double>(k);
+    if (scale != 1.0) scaled.push_back({c0, scale});
+  }
+}
+
+// shift[c], mul[c] (compute type E) from the first lane of c's group of k.
+template <class E>
+void MvnRunner::spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, E* shift, E* mul) {
+  if (k == 1) {
+    for (int64_t c = 0; c < n; ++c) {
+      shift[c] = static_cast<E>(mean[c]);
+      mul[c] = static_cast<E>(istd[c]);
+    }
+    return;
+  }
+  for (int64_t c0 = 0; c0 < n; c0 += k) {
+    const E m = static_cast<E>(mean[c0]), i = static_cast<E>(istd[c0]);
+    for (int64_t j = 0; j < k; ++j) {
+      shift[c0 + j] = m;
+      mul[c0 + j] = i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace simdnorm

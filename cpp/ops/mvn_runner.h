@@ -1,0 +1,284 @@
+// The mean-variance normalization driver's class (ops/mvn.cpp opens with the overview), defined in
+// three files that are one translation unit (mvn.cpp includes the other two at its end):
+//   mvn.cpp          the entry point, setup and planning, empty reductions
+//   mvn_rows.h       the row strategies (run_rows)
+//   mvn_columns.h    the column strategy (run_columns)
+// Defined here: the constants, and what more than one of them calls in its loops (the statistics
+// of one group, the strategy tests). One unit keeps the class in an anonymous namespace, with
+// kernels/lane_stats.h and iterate.h, as they ask.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ops/common.h"
+#include "runtime/cpu.h"
+#include "runtime/thread_pool.h"
+
+namespace simdnorm {
+namespace {
+#include "kernels/iterate.h"
+#include "kernels/lane_stats.h"
+
+// Rows: elements per statistics block (the unit of work when groups are split between threads).
+constexpr int64_t kBlock = 1 << 15;
+// Rows that are not one pipeline (e.g. kept dims that do not merge): groups smaller than this are
+// normalized in batches of about this many bytes (one kernel call per batch instead of per short
+// group). Larger groups run one at a time: the statistics of a group, then its normalization while
+// it is in L1; their reads and writes then interleave finely enough to run at the speed of a copy,
+// which batches of them do not.
+constexpr int64_t kFusedBatchBytes = 2 << 10;
+// Columns: a task's lanes are chosen so that its rows x lanes block stays in cache (L2, or the large
+// shared L3) between the statistics and the normalize pass, while rows stay long enough for SIMD.
+constexpr int64_t kColumnBlockBytes = 4 << 20;
+// Rounds of passes over the data at most: judge() asks for another pass at most once for a scale
+// (down or up) and once to move the pivot, so every group is settled by its third pass.
+constexpr int kMaxPassRounds = 3;
+
+// The scales of float64 data's passes after the first (float data, whose |x - pivot| is below 2^129
+// and whose squares are 0 or above 2^-298, never needs them). Powers of two, so that scaling is exact.
+//   down: squares overflowed. 2^-100 was too little: data near 1e200 still overflowed, and its
+//     statistics came out NaN.
+//   up: the mean square around the pivot is below tiny (double squares are subnormal below
+//     2^-1022), unless epsilon outweighs any variance that small by 1 / margin (underflow_rule()),
+//     or the pivot lies past max_pivot (UnderflowRule).
+// The up scale keeps d = x * up - pivot * up finite: |pivot| <= max_pivot, and |x - pivot| is below
+// sqrt(n * tiny). Squares within range again, a variance outside double's range (data past ~1e154
+// or below ~1e-162) stays in scaled units (GroupResult).
+struct Scaling {
+  double down, up, tiny, max_pivot, margin;
+};
+constexpr Scaling kDoubleScaling{0x1p-600, 0x1p600, 0x1p-900, 0x1p300, 0x1p-60};
+
+struct Pass {
+  double pivot = 0.0;
+  double scale = 1.0;
+  bool refined = false;  // pivot already moved to the mean
+};
+
+struct Sums {
+  double s1 = 0.0, s2 = 0.0;
+};
+
+// var / scale^2 is the group's variance (scale 1 unless that lies outside double's range).
+struct GroupResult {
+  double mean, var;
+  double scale = 1.0;
+};
+
+// Splits `flat`, a row-major index over dims [first, last) of the nest, into one index per dim:
+// fn(d, index) for d from last - 1 down to first. (A group's index is over the kept dims,
+// [0, kept_dims).)
+template <class Fn>
+inline void for_dim_indices(const LoopNest& nest, int first, int last, int64_t flat, Fn&& fn) {
+  for (int d = last - 1; d >= first; --d) {
+    fn(d, flat % nest.sizes[d]);
+    flat /= nest.sizes[d];
+  }
+}
+
+class MvnRunner {
+ public:
+  explicit MvnRunner(const MvnArgs& a)
+      : a_(a), compute_(compute_type(a.input.dtype)), csize_(itemsize(compute_)),
+        inv_std_rule_{a.normalize_variance, a.epsilon_outside, a.epsilon} {}
+
+  // Normalizes; with `explain`, only describes the plan there.
+  inline void run(std::string* explain);
+
+ private:
+  // Members defined in the other files are declared inline, as if defined in the class: the
+  // compiler then inlines them into their callers as freely (stats_from_first_sums into
+  // finish_fused_rows, a call per row otherwise).
+
+  // ---- setup (mvn.cpp) --------------------------------------------------------------------------
+  static inline void identity2(const double* const* in, double* const* out, int64_t n, const void*);
+  inline void fold_affine();
+  inline void build_plan();
+  inline UnderflowRule underflow_rule() const;
+
+  // ---- statistics of one group ------------------------------------------------------------------
+  Pass first_pass(const char* first_element) const {
+    Pass pass;
+    if (a_.normalize_mean) pass.pivot = load_scalar(a_.input.dtype, first_element);
+    return pass;
+  }
+
+  // Decides whether the sums under `pass` are good; if not, returns false with the next pass.
+  bool judge(const Sums& s, Pass& pass, GroupResult& out) const {
+    if (!std::isfinite(s.s1) || !std::isfinite(s.s2)) {
+      if (pass.scale == 1.0 && compute_ == DType::f64) {  // squares overflowed: again, scaled down
+        pass.scale = kDoubleScaling.down;
+        return false;
+      }
+      // An inf or NaN in the data: the group's statistics are NaN (those that are used at all).
+      out = {a_.normalize_mean ? NAN : 0.0, NAN};
+      return true;
+    }
+    const double inv_n = inv_group_size_;
+    // (Tested first: the pivot's test reads those squares too. The rule's own test first: every
+    // row of a layer norm comes here, and the rule is off for the usual epsilons.)
+    if (underflow_.sum_sq_below != 0.0 && pass.scale == 1.0 && squares_may_underflow(pass.pivot, s.s2, underflow_)) {
+      pass.scale = kDoubleScaling.up;
+      return false;
+    }
+    // Every row's statistics end in this chain of dependent operations, which the row's
+    // normalization waits for: no call, and multiplications where they serve. The scale is a
+    // power of two, whose inverse is exact; 1/n is not, so m1 may differ from s1 / n in a double's
+    // last bit, far below the rounding of the float statistics (a division would lengthen the
+    // chain).
+    const double unscale = pass.scale == 1.0 ? 1.0 : 1.0 / pass.scale;
+    const FirstMoments m = first_moments(s.s1, s.s2, inv_n);
+    if (a_.normalize_mean && !pass.refined && pivot_too_far(m)) {
+      pass.pivot += m.m1 * unscale;
+      pass.refined = true;
+      return false;
+    }
+    out.mean = a_.normalize_mean ? pass.pivot + m.m1 * unscale : 0.0;
+    const double second = a_.normalize_mean ? m.var : s.s2 * inv_n;
+    out.var = second * (unscale * unscale);
+    out.scale = 1.0;
+    if (pass.scale != 1.0 && second != 0.0 && !(out.var >= kMinNormal && out.var <= kMaxFinite))
+      out.var = second, out.scale = pass.scale;  // (only a double group's variance leaves the range)
+    return true;
+  }
+
+  double inv_std(const GroupResult& r) const {
+    return r.scale == 1.0 ? inv_std_of(r.var, inv_std_rule_) : inv_std_scaled(r.var, r.scale, inv_std_rule_);
+  }
+
+  // Stores a group's (or lane's) statistics: internal shift/mul at `index`, and the user's arrays.
+  void store_stats(int64_t index, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
+    store_stats(shift_.data() + index * csize_, mul_.data() + index * csize_, r, user_mean, user_inv_std);
+  }
+
+  void store_stats(char* shift, char* mul, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
+    const double istd = inv_std(r);
+    store_compute(shift, r.mean);
+    store_compute(mul, istd);
+    if (a_.mean_out && a_.normalize_mean) store_compute(const_cast<char*>(user_mean), r.mean);
+    if (a_.inv_std_out && a_.normalize_variance) store_compute(const_cast<char*>(user_inv_std), istd);
+  }
+
+  void store_compute(char* p, double v) const { compute_ == DType::f64 ? store_as<double>(p, v) : store_as<float>(p, v); }
+
+  // ---- where a group is ---------------------------------------------------------------------------
+  // Offset of kept index `g` (flat over the leading kept dims) in one of the user's stats arrays.
+  int64_t user_offset(const int64_t* strides, int64_t g) const {
+    int64_t off = 0;
+    for_dim_indices(plan_.nest, 0, plan_.kept_dims, g, [&](int d, int64_t i) { off += i * strides[d]; });
+    return off;
+  }
+
+  const char* group_first_element(int64_t group) const {
+    const char* p = plan_.nest.data[kIn];
+    for_dim_indices(plan_.nest, 0, plan_.kept_dims, group,
+                    [&](int d, int64_t i) { p += i * plan_.nest.strides[kIn][d]; });
+    return p;
+  }
+
+  // ---- rows (mvn_rows.cpp) ------------------------------------------------------------------------
+  // run_rows picks one of the four run_rows_* (each one's comment says when).
+  void run_rows();
+  inline void run_rows_pipelined(const KernelTable& k, int64_t g0, int64_t g1);
+  inline void run_rows_paired(const KernelTable& k, int64_t g0, int64_t g1);
+  inline void run_rows_batched(const KernelTable& k, int64_t g0, int64_t g1, int64_t batch);
+  inline void run_rows_split();
+
+  int64_t blocks_per_group() const { return (plan_.group_size + kBlock - 1) / kBlock; }
+
+  // Enough groups to give every thread whole groups (the statistics and normalization of a group
+  // then run back to back, while it is cached)?
+  bool rows_fused() const {
+    const int parts = parts_for(plan_.groups * plan_.group_size, kMinElementsPerThread);
+    return parts == 1 || plan_.groups >= 2 * parts;
+  }
+
+  // Each group one run (layer and RMS norm, instance norm on NCHW), with whole groups per thread:
+  // a kernel call runs sums, statistics and normalization of rows at one step as a pipeline
+  // (kernels/fused_rows.h: FusedRowsKernel::execute_rows), one call per thread when the kept dims
+  // merge into one, else one per stretch of the innermost kept dim (rows of a sliced batch).
+  bool rows_pipelined() const {
+    return rows_fused() && plan_.reduced_dims == 1 && blocks_per_group() == 1;
+  }
+
+  inline Sums block_sums(int64_t group, int64_t block, const Pass& pass, const char* first = nullptr) const;
+  inline GroupResult group_stats(int64_t g, const char* first, Pass pass) const;
+  inline GroupResult stats_from_first_sums(int64_t g, const char* first, Pass pass, const Sums& first_sums) const;
+  inline int64_t runs_per_group() const;
+  inline void finish_group(int64_t group, const GroupResult& r);
+
+  // Pointers of consecutive groups: the nest's operands, then the user's mean and inv_std arrays.
+  static constexpr int kUserMean = kNumOperands, kUserInvStd = kNumOperands + 1, kGroupPointers = kNumOperands + 2;
+  struct GroupCursor;
+  inline char* group_base(int op) const;
+  inline int64_t group_stride(int op, int d) const;
+  inline void take_stats(GroupCursor& cursor, int64_t g);
+  struct FusedRowsContext;
+  static inline void finish_fused_rows(void* context, int64_t row, int count, const double* pivot, const double* sum,
+                                       const double* sum_sq);
+
+  // ---- columns (mvn_columns.cpp) ------------------------------------------------------------------
+  void run_columns();
+
+  // One column task's per-lane arrays, allocated once per thread part and reused by its tasks.
+  struct LaneScratch {
+    static constexpr int64_t kBytesPerLane = 6 * sizeof(double) + 1;
+    std::vector<double> pivot, s1, s2, mean, var, inv_std;
+    std::vector<unsigned char> slow;
+    explicit LaneScratch(int64_t lanes) {
+      for (std::vector<double>* v : {&pivot, &s1, &s2, &mean, &var, &inv_std}) v->resize(static_cast<size_t>(lanes));
+      slow.resize(static_cast<size_t>(lanes));
+    }
+  };
+
+  struct ScaledLane {
+    int64_t c;
+    double scale;
+  };
+
+  // Lanes per task: a multiple of 16 (and of the lane group: a task takes whole groups), so that
+  // its rows x lanes block stays in cache.
+  int64_t lanes_per_task() const {
+    const int64_t lane_bytes = plan_.group_size * itemsize(a_.input.dtype) + LaneScratch::kBytesPerLane;
+    const int64_t k = plan_.lane_group, unit = 16 / std::gcd<int64_t>(16, k) * k;
+    int64_t lanes = kColumnBlockBytes / lane_bytes;
+    lanes = lanes < unit ? unit : lanes / unit * unit;
+    return lanes > plan_.lane_count ? plan_.lane_count : lanes;
+  }
+
+  inline void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, double* s1,
+                          double* s2) const;
+  inline void column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
+  inline void judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
+                               std::vector<ScaledLane>& scaled);
+  inline void combine_lane_groups(double* mean, double* var, int64_t nb, std::vector<ScaledLane>& scaled) const;
+  template <class E>
+  static inline void spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, E* shift, E* mul);
+
+  // ---- empty reductions (mvn.cpp) ---------------------------------------------------------------
+  inline void fill_stats_nan();
+
+  const MvnArgs& a_;
+  const DType compute_;
+  const int64_t csize_;
+  std::unique_ptr<FoldedParams> affine_;
+  ReductionPlan plan_;
+  double inv_group_size_ = 0.0;  // 1 / plan_.group_size: judge's mean is a multiplication
+  const InvStdRule inv_std_rule_;
+  UnderflowRule underflow_{};  // (set with the plan: it bounds a sum over the group)
+  NormalizeTask task_;
+  std::vector<char> shift_, mul_;
+  char* user_mean_ = nullptr;
+  char* user_inv_std_ = nullptr;
+  int64_t user_mean_strides_[kMaxNestDims] = {};
+  int64_t user_inv_std_strides_[kMaxNestDims] = {};
+  const float one_f_ = 1.0f, zero_f_ = 0.0f;
+  const double one_d_ = 1.0, zero_d_ = 0.0;
+};
+
+}  // namespace
+}  // namespace simdnorm
