@@ -384,19 +384,13 @@ struct FusedRowsKernel {
 };
 
 static void normalize_rows_fused_entry(const NormalizeTask& task, const FusedRowsArgs& args) {
-  switch (task.dtype) {
-    case DType::f32: return FusedRowsKernel<float>::execute_rows(task, args);
-    case DType::f16: return FusedRowsKernel<f16_t>::execute_rows(task, args);
-    case DType::bf16: return FusedRowsKernel<bf16_t>::execute_rows(task, args);
-    case DType::f64: return FusedRowsKernel<double>::execute_rows(task, args);
-  }
+  with_storage_type(task.dtype, [&](auto t) {
+    FusedRowsKernel<typename decltype(t)::type>::execute_rows(task, args);
+  });
 }
 
 static void normalize_group_and_sum_entry(const NormalizeTask& task, const GroupPairArgs& args) {
-  switch (task.dtype) {
-    case DType::f32: return FusedRowsKernel<float>::execute_group(task, args);
-    case DType::f16: return FusedRowsKernel<f16_t>::execute_group(task, args);
-    case DType::bf16: return FusedRowsKernel<bf16_t>::execute_group(task, args);
-    case DType::f64: return FusedRowsKernel<double>::execute_group(task, args);
-  }
+  with_storage_type(task.dtype, [&](auto t) {
+    FusedRowsKernel<typename decltype(t)::type>::execute_group(task, args);
+  });
 }

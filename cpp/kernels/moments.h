@@ -286,19 +286,13 @@ struct MomentsKernel {
 };
 
 static void row_moments_entry(const RowMomentsArgs& a) {
-  switch (a.dtype) {
-    case DType::f32: return MomentsKernel<float>::row(a);
-    case DType::f16: return MomentsKernel<f16_t>::row(a);
-    case DType::bf16: return MomentsKernel<bf16_t>::row(a);
-    case DType::f64: return MomentsKernel<double>::row(a);
-  }
+  with_storage_type(a.dtype, [&](auto t) {
+    MomentsKernel<typename decltype(t)::type>::row(a);
+  });
 }
 
 static void col_moments_entry(const ColMomentsArgs& a) {
-  switch (a.dtype) {
-    case DType::f32: return MomentsKernel<float>::col(a);
-    case DType::f16: return MomentsKernel<f16_t>::col(a);
-    case DType::bf16: return MomentsKernel<bf16_t>::col(a);
-    case DType::f64: return MomentsKernel<double>::col(a);
-  }
+  with_storage_type(a.dtype, [&](auto t) {
+    MomentsKernel<typename decltype(t)::type>::col(a);
+  });
 }

@@ -490,19 +490,13 @@ struct NormalizeKernel {
 };
 
 static void normalize_run_entry(const NormalizeTask& task, char* const* p, int64_t n) {
-  switch (task.dtype) {
-    case DType::f32: return NormalizeKernel<float>::execute_run(task, p, n);
-    case DType::f16: return NormalizeKernel<f16_t>::execute_run(task, p, n);
-    case DType::bf16: return NormalizeKernel<bf16_t>::execute_run(task, p, n);
-    case DType::f64: return NormalizeKernel<double>::execute_run(task, p, n);
-  }
+  with_storage_type(task.dtype, [&](auto t) {
+    NormalizeKernel<typename decltype(t)::type>::execute_run(task, p, n);
+  });
 }
 
 static void normalize_entry(const NormalizeTask& task, int64_t begin, int64_t end) {
-  switch (task.dtype) {
-    case DType::f32: return NormalizeKernel<float>::execute(task, begin, end);
-    case DType::f16: return NormalizeKernel<f16_t>::execute(task, begin, end);
-    case DType::bf16: return NormalizeKernel<bf16_t>::execute(task, begin, end);
-    case DType::f64: return NormalizeKernel<double>::execute(task, begin, end);
-  }
+  with_storage_type(task.dtype, [&](auto t) {
+    NormalizeKernel<typename decltype(t)::type>::execute(task, begin, end);
+  });
 }

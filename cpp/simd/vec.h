@@ -41,6 +41,22 @@ typedef uint64_t vul __attribute__((vector_size(kWidth * 4)));
 struct f16_t { uint16_t bits; };
 struct bf16_t { uint16_t bits; };
 
+// Calls fn(Storage<T>{}) for the storage type T of `dtype`: the kernels' entry points switch on a
+// tensor's dtype here, and only here.
+template <class T>
+struct Storage {
+  using type = T;
+};
+template <class Fn>
+static inline void with_storage_type(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::f32: return fn(Storage<float>{});
+    case DType::f16: return fn(Storage<f16_t>{});
+    case DType::bf16: return fn(Storage<bf16_t>{});
+    case DType::f64: return fn(Storage<double>{});
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Arithmetic on vf and vd (the same names, so templates serve both).
 // (Not `vf{} + x`: that adds +0.0, which turns -0.0 into +0.0.)
