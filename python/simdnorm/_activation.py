@@ -99,7 +99,7 @@ def value_text(v: Any) -> str:
         return f"a {type(v).__name__} too long to print"
 
 
-def _beyond_float64(v: Any) -> str:
+def beyond_float64(v: Any) -> str:
     """How a message names a real number float() refused (OverflowError): 10**400 has 401 digits,
     and an int past 4300 digits has no str() at all (ValueError) in Python >= 3.11."""
     if isinstance(v, int):
@@ -165,7 +165,7 @@ class Activation:
                     v = -_INF if v < 0 else _INF
                 else:
                     raise ValueError(
-                        f"activation {key!r}: parameter {p!r} is {_beyond_float64(v)}; activations are "
+                        f"activation {key!r}: parameter {p!r} is {beyond_float64(v)}; activations are "
                         f"applied in float32, so it must be finite there: |{p}| <= {_F32_MAX!r}"
                     ) from None
             if key == "clip":

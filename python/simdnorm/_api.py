@@ -33,9 +33,9 @@ from ._descriptors import (
     VIEW_MAX_DIMS,
     MeanVarianceNormalizationDesc,
     TensorDesc,
-    _DescriptorTypeError,
-    _as_int_tuple,
-    _is_int,
+    DescriptorTypeError,
+    as_int_tuple,
+    is_int,
     normalize_axis,
 )
 
@@ -196,7 +196,7 @@ def _other_axes(axes: Any) -> Tuple[Any, Any]:
     if isinstance(axes, np.integer) and not isinstance(axes, np.bool_):
         axes = _int(axes)
         return axes, axes
-    t = _as_int_tuple(axes)
+    t = as_int_tuple(axes)
     if t.__class__ is _tuple:
         types = _tuple(map(type, t))
         if all(c is _int for c in types):
@@ -421,8 +421,8 @@ def _split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
 
 def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
     ca = _channel_axis(x, channel_axis, "group_norm")
-    if not _is_int(num_groups):
-        raise _DescriptorTypeError(f"num_groups: expected an int, got {type(num_groups).__name__}")
+    if not is_int(num_groups):
+        raise DescriptorTypeError(f"num_groups: expected an int, got {type(num_groups).__name__}")
     g = int(num_groups)
     c = x.shape[ca]
     if g < 1:

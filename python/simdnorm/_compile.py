@@ -33,8 +33,8 @@ from ._descriptors import (
     MeanVarianceNormalizationDesc,
     MVNInfo,
     TensorDesc,
-    _ACCEPTED,
-    _DescriptorTypeError,
+    ACCEPTED_DTYPES,
+    DescriptorTypeError,
     dtype_name,
     stats_dtype,
 )
@@ -95,14 +95,14 @@ def _dlpack_failure(obj: Any, name: str, e: Exception) -> str:
     if dt.endswith("bfloat16"):
         return (head + f": numpy cannot hold its dtype {dt} through DLPack; view its memory as ml_dtypes.bfloat16 "
                 "(no copy), for a torch tensor t: t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)")
-    return head + f": numpy cannot hold its dtype {dt} through DLPack; accepted: {_ACCEPTED}"
+    return head + f": numpy cannot hold its dtype {dt} through DLPack; accepted: {ACCEPTED_DTYPES}"
 
 
 def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
     """Like as_input; a list/tuple of numbers becomes an array of the compute type (float32, or
     float64 for a float64 input): a parameter may have the input's dtype or float32."""
     if obj is None:  # (the optional ones are None-checked before; np.asarray would make a 0-d NaN)
-        raise _DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
+        raise DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
     if isinstance(obj, _nd) or hasattr(obj, "__dlpack__"):
         return as_input(obj, name)
     try:
@@ -225,9 +225,9 @@ def _mismatch(name: str, a: Any, d: Optional[TensorDesc]) -> Exception:
     if a is None:
         return DescriptorError(f"{name}: the descriptor has a {name} tensor of sizes {d.sizes}; pass an array")
     if not isinstance(a, _nd):
-        return _DescriptorTypeError(f"{name}: expected a numpy.ndarray, got {type(a).__name__}")
+        return DescriptorTypeError(f"{name}: expected a numpy.ndarray, got {type(a).__name__}")
     if a.dtype != d.dtype:
-        return _DescriptorTypeError(
+        return DescriptorTypeError(
             f"{name}: dtype {dtype_name(a.dtype)} does not match the compiled descriptor's {dtype_name(d.dtype)}"
         )
     if a.shape != d.sizes:
@@ -263,7 +263,7 @@ def _check_arg(name: str, a: Any, d: Optional[TensorDesc]) -> Any:
             try:
                 a = np.asarray(a, dtype=dt)
             except (TypeError, ValueError) as e:
-                raise _DescriptorTypeError(f"{name}: cannot convert {type(a).__name__} to a {dt} array ({e})") from None
+                raise DescriptorTypeError(f"{name}: cannot convert {type(a).__name__} to a {dt} array ({e})") from None
     if a.dtype != dt or a.shape != shape or (st is not None and a.strides != st):
         raise _mismatch(name, a, d)
     return a

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 import ml_dtypes
 import numpy as np
 
-from ._activation import Activation, ActivationLike, _beyond_float64, resolve as _resolve_activation, value_text
+from ._activation import Activation, ActivationLike, beyond_float64, resolve as _resolve_activation, value_text
 
 try:  # numpy >= 1.25
     from numpy.exceptions import AxisError
@@ -54,18 +54,18 @@ F16 = np.dtype(np.float16)
 F64 = np.dtype(np.float64)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SUPPORTED_DTYPES = (F32, F16, BF16, F64)
-_ACCEPTED = "float32, float16, bfloat16 (ml_dtypes.bfloat16), float64, in native byte order"
+ACCEPTED_DTYPES = "float32, float16, bfloat16 (ml_dtypes.bfloat16), float64, in native byte order"
 
 
 class DescriptorError(ValueError):
     """A descriptor (or the arrays of a call) breaks a rule; the message names the field and the rule."""
 
 
-class _DescriptorTypeError(DescriptorError, TypeError):
+class DescriptorTypeError(DescriptorError, TypeError):
     """A dtype or type rule: both a DescriptorError (ValueError) and a TypeError."""
 
 
-class _DescriptorAxisError(DescriptorError, AxisError):
+class DescriptorAxisError(DescriptorError, AxisError):
     """An axis out of range: both a DescriptorError and numpy's AxisError (ValueError, IndexError)."""
 
     def __init__(self, msg: str) -> None:
@@ -85,7 +85,7 @@ def stats_dtype(dt: np.dtype) -> np.dtype:
     return F64 if dt == F64 else F32
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
@@ -99,7 +99,7 @@ def _is_sequence(v: Any) -> bool:
     return isinstance(v, (_Sequence, np.ndarray)) and not isinstance(v, (str, bytes))
 
 
-def _as_int_tuple(v: Any) -> Any:
+def as_int_tuple(v: Any) -> Any:
     """Normalize a sequence of ints to a tuple of Python ints; leave anything else for validate()."""
     if v is None or not _is_sequence(v):
         return v
@@ -107,7 +107,7 @@ def _as_int_tuple(v: Any) -> Any:
         if v.ndim != 1:
             return v
         v = v.tolist()
-    return tuple(int(i) if _is_int(i) else i for i in v)
+    return tuple(int(i) if is_int(i) else i for i in v)
 
 
 def _shape_str(sizes: Sequence[int]) -> str:
@@ -140,12 +140,12 @@ def _too_large_sizes(name: str, sizes: Tuple[int, ...], count: int, isz: int) ->
 
 def _check_real(name: str, v: Any) -> float:
     if not isinstance(v, (numbers.Real, np.floating, np.integer)) or isinstance(v, (bool, np.bool_)):
-        raise _DescriptorTypeError(f"{name}: expected a real number, got {type(v).__name__}")
+        raise DescriptorTypeError(f"{name}: expected a real number, got {type(v).__name__}")
     try:
         return float(v)
     except OverflowError:  # an int (or Fraction) past float64: a bad value, not a crash
         raise DescriptorError(
-            f"{name}: {_beyond_float64(v)} is not allowed; {name} must be finite and >= 0"
+            f"{name}: {beyond_float64(v)} is not allowed; {name} must be finite and >= 0"
         ) from None
 
 
@@ -185,8 +185,8 @@ class TensorDesc:
             except (TypeError, ValueError):
                 pass  # reported by validate()
         object.__setattr__(self, "dtype", dt)
-        object.__setattr__(self, "sizes", _as_int_tuple(self.sizes))
-        object.__setattr__(self, "strides", _as_int_tuple(self.strides))
+        object.__setattr__(self, "sizes", as_int_tuple(self.sizes))
+        object.__setattr__(self, "strides", as_int_tuple(self.strides))
 
     @classmethod
     def from_array(cls, array: np.ndarray, *, strides: bool = False) -> "TensorDesc":
@@ -222,14 +222,14 @@ class TensorDesc:
         max_dims: MAX_DIMS for a user's tensor; an op's internal view may have one more (VIEW_MAX_DIMS)."""
         dt = self.dtype
         if not isinstance(dt, np.dtype):
-            raise _DescriptorTypeError(
-                f"{name}.dtype: {value_text(dt)} is not a numpy dtype; accepted: {_ACCEPTED}"
+            raise DescriptorTypeError(
+                f"{name}.dtype: {value_text(dt)} is not a numpy dtype; accepted: {ACCEPTED_DTYPES}"
             )
         if role == "data" and dt not in SUPPORTED_DTYPES:
-            raise _DescriptorTypeError(f"{name}: dtype {dtype_name(dt)} is not supported; accepted: {_ACCEPTED}")
+            raise DescriptorTypeError(f"{name}: dtype {dtype_name(dt)} is not supported; accepted: {ACCEPTED_DTYPES}")
         sizes = self.sizes
         if not isinstance(sizes, tuple):
-            raise _DescriptorTypeError(
+            raise DescriptorTypeError(
                 f"{name}.sizes: expected a sequence of ints, got {type(sizes).__name__}"
             )
         nd = len(sizes)
@@ -239,8 +239,8 @@ class TensorDesc:
             )
         count = 1
         for i, s in enumerate(sizes):
-            if s.__class__ is not int and not _is_int(s):  # (sizes are Python ints: __post_init__)
-                raise _DescriptorTypeError(f"{name}.sizes[{i}]: expected an int, got {type(s).__name__}")
+            if s.__class__ is not int and not is_int(s):  # (sizes are Python ints: __post_init__)
+                raise DescriptorTypeError(f"{name}.sizes[{i}]: expected an int, got {type(s).__name__}")
             if s < 0:
                 raise DescriptorError(f"{name}.sizes[{i}]: {value_text(s)} is negative; sizes must be >= 0")
             count *= s
@@ -251,7 +251,7 @@ class TensorDesc:
         if st is None:
             return
         if not isinstance(st, tuple):
-            raise _DescriptorTypeError(
+            raise DescriptorTypeError(
                 f"{name}.strides: expected None (packed) or a sequence of ints, got {type(st).__name__}"
             )
         if len(st) != nd:
@@ -262,8 +262,8 @@ class TensorDesc:
         lo = -(-_I64_MIN // isz)
         span = 0  # sum of (size - 1) * |stride|: the farthest element from the nearest, in elements
         for i, s in enumerate(st):
-            if s.__class__ is not int and not _is_int(s):
-                raise _DescriptorTypeError(f"{name}.strides[{i}]: expected an int, got {type(s).__name__}")
+            if s.__class__ is not int and not is_int(s):
+                raise DescriptorTypeError(f"{name}.strides[{i}]: expected an int, got {type(s).__name__}")
             if not lo <= s <= hi:
                 raise DescriptorError(
                     f"{name}.strides[{i}]: {value_text(s)} elements of {isz} bytes do not fit in int64 "
@@ -284,13 +284,13 @@ def _require_desc(name: str, v: Any, optional: bool) -> None:
         return
     if not isinstance(v, TensorDesc):
         what = "None or a TensorDesc" if optional else "a TensorDesc"
-        raise _DescriptorTypeError(f"{name}: expected {what}, got {type(v).__name__}")
+        raise DescriptorTypeError(f"{name}: expected {what}, got {type(v).__name__}")
 
 
 def _check_output(out: TensorDesc, x: TensorDesc, max_dims: int = MAX_DIMS) -> None:
     out._check("output", "data", max_dims)
     if out.dtype != x.dtype:
-        raise _DescriptorTypeError(
+        raise DescriptorTypeError(
             f"output: dtype {dtype_name(out.dtype)} differs from the input's {dtype_name(x.dtype)}; "
             "the output must have the input's dtype"
         )
@@ -349,18 +349,18 @@ def _check_output_disjoint(sizes: Tuple[int, ...], strides: Tuple[int, ...]) -> 
 
 def _check_param_dtype(name: str, p: TensorDesc, x: TensorDesc) -> None:
     if p.dtype != x.dtype and p.dtype != F32:
-        raise _DescriptorTypeError(
+        raise DescriptorTypeError(
             f"{name}: dtype {dtype_name(p.dtype)} is not accepted with a {dtype_name(x.dtype)} input; "
             f"a parameter's dtype must be the input's ({dtype_name(x.dtype)}) or float32"
         )
 
 
 def normalize_axis(name: str, axis: Any, ndim: int) -> int:
-    if not _is_int(axis):
-        raise _DescriptorTypeError(f"{name}: expected an int, got {type(axis).__name__}")
+    if not is_int(axis):
+        raise DescriptorTypeError(f"{name}: expected an int, got {type(axis).__name__}")
     a = int(axis)
     if not -ndim <= a < ndim:
-        raise _DescriptorAxisError(
+        raise DescriptorAxisError(
             f"{name}: axis {value_text(a)} is out of range for an input of {ndim} dims (valid: {-ndim} to {ndim - 1})"
         )
     return a + ndim if a < 0 else a
@@ -368,23 +368,23 @@ def normalize_axis(name: str, axis: Any, ndim: int) -> int:
 
 def normalize_axes(axes: Any, ndim: int) -> Tuple[int, ...]:
     """SPEC section 3: an int or a non-empty sequence of ints; in range; unique. -> sorted tuple."""
-    if _is_int(axes):
+    if is_int(axes):
         return (normalize_axis("axes", axes, ndim),)
     if not _is_sequence(axes):
-        raise _DescriptorTypeError(
+        raise DescriptorTypeError(
             f"axes: expected an int or a sequence of ints, got {type(axes).__name__}"
             + ("" if isinstance(axes, (str, bytes)) or not hasattr(axes, "__iter__") else
                "; pass the axes as a tuple or a list")
         )
     if isinstance(axes, np.ndarray) and axes.ndim != 1:
-        raise _DescriptorTypeError(f"axes: expected an int or a 1-D sequence of ints, got a {axes.ndim}-D array")
+        raise DescriptorTypeError(f"axes: expected an int or a 1-D sequence of ints, got a {axes.ndim}-D array")
     items = list(axes)
     if not items:
         raise DescriptorError("axes: empty; give at least one axis to normalize over")
     seen = {}
     for a in items:
-        if not _is_int(a):
-            raise _DescriptorTypeError(f"axes: expected ints, got {type(a).__name__} ({value_text(a)})")
+        if not is_int(a):
+            raise DescriptorTypeError(f"axes: expected ints, got {type(a).__name__} ({value_text(a)})")
         n = normalize_axis("axes", a, ndim)
         if n in seen:
             raise DescriptorError(
@@ -426,14 +426,14 @@ BN_PARAM_NAMES = ("mean", "variance", "scale", "bias")
 def _check_bool(name: str, v: Any) -> bool:
     if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
         return bool(v)
-    raise _DescriptorTypeError(f"{name}: expected a bool, got {type(v).__name__} ({value_text(v)})")
+    raise DescriptorTypeError(f"{name}: expected a bool, got {type(v).__name__} ({value_text(v)})")
 
 
 def _check_activation(v: Any) -> Optional[Activation]:
     try:
         return _resolve_activation(v)
     except TypeError as e:
-        raise _DescriptorTypeError(str(e)) from None
+        raise DescriptorTypeError(str(e)) from None
     except ValueError as e:
         raise DescriptorError(str(e)) from None
 
@@ -525,8 +525,8 @@ def _validate_bn(d: BatchNormalizationDesc) -> BNInfo:
     ca = d.channel_axis
     if nd > 1:
         ca = normalize_axis("channel_axis", ca, nd)
-    elif not _is_int(ca):
-        raise _DescriptorTypeError(f"channel_axis: expected an int, got {type(ca).__name__}")
+    elif not is_int(ca):
+        raise DescriptorTypeError(f"channel_axis: expected an int, got {type(ca).__name__}")
     else:
         ca = None
     params = []
@@ -570,7 +570,7 @@ class MeanVarianceNormalizationDesc:
                  epsilon_mode: str = "inside", activation: ActivationLike = None) -> None:
         s = object.__setattr__
         s(self, "input", input)
-        s(self, "axes", axes if _is_int(axes) else _as_int_tuple(axes))
+        s(self, "axes", axes if is_int(axes) else as_int_tuple(axes))
         s(self, "scale", scale)
         s(self, "bias", bias)
         s(self, "output", input if output is None else output)
