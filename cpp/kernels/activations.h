@@ -14,23 +14,9 @@ template <class V> struct ActIdentity {
   V operator()(V x) const { return x; }
 };
 
-// linear(p0 = alpha, p1 = beta): alpha * x + beta
-template <class V> struct ActLinear {
-  V alpha, beta;
-  explicit ActLinear(const Activation& a) : alpha(splat<V>(a.p0)), beta(splat<V>(a.p1)) {}
-  V operator()(V x) const { return vfma(alpha, x, beta); }
-};
-
 template <class V> struct ActRelu {
   explicit ActRelu(const Activation&) {}
   V operator()(V x) const { return vmax(splat<V>(0.0), x); }
-};
-
-// leaky_relu(p0 = alpha): x >= 0 ? x : alpha * x
-template <class V> struct ActLeakyRelu {
-  V alpha;
-  explicit ActLeakyRelu(const Activation& a) : alpha(splat<V>(a.p0)) {}
-  V operator()(V x) const { return vselect(x >= splat<V>(0.0), x, alpha * x); }
 };
 
 // thresholded_relu(p0 = alpha): x > alpha ? x : 0 (written as x <= alpha ? 0 : x so NaN keeps x)
@@ -67,15 +53,6 @@ template <class V> struct ActScaledElu {
 template <class V> struct ActSigmoid {
   explicit ActSigmoid(const Activation&) {}
   V operator()(V x) const { return vsigmoid(x); }
-};
-
-// hard_sigmoid(p0 = alpha, p1 = beta): max(0, min(alpha * x + beta, 1))
-template <class V> struct ActHardSigmoid {
-  V alpha, beta;
-  explicit ActHardSigmoid(const Activation& a) : alpha(splat<V>(a.p0)), beta(splat<V>(a.p1)) {}
-  V operator()(V x) const {
-    return vmax(splat<V>(0.0), vmin(splat<V>(1.0), vfma(alpha, x, beta)));
-  }
 };
 
 template <class V> struct ActTanh {
@@ -150,13 +127,6 @@ template <class V> struct ActGelu {
   V operator()(V x) const { return vgelu(x); }
 };
 
-// clip(p0 = min, p1 = max): min(max(x, lo), hi)
-template <class V> struct ActClip {
-  V lo, hi;
-  explicit ActClip(const Activation& a) : lo(splat<V>(a.p0)), hi(splat<V>(a.p1)) {}
-  V operator()(V x) const { return vmin(hi, vmax(lo, x)); }
-};
-
 template <class V> struct ActSilu {
   explicit ActSilu(const Activation&) {}
   V operator()(V x) const { return vsilu(x); }
@@ -173,30 +143,82 @@ template <class V> struct ActHardSwish {
   }
 };
 
-// Calls fn(functor) with the functor type of act.kind, so that the kernel is instantiated once per
-// activation and the activation inlines into the inner loop.
-template <class V, class Fn> void visit_activation(const Activation& act, Fn&& fn) {
-  switch (act.kind) {
-    case ActKind::identity: fn(ActIdentity<V>(act)); return;
-    case ActKind::linear: fn(ActLinear<V>(act)); return;
-    case ActKind::relu: fn(ActRelu<V>(act)); return;
-    case ActKind::leaky_relu: fn(ActLeakyRelu<V>(act)); return;
-    case ActKind::thresholded_relu: fn(ActThresholdedRelu<V>(act)); return;
-    case ActKind::elu: fn(ActElu<V>(act)); return;
-    case ActKind::celu: fn(ActCelu<V>(act)); return;
-    case ActKind::scaled_elu: fn(ActScaledElu<V>(act)); return;
-    case ActKind::sigmoid: fn(ActSigmoid<V>(act)); return;
-    case ActKind::hard_sigmoid: fn(ActHardSigmoid<V>(act)); return;
-    case ActKind::tanh: fn(ActTanh<V>(act)); return;
-    case ActKind::scaled_tanh: fn(ActScaledTanh<V>(act)); return;
-    case ActKind::softplus: fn(ActSoftplus<V>(act)); return;
-    case ActKind::parametric_softplus: fn(ActParametricSoftplus<V>(act)); return;
-    case ActKind::softsign: fn(ActSoftsign<V>(act)); return;
-    case ActKind::shrink: fn(ActShrink<V>(act)); return;
-    case ActKind::gelu: fn(ActGelu<V>(act)); return;
-    case ActKind::clip: fn(ActClip<V>(act)); return;
-    case ActKind::silu: fn(ActSilu<V>(act)); return;
-    case ActKind::hard_swish: fn(ActHardSwish<V>(act)); return;
+// The piecewise-linear activations, in one inline functor of up to three steps, each taken or
+// skipped by a flag (a branch every call predicts): x -> a x + b, then x >= 0 ? x : s x, then a
+// clamp to [lo, hi].
+//   linear(p0 = alpha, p1 = beta): alpha * x + beta
+//   leaky_relu(p0 = alpha): x >= 0 ? x : alpha * x
+//   hard_sigmoid(p0 = alpha, p1 = beta): max(0, min(alpha * x + beta, 1)) (clamped in the other
+//     order: the same, since 0 < 1)
+//   clip(p0 = min, p1 = max): min(max(x, lo), hi)
+template <class V> struct ActPiecewiseLinear {
+  V a, b, s, lo, hi;
+  bool affine = false, leaky = false, clamp = false;
+  explicit ActPiecewiseLinear(const Activation& act) {
+    double pa = 1.0, pb = 0.0, ps = 1.0, plo = 0.0, phi = 0.0;
+    switch (act.kind) {
+      case ActKind::linear: affine = true, pa = act.p0, pb = act.p1; break;
+      case ActKind::leaky_relu: leaky = true, ps = act.p0; break;
+      case ActKind::hard_sigmoid: affine = clamp = true, pa = act.p0, pb = act.p1, plo = 0.0, phi = 1.0; break;
+      case ActKind::clip: clamp = true, plo = act.p0, phi = act.p1; break;
+      default: break;
+    }
+    a = splat<V>(pa), b = splat<V>(pb), s = splat<V>(ps), lo = splat<V>(plo), hi = splat<V>(phi);
   }
-  fn(ActIdentity<V>(act));  // unreachable for a valid kind
+  static bool covers(ActKind kind) {
+    return kind == ActKind::linear || kind == ActKind::leaky_relu || kind == ActKind::hard_sigmoid ||
+           kind == ActKind::clip;
+  }
+  V operator()(V x) const {
+    if (affine) x = vfma(a, x, b);
+    if (leaky) x = vselect(x >= splat<V>(0.0), x, s * x);
+    if (clamp) x = vmin(hi, vmax(lo, x));
+    return x;
+  }
+};
+
+// Every other activation runs out of line: one call a vector, through a pointer to its functor's
+// operator(). The loops are compiled four times instead of once per activation: identity, which
+// nearly every call uses, and relu, the one most fused, each inline; the piecewise-linear ones,
+// cheap enough that a call a vector would double their time (with 16-bit data in the caches each
+// operation a vector shows); any other, through the pointer. An activation costs its own small
+// function per ISA, whatever the number of loops.
+template <class V> struct ActOutOfLine {
+  V (*apply)(const void* act, V x);
+  const void* act;  // the functor, alive for the call that visits it
+  V operator()(V x) const { return apply(act, x); }
+};
+template <class Act, class V> __attribute__((noinline)) V apply_activation(const void* act, V x) {
+  return (*static_cast<const Act*>(act))(x);
+}
+
+// Calls fn(functor): ActIdentity, ActRelu, ActPiecewiseLinear or ActOutOfLine.
+template <class V, class Fn> void visit_activation(const Activation& act, Fn&& fn) {
+  if (ActPiecewiseLinear<V>::covers(act.kind)) return fn(ActPiecewiseLinear<V>(act));
+  auto out_of_line = [&](const auto& functor) {
+    using Act = std::decay_t<decltype(functor)>;
+    V (*apply)(const void*, V) = &apply_activation<Act, V>;
+    // Opaque to the optimizer: a constant pointer could be propagated into clones of the loops,
+    // one per activation, which is what this type exists to avoid.
+    __asm__("" : "+r"(apply));
+    fn(ActOutOfLine<V>{apply, &functor});
+  };
+  switch (act.kind) {
+    case ActKind::thresholded_relu: return out_of_line(ActThresholdedRelu<V>(act));
+    case ActKind::elu: return out_of_line(ActElu<V>(act));
+    case ActKind::celu: return out_of_line(ActCelu<V>(act));
+    case ActKind::scaled_elu: return out_of_line(ActScaledElu<V>(act));
+    case ActKind::sigmoid: return out_of_line(ActSigmoid<V>(act));
+    case ActKind::tanh: return out_of_line(ActTanh<V>(act));
+    case ActKind::scaled_tanh: return out_of_line(ActScaledTanh<V>(act));
+    case ActKind::softplus: return out_of_line(ActSoftplus<V>(act));
+    case ActKind::parametric_softplus: return out_of_line(ActParametricSoftplus<V>(act));
+    case ActKind::softsign: return out_of_line(ActSoftsign<V>(act));
+    case ActKind::shrink: return out_of_line(ActShrink<V>(act));
+    case ActKind::gelu: return out_of_line(ActGelu<V>(act));
+    case ActKind::silu: return out_of_line(ActSilu<V>(act));
+    case ActKind::hard_swish: return out_of_line(ActHardSwish<V>(act));
+    case ActKind::relu: return fn(ActRelu<V>(act));
+    default: return fn(ActIdentity<V>(act));  // identity (the piecewise-linear kinds returned above)
+  }
 }
