@@ -370,7 +370,7 @@ def test_channel_planes_with_blocks_ending_inside_a_run(rng, threads, inner):
     out = np.empty(x.shape, np.float32)
     plan = simdnorm._core.explain_mvn(x, (0, 2, 3), None, None, out, 1e-5, True, True, False, (0, 0.0, 0.0),
                                       None, None, -1, False)
-    assert plan.startswith("rows groups=2 lanes=1 group_size=36000 fused nest"), plan
+    assert plan.startswith("rows groups=2 lanes=1 group_size=36000 fused paired nest"), plan
     r1, r2 = _both_thread_counts(threads, lambda: mvn(x, (0, 2, 3), return_stats=True))
     _assert_bitwise(r1, r2, f"{inner} planes")
     y, m, inv = r1

@@ -357,12 +357,12 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
     if op == "bn":
         p = p1d(rng, x.shape, dtype)
         assert _core.explain_batch_norm(x, *(v.reshape(1, -1, 1, 1) for v in p.values()), out, 1e-5, identity, 0,
-                                        False).endswith("stream")
+                                        False).endswith("streaming-stores")
     else:
         g = make_input(rng, (1, *inner) if op != "mvn023" else (1, shape[1], 1, 1), dtype)
         b = make_input(rng, g.shape, dtype)
         assert _core.explain_mvn(x, axes, g, b, out, 1e-5, True, True, False, identity, None, None, -1,
-                                 False).endswith("stream")
+                                 False).endswith("streaming-stores")
     previous = simdnorm.isa()
     try:
         for isa in simdnorm.available_isas() if every_isa else [previous]:

@@ -26,11 +26,15 @@ def mvn_plan(x, axes, scale=None, out=None):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_nchw_batch_norm_runs_constant_coefficients_over_contiguous_planes(dtype):
+def test_nchw_batch_norm_streams_planes_of_constant_coefficients(dtype):
     x = np.zeros((2, 8, 5, 7), dtype)
     plan = bn_plan(x, (1, 8, 1, 1))
-    assert "inner=contiguous(stats=const,affine=const)" in plan
+    assert "inner=row_stream(stats=const,affine=const)" in plan
     assert "sizes=(2,8,35)" in plan  # H and W merged into one run
+    # planes too large for a row stream's gain: each its own contiguous run (float32 with
+    # streaming stores)
+    big = np.zeros((1, 8, _core.stream_threshold_bytes() // 32, 1), np.float32)
+    assert bn_plan(big, (1, 8, 1, 1)).endswith("inner=contiguous(stats=const,affine=const) streaming-stores")
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -41,6 +45,12 @@ def test_channels_last_batch_norm_runs_coefficients_along_the_run(dtype):
     # N, H, W merged; C innermost, and with so few channels the coefficients are repeated so that
     # one run covers all 70 pixels (8 channels each) instead of one pixel per run
     assert "sizes=(1,560)" in plan
+    # pixels of 64 channels, more than one to a run: one periodic stream
+    x = np.zeros((2, 16, 16, 64), dtype).transpose(0, 3, 1, 2)
+    assert "inner=periodic_stream(stats=vary,affine=vary)" in bn_plan(x, (1, 64, 1, 1))
+    # pixels of 4096 channels: the coefficients and a row outgrow the L1, blocks of columns
+    x = np.zeros((2, 3, 3, 4096), dtype).transpose(0, 3, 1, 2)
+    assert "inner=column_blocks(stats=vary,affine=vary) block_columns=" in bn_plan(x, (1, 4096, 1, 1))
 
 
 def test_channels_last_runs_are_lengthened_by_a_divisor_of_the_pixel_count():
@@ -90,7 +100,7 @@ def test_interleaved_out_declined_by_the_kernel_still_runs_into_out():
 def test_reversed_input_is_flipped_back_to_a_contiguous_run():
     x = np.zeros((3, 4, 50), np.float32)[:, :, ::-1]
     out = np.zeros((3, 4, 50), np.float32)[:, :, ::-1]
-    assert "inner=contiguous" in bn_plan(x, (1, 4, 1), out=out)
+    assert "inner=row_stream" in bn_plan(x, (1, 4, 1), out=out)
 
 
 def test_strided_views_fall_back_to_the_strided_loop():
@@ -100,16 +110,16 @@ def test_strided_views_fall_back_to_the_strided_loop():
 
 def test_streaming_stores_only_for_large_out_of_place_outputs():
     small = np.zeros((2, 4, 16), np.float32)
-    assert "stream" not in bn_plan(small, (1, 4, 1))
+    assert "streaming-stores" not in bn_plan(small, (1, 4, 1))
     # Streaming once input and output together pass the threshold (np.zeros maps pages lazily,
     # and explaining a plan touches no element).
     threshold = _core.stream_threshold_bytes()
     assert 1 << 19 <= threshold <= 16 << 20
     fits = np.zeros((1, 8, threshold // 64, 1), np.float32)  # input + output = the threshold
-    assert "stream" not in bn_plan(fits, (1, 8, 1, 1))
+    assert "streaming-stores" not in bn_plan(fits, (1, 8, 1, 1))
     big = np.zeros((1, 8, threshold // 64 + 16, 1), np.float32)
-    assert bn_plan(big, (1, 8, 1, 1)).endswith("stream")
-    assert "stream" not in bn_plan(big, (1, 8, 1, 1), out=big)  # in place: the lines are cached
+    assert bn_plan(big, (1, 8, 1, 1)).endswith("streaming-stores")
+    assert "streaming-stores" not in bn_plan(big, (1, 8, 1, 1), out=big)  # in place: the lines are cached
 
 
 @pytest.mark.parametrize("row", [1, 7, 96, 3000])
@@ -118,7 +128,7 @@ def test_layer_norm_rows_of_any_length_run_as_one_pipeline(row):
     x = np.zeros((4, 6, row), np.float32)
     plan = mvn_plan(x, (2,), scale=np.ones((1, 1, row), np.float32))
     assert plan.startswith(f"rows groups=24 lanes=1 group_size={row} fused pipeline")
-    if row > 1:
+    if row > 1:  # each row normalized on its own, in the loop that sums a later row
         assert "inner=contiguous(stats=const,affine=vary)" in plan
 
 
@@ -142,7 +152,22 @@ def test_channels_last_instance_norm_accumulates_across_channel_lanes():
     x = np.zeros((2, 5, 7, 32), np.float32).transpose(0, 3, 1, 2)
     plan = mvn_plan(x, (2, 3))
     assert plan.startswith("columns groups=2 lanes=32 group_size=35")
-    assert "inner=contiguous(stats=vary,affine=const)" in plan
+    assert "inner=periodic_stream(stats=vary,affine=const)" in plan
+    # 4096 channels: a row of them and their statistics outgrow the L1, blocks of columns
+    x = np.zeros((2, 5, 7, 4096), np.float32).transpose(0, 3, 1, 2)
+    assert "inner=column_blocks(stats=vary,affine=const)" in mvn_plan(x, (2, 3))
+
+
+@pytest.mark.parametrize("scale", [False, True])
+def test_channels_last_instance_norm_never_gathers(scale):
+    # without scale and bias the scale is folded (read as 1): the statistics still vary along the
+    # channels and the bias is constant, a contiguous pair that must not fall back to the strided
+    # loop (it did, 7.7x the time of the same call with scale and bias)
+    x = np.zeros((2, 56, 56, 64), np.float32)
+    s = np.ones((1, 1, 1, 64), np.float32) if scale else None
+    plan = mvn_plan(x, (1, 2), scale=s)
+    assert "inner=strided" not in plan
+    assert f"(stats=vary,affine={'vary' if scale else 'const'})" in plan
 
 
 def test_mvn_over_batch_and_space_groups_each_channel():

@@ -29,7 +29,7 @@ namespace {
 }  // namespace
 
 extern const KernelTable kernel_table;
-const KernelTable kernel_table = {kIsaName,        normalize_entry,   normalize_run_entry,
+const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_entry,
                                    row_moments_entry, col_moments_entry, normalize_group_and_sum_entry,
                                    normalize_rows_fused_entry, lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry};

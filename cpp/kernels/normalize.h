@@ -321,12 +321,6 @@ struct NormalizeKernel {
   // Element j of the stream takes the coefficients of element j mod n of a row, read from copies
   // of the arrays that repeat their first W elements past their end, so that a vector that wraps
   // to the next row reads them in one piece.
-  static constexpr int64_t kPeriodicMaxRun = 2048;
-  static bool periodic(int64_t rows, int64_t n, const int64_t* rs) {
-    constexpr int64_t ts = sizeof(T);
-    return W > 1 && rows > 1 && n >= 2 * W && n <= kPeriodicMaxRun && rs[kIn] == n * ts && rs[kOut] == n * ts &&
-           rs[kShift] == 0 && rs[kMul] == 0 && rs[kScale] == 0 && rs[kBias] == 0;
-  }
   template <bool StatsVary, bool AffineVary, class F>
   static void run_periodic_stream(const F& f, int64_t rows, int64_t n, char* const* p, bool stream) {
     T* y = reinterpret_cast<T*>(p[kOut]);
@@ -363,31 +357,6 @@ struct NormalizeKernel {
     });
   }
 
-  // Rows that read coefficient arrays beside the data and whose coefficients, input and output
-  // outgrow the L1 (channels-last batch norm with 2048 channels and more: 40 KB a row in float32)
-  // run in blocks of columns, each block over all the rows before the next: a block's
-  // coefficients (kBlockBytes with its input and output) stay in the L1 while its rows stream
-  // through. Row by row, each row's input and output lines would push the coefficients out before
-  // the next row reread them (an L1 under LRU loses a cyclic working set larger than itself whole).
-  // Rows up to the L1's size (the task's l1_bytes, read from the CPU), exactly the L1 included, run
-  // whole: blocks cost them more than they save. The block boundaries after the first sit on the
-  // first row's output lines. Not with streaming stores: a block's rows write their lines a few KB
-  // at a time, which suits non-temporal stores worse than whole rows.
-  static constexpr int64_t kBlockBytes = 20 << 10;
-  // A block, with the first one's head (under a line) and the rounding (under a line), of four
-  // coefficient arrays at most, never blocks again.
-  static_assert(kBlockBytes + 2 * (kLineBytes / sizeof(T)) * (4 * sizeof(C) + 2 * sizeof(T)) <= kMinL1DataBytes,
-                "a block of columns fits the L1 whole");
-  // Columns a block spans (a whole number of output lines), or 0 when rows of n run whole;
-  // coefficient_bytes: the bytes of coefficients an element reads; l1: the L1's bytes.
-  static int64_t column_block(int64_t n, int64_t coefficient_bytes, int64_t l1) {
-    const int64_t row_bytes = n * (coefficient_bytes + 2 * static_cast<int64_t>(sizeof(T)));
-    if (coefficient_bytes == 0 || row_bytes <= l1) return 0;
-    constexpr int64_t per_line = kLineBytes / sizeof(T);
-    const int64_t blocks = (row_bytes + kBlockBytes - 1) / kBlockBytes, columns = (n + blocks - 1) / blocks;
-    return (columns + per_line - 1) / per_line * per_line;
-  }
-
   // Any other strides: gather a vector's worth into buffers and run the same arithmetic, so an
   // element gets the same bits whichever path it takes.
   template <class F>
@@ -407,11 +376,26 @@ struct NormalizeKernel {
     }
   }
 
-  // `rows` runs of n elements, run r at p + r * rs; the loop is chosen once for all of them (l1:
-  // the L1's bytes).
+  // Calls fn(std::integral_constant<bool, stats_vary>, std::integral_constant<bool, affine_vary>).
+  template <class Fn>
+  static void visit_pairs(const InnerPlan& plan, Fn&& fn) {
+    using T0 = std::false_type;
+    using T1 = std::true_type;
+    if (plan.stats_vary) {
+      if (plan.affine_vary) fn(T1{}, T1{});
+      else fn(T1{}, T0{});
+    } else {
+      if (plan.affine_vary) fn(T0{}, T1{});
+      else fn(T0{}, T0{});
+    }
+  }
+
+  // `rows` runs of n elements, run r at p + r * rs, by the task's plan (InnerPlan, chosen by
+  // ops/common.cpp). A lone run (a piece at either end of a thread's range, or execute_run's) takes
+  // the contiguous loop: the streams and the blocks are loops over many runs.
   template <class F>
-  static void run_rows(const F& f, int64_t rows, int64_t n, char* const* p, const int64_t* s,
-                       const int64_t* rs, bool stream, int64_t l1) {
+  static void run_rows(const F& f, const InnerPlan& plan, int64_t rows, int64_t n, char* const* p, const int64_t* s,
+                       const int64_t* rs, bool stream) {
     char* q[kNumOperands];
     std::memcpy(q, p, sizeof q);
     auto each_row = [&](auto&& one_row) {
@@ -420,52 +404,29 @@ struct NormalizeKernel {
         for (int op = 0; op < kNumOperands; ++op) q[op] += rs[op];
       }
     };
-    constexpr int64_t ts = sizeof(T), cs = sizeof(C);
-    if (s[kIn] == ts && s[kOut] == ts) {
-      const bool st_const = s[kShift] == 0 && s[kMul] == 0, st_vary = s[kShift] == cs && s[kMul] == cs;
-      // A folded scale is not read, whatever its strides.
-      const bool scale_const = F::kScaleFolded || s[kScale] == 0, scale_vary = F::kScaleFolded || s[kScale] == cs;
-      const bool af_const = scale_const && s[kBias] == 0, af_vary = scale_vary && s[kBias] == cs;
-      const int64_t arrays = (st_vary ? 2 : 0) + (af_vary ? (F::kScaleFolded ? 1 : 2) : 0);
-      const bool contiguous = (st_const || st_vary) && (af_const || af_vary);
-      if (const int64_t block = rows > 1 && contiguous && !stream ? column_block(n, arrays * cs, l1) : 0) {
-        const int64_t first = head_to_line(p[kOut]) + block;
+    const InnerLoop loop = rows == 1 && plan.loop != InnerLoop::strided ? InnerLoop::contiguous : plan.loop;
+    if (loop == InnerLoop::strided) return each_row([&](char* const* r) { run_strided(f, n, r, s); });
+    if (loop == InnerLoop::row_stream) return run_row_stream(f, rows, n, p, rs, stream);
+    visit_pairs(plan, [&](auto stats_vary, auto affine_vary) {
+      constexpr bool kStats = decltype(stats_vary)::value, kAffine = decltype(affine_vary)::value;
+      if constexpr (kStats || kAffine) {
+        if (loop == InnerLoop::periodic_stream) return run_periodic_stream<kStats, kAffine>(f, rows, n, p, stream);
+      }
+      if (loop == InnerLoop::column_blocks) {
+        // Block by block, each over all the rows; the boundaries after the first sit on the first
+        // row's output lines.
+        const int64_t block = plan.block_columns, first = head_to_line(p[kOut]) + block;
         for (int64_t b0 = 0, b1; b0 < n; b0 = b1) {
           b1 = b0 == 0 ? first : b0 + block;
           if (b1 > n) b1 = n;
-          char* at[kNumOperands];
-          for (int op = 0; op < kNumOperands; ++op) at[op] = p[op] + b0 * s[op];
-          run_rows(f, rows, b1 - b0, at, s, rs, stream, l1);  // a block's rows never block again
+          for (int op = 0; op < kNumOperands; ++op) q[op] = p[op] + b0 * s[op];
+          each_row([&](char* const* r) { run_contiguous<kStats, kAffine>(f, b1 - b0, r, stream); });
         }
         return;
       }
-      if (st_const && af_const) {
-        if constexpr (W > 1) {
-          // 16-bit data: each row's masked head and tail cost two more conversions; the row
-          // stream has neither. float32 rows pay a masked tail each, and stream too, but not with
-          // streaming stores (outputs past the caches), where the stream gains them nothing.
-          const bool stream_rows = sizeof(T) == 2 || !stream;
-          if (stream_rows && rows > 1 && n >= W && rs[kIn] == n * ts && rs[kOut] == n * ts)
-            return run_row_stream(f, rows, n, p, rs, stream);
-        }
-        return each_row([&](char* const* r) { run_contiguous<false, false>(f, n, r, stream, peels(n, false)); });
-      }
-      if constexpr (W > 1) {
-        if (periodic(rows, n, rs)) {
-          if (st_vary && af_vary) return run_periodic_stream<true, true>(f, rows, n, p, stream);
-          if constexpr (!F::kScaleFolded) {
-            if (st_const && af_vary) return run_periodic_stream<false, true>(f, rows, n, p, stream);
-            if (st_vary && af_const) return run_periodic_stream<true, false>(f, rows, n, p, stream);
-          }
-        }
-      }
-      if constexpr (!F::kScaleFolded) {  // folded: the coefficients share one shape
-        if (st_const && af_vary) return each_row([&](char* const* r) { run_contiguous<false, true>(f, n, r, stream); });
-        if (st_vary && af_const) return each_row([&](char* const* r) { run_contiguous<true, false>(f, n, r, stream); });
-      }
-      if (st_vary && af_vary) return each_row([&](char* const* r) { run_contiguous<true, true>(f, n, r, stream); });
-    }
-    each_row([&](char* const* r) { run_strided(f, n, r, s); });
+      const bool peel = peels(n, kStats || kAffine);
+      each_row([&](char* const* r) { run_contiguous<kStats, kAffine>(f, n, r, stream, peel); });
+    });
   }
 
   static void execute(const NormalizeTask& task, int64_t begin, int64_t end) {
@@ -473,7 +434,7 @@ struct NormalizeKernel {
     visit_formula(task, [&](const auto& f) {
       for_each_block(task.loop, begin, end,
                      [&](int64_t rows, int64_t len, char* const* p, const int64_t* s, const int64_t* rs) {
-                       run_rows(f, rows, len, p, s, rs, stream, task.l1_bytes);
+                       run_rows(f, task.inner, rows, len, p, s, rs, stream);
                      });
     });
     if (stream) stream_fence();
@@ -485,7 +446,7 @@ struct NormalizeKernel {
     int64_t s[kNumOperands];
     for (int op = 0; op < kNumOperands; ++op) s[op] = task.loop.strides[op][task.loop.ndim - 1];
     const int64_t no_step[kNumOperands] = {};
-    visit_formula(task, [&](const auto& f) { run_rows(f, 1, n, p, s, no_step, task.stream_stores, task.l1_bytes); });
+    visit_formula(task, [&](const auto& f) { run_rows(f, task.inner, 1, n, p, s, no_step, task.stream_stores); });
   }
 };
 

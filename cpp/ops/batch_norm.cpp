@@ -101,8 +101,8 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
   align_coefficients(task.loop, *folded, x.dtype);
   task.dtype = x.dtype;
   task.act = a.activation;
-  fit_to_caches(task);
   task.scale_folded = scale_folded;
+  plan_normalize(task);
   if (explain != nullptr) {
     *explain = describe_normalize(task) + (scale_folded ? "" : " scale-apart");
     return;

@@ -225,12 +225,81 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) 
   for (int op = kOut; op <= kIn; ++op) nest.strides[op][outer] *= copies;
 }
 
-void fit_to_caches(NormalizeTask& task) {
-  // Streaming stores past stream_threshold_bytes(): an output that large does not stay cached, and
-  // streamed, its lines are not read from memory before they are written.
+void plan_normalize(NormalizeTask& task) {
   task.stream_stores = task.loop.data[kOut] != task.loop.data[kIn] &&
                        2 * element_count(task.loop) * itemsize(task.dtype) > stream_threshold_bytes();
   task.l1_bytes = l1_data_cache_bytes();
+  plan_inner_loop(task);
+}
+
+namespace {
+
+// Rows that read coefficient arrays beside the data and whose coefficients, input and output
+// outgrow the L1 (channels-last batch norm with 2048 channels and more: 40 KB a row in float32)
+// run in blocks of columns, each block over all the rows before the next: a block's coefficients
+// (kBlockBytes with its input and output) stay in the L1 while its rows stream through. Row by
+// row, each row's input and output lines would push the coefficients out before the next row
+// reread them (an L1 under LRU loses a cyclic working set larger than itself whole). Rows up to
+// the L1's size, exactly the L1 included, run whole: blocks cost them more than they save. Not
+// with streaming stores: a block's rows write their lines a few KB at a time, which suits
+// non-temporal stores worse than whole rows.
+constexpr int64_t kBlockBytes = 20 << 10;
+// A block, with the first one's head (under a line) and the rounding (under a line), of four
+// float64 coefficient arrays at most, never blocks again.
+static_assert(kBlockBytes + 2 * kLineBytes * (4 * 8 + 2) <= kMinL1DataBytes, "a block of columns fits the L1 whole");
+
+// Columns a block spans (a whole number of output lines), or 0 when rows of n run whole;
+// coefficient_bytes: the bytes of coefficients an element reads; ts: the element's bytes.
+int64_t column_block(int64_t n, int64_t coefficient_bytes, int64_t ts, int64_t l1) {
+  const int64_t row_bytes = n * (coefficient_bytes + 2 * ts);
+  if (coefficient_bytes == 0 || row_bytes <= l1) return 0;
+  const int64_t per_line = kLineBytes / ts;
+  const int64_t blocks = (row_bytes + kBlockBytes - 1) / kBlockBytes, columns = (n + blocks - 1) / blocks;
+  return (columns + per_line - 1) / per_line * per_line;
+}
+
+}  // namespace
+
+void plan_inner_loop(NormalizeTask& task) {
+  const LoopNest& nest = task.loop;
+  InnerPlan& plan = task.inner;
+  plan = InnerPlan{};
+  if (nest.ndim < 1) return;
+  const int inner = nest.ndim - 1;
+  const int64_t ts = itemsize(task.dtype), cs = itemsize(compute_type(task.dtype));
+  const int64_t n = nest.sizes[inner], rows = nest.ndim >= 2 ? nest.sizes[inner - 1] : 1;
+  // Lanes of a vector of the compute type, in the ISA that will run.
+  const int64_t lanes = kernels().float_lanes / (cs / 4);
+  auto s = [&](int op) { return nest.strides[op][inner]; };
+  auto rs = [&](int op) { return nest.ndim >= 2 ? nest.strides[op][inner - 1] : 0; };
+  if (s(kIn) != ts || s(kOut) != ts) return;
+  const bool st_const = s(kShift) == 0 && s(kMul) == 0, st_vary = s(kShift) == cs && s(kMul) == cs;
+  // A folded scale is not read, whatever its strides: the affine pair is the bias alone.
+  const bool scale_const = task.scale_folded || s(kScale) == 0, scale_vary = task.scale_folded || s(kScale) == cs;
+  const bool af_const = scale_const && s(kBias) == 0, af_vary = scale_vary && s(kBias) == cs;
+  if (!(st_const || st_vary) || !(af_const || af_vary)) return;
+  plan.stats_vary = st_vary && !st_const;
+  plan.affine_vary = af_vary && !af_const;
+  plan.loop = InnerLoop::contiguous;
+  const int64_t arrays = (plan.stats_vary ? 2 : 0) + (plan.affine_vary ? (task.scale_folded ? 1 : 2) : 0);
+  if (rows > 1 && !task.stream_stores) {
+    if (const int64_t block = column_block(n, arrays * cs, ts, task.l1_bytes)) {
+      plan.loop = InnerLoop::column_blocks;
+      plan.block_columns = block;
+      return;
+    }
+  }
+  const bool back_to_back = rows > 1 && lanes > 1 && rs(kIn) == n * ts && rs(kOut) == n * ts;
+  if (!plan.stats_vary && !plan.affine_vary) {
+    // 16-bit data: each run's masked head and tail cost two more conversions; the row stream has
+    // neither. float32 runs pay a masked tail each, and stream too, but not with streaming stores
+    // (outputs past the caches), where the stream gains them nothing.
+    if (back_to_back && n >= lanes && (ts == 2 || !task.stream_stores)) plan.loop = InnerLoop::row_stream;
+    return;
+  }
+  bool shared = true;  // every run reads the same coefficients
+  for (int op = kShift; op <= kBias; ++op) shared = shared && rs(op) == 0;
+  if (back_to_back && shared && n >= 2 * lanes && n <= kPeriodicMaxRun) plan.loop = InnerLoop::periodic_stream;
 }
 
 void fence_streaming_stores() {
@@ -240,24 +309,14 @@ void fence_streaming_stores() {
 }
 
 std::string describe_normalize(const NormalizeTask& task) {
-  const LoopNest& n = task.loop;
-  const int inner = n.ndim - 1;
-  const int64_t ts = itemsize(task.dtype), cs = itemsize(compute_type(task.dtype));
-  const int64_t* s[kNumOperands];
-  for (int op = 0; op < kNumOperands; ++op) s[op] = n.strides[op];
-  auto pair = [&](int a, int b) -> std::string {
-    if (s[a][inner] == 0 && s[b][inner] == 0) return "const";
-    if (s[a][inner] == cs && s[b][inner] == cs) return "vary";
-    return "strided";
-  };
-  std::string loop;
-  // A folded scale is not read: the affine pair is the bias alone.
-  const std::string affine = pair(task.scale_folded ? kBias : kScale, kBias);
-  if (s[kIn][inner] == ts && s[kOut][inner] == ts && pair(kShift, kMul) != "strided" && affine != "strided")
-    loop = "contiguous(stats=" + pair(kShift, kMul) + ",affine=" + affine + ")";
-  else
-    loop = "strided";
-  return "nest=" + describe(n) + " inner=" + loop + (task.stream_stores ? " stream" : "");
+  const InnerPlan& plan = task.inner;
+  static const char* const kLoopNames[] = {"strided", "contiguous", "row_stream", "periodic_stream", "column_blocks"};
+  std::string loop = kLoopNames[static_cast<int>(plan.loop)];
+  if (plan.loop != InnerLoop::strided)
+    loop += std::string("(stats=") + (plan.stats_vary ? "vary" : "const") +
+            ",affine=" + (plan.affine_vary ? "vary" : "const") + ")";
+  if (plan.loop == InnerLoop::column_blocks) loop += " block_columns=" + std::to_string(plan.block_columns);
+  return "nest=" + describe(task.loop) + " inner=" + loop + (task.stream_stores ? " streaming-stores" : "");
 }
 
 void run_normalize(NormalizeTask& task) {

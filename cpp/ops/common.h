@@ -73,16 +73,20 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);
-// What the task needs to know of the caches, once its loop and dtype are set: the L1's size, and
-// whether to write with non-temporal stores: for operations that move more bytes (input plus
-// output) than stream_threshold_bytes() (smaller ones stay cached between calls, and their output
-// is cached for its reader), never in place.
-void fit_to_caches(NormalizeTask& task);
+// The rest of a task's plan, once its loop, dtype and scale_folded are set: the L1's size; whether
+// to write with non-temporal stores (for operations that move more bytes, input plus output, than
+// stream_threshold_bytes(): smaller ones stay cached between calls, and their output is cached for
+// its reader; never in place); and the inner loop (plan_inner_loop).
+void plan_normalize(NormalizeTask& task);
+// task.inner: the kernel's loop for the task's nest, by its two innermost dims' strides and sizes
+// (again after a change of nest).
+void plan_inner_loop(NormalizeTask& task);
 // Orders this thread's non-temporal stores before what it does next (kernels that take single runs
 // leave this to their caller).
 void fence_streaming_stores();
 
-// "nest=... inner=<loop>": the loop nest and the inner loop the normalize kernel picks for it.
+// "nest=... inner=<loop>[ streaming-stores]": the loop nest and the inner loop the normalize kernel
+// runs over it.
 std::string describe_normalize(const NormalizeTask& task);
 
 // Minimum elements per thread before a second thread is worth waking (less work than this costs

@@ -44,14 +44,9 @@ void MvnRunner::run(std::string* explain) {
 
   fold_affine();
   build_plan();
-  fit_to_caches(task_);
+  plan_normalize(task_);
   if (explain != nullptr) {
-    *explain = (plan_.lanes ? "columns" : "rows") + std::string(" groups=") + std::to_string(plan_.groups) +
-               " lanes=" + std::to_string(plan_.lane_count) + " group_size=" + std::to_string(plan_.group_size) +
-               (plan_.lane_group > 1 ? " lane_group=" + std::to_string(plan_.lane_group) : std::string()) +
-               (plan_.lanes ? " lanes_per_task=" + std::to_string(lanes_per_task())
-                            : std::string(rows_pipelined() ? " fused pipeline" : rows_fused() ? " fused" : " split")) +
-               " " + describe_normalize(task_);
+    *explain = describe();
     return;
   }
   if (!a_.normalize_mean && !a_.normalize_variance) {  // no statistics needed: scale and bias only
@@ -60,6 +55,30 @@ void MvnRunner::run(std::string* explain) {
   }
   if (plan_.lanes) run_columns();
   else run_rows();
+}
+
+std::string MvnRunner::describe() {
+  std::string d = (plan_.lanes ? "columns" : "rows") + std::string(" groups=") + std::to_string(plan_.groups) +
+                  " lanes=" + std::to_string(plan_.lane_count) + " group_size=" + std::to_string(plan_.group_size) +
+                  (plan_.lane_group > 1 ? " lane_group=" + std::to_string(plan_.lane_group) : std::string());
+  const bool statistics = a_.normalize_mean || a_.normalize_variance;
+  if (statistics && plan_.lanes) {
+    const int64_t lanes = std::min(lanes_per_task(), plan_.lane_count);
+    return d + " lanes_per_task=" + std::to_string(lanes_per_task()) + " " +
+           describe_normalize(column_normalize_task(0, 0, lanes));
+  }
+  if (!statistics || plan_.lanes) return d + " " + describe_normalize(task_);
+  static const char* const kNames[] = {"fused pipeline", "fused paired", "fused batched", "split"};
+  const RowStrategy strategy = row_strategy();
+  d += std::string(" ") + kNames[static_cast<int>(strategy)];
+  if (strategy == RowStrategy::pipelined || strategy == RowStrategy::paired) {
+    // Normalized run by run, in the loops that sum later ones.
+    NormalizeTask run = task_;
+    if (run.inner.loop != InnerLoop::strided) run.inner = InnerPlan{InnerLoop::contiguous, run.inner.stats_vary,
+                                                                     run.inner.affine_vary, 0};
+    return d + " " + describe_normalize(run);
+  }
+  return d + " " + describe_normalize(task_);
 }
 
 // ---- setup --------------------------------------------------------------------------------------

@@ -72,7 +72,14 @@ void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lan
     char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko);
     for (int64_t c = 0; c < nb; c += k) store_compute(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim], istd[c]);
   }
-  // Normalize this block: a nest of [reduced..., nb lanes] at kept index ko, lane c0.
+  NormalizeTask sub = column_normalize_task(ko, c0, nb);
+  table.normalize(sub, 0, plan_.group_size * nb);
+}
+
+// A nest of [reduced..., nb lanes] at kept index ko, lane c0.
+NormalizeTask MvnRunner::column_normalize_task(int64_t ko, int64_t c0, int64_t nb) const {
+  const LoopNest& nest = plan_.nest;
+  const int lanes_dim = nest.ndim - 1;
   NormalizeTask sub = task_;
   LoopNest& sn = sub.loop;
   sn.ndim = plan_.reduced_dims + 1;
@@ -84,7 +91,8 @@ void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lan
   }
   for (int d = 0; d < plan_.reduced_dims; ++d) sn.sizes[d] = nest.sizes[plan_.kept_dims + d];
   sn.sizes[plan_.reduced_dims] = nb;
-  table.normalize(sub, 0, plan_.group_size * nb);
+  plan_inner_loop(sub);
+  return sub;
 }
 
 // Accumulates lanes [c0, c0 + nb) of kept index `ko` down all rows (the reduced dims).

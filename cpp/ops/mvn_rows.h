@@ -39,20 +39,29 @@ struct MvnRunner::FusedRowsContext {
 
 // Whole groups per thread when there are enough of them (rows_fused()), each group's statistics and
 // then its normalization while it is cached; else the groups are split between threads.
+MvnRunner::RowStrategy MvnRunner::row_strategy() const {
+  if (!rows_fused()) return RowStrategy::split;
+  if (rows_pipelined()) return RowStrategy::pipelined;
+  return groups_per_batch() == 1 ? RowStrategy::paired : RowStrategy::batched;
+}
+
+int64_t MvnRunner::groups_per_batch() const {
+  const int64_t group_bytes = plan_.group_size * itemsize(a_.input.dtype);
+  return group_bytes >= kFusedBatchBytes ? 1 : kFusedBatchBytes / group_bytes;
+}
+
 void MvnRunner::run_rows() {
-  if (!rows_fused()) return run_rows_split();
+  const RowStrategy strategy = row_strategy();
+  if (strategy == RowStrategy::split) return run_rows_split();
   const int64_t groups = plan_.groups;
   const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
   const KernelTable& k = kernels();
-  const int64_t per = (groups + parts - 1) / parts;
-  const int64_t group_bytes = plan_.group_size * itemsize(a_.input.dtype);
-  const int64_t batch = group_bytes >= kFusedBatchBytes ? 1 : kFusedBatchBytes / group_bytes;
-  const bool run_per_group = batch == 1, pipelined = rows_pipelined();
+  const int64_t per = (groups + parts - 1) / parts, batch = groups_per_batch();
   parallel_for(parts, [&](int part) {
     const int64_t g0 = part * per, g1 = g0 + per < groups ? g0 + per : groups;
     if (g0 >= g1) return;
-    if (pipelined) run_rows_pipelined(k, g0, g1);
-    else if (run_per_group) run_rows_paired(k, g0, g1);
+    if (strategy == RowStrategy::pipelined) run_rows_pipelined(k, g0, g1);
+    else if (strategy == RowStrategy::paired) run_rows_paired(k, g0, g1);
     else run_rows_batched(k, g0, g1, batch);
   });
 }

@@ -181,12 +181,20 @@ class MvnRunner {
   }
 
   // ---- rows (mvn_rows.cpp) ------------------------------------------------------------------------
-  // run_rows picks one of the four run_rows_* (each one's comment says when).
+  // run_rows runs the strategy row_strategy() names (each run_rows_*'s comment says when).
+  enum class RowStrategy { pipelined, paired, batched, split };
+  inline RowStrategy row_strategy() const;
+  // Groups a batch of run_rows_batched holds.
+  inline int64_t groups_per_batch() const;
   void run_rows();
   inline void run_rows_pipelined(const KernelTable& k, int64_t g0, int64_t g1);
   inline void run_rows_paired(const KernelTable& k, int64_t g0, int64_t g1);
   inline void run_rows_batched(const KernelTable& k, int64_t g0, int64_t g1, int64_t batch);
   inline void run_rows_split();
+  // The normalize task of a column task's lanes [c0, c0 + nb) at kept index ko, planned.
+  inline NormalizeTask column_normalize_task(int64_t ko, int64_t c0, int64_t nb) const;
+  // What run() would do, for explain.
+  std::string describe();
 
   int64_t blocks_per_group() const { return (plan_.group_size + kBlock - 1) / kBlock; }
 

@@ -119,6 +119,7 @@ struct GroupPairArgs {
 
 struct KernelTable {
   const char* name;
+  int float_lanes;  // floats in the ISA's vector (its lanes of doubles: half)
   // out = act(fma((in - shift) * mul, scale, bias)) over the flat index range [begin, end) of the nest.
   void (*normalize)(const NormalizeTask& task, int64_t begin, int64_t end);
   // The same over one run of n elements at `pointers` (one per Operand), with the nest's innermost

@@ -59,6 +59,25 @@ struct LoopNest {
   char* data[kNumOperands] = {};
 };
 
+// The loop a normalize task runs over its nest's rows (the two innermost dims), chosen once per task
+// (plan_inner_loop, ops/common.cpp), switched on by the kernel (kernels/normalize.h) and printed by
+// explain. The coefficient pairs (shift, mul) and (scale, bias) are each constant along a run or
+// contiguous beside it ("vary"); any other strides take the strided loop.
+enum class InnerLoop : int {
+  strided,          // any strides: a vector's worth gathered, computed, scattered
+  contiguous,       // each run on its own
+  row_stream,       // runs back to back, coefficients constant per run: one stream across runs
+  periodic_stream,  // runs back to back reading the same coefficient arrays: one stream
+  column_blocks,    // runs too wide for the L1 with their coefficient arrays: blocks of columns
+};
+struct InnerPlan {
+  InnerLoop loop = InnerLoop::strided;
+  bool stats_vary = false, affine_vary = false;
+  int64_t block_columns = 0;  // column_blocks: the columns a block spans (whole output lines)
+};
+// Runs up to this long may take the periodic stream (its copies of the coefficients are on the stack).
+constexpr int64_t kPeriodicMaxRun = 2048;
+
 struct NormalizeTask {
   LoopNest loop;
   DType dtype = DType::f32;
@@ -71,6 +90,7 @@ struct NormalizeTask {
   bool scale_folded = false;
   // The L1 data cache, bytes: loops whose rows outgrow it run in blocks of columns.
   int64_t l1_bytes = kMinL1DataBytes;
+  InnerPlan inner;
 };
 
 // Moments of one normalization group, the unit that chunks merge into (Chan et al.): count, mean,
