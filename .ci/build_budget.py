@@ -1,8 +1,10 @@
 """Runs a command and prints what it cost: wall time and the peak memory of its largest process
-(for a build, the compiler of the largest unit). Exits with the command's status, or 1 when it took
-longer than --max-seconds. --module also prints the size of the installed extension module.
+(for a build, the compiler of the largest unit); with --module, the size of the installed extension
+module. Exits with the command's status, or 1 when a cost passed its limit (--max-seconds,
+--max-process-mib, --max-module-mib): a change that makes the build slower or larger than the
+project allows fails CI.
 
-    python .ci/build_budget.py --label "plain install" --module -- pip install .
+    python .ci/build_budget.py --label "plain install" --module --max-seconds 240 -- pip install .
 """
 import argparse
 import os
@@ -23,7 +25,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--label", required=True)
     parser.add_argument("--max-seconds", type=float, default=None)
+    parser.add_argument("--max-process-mib", type=float, default=None)
     parser.add_argument("--module", action="store_true")
+    parser.add_argument("--max-module-mib", type=float, default=None)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -34,18 +38,20 @@ def main():
     seconds = time.perf_counter() - start
     # ru_maxrss of the reaped descendants: the largest one's peak, in KiB on Linux
     peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    line = f"[budget] {args.label}: {seconds:.0f} s wall, largest process {peak_mib:.0f} MiB"
-    if args.module and status == 0:
-        line += f", module {installed_module_bytes() / 2**20:.1f} MiB"
-    if args.max_seconds is not None:
-        line += f" (limit {args.max_seconds:.0f} s)"
-    print(line, flush=True)
+    module_mib = installed_module_bytes() / 2**20 if args.module and status == 0 else None
+    costs = [("wall time", seconds, args.max_seconds, "s"), ("largest process", peak_mib, args.max_process_mib, "MiB")]
+    if module_mib is not None:
+        costs.append(("module", module_mib, args.max_module_mib, "MiB"))
+    shown = ", ".join(f"{name} {value:.{1 if name == 'module' else 0}f} {unit}" for name, value, _, unit in costs)
+    limits = ", ".join(f"{name} {limit:g} {unit}" for name, _, limit, unit in costs if limit is not None)
+    print(f"[budget] {args.label}: {shown}" + (f" (limits: {limits})" if limits else ""), flush=True)
     if status != 0:
         return status
-    if args.max_seconds is not None and seconds > args.max_seconds:
-        print(f"[budget] {args.label} took longer than {args.max_seconds:.0f} s", file=sys.stderr)
-        return 1
-    return 0
+    over = [f"{name} {value:.1f} {unit} > {limit:g} {unit}" for name, value, limit, unit in costs
+            if limit is not None and value > limit]
+    for what in over:
+        print(f"[budget] {args.label}: over budget: {what}", file=sys.stderr)
+    return 1 if over else 0
 
 
 if __name__ == "__main__":
