@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #endif
 
+#include "simdnorm/check.h"
 #include "simdnorm/kernel_table.h"
 #include "simdnorm/types.h"
 
@@ -29,10 +30,49 @@ namespace {
 }  // namespace
 
 extern const KernelTable kernel_table;
+#if defined(SIMDNORM_DELEGATE_NS)
+// A unit whose flags change only bfloat16's output conversion (avx512bf16) holds only bfloat16's
+// normalize kernels; every other kernel is the unit it extends (SIMDNORM_DELEGATE_NS, whose flags
+// it has too): the rest of its code would be that unit's again.
+namespace {
+namespace base = ::simdnorm::SIMDNORM_DELEGATE_NS;
+void normalize_bf16(const NormalizeTask& t, int64_t begin, int64_t end) {
+  if (t.dtype == DType::bf16) normalize_entry(t, begin, end);
+  else base::kernel_table.normalize(t, begin, end);
+}
+void normalize_run_bf16(const NormalizeTask& t, char* const* p, int64_t n) {
+  if (t.dtype == DType::bf16) normalize_run_entry(t, p, n);
+  else base::kernel_table.normalize_run(t, p, n);
+}
+void normalize_group_and_sum_bf16(const NormalizeTask& t, const GroupPairArgs& a) {
+  if (t.dtype == DType::bf16) normalize_group_and_sum_entry(t, a);
+  else base::kernel_table.normalize_group_and_sum(t, a);
+}
+void normalize_rows_fused_bf16(const NormalizeTask& t, const FusedRowsArgs& a) {
+  if (t.dtype == DType::bf16) normalize_rows_fused_entry(t, a);
+  else base::kernel_table.normalize_rows_fused(t, a);
+}
+void row_moments_base(const RowMomentsArgs& a) { base::kernel_table.row_moments(a); }
+void col_moments_base(const ColMomentsArgs& a) { base::kernel_table.col_moments(a); }
+int64_t lane_stats_base(const LaneStatsArgs& a) { return base::kernel_table.lane_stats(a); }
+void inv_std_lanes_base(const double* var, double* out, int64_t n, int64_t step, const InvStdRule& rule) {
+  base::kernel_table.inv_std_lanes(var, out, n, step, rule);
+}
+bool scale_over_std_lanes_base(const double* var, const double* scale, double* mul, double* inv_std, uint8_t* fits,
+                               int64_t n, double epsilon, double min, double max) {
+  return base::kernel_table.scale_over_std_lanes(var, scale, mul, inv_std, fits, n, epsilon, min, max);
+}
+}  // namespace
+const KernelTable kernel_table = {kIsaName,          kWidth,           normalize_bf16,
+                                  normalize_run_bf16, row_moments_base, col_moments_base,
+                                  normalize_group_and_sum_bf16, normalize_rows_fused_bf16, lane_stats_base,
+                                  inv_std_lanes_base, scale_over_std_lanes_base};
+#else
 const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_entry,
                                    row_moments_entry, col_moments_entry, normalize_group_and_sum_entry,
                                    normalize_rows_fused_entry, lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry};
+#endif
 
 }  // namespace SIMDNORM_ISA_NS
 }  // namespace simdnorm

@@ -49,12 +49,18 @@ struct Storage {
 };
 template <class Fn>
 static inline void with_storage_type(DType dtype, Fn&& fn) {
+#if defined(SIMDNORM_DELEGATE_NS)
+  // A unit of bfloat16's kernels only (kernels/isa_unit.cpp): its table hands it nothing else.
+  SIMDNORM_CHECK(dtype == DType::bf16);
+  return fn(Storage<bf16_t>{});
+#else
   switch (dtype) {
     case DType::f32: return fn(Storage<float>{});
     case DType::f16: return fn(Storage<f16_t>{});
     case DType::bf16: return fn(Storage<bf16_t>{});
     case DType::f64: return fn(Storage<double>{});
   }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -454,15 +460,27 @@ static inline vu widen16(vh a) {
 #endif
 }
 
+#if !defined(__AVX2__)
+// Without F16C, lane by lane, out of line: inlined at every load and store of every loop, the
+// branchy scalar conversions made float16 half of the baseline unit's code.
+__attribute__((noinline)) static vf vf_from_f16_lanes(vh h) {
+  vf r;
+  for (int i = 0; i < kWidth; ++i) r[i] = f16_bits_to_float(h[i]);
+  return r;
+}
+__attribute__((noinline)) static vh f16_from_vf_lanes(vf v) {
+  vh r;
+  for (int i = 0; i < kWidth; ++i) r[i] = float_to_f16_bits(v[i]);
+  return r;
+}
+#endif
 static inline vf vf_from_f16(vh h) {
 #if defined(__AVX512F__)
   return (vf)_mm512_cvtph_ps((__m256i)h);
 #elif defined(__AVX2__)
   return (vf)_mm256_cvtph_ps((__m128i)h);
 #else
-  vf r;
-  for (int i = 0; i < kWidth; ++i) r[i] = f16_bits_to_float(h[i]);
-  return r;
+  return vf_from_f16_lanes(h);
 #endif
 }
 static inline vh f16_from_vf(vf v) {
@@ -471,9 +489,7 @@ static inline vh f16_from_vf(vf v) {
 #elif defined(__AVX2__)
   return (vh)_mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  vh r;
-  for (int i = 0; i < kWidth; ++i) r[i] = float_to_f16_bits(v[i]);
-  return r;
+  return f16_from_vf_lanes(v);
 #endif
 }
 static inline vf vf_from_bf16(vh h) { return (vf)(widen16(h) << 16); }
