@@ -16,7 +16,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _core
-from ._activation import ActivationLike, value_text
+from ._activation import ActivationLike
 from ._compile import (
     as_input,
     as_param,
@@ -29,14 +29,15 @@ from ._compile import (
 )
 from ._descriptors import (
     BatchNormalizationDesc,
-    DescriptorError,
     VIEW_MAX_DIMS,
     MeanVarianceNormalizationDesc,
     TensorDesc,
-    DescriptorTypeError,
     as_int_tuple,
-    is_int,
-    normalize_axis,
+    channel_axis_rule,
+    num_groups_rule,
+    per_channel_rule,
+    spatial_axes_rule,
+    trailing_axes_rule,
 )
 
 __all__ = [
@@ -79,11 +80,6 @@ def clear_plan_caches() -> None:
 
 def _td(a: Optional[np.ndarray]) -> Optional[TensorDesc]:
     return None if a is None else TensorDesc(a.dtype, a.shape)
-
-
-def _check_array_input(x: np.ndarray) -> None:
-    """The input's own rules (dtype, rank) with the input's name, before any shape rule uses it."""
-    TensorDesc(x.dtype, x.shape)._check("input", "data")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,12 +255,6 @@ def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: 
 # ----------------------------------------------------------------------------------------------------
 # conveniences
 
-def _trailing_axes(x: np.ndarray, axis: Any) -> Tuple[int, ...]:
-    _check_array_input(x)
-    a = normalize_axis("axis", axis, x.ndim)
-    return tuple(range(a, x.ndim))
-
-
 def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
                activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                return_stats: bool = False) -> Any:
@@ -289,7 +279,7 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     try:
         plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
-        axes = _trailing_axes(x, axis)
+        axes = trailing_axes_rule(x, axis)
         plan = _mvn_miss(None, x, axes, scale, bias, True, True, epsilon, "inside", activation)
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
@@ -314,7 +304,7 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
     try:
         plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
-        axes = _trailing_axes(x, axis)
+        axes = trailing_axes_rule(x, axis)
         plan = _mvn_miss(None, x, axes, scale, None, False, True, epsilon, "inside", activation)
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
@@ -330,39 +320,13 @@ def _store_hashable(key: Any, plan: Any) -> None:
         pass
 
 
-def _channel_axis(x: np.ndarray, channel_axis: Any, what: str) -> int:
-    """The channel axis of an (N, C, *S) or (N, *S, C) input: not the batch axis 0."""
-    _check_array_input(x)
-    if x.ndim < 2:
-        raise DescriptorError(
-            f"input: shape {x.shape}; {what} takes an input of shape (N, C, ...) or (N, ..., C) (2 or more dims)"
-        )
-    ca = normalize_axis("channel_axis", channel_axis, x.ndim)
-    if ca == 0:
-        raise DescriptorError(
-            f"channel_axis: {channel_axis} is the batch axis; {what} takes (N, C, ...) (channel_axis=1) or "
-            "(N, ..., C) (channel_axis=-1)"
-        )
-    return ca
-
-
-def _per_channel(name: str, p: Optional[np.ndarray], c: int, what: str) -> None:
-    if p is not None and p.shape != (c,):
-        raise DescriptorError(f"{name}: shape {p.shape}; {what} takes a per-channel {name} of shape (C,) = ({c},)")
-
-
 def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
-    ca = _channel_axis(x, channel_axis, "instance_norm")
+    ca = channel_axis_rule(x, channel_axis, "instance_norm")
+    axes = spatial_axes_rule(x, ca)
     nd = x.ndim
-    axes = tuple(d for d in range(1, nd) if d != ca)
-    if not axes:
-        raise DescriptorError(
-            f"input: shape {x.shape} has no spatial dims; instance_norm normalizes each (n, c) over the "
-            "spatial dims of an input of 3 or more dims"
-        )
     c = x.shape[ca]
-    _per_channel("scale", scale, c, "instance_norm")
-    _per_channel("bias", bias, c, "instance_norm")
+    per_channel_rule("scale", scale, c, "instance_norm")
+    per_channel_rule("bias", bias, c, "instance_norm")
     idx = channel_index(ca, nd)
     s = None if scale is None else scale[idx]
     b = None if bias is None else bias[idx]
@@ -420,19 +384,11 @@ def _split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
 
 
 def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
-    ca = _channel_axis(x, channel_axis, "group_norm")
-    if not is_int(num_groups):
-        raise DescriptorTypeError(f"num_groups: expected an int, got {type(num_groups).__name__}")
-    g = int(num_groups)
+    ca = channel_axis_rule(x, channel_axis, "group_norm")
     c = x.shape[ca]
-    if g < 1:
-        raise DescriptorError(f"num_groups: {value_text(g)}; it must be >= 1 and divide the number of channels C = {c}")
-    if c % g:
-        raise DescriptorError(
-            f"num_groups: {value_text(g)} does not divide the number of channels C = {c}; C % num_groups must be 0"
-        )
-    _per_channel("scale", scale, c, "group_norm")
-    _per_channel("bias", bias, c, "group_norm")
+    g = num_groups_rule(num_groups, c)
+    per_channel_rule("scale", scale, c, "group_norm")
+    per_channel_rule("bias", bias, c, "group_norm")
     k = c // g
     vnd = x.ndim + 1
     vshape = x.shape[:ca] + (g, k) + x.shape[ca + 1:]

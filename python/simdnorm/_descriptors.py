@@ -395,6 +395,69 @@ def normalize_axes(axes: Any, ndim: int) -> Tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The conveniences' own rules (layer, RMS, instance and group norm are routes onto MVN: these are
+# what each adds before its MVN descriptor is validated). ``x`` is anything with a dtype and a shape.
+
+def _check_input_array(x: Any) -> None:
+    """The input's own rules (dtype, rank) with the input's name, before any shape rule uses it."""
+    TensorDesc(x.dtype, x.shape)._check("input", "data")
+
+
+def trailing_axes_rule(x: Any, axis: Any) -> Tuple[int, ...]:
+    """layer_norm and rms_norm: the dims ``axis .. ndim-1``."""
+    _check_input_array(x)
+    a = normalize_axis("axis", axis, len(x.shape))
+    return tuple(range(a, len(x.shape)))
+
+
+def channel_axis_rule(x: Any, channel_axis: Any, what: str) -> int:
+    """The channel axis of an (N, C, *S) or (N, *S, C) input: not the batch axis 0."""
+    _check_input_array(x)
+    if len(x.shape) < 2:
+        raise DescriptorError(
+            f"input: shape {x.shape}; {what} takes an input of shape (N, C, ...) or (N, ..., C) (2 or more dims)"
+        )
+    ca = normalize_axis("channel_axis", channel_axis, len(x.shape))
+    if ca == 0:
+        raise DescriptorError(
+            f"channel_axis: {channel_axis} is the batch axis; {what} takes (N, C, ...) (channel_axis=1) or "
+            "(N, ..., C) (channel_axis=-1)"
+        )
+    return ca
+
+
+def spatial_axes_rule(x: Any, ca: int) -> Tuple[int, ...]:
+    """instance_norm: the dims other than the batch and the channel axis ca, at least one."""
+    axes = tuple(d for d in range(1, len(x.shape)) if d != ca)
+    if not axes:
+        raise DescriptorError(
+            f"input: shape {x.shape} has no spatial dims; instance_norm normalizes each (n, c) over the "
+            "spatial dims of an input of 3 or more dims"
+        )
+    return axes
+
+
+def per_channel_rule(name: str, p: Any, c: int, what: str) -> None:
+    """instance_norm and group_norm: scale and bias (None or anything with a shape) of shape (C,)."""
+    if p is not None and p.shape != (c,):
+        raise DescriptorError(f"{name}: shape {p.shape}; {what} takes a per-channel {name} of shape (C,) = ({c},)")
+
+
+def num_groups_rule(num_groups: Any, c: int) -> int:
+    """group_norm: an int >= 1 that divides the C channels."""
+    if not is_int(num_groups):
+        raise DescriptorTypeError(f"num_groups: expected an int, got {type(num_groups).__name__}")
+    g = int(num_groups)
+    if g < 1:
+        raise DescriptorError(f"num_groups: {value_text(g)}; it must be >= 1 and divide the number of channels C = {c}")
+    if c % g:
+        raise DescriptorError(
+            f"num_groups: {value_text(g)} does not divide the number of channels C = {c}; C % num_groups must be 0"
+        )
+    return g
+
+
+# ----------------------------------------------------------------------------------------------------
 # Validated representations (what the planner consumes)
 
 class BNInfo(NamedTuple):
