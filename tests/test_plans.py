@@ -132,6 +132,32 @@ def test_layer_norm_rows_of_any_length_run_as_one_pipeline(row):
         assert "inner=contiguous(stats=const,affine=vary)" in plan
 
 
+@pytest.mark.parametrize("dtype, shape, cut, loop", [
+    ("float32", (64, 768), None, "pipeline"),
+    ("float16", (64, 768), None, "row_stream"),  # 16-bit rows back to back: one stream of steps
+    ("bfloat16", (64, 768), None, "row_stream"),
+    ("float16", (64, 776), 768, "pipeline_kept"),  # a gap between rows: the float32 copy kept
+    ("bfloat16", (64, 776), 768, "pipeline"),
+    ("float32", (64, 4096), None, "pipeline_paired"),  # long rows two in step
+])
+def test_layer_norm_rows_name_the_fused_loop_that_runs(dtype, shape, cut, loop):
+    import ml_dtypes
+
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = np.zeros(shape, dt)[:, :cut]
+    n = x.shape[1]
+    plan = mvn_plan(x, (1,), scale=np.ones((1, n), np.float32), out=np.empty((shape[0], n), dt))
+    assert f" fused pipeline rows_loop={loop} " in plan, plan
+    inner = "row_stream" if loop == "row_stream" else "contiguous"
+    assert f"inner={inner}(stats=const,affine=vary)" in plan, plan
+
+
+def test_rows_of_strided_elements_are_summed_and_normalized_apart():
+    x = np.zeros((64, 192), np.float32)[:, ::2]
+    plan = mvn_plan(x, (1,), out=np.empty((64, 96), np.float32))
+    assert " rows_loop=separate " in plan and plan.endswith("inner=strided"), plan
+
+
 def test_instance_norm_nchw_is_one_pipeline_over_the_planes():
     x = np.zeros((2, 8, 5, 7), np.float32)
     assert mvn_plan(x, (2, 3)).startswith("rows groups=16 lanes=1 group_size=35 fused pipeline")

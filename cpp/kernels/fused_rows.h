@@ -273,10 +273,10 @@ struct FusedRowsKernel {
   // All rows through pipeline<false, 2> when they pair up (the last of an odd count on its own),
   // else through pipeline<Keep, 1>. (Kept float16 rows, at most 1024, never pair up.)
   template <bool Keep, class Runs, class KeptRow>
-  static void pipeline_rows(const NormalizeTask& task, const FusedRowsArgs& a, bool affine_vary, int k,
+  static void pipeline_rows(const NormalizeTask& task, const FusedRowsArgs& a, bool paired_up, int k,
                             int64_t rows_ahead, const Runs& runs, KeptRow kept_row) {
     if constexpr (!Keep) {
-      if (rows_pair_up(a, affine_vary)) {
+      if (paired_up) {
         const int64_t paired = a.rows / kPairRows * kPairRows;
         // Each of a pair's sums prefetches the rows a pair after it (not its neighbour's).
         const int64_t ahead = (rows_ahead + kPairRows - 1) / kPairRows * kPairRows;
@@ -311,12 +311,29 @@ struct FusedRowsKernel {
   static void stream_rows(const RunMaker<AffineVary, F, float>& runs, const FusedRowsArgs& a, int64_t rows_ahead,
                           int64_t l1);
 
+  // 16-bit rows back to back stream (RowStream). bfloat16 gains less from keeping a float32 copy
+  // (its conversion in is a shift): its rows that do not stream convert twice.
+  static constexpr bool kKeptRows = std::is_same<T, f16_t>::value;
+  static constexpr bool kStreamedRows = kKeptRows || std::is_same<T, bf16_t>::value;
+
+  // The loop execute_rows runs: the layouts the fused loops take (InnerRun), 16-bit rows back to
+  // back streamed, float16 rows of the L1 kept, long rows paired.
+  static RowsLoop rows_loop(const NormalizeTask& task, const FusedRowsArgs& a) {
+    const InnerRun layout(task);
+    if (!layout.fusable) return RowsLoop::separate;
+    const bool in_l1 = !task.stream_stores && a.len <= kKeptRowMax;
+    if (kStreamedRows && in_l1 && rows_stream(a)) return RowsLoop::row_stream;
+    if (kKeptRows && in_l1) return RowsLoop::pipeline_kept;
+    return rows_pair_up(a, layout.affine_vary) ? RowsLoop::pipeline_paired : RowsLoop::pipeline;
+  }
+
   // The pipeline of FusedRowsArgs: every row's sums, its statistics (the caller's finish), and its
   // normalization while a later row is summed. One call for all rows: the cost of entering the
   // kernel, choosing the loop and the activation is paid once, not per row.
   static void execute_rows(const NormalizeTask& task, const FusedRowsArgs& a) {
+    const RowsLoop loop = rows_loop(task, a);
     const InnerRun layout(task);
-    if (!layout.fusable) {
+    if (loop == RowsLoop::separate) {
       for (int64_t r = 0; r < a.rows; ++r) {
         double sum = 0.0, sum_sq = 0.0;
         const RowMomentsArgs m = first_pass(task, a, r, &sum, &sum_sq);
@@ -340,16 +357,11 @@ struct FusedRowsKernel {
     // Scale and bias that vary along the row are the same for every row: copied once to where their
     // loads line up with the output's stores, so that no load in the loop straddles two lines.
     FusedRowsArgs args = a;
-    // 16-bit rows back to back stream (RowStream). bfloat16 gains less from keeping a float32 copy
-    // (its conversion in is a shift): its rows that do not stream convert twice.
-    constexpr bool kept_rows = std::is_same<T, f16_t>::value;
-    constexpr bool streamed_rows = kept_rows || std::is_same<T, bf16_t>::value;
-    if constexpr (streamed_rows) {
-      if (!task.stream_stores && a.len <= kKeptRowMax && rows_stream(a))
+    if constexpr (kStreamedRows) {
+      if (loop == RowsLoop::row_stream)
         return layout.template visit<float>(task,
                                             [&](const auto& runs) { stream_rows(runs, a, rows_ahead, task.l1_bytes); });
     }
-    const bool keep = kept_rows && !task.stream_stores && a.len <= kKeptRowMax;
     constexpr int64_t pitch_c = kLinedUpMax + kLineBytes / sizeof(C);
     C affine[N::W > 1 ? 2 * pitch_c : 1];
     if (N::W > 1 && layout.affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 && a.len <= kLinedUpMax) {
@@ -365,19 +377,19 @@ struct FusedRowsKernel {
     // the normalize pass reads that copy: two conversions fewer per 32 elements, the same values.
     // Rows past kKeptRowMax (the ring and the rows outgrow L1) and rows from memory (streaming
     // stores: the loads are the bound) keep converting twice.
-    if constexpr (kept_rows) {
-      if (keep) {
+    if constexpr (kKeptRows) {
+      if (loop == RowsLoop::pipeline_kept) {
         const int64_t pitch = kept_pitch(a.len);
         float storage[kRingFloats];
         float* ring = lined_up(storage, a.data[kOut]);
         auto kept_row = [&](int64_t r) { return ring + (r % (k + 1)) * pitch; };
         return layout.template visit<float>(task, [&](const auto& runs) {
-          pipeline_rows<true>(task, args, layout.affine_vary, k, rows_ahead, runs, kept_row);
+          pipeline_rows<true>(task, args, false, k, rows_ahead, runs, kept_row);
         });
       }
     }
     layout.visit(task, [&](const auto& runs) {
-      pipeline_rows<false>(task, args, layout.affine_vary, k, rows_ahead, runs,
+      pipeline_rows<false>(task, args, loop == RowsLoop::pipeline_paired, k, rows_ahead, runs,
                            [](int64_t) { return static_cast<float*>(nullptr); });
     });
   }
@@ -387,6 +399,12 @@ static void normalize_rows_fused_entry(const NormalizeTask& task, const FusedRow
   with_storage_type(task.dtype, [&](auto t) {
     FusedRowsKernel<typename decltype(t)::type>::execute_rows(task, args);
   });
+}
+
+static RowsLoop rows_loop_entry(const NormalizeTask& task, const FusedRowsArgs& args) {
+  RowsLoop loop = RowsLoop::separate;
+  with_storage_type(task.dtype, [&](auto t) { loop = FusedRowsKernel<typename decltype(t)::type>::rows_loop(task, args); });
+  return loop;
 }
 
 static void normalize_group_and_sum_entry(const NormalizeTask& task, const GroupPairArgs& args) {

@@ -52,6 +52,9 @@ void normalize_rows_fused_bf16(const NormalizeTask& t, const FusedRowsArgs& a) {
   if (t.dtype == DType::bf16) normalize_rows_fused_entry(t, a);
   else base::kernel_table.normalize_rows_fused(t, a);
 }
+RowsLoop rows_loop_bf16(const NormalizeTask& t, const FusedRowsArgs& a) {
+  return t.dtype == DType::bf16 ? rows_loop_entry(t, a) : base::kernel_table.rows_loop(t, a);
+}
 void row_moments_base(const RowMomentsArgs& a) { base::kernel_table.row_moments(a); }
 void col_moments_base(const ColMomentsArgs& a) { base::kernel_table.col_moments(a); }
 int64_t lane_stats_base(const LaneStatsArgs& a) { return base::kernel_table.lane_stats(a); }
@@ -65,12 +68,13 @@ bool scale_over_std_lanes_base(const double* var, const double* scale, double* m
 }  // namespace
 const KernelTable kernel_table = {kIsaName,          kWidth,           normalize_bf16,
                                   normalize_run_bf16, row_moments_base, col_moments_base,
-                                  normalize_group_and_sum_bf16, normalize_rows_fused_bf16, lane_stats_base,
+                                  normalize_group_and_sum_bf16, normalize_rows_fused_bf16, rows_loop_bf16,
+                                  lane_stats_base,
                                   inv_std_lanes_base, scale_over_std_lanes_base};
 #else
 const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_entry,
                                    row_moments_entry, col_moments_entry, normalize_group_and_sum_entry,
-                                   normalize_rows_fused_entry, lane_stats_entry,
+                                   normalize_rows_fused_entry, rows_loop_entry, lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry};
 #endif
 

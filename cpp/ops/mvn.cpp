@@ -72,10 +72,18 @@ std::string MvnRunner::describe() {
   const RowStrategy strategy = row_strategy();
   d += std::string(" ") + kNames[static_cast<int>(strategy)];
   if (strategy == RowStrategy::pipelined || strategy == RowStrategy::paired) {
-    // Normalized run by run, in the loops that sum later ones.
+    // Normalized run by run, in the loops that sum later ones; pipelined 16-bit rows back to back
+    // as one stream (the first thread's call tells).
+    RowsLoop loop = RowsLoop::pipeline;
+    if (strategy == RowStrategy::pipelined) {
+      static const char* const kLoops[] = {"separate", "pipeline", "pipeline_paired", "pipeline_kept", "row_stream"};
+      loop = kernels().rows_loop(task_, fused_rows_args(0, std::min(groups_per_thread(), plan_.groups)));
+      d += std::string(" rows_loop=") + kLoops[static_cast<int>(loop)];
+    }
     NormalizeTask run = task_;
-    if (run.inner.loop != InnerLoop::strided) run.inner = InnerPlan{InnerLoop::contiguous, run.inner.stats_vary,
-                                                                     run.inner.affine_vary, 0};
+    if (run.inner.loop != InnerLoop::strided)
+      run.inner = InnerPlan{loop == RowsLoop::row_stream ? InnerLoop::row_stream : InnerLoop::contiguous,
+                            run.inner.stats_vary, run.inner.affine_vary, 0};
     return d + " " + describe_normalize(run);
   }
   return d + " " + describe_normalize(task_);

@@ -45,6 +45,11 @@ MvnRunner::RowStrategy MvnRunner::row_strategy() const {
   return groups_per_batch() == 1 ? RowStrategy::paired : RowStrategy::batched;
 }
 
+int64_t MvnRunner::groups_per_thread() const {
+  const int parts = parts_for(plan_.groups * plan_.group_size, kMinElementsPerThread);
+  return (plan_.groups + parts - 1) / parts;
+}
+
 int64_t MvnRunner::groups_per_batch() const {
   const int64_t group_bytes = plan_.group_size * itemsize(a_.input.dtype);
   return group_bytes >= kFusedBatchBytes ? 1 : kFusedBatchBytes / group_bytes;
@@ -53,10 +58,9 @@ int64_t MvnRunner::groups_per_batch() const {
 void MvnRunner::run_rows() {
   const RowStrategy strategy = row_strategy();
   if (strategy == RowStrategy::split) return run_rows_split();
-  const int64_t groups = plan_.groups;
+  const int64_t groups = plan_.groups, per = groups_per_thread(), batch = groups_per_batch();
   const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
   const KernelTable& k = kernels();
-  const int64_t per = (groups + parts - 1) / parts, batch = groups_per_batch();
   parallel_for(parts, [&](int part) {
     const int64_t g0 = part * per, g1 = g0 + per < groups ? g0 + per : groups;
     if (g0 >= g1) return;
@@ -70,28 +74,33 @@ void MvnRunner::run_rows() {
 // Long or short rows alike, and rows of kept dims that do not merge (layer norm of x[:, :T]):
 // batches (a statistics call per row, a normalize call per batch) are slower.
 void MvnRunner::run_rows_pipelined(const KernelTable& k, int64_t g0, int64_t g1) {
-  const int inner = plan_.kept_dims - 1;
-  const int64_t stretch = plan_.nest.sizes[inner];
   for (int64_t g = g0; g < g1;) {
-    const GroupCursor first(*this, g);
-    const int64_t rows = std::min(g1, (g / stretch + 1) * stretch) - g;
-    FusedRowsArgs args{rows, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr,
-                       inv_group_size_, inv_std_rule_, underflow_, {}, {}};
-    for (int op = 0; op < kNumOperands; ++op) {
-      args.data[op] = first.p[op];
-      args.step[op] = group_stride(op, inner);
-    }
-    // The statistics store_stats() writes besides shift and mul.
-    if (a_.mean_out && a_.normalize_mean) args.stats_out[0] = first.p[kUserMean];
-    if (a_.inv_std_out && a_.normalize_variance) args.stats_out[1] = first.p[kUserInvStd];
-    args.stats_step[0] = group_stride(kUserMean, inner);
-    args.stats_step[1] = group_stride(kUserInvStd, inner);
+    FusedRowsArgs args = fused_rows_args(g, g1);
     FusedRowsContext ctx{this, &args, g};
     args.ctx = &ctx;
     k.normalize_rows_fused(task_, args);
-    g += rows;
+    g += args.rows;
   }
   if (task_.stream_stores) fence_streaming_stores();
+}
+
+FusedRowsArgs MvnRunner::fused_rows_args(int64_t g, int64_t g1) const {
+  const int inner = plan_.kept_dims - 1;
+  const int64_t stretch = plan_.nest.sizes[inner];
+  const GroupCursor first(*this, g);
+  const int64_t rows = std::min(g1, (g / stretch + 1) * stretch) - g;
+  FusedRowsArgs args{rows, plan_.group_size, {}, {}, a_.normalize_mean, finish_fused_rows, nullptr,
+                     inv_group_size_, inv_std_rule_, underflow_, {}, {}};
+  for (int op = 0; op < kNumOperands; ++op) {
+    args.data[op] = first.p[op];
+    args.step[op] = group_stride(op, inner);
+  }
+  // The statistics store_stats() writes besides shift and mul.
+  if (a_.mean_out && a_.normalize_mean) args.stats_out[0] = first.p[kUserMean];
+  if (a_.inv_std_out && a_.normalize_variance) args.stats_out[1] = first.p[kUserInvStd];
+  args.stats_step[0] = group_stride(kUserMean, inner);
+  args.stats_step[1] = group_stride(kUserInvStd, inner);
+  return args;
 }
 
 // Chosen for groups of kFusedBatchBytes and more that are not pipelined; one thread's [g0, g1).

@@ -184,8 +184,12 @@ class MvnRunner {
   // run_rows runs the strategy row_strategy() names (each run_rows_*'s comment says when).
   enum class RowStrategy { pipelined, paired, batched, split };
   inline RowStrategy row_strategy() const;
-  // Groups a batch of run_rows_batched holds.
+  // Groups a batch of run_rows_batched holds; whole groups a thread takes.
   inline int64_t groups_per_batch() const;
+  inline int64_t groups_per_thread() const;
+  // run_rows_pipelined's kernel call for groups [g, g1) (fewer where the innermost kept dim's
+  // stretch ends), its ctx unset.
+  inline FusedRowsArgs fused_rows_args(int64_t g, int64_t g1) const;
   void run_rows();
   inline void run_rows_pipelined(const KernelTable& k, int64_t g0, int64_t g1);
   inline void run_rows_paired(const KernelTable& k, int64_t g0, int64_t g1);

@@ -101,6 +101,17 @@ struct FusedRowsArgs {
   int64_t stats_step[2];
 };
 
+// The loop FusedRowsKernel runs a FusedRowsArgs call with (kernels/fused_rows.h), chosen by the
+// kernel table's rows_loop from the rows' layout, their dtype and the ISA; execute switches on it
+// and explain prints it.
+enum class RowsLoop : int {
+  separate,         // layouts the fused loops do not take: each row summed, then normalized
+  pipeline,         // each row normalized in the loop that sums a later one
+  pipeline_paired,  // long rows: two normalized in step, sharing each scale and bias load
+  pipeline_kept,    // float16: the normalize pass reads the float32 copy the sums pass kept
+  row_stream,       // 16-bit rows back to back: one stream of steps (kernels/row_stream.h)
+};
+
 // Group g of an MVN normalized run by run while the first-pass sums of group g + 1 are taken over
 // the same runs (groups of several runs, as in MVN over (0, 2, 3), one channel's planes across the
 // batch). The nest's dims [first_dim, ndim - 1) step the runs (each nest.sizes[ndim - 1] long) at the
@@ -131,6 +142,7 @@ struct KernelTable {
   // bitwise those row_moments gives), one call a group.
   void (*normalize_group_and_sum)(const NormalizeTask& task, const GroupPairArgs& args);
   void (*normalize_rows_fused)(const NormalizeTask& task, const FusedRowsArgs& args);
+  RowsLoop (*rows_loop)(const NormalizeTask& task, const FusedRowsArgs& args);
   // Returns how many lanes are slow.
   int64_t (*lane_stats)(const LaneStatsArgs& args);
   // out[c] = 1 / std of var[c] for c = 0, step, 2 step, ... < n.
