@@ -205,7 +205,7 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
     fig, axes = plt.subplots(len(chunks), 1, figsize=(14, fig_h), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     width = 0.8 / k
-    for p, (ax, chunk) in enumerate(zip(axes[:, 0], chunks)):
+    for ax, chunk in zip(axes[:, 0], chunks):
         for j, name in enumerate(impl_names):
             xs, hs = [], []
             for i, cr in enumerate(chunk):
@@ -213,13 +213,11 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
                 if r is not None and r.status == OK and r.gbps:
                     xs.append(i + (j - (k - 1) / 2) * width)
                     hs.append(r.gbps)
-            ax.bar(xs, hs, width=width * 0.95, color=colors[j % len(colors)],
-                   label=name if p == 0 else None)
+            ax.bar(xs, hs, width=width * 0.95, color=colors[j % len(colors)])
         for i, cr in enumerate(chunk):
             r = cr.results.get("copy")
             if r is not None and r.status == OK and r.gbps:
-                ax.plot([i - 0.45, i + 0.45], [r.gbps, r.gbps], color="black", lw=2.0,
-                        label="copy (roofline)" if p == 0 and i == 0 else None)
+                ax.plot([i - 0.45, i + 0.45], [r.gbps, r.gbps], color="black", lw=2.0)
             for j, name in enumerate(impl_names):  # mark what could not be timed
                 r = cr.results.get(name)
                 if r is not None and r.status != OK:
@@ -233,8 +231,15 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
     fig.suptitle((title or "simdnorm benchmark") +
                  ": GB/s (2 x input bytes / median time) vs the copy roofline",
                  y=1 - 0.12 / fig_h, fontsize=11)
-    fig.legend(loc="upper center", bbox_to_anchor=(0.5, 1 - 0.38 / fig_h), fontsize=8, ncol=k + 1,
-               frameon=False)
+    # Proxies in each implementation's colour: an implementation with no bar at all (a peer that
+    # is not installed) would otherwise get the legend's default colour, the first one's.
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colors[j % len(colors)], label=name) for j, name in enumerate(impl_names)]
+    handles.append(Line2D([], [], color="black", lw=2.0, label="copy (roofline)"))
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.38 / fig_h), fontsize=8,
+               ncol=k + 1, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig_h))
     fig.savefig(path, dpi=100)
     plt.close(fig)
