@@ -35,7 +35,7 @@ SPATIAL_NORM_SHAPES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 56, 56),)
 SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024), (4, 512, 4096))
 # Per-call overhead: a tiny batch norm, called functionally and through simdnorm.compile(desc).
 TINY_SHAPE: tuple[int, int, int, int] = (1, 16, 8, 8)
-# float64 (SPEC: float64 data with float64 statistics), one case of each kind of loop: layer norm
+# float64 (float64 data with float64 statistics), one case of each kind of loop: layer norm
 # rows (the sequence shape of BERT), an NCHW batch norm (the largest ResNet-50 layer) and instance
 # norm over (2, 3). Tagged "float64"; not in --quick.
 FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (

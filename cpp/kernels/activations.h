@@ -2,7 +2,7 @@
 // before the single rounding to the output type. Included inside an ISA namespace after simd/vec.h
 // and simd/vmath.h (see vec.h): internal linkage only.
 //
-// Semantics are DirectML's (SPEC §5), comparison directions included (leaky_relu/elu: x >= 0,
+// Semantics are DirectML's, comparison directions included (leaky_relu/elu: x >= 0,
 // scaled_elu: x > 0). NaN in gives NaN out for every activation: vmax/vmin return their SECOND
 // operand on NaN, so the data always goes second; selects are written so a NaN lane takes a branch
 // that computes from x. Infinite inputs give the formula's limit (silu/gelu/hard_swish(-inf) = 0,

@@ -26,7 +26,9 @@ from ._api import (  # noqa: E402
 from ._compile import compile  # noqa: E402,A004
 from ._descriptors import (  # noqa: E402
     BatchNormalizationDesc,
+    DescriptorAxisError,
     DescriptorError,
+    DescriptorTypeError,
     MeanVarianceNormalizationDesc,
     TensorDesc,
 )
@@ -55,6 +57,8 @@ __all__ = [
     "ActivationLike",
     "ACTIVATIONS",
     "DescriptorError",
+    "DescriptorTypeError",
+    "DescriptorAxisError",
     "compile",
     # runtime
     "set_num_threads",

@@ -13,6 +13,8 @@ _Axes = Union[int, Sequence[int]]
 _Stats = Tuple[_Array, Optional[_Array], Optional[_Array]]
 
 class DescriptorError(ValueError): ...
+class DescriptorTypeError(DescriptorError, TypeError): ...
+class DescriptorAxisError(DescriptorError, IndexError): ...
 
 @dataclass(frozen=True, init=False)  # as at runtime: its fields are read-only
 class Activation:
@@ -98,7 +100,7 @@ class _CompiledBatchNormalization(Protocol):
     desc: BatchNormalizationDesc
     def __call__(
         self,
-        input: _ArrayLike,
+        x: _ArrayLike,
         mean: _ArrayLike,
         variance: _ArrayLike,
         scale: Optional[_ArrayLike] = ...,
@@ -112,7 +114,7 @@ class _CompiledMeanVarianceNormalization(Protocol):
     @overload
     def __call__(
         self,
-        input: _ArrayLike,
+        x: _ArrayLike,
         scale: Optional[_ArrayLike] = ...,
         bias: Optional[_ArrayLike] = ...,
         *,
@@ -122,7 +124,7 @@ class _CompiledMeanVarianceNormalization(Protocol):
     @overload
     def __call__(
         self,
-        input: _ArrayLike,
+        x: _ArrayLike,
         scale: Optional[_ArrayLike] = ...,
         bias: Optional[_ArrayLike] = ...,
         *,
@@ -136,7 +138,7 @@ def compile(desc: BatchNormalizationDesc) -> _CompiledBatchNormalization: ...
 def compile(desc: MeanVarianceNormalizationDesc) -> _CompiledMeanVarianceNormalization: ...
 
 def batch_normalization(
-    input: _ArrayLike,
+    x: _ArrayLike,
     mean: _ArrayLike,
     variance: _ArrayLike,
     scale: Optional[_ArrayLike] = ...,
@@ -149,7 +151,7 @@ def batch_normalization(
 ) -> _Array: ...
 @overload
 def mean_variance_normalization(
-    input: _ArrayLike,
+    x: _ArrayLike,
     axes: _Axes,
     scale: Optional[_ArrayLike] = ...,
     bias: Optional[_ArrayLike] = ...,
@@ -164,7 +166,7 @@ def mean_variance_normalization(
 ) -> _Array: ...
 @overload
 def mean_variance_normalization(
-    input: _ArrayLike,
+    x: _ArrayLike,
     axes: _Axes,
     scale: Optional[_ArrayLike] = ...,
     bias: Optional[_ArrayLike] = ...,
@@ -187,7 +189,7 @@ def layer_norm(
 def layer_norm(
     x: _ArrayLike, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, axis: int = ...,
     epsilon: float = ..., activation: ActivationLike = ..., out: Optional[_Array] = ..., return_stats: Literal[True],
-) -> _Stats: ...
+) -> Tuple[_Array, _Array, _Array]: ...
 @overload
 def rms_norm(
     x: _ArrayLike, scale: Optional[_ArrayLike] = ..., *, axis: int = ..., epsilon: float = ...,

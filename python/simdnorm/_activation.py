@@ -18,7 +18,7 @@ __all__ = ["Activation", "ACTIVATIONS"]
 _INF = math.inf
 
 # name -> ((param, default), ...) in the order the kernel receives them as (p0, p1).
-# DirectML's defaults; linear, parametric_softplus and clip have none in DirectML (SPEC section 5).
+# DirectML's defaults; linear, parametric_softplus and clip have none in DirectML (simdnorm's: the identity's values).
 _TABLE: Tuple[Tuple[str, Tuple[Tuple[str, float], ...]], ...] = (
     ("identity", ()),
     ("linear", (("alpha", 1.0), ("beta", 0.0))),
@@ -57,7 +57,7 @@ _RANGES = {
     ("shrink", "threshold"): (lambda v: v >= 0.0, ">= 0"),
 }
 
-# Activations are applied in float32 (SPEC section 5): the kernel rounds each parameter to float32
+# Activations are applied in float32 (the compute type): the kernel rounds each parameter to float32
 # for all but float64 data (cpp/kernels/activations.h), so a parameter must be finite there (clip's
 # min and max excepted: +-inf is a one-sided clip, and beyond the largest float32 it rounds to +-inf).
 _F32_MAX = float(np.finfo(np.float32).max)

@@ -1,4 +1,4 @@
-"""The functional API (SPEC sections 2-4).
+"""The functional API (the user guide, docs/guide.rst, describes each function).
 
 Each call looks its plan up in a small dict keyed by the dtypes and shapes of its arrays and its
 attributes (strides are not part of a plan: any strides are valid). The numeric attributes
@@ -94,16 +94,65 @@ def _bn_miss(key: Any, x, mean, variance, scale, bias, epsilon, activation, chan
     return plan
 
 
-def batch_normalization(input: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None, *,
+def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None, *,
                         epsilon: float = 1e-5, activation: ActivationLike = None, channel_axis: int = 1,
                         out: Optional[np.ndarray] = None) -> np.ndarray:
-    """``activation(scale * (input - mean) / sqrt(variance + epsilon) + bias)`` (SPEC section 2).
+    """Batch normalization with given statistics (inference).
 
-    Parameters have the input's rank (each dim the input's or 1) or are 1-D of length
-    ``input.shape[channel_axis]``; their dtype is the input's or float32. ``scale=None`` is 1,
-    ``bias=None`` is 0. Returns a new array like ``np.empty_like(input)``, or ``out``.
+    ``out = activation(scale * (x - mean) / sqrt(variance + epsilon) + bias)``, as DirectML's
+    BATCH_NORMALIZATION and oneDNN's BatchNormInference compute it.
+
+    Parameters
+    ----------
+    x : array_like
+        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
+        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    mean, variance : array_like
+        The statistics. Each parameter, independently, either has the input's number of dims with
+        each dim the input's or 1 (broadcast), or is 1-D of length ``x.shape[channel_axis]``; its
+        dtype is the input's or float32 (float64 data: float64 or float32). Where ``variance +
+        epsilon`` is negative the output is NaN, where it is zero inf or NaN.
+    scale, bias : array_like, optional
+        As ``mean``; ``None`` means 1 and 0.
+    epsilon : float, default 1e-5
+        Added to the variance, finite and >= 0.
+    activation : str or Activation, optional
+        A fused activation applied before the single rounding to the output type ("relu",
+        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
+    out : ndarray, optional
+        A writeable array of the input's shape and dtype, any strides, that receives the result
+        (and is returned). It may be the input itself; any other overlap with an argument gives the
+        result as if there were none.
+    channel_axis : int, default 1
+        The axis 1-D parameters lie along: 1 for (N, C, ...), -1 for channels last.
+
+    Returns
+    -------
+    ndarray
+        A new array like ``np.empty_like(x)`` (same dtype, shape and memory order), or ``out``.
+
+    Raises
+    ------
+    DescriptorError
+        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
+        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
+        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[[0.0, 2.0], [1.0, 3.0]]], np.float32)  # (N, C, W) = (1, 2, 2)
+    >>> y = simdnorm.batch_normalization(x, mean=[1.0, 2.0], variance=[1.0, 1.0], epsilon=0.0)
+    >>> print(y)
+    [[[-1.  1.]
+      [-1.  1.]]]
+    >>> print(simdnorm.batch_normalization(x, [1.0, 2.0], [1.0, 1.0], epsilon=0.0, activation="relu"))
+    [[[0. 1.]
+      [0. 1.]]]
     """
-    x = input if type(input) is _nd else as_input(input)
+    if type(x) is not _nd:
+        x = as_input(x)
     if type(mean) is not _nd:
         mean = as_param(mean, "mean", x)
     if type(variance) is not _nd:
@@ -126,12 +175,17 @@ def batch_normalization(input: Any, mean: Any, variance: Any, scale: Any = None,
     xs = x.shape
     key = (xd, xs, mean.dtype, mean.shape, variance.dtype, variance.shape, sdt, sshape, bdt, bshape, epsilon,
            epsilon.__class__, activation, channel_axis, channel_axis.__class__)
+    # A miss is planned after the try statement, so that an invalid call's error does not show the
+    # KeyError as its context.
     try:
-        eps, act, ca = _BN_CACHE[key]
+        plan = _BN_CACHE[key]
     except KeyError:
-        eps, act, ca = _bn_miss(key, x, mean, variance, scale, bias, epsilon, activation, channel_axis)
+        plan = None
     except TypeError:  # an unhashable attribute: validate without caching (raises or plans)
-        eps, act, ca = _bn_miss(None, x, mean, variance, scale, bias, epsilon, activation, channel_axis)
+        plan = key = None
+    if plan is None:
+        plan = _bn_miss(key, x, mean, variance, scale, bias, epsilon, activation, channel_axis)
+    eps, act, ca = plan
     if out is None:
         res = _empty_like(x, subok=False)
         _core.batch_norm(x, mean, variance, scale, bias, res, eps, act, ca, False)
@@ -200,17 +254,74 @@ def _other_axes(axes: Any) -> Tuple[Any, Any]:
     return axes, None
 
 
-def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: Any = None, *,
+def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any = None, *,
                                 normalize_mean: bool = True, normalize_variance: bool = True,
                                 epsilon: float = 1e-5, epsilon_mode: str = "inside",
                                 activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                                 return_stats: bool = False) -> Any:
-    """Normalize over ``axes`` with the mean and population variance taken there (SPEC section 3).
+    """Mean-variance normalization over any axes (DirectML MEAN_VARIANCE_NORMALIZATION1).
 
-    ``return_stats=True`` returns ``(out, mean, inv_std)`` shaped like the input with the reduced
-    dims kept as 1 (float32; float64 for float64 input), ``None`` for what was not computed.
+    The mean and the population variance (divided by the count) are taken over ``axes``, then
+    ``out = activation(scale * (x - mean) / sqrt(variance + epsilon) + bias)``. Statistics are summed
+    in float64 whatever the dtype, so data far from zero loses nothing to the subtraction.
+
+    Parameters
+    ----------
+    x : array_like
+        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
+        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    axes : int or sequence of int
+        The dims to normalize over: any non-empty subset, negative allowed, no repeats.
+    scale, bias : array_like, optional
+        Broadcastable to ``x.shape`` without enlarging it (numpy's rules: fewer leading dims, dims of
+        1); the input's dtype or float32. ``None`` means 1 and 0.
+    normalize_mean : bool, default True
+        False: the mean is not subtracted and the second moment is ``mean(x**2)`` (RMS norm).
+    normalize_variance : bool, default True
+        False: ``out = activation(scale * (x - mean) + bias)``.
+    epsilon : float, default 1e-5
+        Added to the variance, finite and >= 0.
+    activation : str or Activation, optional
+        A fused activation applied before the single rounding to the output type ("relu",
+        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
+    out : ndarray, optional
+        A writeable array of the input's shape and dtype, any strides, that receives the result
+        (and is returned). It may be the input itself; any other overlap with an argument gives the
+        result as if there were none.
+    epsilon_mode : {"inside", "outside"}, default "inside"
+        "outside" divides by ``sqrt(variance) + epsilon`` (ONNX MeanVarianceNormalization).
+    return_stats : bool, default False
+        Also return the statistics: ``(out, mean, inv_std)``. Both are float32 (float64 for float64 data), shaped like
+        ``x`` with the reduced dims kept as 1; ``mean`` is None when ``normalize_mean=False``,
+        ``inv_std`` when ``normalize_variance=False``.
+
+    Returns
+    -------
+    ndarray, or (ndarray, ndarray or None, ndarray or None)
+        The result (a new array like ``np.empty_like(x)``, or ``out``), with the statistics when
+        ``return_stats=True``.
+
+    Raises
+    ------
+    DescriptorError
+        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
+        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
+        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[1.0, 2.0, 3.0, 4.0], [10.0, 10.0, 20.0, 20.0]], np.float32)
+    >>> y, mean, inv_std = simdnorm.mean_variance_normalization(x, axes=1, epsilon=0.0, return_stats=True)
+    >>> print(np.round(y, 4))
+    [[-1.3416 -0.4472  0.4472  1.3416]
+     [-1.     -1.      1.      1.    ]]
+    >>> print(mean.ravel(), inv_std.ravel())
+    [ 2.5 15. ] [0.8944272 0.2      ]
     """
-    x = input if type(input) is _nd else as_input(input)
+    if type(x) is not _nd:
+        x = as_input(x)
     if scale is None:
         sdt = sshape = None
     else:
@@ -241,10 +352,11 @@ def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: 
         try:
             plan = _MVN_CACHE[key]
         except KeyError:
-            plan = _mvn_miss(key, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon,
-                             epsilon_mode, activation)
+            plan = None
         except TypeError:
-            plan = _mvn_miss(None, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon,
+            plan = key = None
+        if plan is None:
+            plan = _mvn_miss(key, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon,
                              epsilon_mode, activation)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
@@ -258,9 +370,52 @@ def mean_variance_normalization(input: Any, axes: Any, scale: Any = None, bias: 
 def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
                activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                return_stats: bool = False) -> Any:
-    """ONNX LayerNormalization-17: normalize over dims ``axis .. ndim-1``; scale and bias broadcast
-    (typically of shape ``x.shape[axis:]``). ``return_stats`` gives ``(out, mean, inv_std)`` with
-    the reduced dims kept as 1."""
+    """Layer normalization (ONNX LayerNormalization-17): over the dims ``axis .. ndim-1``.
+
+    Parameters
+    ----------
+    x : array_like
+        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
+        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    scale, bias : array_like, optional
+        Broadcastable to ``x`` (typically of shape ``x.shape[axis:]``); ``None`` means 1 and 0.
+    axis : int, default -1
+        The first normalized dim.
+    epsilon : float, default 1e-5
+        Added to the variance, finite and >= 0.
+    activation : str or Activation, optional
+        A fused activation applied before the single rounding to the output type ("relu",
+        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
+    out : ndarray, optional
+        A writeable array of the input's shape and dtype, any strides, that receives the result
+        (and is returned). It may be the input itself; any other overlap with an argument gives the
+        result as if there were none.
+    return_stats : bool, default False
+        Also return the statistics: ``(out, mean, inv_std)``. Shaped like ``x`` with the normalized dims kept as 1.
+
+    Returns
+    -------
+    ndarray, or (ndarray, ndarray, ndarray)
+
+    Raises
+    ------
+    DescriptorError
+        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
+        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
+        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[1.0, 3.0], [2.0, 6.0]], np.float32)
+    >>> print(simdnorm.layer_norm(x, epsilon=0.0))
+    [[-1.  1.]
+     [-1.  1.]]
+    >>> y, mean, inv_std = simdnorm.layer_norm(x, epsilon=0.0, return_stats=True)
+    >>> print(mean.shape, mean.ravel(), inv_std.ravel())
+    (2, 1) [2. 4.] [1.  0.5]
+    """
     if type(x) is not _nd:
         x = as_input(x, "input")
     if scale is None:
@@ -279,8 +434,10 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     try:
         plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
-        axes = trailing_axes_rule(x, axis)
-        plan = _mvn_miss(None, x, axes, scale, bias, True, True, epsilon, "inside", activation)
+        plan = None
+    if plan is None:
+        plan = _mvn_miss(None, x, trailing_axes_rule(x, axis), scale, bias, True, True, epsilon, "inside",
+                         activation)
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
@@ -290,8 +447,50 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
 
 def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
              activation: ActivationLike = None, out: Optional[np.ndarray] = None, return_stats: bool = False) -> Any:
-    """ONNX RMSNormalization-23: ``x / sqrt(mean(x**2 over axis..) + epsilon) * scale``.
-    ``return_stats`` gives ``(out, None, inv_rms)``."""
+    """RMS normalization (ONNX RMSNormalization-23): ``x / sqrt(mean(x**2) + epsilon) * scale`` over
+    the dims ``axis .. ndim-1``.
+
+    Parameters
+    ----------
+    x : array_like
+        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
+        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    scale : array_like, optional
+        Broadcastable to ``x``; ``None`` means 1.
+    axis : int, default -1
+        The first normalized dim.
+    epsilon : float, default 1e-5
+        Added to the variance, finite and >= 0.
+    activation : str or Activation, optional
+        A fused activation applied before the single rounding to the output type ("relu",
+        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
+    out : ndarray, optional
+        A writeable array of the input's shape and dtype, any strides, that receives the result
+        (and is returned). It may be the input itself; any other overlap with an argument gives the
+        result as if there were none.
+    return_stats : bool, default False
+        Also return ``(out, None, inv_rms)``, ``inv_rms`` shaped like ``x`` with the normalized dims
+        kept as 1.
+
+    Returns
+    -------
+    ndarray, or (ndarray, None, ndarray)
+
+    Raises
+    ------
+    DescriptorError
+        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
+        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
+        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[3.0, 4.0, 0.0, 0.0]], np.float32)  # mean of squares 6.25
+    >>> print(simdnorm.rms_norm(x, epsilon=0.0))
+    [[1.2 1.6 0.  0. ]]
+    """
     if type(x) is not _nd:
         x = as_input(x, "input")
     if scale is None:
@@ -304,8 +503,10 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
     try:
         plan = _CONV_CACHE[key]
     except (KeyError, TypeError):
-        axes = trailing_axes_rule(x, axis)
-        plan = _mvn_miss(None, x, axes, scale, None, False, True, epsilon, "inside", activation)
+        plan = None
+    if plan is None:
+        plan = _mvn_miss(None, x, trailing_axes_rule(x, axis), scale, None, False, True, epsilon, "inside",
+                         activation)
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
@@ -337,8 +538,52 @@ def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
 def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5, channel_axis: int = 1,
                   activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                   return_stats: bool = False) -> Any:
-    """Per (n, c), over the spatial dims; scale and bias of shape (C,). Channels first
-    (``channel_axis=1``) or last (``-1``). ``return_stats`` keeps the reduced dims as 1."""
+    """Instance normalization: each (n, c) over the spatial dims.
+
+    Parameters
+    ----------
+    x : array_like
+        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
+        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted. At least 3 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
+    scale, bias : array_like, optional
+        Of shape (C,); ``None`` means 1 and 0.
+    epsilon : float, default 1e-5
+        Added to the variance, finite and >= 0.
+    activation : str or Activation, optional
+        A fused activation applied before the single rounding to the output type ("relu",
+        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
+    out : ndarray, optional
+        A writeable array of the input's shape and dtype, any strides, that receives the result
+        (and is returned). It may be the input itself; any other overlap with an argument gives the
+        result as if there were none.
+    channel_axis : int, default 1
+        1 for channels first, -1 (or the last axis) for channels last; not the batch axis 0.
+    return_stats : bool, default False
+        Also return the statistics: ``(out, mean, inv_std)``. Shaped like ``x`` with the spatial dims kept as 1.
+
+    Returns
+    -------
+    ndarray, or (ndarray, ndarray, ndarray)
+
+    Raises
+    ------
+    DescriptorError
+        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
+        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
+        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[[1.0, 3.0], [5.0, 5.0]]], np.float32)  # (N, C, W) = (1, 2, 2)
+    >>> print(simdnorm.instance_norm(x, epsilon=0.0))
+    [[[-1.  1.]
+      [nan nan]]]
+    >>> print(simdnorm.instance_norm(x, epsilon=1.0))
+    [[[-0.70710677  0.70710677]
+      [ 0.          0.        ]]]
+    """
     if type(x) is not _nd:
         x = as_input(x, "input")
     if scale is None:
@@ -356,10 +601,13 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
     key = ("instance", x.dtype, x.shape, channel_axis, channel_axis.__class__, sk, bk, epsilon, epsilon.__class__,
            activation)
     try:
-        ca, plan = _CONV_CACHE[key]
+        ip = _CONV_CACHE[key]
     except (KeyError, TypeError):
-        ca, plan = _instance_plan(x, scale, bias, epsilon, channel_axis, activation)
-        _store_hashable(key, (ca, plan))
+        ip = None
+    if ip is None:
+        ip = _instance_plan(x, scale, bias, epsilon, channel_axis, activation)
+        _store_hashable(key, ip)
+    ca, plan = ip
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
         check_out(out, x)
@@ -404,10 +652,58 @@ def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -
 def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
                channel_axis: int = 1, activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                return_stats: bool = False) -> Any:
-    """ONNX GroupNormalization-21: the C channels split into ``num_groups`` groups; each (n, group)
-    normalized over its channels and the spatial dims; scale and bias of shape (C,). Channels first
-    or last, any strides, no copy: x and out are viewed as (..., G, C/G, ...).
-    ``return_stats`` gives ``(out, mean, inv_std)`` with the statistics of shape (N, num_groups)."""
+    """Group normalization (ONNX GroupNormalization-21).
+
+    The C channels are split into ``num_groups`` groups of consecutive channels; each (n, group) is
+    normalized over its channels and the spatial dims, then each channel takes its own scale and
+    bias. Channels first or last, any strides: ``x`` and ``out`` are viewed as (..., G, C/G, ...),
+    never copied.
+
+    Parameters
+    ----------
+    x : array_like
+        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
+        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted. At least 2 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
+    num_groups : int
+        Divides C.
+    scale, bias : array_like, optional
+        Of shape (C,); ``None`` means 1 and 0.
+    epsilon : float, default 1e-5
+        Added to the variance, finite and >= 0.
+    activation : str or Activation, optional
+        A fused activation applied before the single rounding to the output type ("relu",
+        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
+    out : ndarray, optional
+        A writeable array of the input's shape and dtype, any strides, that receives the result
+        (and is returned). It may be the input itself; any other overlap with an argument gives the
+        result as if there were none.
+    channel_axis : int, default 1
+        1 for channels first, -1 for channels last; not the batch axis 0.
+    return_stats : bool, default False
+        Also return the statistics: ``(out, mean, inv_std)``. Of shape (N, num_groups).
+
+    Returns
+    -------
+    ndarray, or (ndarray, ndarray, ndarray)
+
+    Raises
+    ------
+    DescriptorError
+        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
+        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
+        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[[0.0], [2.0], [10.0], [30.0]]], np.float32)  # (N, C, W) = (1, 4, 1)
+    >>> y, mean, inv_std = simdnorm.group_norm(x, 2, epsilon=0.0, return_stats=True)
+    >>> print(y.ravel())
+    [-1.  1. -1.  1.]
+    >>> print(mean, inv_std)
+    [[ 1. 20.]] [[1.  0.1]]
+    """
     if type(x) is not _nd:
         x = as_input(x, "input")
     if scale is None:
@@ -426,11 +722,13 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     key = ("group", x.dtype, xs, num_groups, num_groups.__class__, channel_axis, channel_axis.__class__, sk, bk,
            epsilon, epsilon.__class__, activation)
     try:
-        ca, g, k, vshape, pshape, plan, nshape = _CONV_CACHE[key]
+        gp = _CONV_CACHE[key]
     except (KeyError, TypeError):
+        gp = None
+    if gp is None:
         gp = _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation)
         _store_hashable(key, gp)
-        ca, g, k, vshape, pshape, plan, nshape = gp
+    ca, g, k, vshape, pshape, plan, nshape = gp
     if out is None:
         res = _empty_like(x, subok=False)
     else:

@@ -48,11 +48,6 @@ _may_share = np.may_share_memory
 _TooHardError = getattr(getattr(np, "exceptions", np), "TooHardError", Exception)
 
 
-class _OutError(TypeError, ValueError):
-    """``out`` is not an ndarray or has the wrong dtype: a TypeError (as numpy raises) that is also
-    a ValueError (as the rest of the ``out`` rules)."""
-
-
 # ----------------------------------------------------------------------------------------------------
 # Arrays in
 
@@ -123,12 +118,12 @@ def check_return_stats(v: Any) -> bool:
 # out
 
 def check_out(out: Any, x: np.ndarray) -> None:
-    """SPEC section 6: a writeable ndarray of the input's shape and dtype (any strides), not a masked
+    """out=: a writeable ndarray of the input's shape and dtype (any strides), not a masked
     array that masks an element."""
     if not isinstance(out, _nd):
-        raise _OutError(f"out: expected a numpy.ndarray, got {type(out).__name__}")
+        raise DescriptorTypeError(f"out: expected a numpy.ndarray, got {type(out).__name__}")
     if out.dtype != x.dtype:
-        raise _OutError(
+        raise DescriptorTypeError(
             f"out: dtype {dtype_name(out.dtype)} differs from the input's {dtype_name(x.dtype)}; "
             "out must have the input's dtype and shape"
         )
@@ -164,7 +159,7 @@ def _overlaps(out: np.ndarray, a: np.ndarray) -> bool:
 
 def needs_temporary(out: np.ndarray, x: np.ndarray, *params: Any) -> bool:
     """True when out overlaps the input (other than being it: same buffer, same strides) or a
-    parameter: the call then computes into a temporary and copies (SPEC section 6)."""
+    parameter: the call then computes into a temporary and copies (as numpy's ufuncs do)."""
     if x is not out and _may_share(out, x):
         if not (out.strides == x.strides and _data_ptr(out) == _data_ptr(x)) and _overlaps(out, x):
             return True
@@ -313,7 +308,7 @@ def _kernel_args(params) -> str:
 
 def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> str:
     """The rest of a compiled operator after its argument checks: a new output, or out= with its fast
-    checks (the slow path raises) and the overlap rule (SPEC section 6). kernel_call has the
+    checks (the slow path raises) and the overlap rule (run_overlapping). kernel_call has the
     placeholders {target} and {check}."""
     ost = out_desc.byte_strides()
     st_cond = ""
@@ -323,14 +318,14 @@ def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> s
     ns["_run_overlapping"] = run_overlapping
     plist = "".join(f", {a}" for a, d in params if d is not None)
     return f"""    if out is None:
-        out = _empty_like(input, subok=False)
+        out = _empty_like(x, subok=False)
         {kernel_call.format(target="out", check="False")}
         return {ret}
-    if (out.__class__ is not _nd or out.shape != input_S or out.dtype is not input_D{st_cond}
+    if (out.__class__ is not _nd or out.shape != x_S or out.dtype is not x_D{st_cond}
             or not out.flags.writeable):
-        _check_out(out, input, OUT_DESC)
+        _check_out(out, x, OUT_DESC)
     if not {kernel_call.format(target="out", check="True")}:
-        _run_overlapping(lambda o, check: {kernel_call.format(target="o", check="check")}, out, input{plist})
+        _run_overlapping(lambda o, check: {kernel_call.format(target="o", check="check")}, out, x{plist})
     return {ret}
 """
 
@@ -338,17 +333,17 @@ def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> s
 def _gen_operator(name: str, signature: str, info: Any, params, kernel_call: str, ns: dict,
                   before_call: str = "", ret: str = "out"):
     """Generate one compiled operator: the input's fast check, the parameters', the body."""
-    ns["input_slow"] = lambda a: _check_arg("input", a, info.input)
+    ns["x_slow"] = lambda a: _check_arg("input", a, info.input)
     ns["OUT_DESC"] = info.output
     # (A subclass takes the slow path: a masked array must be refused there.)
-    cond = "input.__class__ is not _nd or " + _gen_conditions([("input", info.input)], ns)
+    cond = "x.__class__ is not _nd or " + _gen_conditions([("x", info.input)], ns)
     src = f"""def {name}({signature}):
     try:
         slow = ({cond})
     except AttributeError:
         slow = True
     if slow:
-        input = input_slow(input)
+        x = x_slow(x)
 {_gen_params(params, ns)}
 {before_call}{_gen_body(params, ns, kernel_call.replace("ARGS", _kernel_args(params)), info.output, ret)}"""
     return _compile_source(src, ns, name)
@@ -370,10 +365,10 @@ def _compile_bn(desc: BatchNormalizationDesc):
     eps, act, ca = plan_bn(info)
     params = list(zip(("mean", "variance", "scale", "bias"), [None if e is None else e[0] for e in info.params]))
     ns = {"EPS": eps, "ACT": act, "CA": ca}
-    fn = _gen_operator("batch_normalization", "input, mean, variance, scale=None, bias=None, *, out=None", info,
-                       params, "_core.batch_norm(input, ARGS, {target}, EPS, ACT, CA, {check})", ns)
+    fn = _gen_operator("batch_normalization", "x, mean, variance, scale=None, bias=None, *, out=None", info,
+                       params, "_core.batch_norm(x, ARGS, {target}, EPS, ACT, CA, {check})", ns)
     fn.desc = desc
-    fn.__doc__ = "op(input, mean, variance, scale=None, bias=None, *, out=None): a compiled batch normalization."
+    fn.__doc__ = "op(x, mean, variance, scale=None, bias=None, *, out=None): a compiled batch normalization."
     return fn
 
 
@@ -391,12 +386,12 @@ def _compile_mvn(desc: MeanVarianceNormalizationDesc):
         mo = so = None
 """
     fn = _gen_operator("mean_variance_normalization",
-                       "input, scale=None, bias=None, *, out=None, return_stats=False", info,
+                       "x, scale=None, bias=None, *, out=None, return_stats=False", info,
                        [("scale", info.scale), ("bias", info.bias)],
-                       "_core.mvn(input, AXES, ARGS, {target}, EPS, NM, NV, EO, ACT, mo, so, -1, {check})", ns,
+                       "_core.mvn(x, AXES, ARGS, {target}, EPS, NM, NV, EO, ACT, mo, so, -1, {check})", ns,
                        before_call=stats, ret="(out, mo, so) if return_stats else out")
     fn.desc = desc
-    fn.__doc__ = ("op(input, scale=None, bias=None, *, out=None, return_stats=False): a compiled "
+    fn.__doc__ = ("op(x, scale=None, bias=None, *, out=None, return_stats=False): a compiled "
                   "mean-variance normalization.")
     return fn
 
@@ -404,8 +399,8 @@ def _compile_mvn(desc: MeanVarianceNormalizationDesc):
 def compile(desc: Any) -> Any:  # noqa: A001 - the public name is simdnorm.compile
     """Validate and plan ``desc`` once; return an operator that only checks its arrays match.
 
-    ``BatchNormalizationDesc`` -> ``op(input, mean, variance, scale=None, bias=None, *, out=None)``;
-    ``MeanVarianceNormalizationDesc`` -> ``op(input, scale=None, bias=None, *, out=None,
+    ``BatchNormalizationDesc`` -> ``op(x, mean, variance, scale=None, bias=None, *, out=None)``;
+    ``MeanVarianceNormalizationDesc`` -> ``op(x, scale=None, bias=None, *, out=None,
     return_stats=False)``. The operator is a plain function (one Python frame per call) with the
     descriptor as ``op.desc``. Arrays must match the descriptors' dtypes and sizes (and strides,
     where a descriptor gives them); the input and out may otherwise have any strides.

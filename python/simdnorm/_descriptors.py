@@ -1,17 +1,18 @@
 """DirectML-style descriptors and THE validator.
 
-Every rule of the seeds' "Tensor constraints" and "Tensor support" tables, as extended by SPEC.md:
+Every rule of DirectML's "Tensor constraints" and "Tensor support" tables for its two operators, as
+simdnorm extends them (the user guide, docs/guide.rst, states them for users):
 
 * every tensor has 1 to 8 dims, sizes >= 0, strides (in elements; 0 broadcasts, negative allowed)
   one per dim or None (packed);
 * input and output: the same sizes and the same dtype, one of float32, float16, bfloat16, float64
-  (DirectML: FLOAT32, FLOAT16; SPEC adds bfloat16 and float64), native byte order;
-* parameters: the input's dtype or float32 (DirectML requires the same DataType; SPEC allows
+  (DirectML: FLOAT32, FLOAT16; simdnorm adds bfloat16 and float64), native byte order;
+* parameters: the input's dtype or float32 (DirectML requires the same DataType; simdnorm allows
   float32 parameters for mixed precision, as oneDNN's T2); batch-norm parameters have the input's
   DimensionCount with each dim the input's or 1 (DirectML feature level 4.0), or are 1-D of length
   C (oneDNN BatchNormInference); MVN scale and bias broadcast to the input by numpy's rules without
   enlarging it (DirectML's "any dim may be 1", plus fewer leading dims); scale and bias are optional
-  independently (DirectML requires them together; SPEC is a superset);
+  independently (DirectML requires them together; simdnorm's rule is a superset);
 * epsilon finite and >= 0; axes non-empty, in range, unique; epsilon_mode "inside" or "outside".
 
 The functional API builds these descriptors from arrays (on a plan-cache miss) and goes through the
@@ -37,6 +38,8 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "DescriptorError",
+    "DescriptorTypeError",
+    "DescriptorAxisError",
     "TensorDesc",
     "BatchNormalizationDesc",
     "MeanVarianceNormalizationDesc",
@@ -70,6 +73,12 @@ class DescriptorAxisError(DescriptorError, AxisError):
 
     def __init__(self, msg: str) -> None:
         AxisError.__init__(self, msg)
+
+
+# Shown as simdnorm.DescriptorError and so on in tracebacks: the names a user imports.
+for _cls in (DescriptorError, DescriptorTypeError, DescriptorAxisError):
+    _cls.__module__ = "simdnorm"
+del _cls
 
 
 def dtype_name(dt: Any) -> str:
@@ -367,7 +376,7 @@ def normalize_axis(name: str, axis: Any, ndim: int) -> int:
 
 
 def normalize_axes(axes: Any, ndim: int) -> Tuple[int, ...]:
-    """SPEC section 3: an int or a non-empty sequence of ints; in range; unique. -> sorted tuple."""
+    """MVN's axes: an int or a non-empty sequence of ints; in range; unique. -> sorted tuple."""
     if is_int(axes):
         return (normalize_axis("axes", axes, ndim),)
     if not _is_sequence(axes):
@@ -502,7 +511,7 @@ def _check_activation(v: Any) -> Optional[Activation]:
 
 
 def bn_param_rule(name: str, p: Tuple[int, ...], x: Tuple[int, ...], ca: Optional[int]) -> Optional[int]:
-    """SPEC section 2's two shape rules. Returns None (same rank) or the channel axis (1-D of C)."""
+    """Batch norm's two shape rules. Returns None (same rank) or the channel axis (1-D of C)."""
     nd = len(x)
     if len(p) == nd and all(ps == xs or ps == 1 for ps, xs in zip(p, x)):
         return None

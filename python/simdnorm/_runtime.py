@@ -1,4 +1,4 @@
-"""Runtime controls (SPEC section 8): threads, instruction set, environment, threadpoolctl.
+"""Runtime controls (the user guide's "Threads and instruction sets"): threads, instruction set, environment, threadpoolctl.
 
 At import: the thread count from ``SIMDNORM_NUM_THREADS``, else ``OMP_NUM_THREADS``, else the CPUs
 available to the process; the instruction set from ``SIMDNORM_ISA`` (a bad value warns, naming the
