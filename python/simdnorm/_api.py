@@ -292,7 +292,8 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
     epsilon_mode : {"inside", "outside"}, default "inside"
         "outside" divides by ``sqrt(variance) + epsilon`` (ONNX MeanVarianceNormalization).
     return_stats : bool, default False
-        Also return the statistics: ``(out, mean, inv_std)``. Both are float32 (float64 for float64 data), shaped like
+        Also return the statistics: ``(out, mean, inv_std)``. Both are float32 (float64 for
+        float64 data), shaped like
         ``x`` with the reduced dims kept as 1; ``mean`` is None when ``normalize_mean=False``,
         ``inv_std`` when ``normalize_variance=False``.
 
@@ -392,7 +393,8 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
         (and is returned). It may be the input itself; any other overlap with an argument gives the
         result as if there were none.
     return_stats : bool, default False
-        Also return the statistics: ``(out, mean, inv_std)``. Shaped like ``x`` with the normalized dims kept as 1.
+        Also return the statistics: ``(out, mean, inv_std)``, shaped like ``x`` with the
+        normalized dims kept as 1.
 
     Returns
     -------
@@ -545,7 +547,8 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
     x : array_like
         The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
         any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted. At least 3 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+        At least 3 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
     scale, bias : array_like, optional
         Of shape (C,); ``None`` means 1 and 0.
     epsilon : float, default 1e-5
@@ -560,7 +563,8 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
     channel_axis : int, default 1
         1 for channels first, -1 (or the last axis) for channels last; not the batch axis 0.
     return_stats : bool, default False
-        Also return the statistics: ``(out, mean, inv_std)``. Shaped like ``x`` with the spatial dims kept as 1.
+        Also return the statistics: ``(out, mean, inv_std)``, shaped like ``x`` with the spatial
+        dims kept as 1.
 
     Returns
     -------
@@ -664,7 +668,8 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     x : array_like
         The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
         any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted. At least 2 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+        At least 2 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
     num_groups : int
         Divides C.
     scale, bias : array_like, optional
@@ -681,7 +686,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     channel_axis : int, default 1
         1 for channels first, -1 for channels last; not the batch axis 0.
     return_stats : bool, default False
-        Also return the statistics: ``(out, mean, inv_std)``. Of shape (N, num_groups).
+        Also return the statistics: ``(out, mean, inv_std)``, of shape (N, num_groups).
 
     Returns
     -------
