@@ -318,8 +318,7 @@ struct FusedRowsKernel {
 
   // The loop execute_rows runs: the layouts the fused loops take (InnerRun), 16-bit rows back to
   // back streamed, float16 rows of the L1 kept, long rows paired.
-  static RowsLoop rows_loop(const NormalizeTask& task, const FusedRowsArgs& a) {
-    const InnerRun layout(task);
+  static RowsLoop rows_loop(const InnerRun& layout, const NormalizeTask& task, const FusedRowsArgs& a) {
     if (!layout.fusable) return RowsLoop::separate;
     const bool in_l1 = !task.stream_stores && a.len <= kKeptRowMax;
     if (kStreamedRows && in_l1 && rows_stream(a)) return RowsLoop::row_stream;
@@ -331,8 +330,8 @@ struct FusedRowsKernel {
   // normalization while a later row is summed. One call for all rows: the cost of entering the
   // kernel, choosing the loop and the activation is paid once, not per row.
   static void execute_rows(const NormalizeTask& task, const FusedRowsArgs& a) {
-    const RowsLoop loop = rows_loop(task, a);
     const InnerRun layout(task);
+    const RowsLoop loop = rows_loop(layout, task, a);
     if (loop == RowsLoop::separate) {
       for (int64_t r = 0; r < a.rows; ++r) {
         double sum = 0.0, sum_sq = 0.0;
@@ -403,7 +402,10 @@ static void normalize_rows_fused_entry(const NormalizeTask& task, const FusedRow
 
 static RowsLoop rows_loop_entry(const NormalizeTask& task, const FusedRowsArgs& args) {
   RowsLoop loop = RowsLoop::separate;
-  with_storage_type(task.dtype, [&](auto t) { loop = FusedRowsKernel<typename decltype(t)::type>::rows_loop(task, args); });
+  with_storage_type(task.dtype, [&](auto t) {
+    using K = FusedRowsKernel<typename decltype(t)::type>;
+    loop = K::rows_loop(typename K::InnerRun(task), task, args);
+  });
   return loop;
 }
 

@@ -59,6 +59,37 @@ _list = list
 _range = range
 _CACHE_MAX = 512
 
+# The sections every function's docstring shares, written once: each public function's docstring
+# names them as {x}, {common} and {raises} (_documented fills them in at import).
+_DOC_SECTIONS = {
+    "x": """x : array_like
+        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
+        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
+        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.""",
+    "common": """epsilon : float, default 1e-5
+        Added to the variance, finite and >= 0.
+    activation : str or Activation, optional
+        A fused activation applied before the single rounding to the output type ("relu",
+        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
+    out : ndarray, optional
+        A writeable array of the input's shape and dtype, any strides, that receives the result
+        (and is returned). It may be the input itself; any other overlap with an argument gives the
+        result as if there were none.""",
+    "raises": """Raises
+    ------
+    DescriptorError
+        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
+        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
+        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.""",
+}
+
+
+def _documented(fn: Any) -> Any:
+    if fn.__doc__:  # (None under python -OO)
+        fn.__doc__ = fn.__doc__.format(**_DOC_SECTIONS)
+    return fn
+
+
 _BN_CACHE: dict = {}
 _MVN_CACHE: dict = {}
 _CONV_CACHE: dict = {}  # the conveniences: key starts with the convenience's name
@@ -94,6 +125,7 @@ def _bn_miss(key: Any, x, mean, variance, scale, bias, epsilon, activation, chan
     return plan
 
 
+@_documented
 def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None, *,
                         epsilon: float = 1e-5, activation: ActivationLike = None, channel_axis: int = 1,
                         out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -104,10 +136,7 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
 
     Parameters
     ----------
-    x : array_like
-        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
-        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    {x}
     mean, variance : array_like
         The statistics. Each parameter, independently, either has the input's number of dims with
         each dim the input's or 1 (broadcast), or is 1-D of length ``x.shape[channel_axis]``; its
@@ -115,15 +144,7 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
         epsilon`` is negative the output is NaN, where it is zero inf or NaN.
     scale, bias : array_like, optional
         As ``mean``; ``None`` means 1 and 0.
-    epsilon : float, default 1e-5
-        Added to the variance, finite and >= 0.
-    activation : str or Activation, optional
-        A fused activation applied before the single rounding to the output type ("relu",
-        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
-    out : ndarray, optional
-        A writeable array of the input's shape and dtype, any strides, that receives the result
-        (and is returned). It may be the input itself; any other overlap with an argument gives the
-        result as if there were none.
+    {common}
     channel_axis : int, default 1
         The axis 1-D parameters lie along: 1 for (N, C, ...), -1 for channels last.
 
@@ -132,12 +153,7 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
     ndarray
         A new array like ``np.empty_like(x)`` (same dtype, shape and memory order), or ``out``.
 
-    Raises
-    ------
-    DescriptorError
-        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
-        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
-        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+    {raises}
 
     Examples
     --------
@@ -254,6 +270,7 @@ def _other_axes(axes: Any) -> Tuple[Any, Any]:
     return axes, None
 
 
+@_documented
 def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any = None, *,
                                 normalize_mean: bool = True, normalize_variance: bool = True,
                                 epsilon: float = 1e-5, epsilon_mode: str = "inside",
@@ -267,10 +284,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
 
     Parameters
     ----------
-    x : array_like
-        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
-        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    {x}
     axes : int or sequence of int
         The dims to normalize over: any non-empty subset, negative allowed, no repeats.
     scale, bias : array_like, optional
@@ -280,16 +294,8 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
         False: the mean is not subtracted and the second moment is ``mean(x**2)`` (RMS norm).
     normalize_variance : bool, default True
         False: ``out = activation(scale * (x - mean) + bias)``.
-    epsilon : float, default 1e-5
-        Added to the variance, finite and >= 0.
-    activation : str or Activation, optional
-        A fused activation applied before the single rounding to the output type ("relu",
-        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
-    out : ndarray, optional
-        A writeable array of the input's shape and dtype, any strides, that receives the result
-        (and is returned). It may be the input itself; any other overlap with an argument gives the
-        result as if there were none.
-    epsilon_mode : {"inside", "outside"}, default "inside"
+    {common}
+    epsilon_mode : {{"inside", "outside"}}, default "inside"
         "outside" divides by ``sqrt(variance) + epsilon`` (ONNX MeanVarianceNormalization).
     return_stats : bool, default False
         Also return the statistics: ``(out, mean, inv_std)``. Both are float32 (float64 for
@@ -303,12 +309,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
         The result (a new array like ``np.empty_like(x)``, or ``out``), with the statistics when
         ``return_stats=True``.
 
-    Raises
-    ------
-    DescriptorError
-        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
-        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
-        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+    {raises}
 
     Examples
     --------
@@ -368,6 +369,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
 # ----------------------------------------------------------------------------------------------------
 # conveniences
 
+@_documented
 def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
                activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                return_stats: bool = False) -> Any:
@@ -375,23 +377,12 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
 
     Parameters
     ----------
-    x : array_like
-        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
-        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    {x}
     scale, bias : array_like, optional
         Broadcastable to ``x`` (typically of shape ``x.shape[axis:]``); ``None`` means 1 and 0.
     axis : int, default -1
         The first normalized dim.
-    epsilon : float, default 1e-5
-        Added to the variance, finite and >= 0.
-    activation : str or Activation, optional
-        A fused activation applied before the single rounding to the output type ("relu",
-        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
-    out : ndarray, optional
-        A writeable array of the input's shape and dtype, any strides, that receives the result
-        (and is returned). It may be the input itself; any other overlap with an argument gives the
-        result as if there were none.
+    {common}
     return_stats : bool, default False
         Also return the statistics: ``(out, mean, inv_std)``, shaped like ``x`` with the
         normalized dims kept as 1.
@@ -400,12 +391,7 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     -------
     ndarray, or (ndarray, ndarray, ndarray)
 
-    Raises
-    ------
-    DescriptorError
-        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
-        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
-        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+    {raises}
 
     Examples
     --------
@@ -447,6 +433,7 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     return _run_mvn(x, scale, bias, out, return_stats, plan)
 
 
+@_documented
 def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
              activation: ActivationLike = None, out: Optional[np.ndarray] = None, return_stats: bool = False) -> Any:
     """RMS normalization (ONNX RMSNormalization-23): ``x / sqrt(mean(x**2) + epsilon) * scale`` over
@@ -454,23 +441,12 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
 
     Parameters
     ----------
-    x : array_like
-        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
-        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    {x}
     scale : array_like, optional
         Broadcastable to ``x``; ``None`` means 1.
     axis : int, default -1
         The first normalized dim.
-    epsilon : float, default 1e-5
-        Added to the variance, finite and >= 0.
-    activation : str or Activation, optional
-        A fused activation applied before the single rounding to the output type ("relu",
-        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
-    out : ndarray, optional
-        A writeable array of the input's shape and dtype, any strides, that receives the result
-        (and is returned). It may be the input itself; any other overlap with an argument gives the
-        result as if there were none.
+    {common}
     return_stats : bool, default False
         Also return ``(out, None, inv_rms)``, ``inv_rms`` shaped like ``x`` with the normalized dims
         kept as 1.
@@ -479,12 +455,7 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
     -------
     ndarray, or (ndarray, None, ndarray)
 
-    Raises
-    ------
-    DescriptorError
-        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
-        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
-        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+    {raises}
 
     Examples
     --------
@@ -537,6 +508,7 @@ def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
     return (ca, _mvn_miss(None, x, axes, s, b, True, True, epsilon, "inside", activation))
 
 
+@_documented
 def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5, channel_axis: int = 1,
                   activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                   return_stats: bool = False) -> Any:
@@ -544,22 +516,11 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
 
     Parameters
     ----------
-    x : array_like
-        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
-        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    {x}
         At least 3 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
     scale, bias : array_like, optional
         Of shape (C,); ``None`` means 1 and 0.
-    epsilon : float, default 1e-5
-        Added to the variance, finite and >= 0.
-    activation : str or Activation, optional
-        A fused activation applied before the single rounding to the output type ("relu",
-        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
-    out : ndarray, optional
-        A writeable array of the input's shape and dtype, any strides, that receives the result
-        (and is returned). It may be the input itself; any other overlap with an argument gives the
-        result as if there were none.
+    {common}
     channel_axis : int, default 1
         1 for channels first, -1 (or the last axis) for channels last; not the batch axis 0.
     return_stats : bool, default False
@@ -570,12 +531,7 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
     -------
     ndarray, or (ndarray, ndarray, ndarray)
 
-    Raises
-    ------
-    DescriptorError
-        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
-        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
-        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+    {raises}
 
     Examples
     --------
@@ -653,6 +609,7 @@ def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -
     return (ca, g, k, vshape, pshape, plan_mvn(desc._validated(VIEW_MAX_DIMS)), (x.shape[0], g))
 
 
+@_documented
 def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
                channel_axis: int = 1, activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                return_stats: bool = False) -> Any:
@@ -665,24 +622,13 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
 
     Parameters
     ----------
-    x : array_like
-        The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
-        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.
+    {x}
         At least 2 dims: (N, C, ...) or, with ``channel_axis=-1``, (N, ..., C).
     num_groups : int
         Divides C.
     scale, bias : array_like, optional
         Of shape (C,); ``None`` means 1 and 0.
-    epsilon : float, default 1e-5
-        Added to the variance, finite and >= 0.
-    activation : str or Activation, optional
-        A fused activation applied before the single rounding to the output type ("relu",
-        ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
-    out : ndarray, optional
-        A writeable array of the input's shape and dtype, any strides, that receives the result
-        (and is returned). It may be the input itself; any other overlap with an argument gives the
-        result as if there were none.
+    {common}
     channel_axis : int, default 1
         1 for channels first, -1 for channels last; not the batch axis 0.
     return_stats : bool, default False
@@ -692,12 +638,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     -------
     ndarray, or (ndarray, ndarray, ndarray)
 
-    Raises
-    ------
-    DescriptorError
-        A ValueError naming the argument and the rule it breaks (a shape, an axis, epsilon);
-        :class:`DescriptorTypeError` (also a TypeError) for a dtype or type;
-        :class:`DescriptorAxisError` (also numpy's AxisError) for an axis out of range.
+    {raises}
 
     Examples
     --------
