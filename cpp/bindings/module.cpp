@@ -229,7 +229,7 @@ bool py_batch_norm(PyObject* const* args, std::string* explain) {
 bool py_mvn(PyObject* const* args, std::string* explain) {
   const py::handle x = args[0], axes = args[1], scale = args[2], bias = args[3], out = args[4], epsilon = args[5],
                    normalize_mean = args[6], normalize_variance = args[7], epsilon_outside = args[8],
-                   activation = args[9], mean_out = args[10], inv_std_out = args[11];
+                   activation = args[9], mean_out = args[10], inv_std_out = args[11], var_out = args[14];
   MvnArgs a;
   a.input = view_of(x, "input", false);
   a.output = view_of(out, "out", true);
@@ -259,6 +259,12 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
   };
   a.mean_out = stats_view(mean_out, "mean_out");
   a.inv_std_out = stats_view(inv_std_out, "inv_std_out");
+  if (!var_out.is_none()) {
+    a.var_out = stats_view(var_out, "var_out");
+    bool same = a.inv_std_out.has_value() && bool_of(normalize_variance, "normalize_variance");
+    for (int d = 0; same && d < a.input.ndim; ++d) same = a.var_out->strides[d] == a.inv_std_out->strides[d];
+    if (!same) throw py::value_error("var_out: needs inv_std_out, with the same strides");
+  }
   a.epsilon = double_of(epsilon, "epsilon");
   a.normalize_mean = bool_of(normalize_mean, "normalize_mean");
   a.normalize_variance = bool_of(normalize_variance, "normalize_variance");
@@ -272,6 +278,81 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
   }
   run_without_gil(element_count(a.input), [&] { mean_variance_normalization(a); });
   return true;
+}
+
+// mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g,
+//              epsilon, normalize_mean, normalize_variance, epsilon_outside, activation,
+//              statistics_terms, write_ga, channel_axis, explain) -> None, or the plan with explain
+// The Python layer has validated the call and keeps grad_input off every operand's memory.
+py::object py_mvn_backward(py::args args) {
+  if (args.size() != 20) throw py::type_error("mvn_backward() takes 20 positional arguments");
+  MvnBackwardArgs a;
+  a.input = view_of(args[0], "input", false);
+  a.grad_output = view_of(args[1], "grad_output", false);
+  if (a.grad_output.dtype != a.input.dtype) throw py::type_error("grad_output: dtype differs from the input's");
+  check_same_shape(a.input, a.grad_output, "grad_output", true);
+  if (!PyTuple_Check(args[2].ptr())) throw py::type_error("axes must be a tuple of ints");
+  for (const py::handle h : py::reinterpret_borrow<py::tuple>(args[2])) {
+    const int axis = h.cast<int>();
+    if (axis < 0 || axis >= a.input.ndim) throw py::value_error("axes: out of range");
+    a.reduced |= 1u << axis;
+  }
+  const int channel_axis = int_of(args[18], "channel_axis");
+  if (channel_axis < -1 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
+  a.mean = optional_param(args[3], "mean", a.input, channel_axis);
+  a.inv_std = optional_param(args[4], "inv_std", a.input, channel_axis);
+  a.scale = optional_param(args[5], "scale", a.input, channel_axis);
+  a.bias = optional_param(args[6], "bias", a.input, channel_axis);
+  a.fused_add = optional_param(args[7], "fused_add", a.input, -1);
+  for (const auto* stats : {&a.mean, &a.inv_std})
+    if (*stats)
+      for (int d = 0; d < a.input.ndim; ++d)
+        if (((a.reduced >> d) & 1u) && (*stats)->sizes[d] != 1)
+          throw py::value_error("statistics: must have size 1 along the normalized axes");
+  if (!args[8].is_none()) {
+    a.grad_input = view_of(args[8], "grad_input", true);
+    const DType want = bool_of(args[17], "write_ga") ? (a.input.dtype == DType::f64 ? DType::f64 : DType::f32)
+                                                     : a.input.dtype;
+    if (a.grad_input->dtype != want) throw py::type_error("grad_input: dtype differs from the input's (write_ga: its compute type's)");
+    check_same_shape(a.input, *a.grad_input, "grad_input", true);
+  }
+  for (int o = 0; o < 2; ++o) {
+    if (args[9 + o].is_none()) continue;
+    TensorView v = view_of(args[9 + o], "parameter sums", true);
+    if (v.dtype != DType::f64) throw py::type_error("parameter sums: must be float64");
+    int64_t step = 8;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      if (v.sizes[d] != 1 && v.strides[d] != step) throw py::value_error("parameter sums: must be C-contiguous");
+      step *= v.sizes[d];
+    }
+    a.param_sums[o] = v;
+  }
+  if (a.param_sums[0].has_value() != a.param_sums[1].has_value())
+    throw py::value_error("parameter sums: both or neither");
+  a.epsilon = double_of(args[11], "epsilon");
+  a.normalize_mean = bool_of(args[12], "normalize_mean");
+  a.normalize_variance = bool_of(args[13], "normalize_variance");
+  a.epsilon_outside = bool_of(args[14], "epsilon_outside");
+  a.activation = activation_of(args[15]);
+  a.statistics_terms = bool_of(args[16], "statistics_terms");
+  a.write_ga = bool_of(args[17], "write_ga");
+  if (a.param_sums[0]) {
+    // Their count must be that of scale and bias's broadcast shape (what the op folds them into).
+    int64_t count = 1;
+    for (int d = 0; d < a.input.ndim; ++d) {
+      const bool varies = (a.scale && a.scale->sizes[d] != 1) || (a.bias && a.bias->sizes[d] != 1);
+      if (varies) count *= a.input.sizes[d];
+    }
+    if (element_count(*a.param_sums[0]) != count || element_count(*a.param_sums[1]) != count)
+      throw py::value_error("parameter sums: must have scale and bias's broadcast shape");
+  }
+  if (bool_of(args[19], "explain")) {
+    std::string plan;
+    mvn_backward(a, &plan);
+    return py::str(plan);
+  }
+  run_without_gil(element_count(a.input), [&] { mvn_backward(a); });
+  return py::none();
 }
 
 // The two hot entry points are plain METH_FASTCALL functions: pybind11's general dispatcher costs
@@ -299,14 +380,24 @@ PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&
   return nullptr;
 }
 
-constexpr size_t kBatchNormArgs = 10, kMvnArgs = 14;
+constexpr size_t kBatchNormArgs = 10, kMvnArgs = 15;
 
 PyObject* fast_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall<kBatchNormArgs>(args, nargs, "batch_norm", [](PyObject* const* a) { return py_batch_norm(a, nullptr); });
 }
 
+// mvn's last argument, var_out, may be left out (None).
+template <class F>
+PyObject* mvn_call(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
+  if (nargs != static_cast<Py_ssize_t>(kMvnArgs) - 1) return fastcall<kMvnArgs>(args, nargs, name, f);
+  PyObject* full[kMvnArgs];
+  std::copy(args, args + nargs, full);
+  full[kMvnArgs - 1] = Py_None;
+  return fastcall<kMvnArgs>(full, kMvnArgs, name, f);
+}
+
 PyObject* fast_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return fastcall<kMvnArgs>(args, nargs, "mvn", [](PyObject* const* a) { return py_mvn(a, nullptr); });
+  return mvn_call(args, nargs, "mvn", [](PyObject* const* a) { return py_mvn(a, nullptr); });
 }
 
 // The explain hooks run the same checks, then describe the plan instead of running it (or say
@@ -322,7 +413,7 @@ PyObject* explain_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs)
 }
 
 PyObject* explain_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return fastcall<kMvnArgs>(args, nargs, "explain_mvn", explain<py_mvn>);
+  return mvn_call(args, nargs, "explain_mvn", explain<py_mvn>);
 }
 
 PyMethodDef g_fast_methods[] = {
@@ -330,7 +421,7 @@ PyMethodDef g_fast_methods[] = {
      "batch_norm(x, mean, variance, scale, bias, out, epsilon, activation, channel_axis, check_overlap) -> ran"},
     {"mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn)), METH_FASTCALL,
      "mvn(x, axes, scale, bias, out, epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, "
-     "mean_out, inv_std_out, channel_axis, check_overlap) -> ran"},
+     "mean_out, inv_std_out, channel_axis, check_overlap[, var_out]) -> ran"},
     {"explain_batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_batch_norm)),
      METH_FASTCALL, "explain_batch_norm(<batch_norm's arguments>) -> the plan batch_norm would run, as text"},
     {"explain_mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_mvn)), METH_FASTCALL,
@@ -344,6 +435,10 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "simdnorm kernels (see the simdnorm package for the public API)";
   m.attr("__version__") = SIMDNORM_VERSION;
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0) throw py::error_already_set();
+  m.def("mvn_backward", &py_mvn_backward,
+        "mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g, "
+        "epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, statistics_terms, write_ga, "
+        "channel_axis, explain)");
   m.def("isa", &active_isa, "The active instruction set.");
   m.def("available_isas", &available_isas, "Instruction sets this CPU and OS run, best first.");
   m.def(

@@ -27,6 +27,9 @@ namespace {
 #include "kernels/lane_stats.h"
 #include "kernels/fused_rows.h"
 #include "kernels/row_stream.h"
+#if !defined(SIMDNORM_DELEGATE_NS)
+#include "kernels/backward.h"
+#endif
 }  // namespace
 
 extern const KernelTable kernel_table;
@@ -65,17 +68,30 @@ bool scale_over_std_lanes_base(const double* var, const double* scale, double* m
                                int64_t n, double epsilon, double min, double max) {
   return base::kernel_table.scale_over_std_lanes(var, scale, mul, inv_std, fits, n, epsilon, min, max);
 }
+void backward_sums_base(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s) {
+  base::kernel_table.backward_sums(t, n, b, e, s);
+}
+void backward_apply_base(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e) {
+  base::kernel_table.backward_apply(t, n, b, e);
+}
+void backward_groups_base(const BackwardTask& t, const BackwardGroups& g) { base::kernel_table.backward_groups(t, g); }
+void backward_coefficients_base(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n) {
+  base::kernel_table.backward_coefficients(t, st, g, gy, n);
+}
 }  // namespace
 const KernelTable kernel_table = {kIsaName,          kWidth,           normalize_bf16,
                                   normalize_run_bf16, row_moments_base, col_moments_base,
                                   normalize_group_and_sum_bf16, normalize_rows_fused_bf16, rows_loop_bf16,
                                   lane_stats_base,
-                                  inv_std_lanes_base, scale_over_std_lanes_base};
+                                  inv_std_lanes_base, scale_over_std_lanes_base,
+                                  backward_sums_base, backward_apply_base,
+                                  backward_groups_base, backward_coefficients_base};
 #else
 const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_entry,
                                    row_moments_entry, col_moments_entry, normalize_group_and_sum_entry,
                                    normalize_rows_fused_entry, rows_loop_entry, lane_stats_entry,
-                                   inv_std_lanes_entry, scale_over_std_lanes_entry};
+                                   inv_std_lanes_entry, scale_over_std_lanes_entry, backward_sums_entry,
+                                   backward_apply_entry, backward_groups_entry, backward_coefficients_entry};
 #endif
 
 }  // namespace SIMDNORM_ISA_NS

@@ -245,6 +245,7 @@ struct FusedRowsKernel<T>::RowStream {
       store_as<C>(a.data[kMul] + r * a.step[kMul], inv_std[i]);
       if (a.stats_out[0] != nullptr) store_as<C>(a.stats_out[0] + r * a.stats_step[0], stats.mean[i]);
       if (a.stats_out[1] != nullptr) store_as<C>(a.stats_out[1] + r * a.stats_step[1], inv_std[i]);
+      if (a.var_offset != 0) store_as<C>(a.stats_out[1] + r * a.stats_step[1] + a.var_offset, stats.var[i]);
     }
   }
   // The caller's finish of the rows finish_rows() left: a second pass, or NaN statistics. Their

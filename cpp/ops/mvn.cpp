@@ -181,7 +181,7 @@ UnderflowRule MvnRunner::underflow_rule() const {
 
 // ---- empty reductions ---------------------------------------------------------------------------
 void MvnRunner::fill_stats_nan() {
-  for (const std::optional<TensorView>* t : {&a_.mean_out, &a_.inv_std_out}) {
+  for (const std::optional<TensorView>* t : {&a_.mean_out, &a_.inv_std_out, &a_.var_out}) {
     if (!*t) continue;
     const TensorView& v = **t;
     int64_t count = 1;

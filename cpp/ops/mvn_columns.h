@@ -71,6 +71,14 @@ void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lan
   if (a_.inv_std_out && a_.normalize_variance) {
     char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko);
     for (int64_t c = 0; c < nb; c += k) store_compute(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim], istd[c]);
+    if (a_.var_out) {
+      for (int64_t c = 0; c < nb; c += k) {
+        double v = var[c];
+        for (const ScaledLane& l : scaled)
+          if (l.c == c) v /= l.scale * l.scale;
+        store_compute(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim] + var_offset(), v);
+      }
+    }
   }
   NormalizeTask sub = column_normalize_task(ko, c0, nb);
   table.normalize(sub, 0, plan_.group_size * nb);

@@ -100,6 +100,7 @@ FusedRowsArgs MvnRunner::fused_rows_args(int64_t g, int64_t g1) const {
   if (a_.inv_std_out && a_.normalize_variance) args.stats_out[1] = first.p[kUserInvStd];
   args.stats_step[0] = group_stride(kUserMean, inner);
   args.stats_step[1] = group_stride(kUserInvStd, inner);
+  if (a_.var_out && args.stats_out[1] != nullptr) args.var_offset = var_offset();
   return args;
 }
 

@@ -160,8 +160,13 @@ class MvnRunner {
     store_compute(shift, r.mean);
     store_compute(mul, istd);
     if (a_.mean_out && a_.normalize_mean) store_compute(const_cast<char*>(user_mean), r.mean);
-    if (a_.inv_std_out && a_.normalize_variance) store_compute(const_cast<char*>(user_inv_std), istd);
+    if (a_.inv_std_out && a_.normalize_variance) {
+      store_compute(const_cast<char*>(user_inv_std), istd);
+      if (a_.var_out) store_compute(const_cast<char*>(user_inv_std) + var_offset(), r.var / (r.scale * r.scale));
+    }
   }
+  // Bytes from an element of inv_std_out to the same element of var_out.
+  int64_t var_offset() const { return a_.var_out->data - a_.inv_std_out->data; }
 
   void store_compute(char* p, double v) const { compute_ == DType::f64 ? store_as<double>(p, v) : store_as<float>(p, v); }
 

@@ -2,6 +2,10 @@
 
 Functional API: :func:`batch_normalization`, :func:`mean_variance_normalization` and the
 conveniences :func:`layer_norm`, :func:`rms_norm`, :func:`instance_norm`, :func:`group_norm`.
+Training: :func:`batch_normalization_training` (batch and running statistics) and the backward of
+every op (:func:`batch_normalization_backward`, :func:`mean_variance_normalization_backward`,
+:func:`layer_norm_backward`, :func:`rms_norm_backward`, :func:`instance_norm_backward`,
+:func:`group_norm_backward`).
 DirectML-style descriptors: :class:`TensorDesc`, :class:`BatchNormalizationDesc`,
 :class:`MeanVarianceNormalizationDesc`, :class:`Activation`, validated by ``desc.validate()`` and
 turned into operators by :func:`compile`. Runtime: :func:`set_num_threads`, :func:`get_num_threads`,
@@ -24,6 +28,15 @@ from ._api import (  # noqa: E402
     rms_norm,
 )
 from ._compile import compile  # noqa: E402,A004
+from ._training import (  # noqa: E402
+    batch_normalization_backward,
+    batch_normalization_training,
+    group_norm_backward,
+    instance_norm_backward,
+    layer_norm_backward,
+    mean_variance_normalization_backward,
+    rms_norm_backward,
+)
 from ._descriptors import (  # noqa: E402
     BatchNormalizationDesc,
     DescriptorAxisError,
@@ -49,6 +62,14 @@ __all__ = [
     "rms_norm",
     "instance_norm",
     "group_norm",
+    # training
+    "batch_normalization_training",
+    "batch_normalization_backward",
+    "mean_variance_normalization_backward",
+    "layer_norm_backward",
+    "rms_norm_backward",
+    "instance_norm_backward",
+    "group_norm_backward",
     # descriptors
     "TensorDesc",
     "BatchNormalizationDesc",

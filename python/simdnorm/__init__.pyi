@@ -224,6 +224,53 @@ def group_norm(
     return_stats: Literal[True],
 ) -> Tuple[_Array, _Array, _Array]: ...
 
+# training: batch statistics and gradients
+_Grads = Tuple[Optional[_Array], Optional[_Array], Optional[_Array]]
+def batch_normalization_training(
+    x: _ArrayLike, scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, epsilon: float = ...,
+    channel_axis: int = ..., fused_add: Optional[_ArrayLike] = ..., activation: ActivationLike = ...,
+    running_mean: Optional[_Array] = ..., running_var: Optional[_Array] = ...,
+    momentum: Union[float, Literal["cumulative"], None] = ..., momentum_convention: Literal["pytorch", "onnx"] = ...,
+    num_batches_tracked: Optional[int] = ..., out: Optional[_Array] = ...,
+) -> Tuple[_Array, _Array, _Array]: ...
+def batch_normalization_backward(
+    grad_output: _ArrayLike, x: _ArrayLike, mean: _ArrayLike, variance: _ArrayLike,
+    scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, epsilon: float = ...,
+    channel_axis: int = ..., training: bool = ..., fused_add: Optional[_ArrayLike] = ...,
+    activation: ActivationLike = ..., grad_input: bool = ..., grad_scale: Optional[bool] = ...,
+    grad_bias: Optional[bool] = ..., out: Optional[_Array] = ...,
+) -> Tuple[Optional[_Array], ...]: ...
+def mean_variance_normalization_backward(
+    grad_output: _ArrayLike, x: _ArrayLike, axes: Union[int, Sequence[int]], mean: Optional[_ArrayLike],
+    inv_std: Optional[_ArrayLike], scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *,
+    normalize_mean: bool = ..., normalize_variance: bool = ..., epsilon: float = ..., epsilon_mode: str = ...,
+    activation: ActivationLike = ..., grad_input: bool = ..., grad_scale: Optional[bool] = ...,
+    grad_bias: Optional[bool] = ..., out: Optional[_Array] = ...,
+) -> _Grads: ...
+def layer_norm_backward(
+    grad_output: _ArrayLike, x: _ArrayLike, mean: _ArrayLike, inv_std: _ArrayLike,
+    scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, axis: int = ..., epsilon: float = ...,
+    activation: ActivationLike = ..., grad_input: bool = ..., grad_scale: Optional[bool] = ...,
+    grad_bias: Optional[bool] = ..., out: Optional[_Array] = ...,
+) -> _Grads: ...
+def rms_norm_backward(
+    grad_output: _ArrayLike, x: _ArrayLike, inv_rms: _ArrayLike, scale: Optional[_ArrayLike] = ..., *,
+    axis: int = ..., epsilon: float = ..., activation: ActivationLike = ..., grad_input: bool = ...,
+    grad_scale: Optional[bool] = ..., grad_bias: Optional[bool] = ..., out: Optional[_Array] = ...,
+) -> _Grads: ...
+def instance_norm_backward(
+    grad_output: _ArrayLike, x: _ArrayLike, mean: _ArrayLike, inv_std: _ArrayLike,
+    scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, channel_axis: int = ...,
+    epsilon: float = ..., activation: ActivationLike = ..., grad_input: bool = ..., grad_scale: Optional[bool] = ...,
+    grad_bias: Optional[bool] = ..., out: Optional[_Array] = ...,
+) -> _Grads: ...
+def group_norm_backward(
+    grad_output: _ArrayLike, x: _ArrayLike, num_groups: int, mean: _ArrayLike, inv_std: _ArrayLike,
+    scale: Optional[_ArrayLike] = ..., bias: Optional[_ArrayLike] = ..., *, channel_axis: int = ...,
+    epsilon: float = ..., activation: ActivationLike = ..., grad_input: bool = ..., grad_scale: Optional[bool] = ...,
+    grad_bias: Optional[bool] = ..., out: Optional[_Array] = ...,
+) -> _Grads: ...
+
 def set_num_threads(n: int) -> int: ...
 def get_num_threads() -> int: ...
 def isa() -> str: ...

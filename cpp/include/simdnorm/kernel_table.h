@@ -99,6 +99,8 @@ struct FusedRowsArgs {
   UnderflowRule underflow;
   char* stats_out[2];
   int64_t stats_step[2];
+  // With the variance wanted: its bytes from stats_out[1]'s elements (0: not wanted).
+  int64_t var_offset = 0;
 };
 
 // The loop FusedRowsKernel runs a FusedRowsArgs call with (kernels/fused_rows.h), chosen by the
@@ -128,6 +130,48 @@ struct GroupPairArgs {
   double *sum, *sum_sq;       // group g + 1's totals, +=
 };
 
+// The backward ops' element arithmetic (kernels/backward.h). The kStats operand points at the mean
+// of a run's statistics element; u (1 / std), c1 and c2 follow at stats_pitch bytes each. The
+// kParams operand points at the scale; the bias follows at params_pitch.
+struct BackwardTask {
+  DType dtype = DType::f32;
+  DType fused_add_dtype = DType::f32;  // the input's or float32
+  Activation act;                       // identity, relu, leaky_relu, silu or gelu
+  bool has_fused_add = false;           // the kFusedAdd operand is read (with an activation)
+  bool write_ga = false;                // apply writes dy * act'(pre) instead of dx
+  bool grouped = false;                 // each group's sums, then its apply (BackwardGroups)
+  int64_t stats_pitch = 0, params_pitch = 0;
+  // The coefficients' rule: c1 = mean(g) [normalize_mean], c2 = k mean(g y) [normalize_variance],
+  // k = 1 / (1 - epsilon u) with epsilon outside the root; both 0 without statistics terms.
+  double inv_n = 1.0, epsilon = 0.0;
+  bool normalize_mean = true, normalize_variance = true, epsilon_outside = false, statistics_terms = true;
+};
+// Where the sums pass adds its sums (null: not wanted). group: sum(g), sum(g y), indexed by the
+// statistics element (its offset from stats_base over the compute type's size); param: sum(ga y),
+// sum(ga) by the parameter element. A target constant along a run gets the run's sums in its
+// double; one that varies along it, each element in its compute-type slot (*_vary), which the
+// caller adds into a double every few dozen runs.
+struct BackwardSums {
+  const char* stats_base = nullptr;
+  double* group[2] = {nullptr, nullptr};
+  void* group_vary[2] = {nullptr, nullptr};
+  const char* params_base = nullptr;
+  double* param[2] = {nullptr, nullptr};
+  void* param_vary[2] = {nullptr, nullptr};
+};
+
+// Groups at one step (their kept dims merged into one), each summed, its c1 and c2 set and its
+// grad_input written in one call: layer and RMS norm rows, NCHW batch, instance and group norm.
+struct BackwardGroups {
+  LoopNest group;                  // the first group's nest of runs (its reduced dims)
+  int64_t count = 0;
+  int64_t step[kNumOperands] = {};  // bytes from one group to the next
+  BackwardSums sums;               // group sums: doubles by statistics element; the block's param sums
+  int64_t param_count = 0;         // the param slots to flush every flush_every groups
+  int64_t flush_every = 32;
+  bool apply = true;               // write grad_input
+};
+
 struct KernelTable {
   const char* name;
   int float_lanes;  // floats in the ISA's vector (its lanes of doubles: half)
@@ -154,6 +198,14 @@ struct KernelTable {
   // unless null, each 1 / sqrt(var[c] + epsilon).
   bool (*scale_over_std_lanes)(const double* var, const double* scale, double* mul, double* inv_std, uint8_t* fits,
                                int64_t n, double epsilon, double min, double max);
+  // The backward ops' passes over the flat index range [begin, end) of a nest (kernels/backward.h).
+  void (*backward_sums)(const BackwardTask& task, const LoopNest& nest, int64_t begin, int64_t end,
+                        const BackwardSums& sums);
+  void (*backward_apply)(const BackwardTask& task, const LoopNest& nest, int64_t begin, int64_t end);
+  void (*backward_groups)(const BackwardTask& task, const BackwardGroups& groups);
+  // c1 and c2 of statistics elements [0, n) from their sums, into the arrays after stats (the mean's).
+  void (*backward_coefficients)(const BackwardTask& task, char* stats, const double* sum_g, const double* sum_gy,
+                                int64_t n);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }

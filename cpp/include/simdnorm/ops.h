@@ -41,11 +41,35 @@ struct MvnArgs {
   bool epsilon_outside = false;                // 1 / (sqrt(var) + eps) instead of 1 / sqrt(var + eps)
   Activation activation;
   std::optional<TensorView> mean_out, inv_std_out;  // compute type, input's shape with reduced dims 1
+  // The variance, beside inv_std_out (which it needs): same dtype, shape and strides, so that it
+  // lies at a fixed distance from it.
+  std::optional<TensorView> var_out;
+};
+
+// The backward of MVN (and of batch norm, MVN over every dim but the channel's): grad_input and the
+// parameters' sums, from grad_output, the input and the forward's statistics (kernels/backward.h
+// gives the formulas). The statistics and the parameters are broadcast against the input as in
+// the forward ops.
+struct MvnBackwardArgs {
+  TensorView input, grad_output;
+  std::optional<TensorView> grad_input;        // written: dx, or dy * act'(pre) with write_ga
+  uint32_t reduced = 0;                        // the dims the statistics were taken over
+  std::optional<TensorView> mean, inv_std;     // absent: 0 and 1
+  std::optional<TensorView> scale, bias, fused_add;
+  double epsilon = 1e-5;
+  bool normalize_mean = true, normalize_variance = true, epsilon_outside = false;
+  // The statistics depend on the input (training): grad_input takes the terms of their gradients.
+  bool statistics_terms = true;
+  bool write_ga = false;
+  Activation activation;
+  // float64, C-contiguous over the broadcast shape of scale and bias: sum(ga y) and sum(ga).
+  std::optional<TensorView> param_sums[2];
 };
 
 // With `explain` set, nothing runs: the plan that would run is described there instead (which loop
 // nest, which inner loop), so tests can check that a layout takes the path meant for it.
 void batch_norm(const BatchNormArgs& args, std::string* explain = nullptr);
 void mean_variance_normalization(const MvnArgs& args, std::string* explain = nullptr);
+void mvn_backward(const MvnBackwardArgs& args, std::string* explain = nullptr);
 
 }  // namespace simdnorm

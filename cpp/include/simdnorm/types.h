@@ -51,6 +51,12 @@ constexpr int64_t kLineBytes = 64;
 // shift/mul/scale/bias point to compute-type (float or double) arrays addressed with byte strides.
 enum Operand : int { kOut = 0, kIn = 1, kShift = 2, kMul = 3, kScale = 4, kBias = 5, kNumOperands = 6 };
 
+// The backward ops' operands, in the same six slots of a plan (the planner orders and merges any
+// six): grad_input is written, input and grad_output read; the statistics and the parameters are
+// compact compute-type arrays (ops/backward.cpp), fused_add read where an activation needs it.
+enum BackwardOperand : int { kGradIn = kOut, kX = kIn, kGradOut = kShift, kStats = kMul, kParams = kScale,
+                             kFusedAdd = kBias };
+
 // A strided iteration space after planning: dims ordered outermost first, innermost last.
 struct LoopNest {
   int ndim = 0;

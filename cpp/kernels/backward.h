@@ -1,0 +1,406 @@
+// The backward ops' two passes over a nest of runs (ops/backward.cpp plans them). Included inside
+// an ISA namespace after simd/vec.h, simd/vmath.h and kernels/iterate.h.
+//
+// Every element recomputes, in the compute type,
+//   y   = (x - mean) * u                       (u = 1 / std; mean 0 or u 1 where not normalized)
+//   pre = fma(y, scale, bias) [+ fused_add]     (only with an activation)
+//   ga  = dy * act'(pre),  g = ga * scale
+// The sums pass adds up sum(g), sum(g y) per statistics element and sum(ga y), sum(ga) per
+// parameter element; the apply pass writes dx = u * ((g - c1) - y c2), with c1, c2 per statistics
+// element. A target constant along a run is summed in vector lanes, element e of the run in lane
+// e mod W, and the lanes are added in a fixed tree every kSumFlush elements into its double; a
+// target that varies along the run gets each element added to its own compute-type slot, which the
+// op adds into its double every few dozen runs. Both depend only on the run's values, never on its
+// address; the runs are fixed by the plan, not by the threads.
+
+// dy * act'(pre) for the activations the backward ops take.
+template <class V> struct DerivIdentity {
+  explicit DerivIdentity(const Activation&) {}
+  static constexpr bool kUsesPre = false;
+  V operator()(V, V dy) const { return dy; }
+};
+
+// relu' = (pre > 0), leaky_relu' = (pre > 0 ? 1 : alpha): at 0 the left slope, as PyTorch takes it;
+// a NaN pre takes the left branch too. relu multiplies nothing by its 0, so an infinite dy gives 0.
+template <class V> struct DerivPiecewise {
+  V alpha;
+  bool leaky;
+  explicit DerivPiecewise(const Activation& a) : alpha(splat<V>(a.p0)), leaky(a.kind == ActKind::leaky_relu) {}
+  static constexpr bool kUsesPre = true;
+  V operator()(V pre, V dy) const {
+    const V left = leaky ? alpha * dy : splat<V>(0.0);
+    return vselect(pre > splat<V>(0.0), dy, left);
+  }
+};
+
+// silu' = s (1 + p (1 - s)), s = sigmoid(p); gelu' = Phi(p) + p phi(p). p is clamped where the
+// derivative has reached its limit (0 or 1) so that the limits of +-inf come out, not inf * 0.
+template <class V> V silu_derivative(V p) {
+  p = vmin(splat<V>(100.0), vmax(splat<V>(-100.0), p));
+  const V s = vsigmoid(p);
+  return s * vfma(p, splat<V>(1.0) - s, splat<V>(1.0));
+}
+template <class V> V gelu_derivative(V p) {
+  p = vmin(splat<V>(40.0), vmax(splat<V>(-40.0), p));
+  const V cdf = splat<V>(0.5) * (splat<V>(1.0) + verf(p * splat<V>(0.70710678118654752440)));
+  const V pdf = vexp(splat<V>(-0.5) * p * p) * splat<V>(0.39894228040143267794);
+  return vfma(p, pdf, cdf);
+}
+template <class V> __attribute__((noinline)) V smooth_derivative(ActKind kind, V pre) {
+  return kind == ActKind::gelu ? gelu_derivative(pre) : silu_derivative(pre);
+}
+// silu and gelu: out of line, a call a vector (their arithmetic outweighs it).
+template <class V> struct DerivSmooth {
+  ActKind kind;
+  explicit DerivSmooth(const Activation& a) : kind(a.kind) {}
+  static constexpr bool kUsesPre = true;
+  V operator()(V pre, V dy) const { return dy * smooth_derivative(kind, pre); }
+};
+
+template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& fn) {
+  switch (act.kind) {
+    case ActKind::relu:
+    case ActKind::leaky_relu: return fn(DerivPiecewise<V>(act));
+    case ActKind::silu:
+    case ActKind::gelu: return fn(DerivSmooth<V>(act));
+    default: return fn(DerivIdentity<V>(act));
+  }
+}
+
+// How a run reads its operands: kUnit, every array along the run (data contiguous, coefficient
+// arrays each constant (kConst) or contiguous (kUnit)); kAny, anything (gathered a vector at a time).
+enum BackwardStep : int { kConst = 0, kUnit = 1, kAny = 2 };
+constexpr int64_t kSumFlush = 1024;  // elements a target's vector lanes sum before their tree
+
+template <class T>
+struct BackwardKernel {
+  using L = Lanes<T>;
+  using V = typename L::V;
+  using C = typename ComputeOf<T>::type;
+  using LC = Lanes<C>;
+  static constexpr int W = L::W;
+
+  static V zero() { return splat<V>(0.0); }
+
+  // A vector of m elements of type E at p with byte stride s, gathered in the compute type.
+  template <class E>
+  static V gather(const char* p, int64_t s, int m) {
+    C b[W];
+    for (int k = 0; k < m; ++k) b[k] = static_cast<C>(Lanes<E>::load_one(reinterpret_cast<const E*>(p + k * s)));
+    return LC::load_partial(b, m);
+  }
+  template <int Step, class E>
+  static V load(const char* p, int64_t s, int m) {
+    if constexpr (Step == kConst) return splat<V>(Lanes<E>::load_one(reinterpret_cast<const E*>(p)));
+    else if constexpr (Step == kUnit) {
+      return m == W ? Lanes<E>::load(reinterpret_cast<const E*>(p)) : Lanes<E>::load_partial(reinterpret_cast<const E*>(p), m);
+    } else {
+      return s == 0 ? splat<V>(Lanes<E>::load_one(reinterpret_cast<const E*>(p))) : gather<E>(p, s, m);
+    }
+  }
+
+  // One run's pointers and steps, and the quantities every element recomputes. Everything is
+  // copied into the cursor, and coefficients constant along the run are loaded once: the stores
+  // through char pointers may alias anything, so the compiler would read them again every vector.
+  template <int SStep, int PStep, class D>
+  struct Element {
+    static constexpr int DStep = SStep == kAny || PStep == kAny ? kAny : kUnit;
+    const D& deriv;
+    const char *x, *dy, *stats, *params, *fused;
+    int64_t sx, sdy, ss, sp, sf, stats_pitch, params_pitch;
+    bool prefetch, fused_is_input;
+    V mean_c, u_c, c1_c, c2_c, scale_c, bias_c;  // the constants (kConst)
+
+    Element(const BackwardTask& t, const D& d, char* const* p, const int64_t* s, bool prefetch_ahead)
+        : deriv(d), x(p[kX]), dy(p[kGradOut]), stats(p[kStats]), params(p[kParams]), fused(p[kFusedAdd]),
+          sx(s[kX]), sdy(s[kGradOut]), ss(s[kStats]), sp(s[kParams]), sf(s[kFusedAdd]),
+          stats_pitch(t.stats_pitch), params_pitch(t.params_pitch), prefetch(prefetch_ahead),
+          fused_is_input(t.fused_add_dtype == t.dtype) {
+      if constexpr (SStep == kConst) {
+        mean_c = splat_at(stats, 0), u_c = splat_at(stats, 1), c1_c = splat_at(stats, 2), c2_c = splat_at(stats, 3);
+      }
+      if constexpr (PStep == kConst) scale_c = splat_at(params, 0), bias_c = splat_at(params + params_pitch, 0);
+    }
+    V splat_at(const char* q, int array) const {
+      C v;
+      std::memcpy(&v, q + array * stats_pitch, sizeof v);
+      return splat<V>(v);
+    }
+    // Statistics array `array` (0 mean, 1 u, 2 c1, 3 c2) at element e.
+    SIMDNORM_CURSOR_METHOD V stat(int64_t e, int array, int m) const {
+      if constexpr (SStep == kConst) return array == 0 ? mean_c : array == 1 ? u_c : array == 2 ? c1_c : c2_c;
+      const int64_t cs = static_cast<int64_t>(sizeof(C));
+      return load<SStep, C>(stats + e * (SStep == kUnit ? cs : ss) + array * stats_pitch, ss, m);
+    }
+    SIMDNORM_CURSOR_METHOD V param(int64_t e, int array, int m) const {
+      if constexpr (PStep == kConst) return array == 0 ? scale_c : bias_c;
+      const int64_t cs = static_cast<int64_t>(sizeof(C));
+      return load<PStep, C>(params + e * (PStep == kUnit ? cs : sp) + array * params_pitch, sp, m);
+    }
+    // At element e of the run, m of them (m = W but at the end).
+    SIMDNORM_CURSOR_METHOD void at(int64_t e, int m, V& y, V& ga, V& g) const {
+      const char* px = x + e * sx;
+      const char* pdy = dy + e * sdy;
+      if (DStep == kUnit && prefetch) {
+        // Rows follow each other in memory (layer norm) or runs are long: what the next rows need
+        // arrives while these are computed.
+        __builtin_prefetch(px + kPrefetchAheadBytes);
+        __builtin_prefetch(pdy + kPrefetchAheadBytes);
+      }
+      const V xv = load<DStep, T>(px, sx, m);
+      const V dyv = load<DStep, T>(pdy, sdy, m);
+      const V scale = param(e, 0, m);
+      y = (xv - stat(e, 0, m)) * stat(e, 1, m);
+      if constexpr (D::kUsesPre) {
+        V pre = vfma(y, scale, param(e, 1, m));
+        if (fused != nullptr) {  // (runs with a fused_add are planned kAny)
+          const char* f = fused + e * sf;
+          pre = pre + (fused_is_input ? gather<T>(f, sf, m) : gather<float>(f, sf, m));
+        }
+        ga = deriv(pre, dyv);
+      } else {
+        ga = dyv;
+      }
+      g = ga * scale;
+    }
+  };
+
+  // Adds the m lanes of v to a target that varies along the run (element k at acc[k * step]).
+  template <int Step>
+  static void add_varying(C* acc, int64_t step, V v, int m) {
+    if constexpr (Step == kUnit) {
+      if (m == W) LC::store(acc, LC::load(acc) + v);
+      else LC::store_partial(acc, LC::load_partial(acc, m) + v, m);
+    } else {
+      C b[W];
+      LC::store(b, v);
+      for (int k = 0; k < m; ++k) acc[k * step] += b[k];
+    }
+  }
+
+  // The sums pass over one run of n elements.
+  template <int SStep, int PStep, class D>
+  static void sums_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n,
+                       const BackwardSums& acc) {
+    const Element<SStep, PStep, D> el(t, deriv, p, s, true);
+    const int64_t cs = static_cast<int64_t>(sizeof(C));
+    // Grouped, the apply pass writes these elements next: their lines are fetched for writing
+    // while this pass waits on its reads.
+    char* const own_out = t.grouped && SStep != kAny && PStep != kAny ? p[kGradIn] : nullptr;
+    const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
+    // Element steps of the targets (runtime for kAny: 0 sums in lanes like kConst).
+    const int64_t sstep = SStep == kConst ? 0 : SStep == kUnit ? 1 : s[kStats] / cs;
+    const int64_t pstep = PStep == kConst ? 0 : PStep == kUnit ? 1 : s[kParams] / cs;
+    const int64_t gi = (p[kStats] - acc.stats_base) / cs, pi = (p[kParams] - acc.params_base) / cs;
+    double* const ga0 = want_group ? acc.group[0] + gi : nullptr;
+    double* const ga1 = want_group ? acc.group[1] + gi : nullptr;
+    double* const pa0 = want_param ? acc.param[0] + pi : nullptr;
+    double* const pa1 = want_param ? acc.param[1] + pi : nullptr;
+    C* const gv0 = want_group ? static_cast<C*>(acc.group_vary[0]) + gi : nullptr;
+    C* const gv1 = want_group ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
+    C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
+    C* const pv1 = want_param ? static_cast<C*>(acc.param_vary[1]) + pi : nullptr;
+    for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
+      const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
+      V sg = zero(), sgy = zero(), sgay = zero(), sga = zero();
+      for (int64_t e = e0; e < e1; e += W) {
+        const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
+        V y, ga, g;
+        if (own_out != nullptr) __builtin_prefetch(own_out + e * static_cast<int64_t>(sizeof(T)), 1);
+        el.at(e, m, y, ga, g);
+        if (m < W) {
+          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+          y = vselect(own, y, zero());
+          ga = vselect(own, ga, zero());
+          g = vselect(own, g, zero());
+        }
+        if (want_group) {
+          if (SStep == kConst || (SStep == kAny && sstep == 0)) {
+            sg = sg + g;
+            sgy = vfma(g, y, sgy);
+          } else {
+            add_varying<SStep>(gv0 + e * sstep, sstep, g, m);
+            add_varying<SStep>(gv1 + e * sstep, sstep, g * y, m);
+          }
+        }
+        if (want_param) {
+          if (PStep == kConst || (PStep == kAny && pstep == 0)) {
+            sgay = vfma(ga, y, sgay);
+            sga = sga + ga;
+          } else {
+            add_varying<PStep>(pv0 + e * pstep, pstep, ga * y, m);
+            add_varying<PStep>(pv1 + e * pstep, pstep, ga, m);
+          }
+        }
+      }
+      if (want_group && sstep == 0) {
+        *ga0 += static_cast<double>(vreduce_add(sg));
+        *ga1 += static_cast<double>(vreduce_add(sgy));
+      }
+      if (want_param && pstep == 0) {
+        *pa0 += static_cast<double>(vreduce_add(sgay));
+        *pa1 += static_cast<double>(vreduce_add(sga));
+      }
+    }
+  }
+
+  // The apply pass over one run: dx = u * ((g - c1) - y * c2).
+  template <int SStep, int PStep, class D>
+  static void apply_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n) {
+    // Grouped, the sums pass has just read the group: its data are in the L1.
+    // Grouped, the sums pass has just read the group: its data are in the L1.
+    const bool grouped = t.grouped, write_ga = t.write_ga;
+    const Element<SStep, PStep, D> el(t, deriv, p, s, !grouped);
+    char* const dx_base = p[kGradIn];
+    const int64_t sdx = s[kGradIn];
+    for (int64_t e = 0; e < n; e += W) {
+      const int m = static_cast<int>(n - e < W ? n - e : W);
+      V y, ga, g;
+      char* out = dx_base + e * sdx;
+      if (SStep != kAny && PStep != kAny && !grouped) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
+      el.at(e, m, y, ga, g);
+      if (write_ga) {  // in the compute type, for the caller's sums
+        C b[W];
+        LC::store_partial(b, ga, m);
+        for (int k = 0; k < m; ++k) std::memcpy(out + k * sdx, &b[k], sizeof(C));
+        continue;
+      }
+      const V dx = el.stat(e, 1, m) * vfma(splat<V>(0.0) - y, el.stat(e, 3, m), g - el.stat(e, 2, m));
+      if (SStep != kAny && PStep != kAny) {
+        if (m == W) L::store(reinterpret_cast<T*>(out), dx);
+        else L::store_partial(reinterpret_cast<T*>(out), dx, m);
+      } else {
+        T b[W];
+        L::store_partial(b, dx, m);
+        for (int k = 0; k < m; ++k) std::memcpy(out + k * sdx, &b[k], sizeof(T));
+      }
+    }
+  }
+
+  // Calls fn(integral_constant SStep, integral_constant PStep) for the run's layout.
+  template <class Fn>
+  static void visit_layout(const BackwardTask& t, const int64_t* s, bool writes, Fn&& fn) {
+    const int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));
+    const bool data_unit = s[kX] == es && s[kGradOut] == es && (!writes || s[kGradIn] == es);
+    const bool fused = t.has_fused_add && t.act.kind != ActKind::identity;
+    const bool coef = (s[kStats] == 0 || s[kStats] == cs) && (s[kParams] == 0 || s[kParams] == cs);
+    using K0 = std::integral_constant<int, kConst>;
+    using K1 = std::integral_constant<int, kUnit>;
+    using KA = std::integral_constant<int, kAny>;
+    if (!data_unit || fused || !coef) return fn(KA{}, KA{});
+    if (s[kStats] == 0) return s[kParams] == 0 ? fn(K0{}, K0{}) : fn(K0{}, K1{});
+    return s[kParams] == 0 ? fn(K1{}, K0{}) : fn(K1{}, K1{});
+  }
+
+  static void sums(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end, const BackwardSums& acc) {
+    visit_derivative<V>(t.act, [&](const auto& deriv) {
+      for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
+        visit_layout(t, s, false, [&](auto ss, auto ps) {
+          sums_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, p, s, len, acc);
+        });
+      });
+    });
+  }
+
+  static void apply(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end) {
+    visit_derivative<V>(t.act, [&](const auto& deriv) {
+      for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
+        visit_layout(t, s, true, [&](auto ss, auto ps) {
+          apply_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, p, s, len);
+        });
+      });
+    });
+  }
+};
+
+// c1 and c2 of statistics element i (at stats + i * sizeof(C)) from its sums.
+template <class C>
+static void set_coefficients(const BackwardTask& t, char* stats, int64_t i, double sum_g, double sum_gy) {
+  double c1 = 0.0, c2 = 0.0;
+  if (t.statistics_terms) {
+    C u;
+    std::memcpy(&u, stats + t.stats_pitch + i * sizeof(C), sizeof u);
+    double k = 1.0;
+    if (t.epsilon_outside) {
+      // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
+      const double den = 1.0 - t.epsilon * static_cast<double>(u);
+      k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
+    }
+    c1 = t.normalize_mean ? sum_g * t.inv_n : 0.0;
+    c2 = t.normalize_variance ? k * sum_gy * t.inv_n : 0.0;
+  }
+  const C v1 = static_cast<C>(c1), v2 = static_cast<C>(c2);
+  std::memcpy(stats + 2 * t.stats_pitch + i * sizeof(C), &v1, sizeof v1);
+  std::memcpy(stats + 3 * t.stats_pitch + i * sizeof(C), &v2, sizeof v2);
+}
+
+template <class C>
+static void flush_vary(double* sums, void* vary, int64_t n) {
+  C* v = static_cast<C*>(vary);
+  for (int64_t i = 0; i < n; ++i) sums[i] += static_cast<double>(v[i]);
+  std::fill(v, v + n, C(0));
+}
+
+template <class T>
+static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) {
+  using C = typename ComputeOf<T>::type;
+  using K = BackwardKernel<T>;
+  int64_t n = 1;
+  for (int d = 0; d < gs.group.ndim; ++d) n *= gs.group.sizes[d];
+  const BackwardSums& s = gs.sums;
+  const char* stats0 = s.stats_base;
+  LoopNest g = gs.group;
+  auto finish = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
+    if (s.param[0] != nullptr && (k % gs.flush_every == gs.flush_every - 1 || k == gs.count - 1)) {
+      flush_vary<C>(s.param[0], s.param_vary[0], gs.param_count);
+      flush_vary<C>(s.param[1], s.param_vary[1], gs.param_count);
+    }
+    for (int op = 0; op < kNumOperands; ++op) g.data[op] += gs.step[op];
+  };
+  auto coefficients = [&]() SIMDNORM_INLINE_LAMBDA {
+    const int64_t i = (g.data[kStats] - stats0) / static_cast<int64_t>(sizeof(C));
+    set_coefficients<C>(t, const_cast<char*>(stats0), i, s.group[0][i], s.group[1][i]);
+  };
+  if (g.ndim == 1) {  // one run a group (layer and RMS norm rows): its loop chosen once for all
+    int64_t steps[kNumOperands];
+    for (int op = 0; op < kNumOperands; ++op) steps[op] = g.strides[op][0];
+    visit_derivative<typename K::V>(t.act, [&](const auto& deriv) {
+      K::visit_layout(t, steps, gs.apply, [&](auto ss, auto ps) {
+        for (int64_t k = 0; k < gs.count; ++k) {
+          K::template sums_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, g.data, steps, n, s);
+          coefficients();
+          if (gs.apply) K::template apply_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, g.data, steps, n);
+          finish(k);
+        }
+      });
+    });
+    return;
+  }
+  for (int64_t k = 0; k < gs.count; ++k) {
+    K::sums(t, g, 0, n, s);
+    coefficients();
+    if (gs.apply) K::apply(t, g, 0, n);
+    finish(k);
+  }
+}
+
+static void backward_groups_entry(const BackwardTask& t, const BackwardGroups& g) {
+  with_storage_type(t.dtype, [&](auto st) { backward_groups_of<typename decltype(st)::type>(t, g); });
+}
+
+static void backward_coefficients_entry(const BackwardTask& t, char* stats, const double* sum_g, const double* sum_gy,
+                                        int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (t.dtype == DType::f64) set_coefficients<double>(t, stats, i, sum_g[i], sum_gy[i]);
+    else set_coefficients<float>(t, stats, i, sum_g[i], sum_gy[i]);
+  }
+}
+
+static void backward_sums_entry(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end,
+                                const BackwardSums& acc) {
+  with_storage_type(t.dtype, [&](auto st) { BackwardKernel<typename decltype(st)::type>::sums(t, nest, begin, end, acc); });
+}
+
+static void backward_apply_entry(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end) {
+  with_storage_type(t.dtype, [&](auto st) { BackwardKernel<typename decltype(st)::type>::apply(t, nest, begin, end); });
+}

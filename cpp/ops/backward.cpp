@@ -1,0 +1,322 @@
+// The backward of MVN, and through it of batch norm and the conveniences (python/simdnorm/_training.py).
+//
+// With g = dy * act'(pre) * scale and y the normalized value, per statistics group of n elements:
+//   dx = u * ((g - c1) - y * c2),  c1 = mean(g) [normalize_mean],  c2 = k * mean(g y) [normalize_variance]
+// (k = 1, or 1 / (1 - epsilon u) with epsilon outside the root), c1 = c2 = 0 where the statistics
+// are constants (batch norm's training=False); and the parameters' sums(ga y), sum(ga) over the
+// dims they broadcast along. The statistics and the parameters are first folded into compact
+// compute-type arrays (mean, u, c1, c2 and scale, bias: FoldedParams), which the kernels read as
+// two operands of the nest. Two strategies, chosen by the shapes alone:
+//   groups    the reduced dims are the innermost (rows: layer and RMS norm, NCHW batch, instance
+//             and group norm): each group is summed, its c1 and c2 set, and its dx written while its
+//             runs are still in cache; groups go in fixed blocks, each with its own parameter sums.
+//   two pass  anything else (channels last, a single group): one pass of sums over fixed chunks of
+//             the elementwise nest, each chunk with its own sums, then one elementwise pass.
+// The blocks and chunks are fixed by the shapes and their sums merged in their order, so the result
+// is bitwise the same for any number of threads.
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "ops/common.h"
+#include "runtime/cpu.h"
+#include "runtime/thread_pool.h"
+#include "simdnorm/check.h"
+
+namespace simdnorm {
+namespace {
+
+// Statistics: mean (absent 0) and u = 1 / std (absent 1) in, (mean, u, c1, c2) out (c1, c2 set later).
+void fold_statistics(const double* const* in, double* const* out, int64_t n, const void*) {
+  std::copy(in[0], in[0] + n, out[0]);
+  std::copy(in[1], in[1] + n, out[1]);
+  std::fill(out[2], out[2] + n, 0.0);
+  std::fill(out[3], out[3] + n, 0.0);
+}
+void fold_parameters(const double* const* in, double* const* out, int64_t n, const void*) {
+  std::copy(in[0], in[0] + n, out[0]);
+  std::copy(in[1], in[1] + n, out[1]);
+}
+
+// Blocks of groups (or chunks of elements) hold at most this many bytes of partial sums in all.
+constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;
+constexpr int64_t kMaxBlocks = 64;
+// Elements per chunk of the two-pass strategy's sums, at least.
+constexpr int64_t kMinChunkElements = int64_t(1) << 16;
+// Runs (groups) a compute-type slot sums before it is added into its double.
+constexpr int64_t kFlushRuns = 32;
+
+class BackwardRunner {
+ public:
+  explicit BackwardRunner(const MvnBackwardArgs& a)
+      : a_(a), compute_(compute_type(a.input.dtype)), csize_(itemsize(compute_)) {}
+
+  void run(std::string* explain) {
+    const TensorView& x = a_.input;
+    int64_t total = 1, group_size = 1;
+    for (int d = 0; d < x.ndim; ++d) {
+      total *= x.sizes[d];
+      if ((a_.reduced >> d) & 1u) group_size *= x.sizes[d];
+    }
+    fold();
+    want_params_ = a_.param_sums[0].has_value();
+    want_group_ = a_.statistics_terms && (a_.normalize_mean || a_.normalize_variance) && a_.grad_input &&
+                  !a_.write_ga;
+    n_ = group_size;
+    if (total == 0) {
+      if (explain != nullptr) *explain = "empty";
+      else write_param_sums({}, 0);
+      return;
+    }
+    task_.dtype = x.dtype;
+    task_.act = a_.activation;
+    task_.has_fused_add = a_.fused_add.has_value();
+    task_.fused_add_dtype = a_.fused_add ? a_.fused_add->dtype : x.dtype;
+    task_.write_ga = a_.write_ga;
+    task_.stats_pitch = stats_->data(1) - stats_->data(0);
+    task_.params_pitch = params_->data(1) - params_->data(0);
+    task_.inv_n = 1.0 / static_cast<double>(n_);
+    task_.epsilon = a_.epsilon;
+    task_.normalize_mean = a_.normalize_mean;
+    task_.normalize_variance = a_.normalize_variance;
+    task_.epsilon_outside = a_.epsilon_outside;
+    task_.statistics_terms = want_group_;
+
+    Problem p = problem();
+    const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));
+    const bool grouped = want_group_ && !rp.lanes && rp.groups > 1;
+    if (explain != nullptr) {
+      *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count()) +
+                 " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : elementwise(p));
+      return;
+    }
+    task_.grouped = grouped;
+    if (grouped) run_groups(rp);
+    else run_two_pass(elementwise(p), total);
+  }
+
+ private:
+  void fold() {
+    const TensorView& x = a_.input;
+    stats_ = std::make_unique<FoldedParams>(
+        x.ndim, x.sizes,
+        std::initializer_list<FoldedParams::Input>{{a_.mean ? &*a_.mean : nullptr, 0.0},
+                                                   {a_.inv_std ? &*a_.inv_std : nullptr, 1.0}},
+        std::initializer_list<int>{kStats, kStats, kStats, kStats}, compute_, fold_statistics, nullptr);
+    params_ = std::make_unique<FoldedParams>(
+        x.ndim, x.sizes,
+        std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
+                                                   {a_.bias ? &*a_.bias : nullptr, 0.0}},
+        std::initializer_list<int>{kParams, kParams}, compute_, fold_parameters, nullptr);
+    for (const auto& out : a_.param_sums)
+      if (out) SIMDNORM_CHECK(out->dtype == DType::f64 && element_count_of(*out) == params_->count());
+  }
+
+  static int64_t element_count_of(const TensorView& v) {
+    int64_t n = 1;
+    for (int d = 0; d < v.ndim; ++d) n *= v.sizes[d];
+    return n;
+  }
+
+  Problem problem() const {
+    const TensorView& x = a_.input;
+    Problem p;
+    p.ndim = x.ndim;
+    for (int d = 0; d < x.ndim; ++d) {
+      p.sizes[d] = x.sizes[d];
+      // Without grad_input the input's strides order the nest in its place.
+      p.strides[kGradIn][d] = a_.grad_input ? a_.grad_input->strides[d] : x.strides[d];
+      p.strides[kX][d] = x.strides[d];
+      p.strides[kGradOut][d] = a_.grad_output.strides[d];
+      p.strides[kStats][d] = stats_->strides()[d];
+      p.strides[kParams][d] = params_->strides()[d];
+      p.strides[kFusedAdd][d] = a_.fused_add && a_.fused_add->sizes[d] != 1 ? a_.fused_add->strides[d] : 0;
+    }
+    // (Without grad_input nothing is written: the input's pointer only keeps the slot's arithmetic
+    // off a null pointer.)
+    p.data[kGradIn] = a_.grad_input ? a_.grad_input->data : x.data;
+    p.data[kX] = x.data;
+    p.data[kGradOut] = a_.grad_output.data;
+    p.data[kStats] = stats_->data(0);
+    p.data[kParams] = params_->data(0);
+    p.data[kFusedAdd] = a_.fused_add ? a_.fused_add->data : nullptr;
+    return p;
+  }
+
+  static LoopNest elementwise(const Problem& p) {
+    LoopNest nest;
+    plan_elementwise(p, nest);
+    return nest;
+  }
+
+  // One block's (or chunk's) sums: doubles, and the compute-type slots of the targets that vary
+  // along runs (flush() adds them into the doubles). Layout: [group sum(g), sum(g y)] when the
+  // group sums are wanted here, then [param sum(ga y), sum(ga)].
+  struct Partial {
+    std::vector<double> sums;
+    std::vector<char> vary;
+  };
+  Partial partial(bool group, bool params) const {
+    const size_t width = static_cast<size_t>((group ? 2 * stats_->count() : 0) + (params ? 2 * params_->count() : 0));
+    return Partial{std::vector<double>(width, 0.0), std::vector<char>(width * static_cast<size_t>(csize_), 0)};
+  }
+  void flush(Partial& p) const {
+    if (compute_ == DType::f64) add_and_clear(p.sums, reinterpret_cast<double*>(p.vary.data()));
+    else add_and_clear(p.sums, reinterpret_cast<float*>(p.vary.data()));
+  }
+  template <class C>
+  static void add_and_clear(std::vector<double>& sums, C* vary) {
+    for (size_t i = 0; i < sums.size(); ++i) sums[i] += static_cast<double>(vary[i]);
+    std::fill(vary, vary + sums.size(), C(0));
+  }
+  // Pointers into p for the sums pass; group sums from `group` instead when given (grouped: each
+  // group's own, never varying along its runs).
+  BackwardSums sums_of(Partial& p, bool group, bool params, Partial* group_from = nullptr) const {
+    const int64_t ns = stats_->count(), np = params_->count();
+    BackwardSums s;
+    s.stats_base = stats_->data(0);
+    s.params_base = params_->data(0);
+    int64_t at = 0;
+    if (group) {
+      Partial& g = group_from != nullptr ? *group_from : p;
+      s.group[0] = g.sums.data(), s.group[1] = g.sums.data() + ns;
+      s.group_vary[0] = g.vary.data(), s.group_vary[1] = g.vary.data() + ns * csize_;
+      if (group_from == nullptr) at = 2 * ns;
+    }
+    if (params) {
+      s.param[0] = p.sums.data() + at, s.param[1] = p.sums.data() + at + np;
+      s.param_vary[0] = p.vary.data() + at * csize_, s.param_vary[1] = p.vary.data() + (at + np) * csize_;
+    }
+    return s;
+  }
+
+
+
+  // The parameters' sums: the partials' (from offset `at`), merged in their order, into the user's.
+  void write_param_sums(const std::vector<Partial>& partials, int64_t at) {
+    if (!want_params_) return;
+    const int64_t np = params_->count();
+    for (int o = 0; o < 2; ++o) {
+      double* out = reinterpret_cast<double*>(a_.param_sums[o]->data);
+      for (int64_t i = 0; i < np; ++i) {
+        double s = 0.0;
+        for (const Partial& p : partials) s += p.sums[static_cast<size_t>(at + o * np + i)];
+        out[i] = s;
+      }
+    }
+  }
+
+  int64_t blocks_for(int64_t units, int64_t per_block_bytes, int64_t min_units) const {
+    int64_t blocks = std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, units / std::max<int64_t>(1, min_units)));
+    if (per_block_bytes > 0) blocks = std::min(blocks, std::max<int64_t>(1, kMaxPartialBytes / per_block_bytes));
+    return std::min(blocks, units);
+  }
+
+  // Runs fn(part) for parts [0, n) on the pool when the work is worth a second thread.
+  static void for_parts(int64_t n, int64_t work, const std::function<void(int)>& fn) {
+    if (parts_for(work, kMinElementsPerThread) <= 1) {
+      for (int i = 0; i < n; ++i) fn(i);
+    } else {
+      parallel_for(static_cast<int>(n), fn);
+    }
+  }
+
+  void run_groups(const ReductionPlan& rp) {
+    const KernelTable& k = kernels();
+    const LoopNest& nest = rp.nest;
+    const int64_t groups = rp.groups;
+    Partial group_sums = partial(true, false);
+    const int64_t param_bytes = want_params_ ? 2 * params_->count() * (8 + csize_) : 0;
+    const int64_t blocks = blocks_for(groups, param_bytes, std::max<int64_t>(1, kMinChunkElements / std::max<int64_t>(1, n_)));
+    std::vector<Partial> partials;
+    for (int64_t b = 0; b < blocks; ++b) partials.push_back(partial(false, want_params_));
+    const int64_t per = (groups + blocks - 1) / blocks;
+    // A group's sub-nest: the reduced dims, its data at the group's offsets.
+    LoopNest sub;
+    sub.ndim = rp.reduced_dims;
+    for (int d = 0; d < sub.ndim; ++d) {
+      sub.sizes[d] = nest.sizes[rp.kept_dims + d];
+      for (int op = 0; op < kNumOperands; ++op) sub.strides[op][d] = nest.strides[op][rp.kept_dims + d];
+    }
+    const int inner = rp.kept_dims - 1;  // groups at one step along it go to the kernel in one call
+    for_parts(blocks, groups * n_, [&](int b) {
+      const int64_t g0 = b * per, g1 = std::min(groups, g0 + per);
+      BackwardGroups call;
+      call.group = sub;
+      call.sums = sums_of(partials[static_cast<size_t>(b)], true, want_params_, &group_sums);
+      call.param_count = params_->count();
+      call.flush_every = kFlushRuns;
+      call.apply = a_.grad_input.has_value();
+      for (int op = 0; op < kNumOperands; ++op) call.step[op] = nest.data[op] != nullptr ? nest.strides[op][inner] : 0;
+      for (int64_t g = g0; g < g1; g += call.count) {
+        int64_t rem = g;
+        for (int op = 0; op < kNumOperands; ++op) call.group.data[op] = nest.data[op];
+        for (int d = inner; d >= 0; --d) {
+          const int64_t i = rem % nest.sizes[d];
+          rem /= nest.sizes[d];
+          for (int op = 0; op < kNumOperands; ++op)
+            if (nest.data[op] != nullptr) call.group.data[op] += i * nest.strides[op][d];  // (fused_add may be null)
+        }
+        call.count = std::min(g1, (g / nest.sizes[inner] + 1) * nest.sizes[inner]) - g;
+        k.backward_groups(task_, call);
+      }
+    });
+    write_param_sums(partials, 0);
+  }
+
+  void run_two_pass(const LoopNest& nest, int64_t total) {
+    const KernelTable& k = kernels();
+    const int64_t ns = stats_->count();
+    if (want_group_ || want_params_) {
+      const int64_t bytes = ((want_group_ ? 2 * ns : 0) + (want_params_ ? 2 * params_->count() : 0)) * (8 + csize_);
+      const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
+      const int64_t per = (total + chunks - 1) / chunks;
+      // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest.
+      const int64_t flush_every = kFlushRuns * nest.sizes[nest.ndim - 1];
+      std::vector<Partial> partials;
+      for (int64_t c = 0; c < chunks; ++c) partials.push_back(partial(want_group_, want_params_));
+      for_parts(chunks, total, [&](int c) {
+        Partial& mine = partials[static_cast<size_t>(c)];
+        const BackwardSums s = sums_of(mine, want_group_, want_params_);
+        const int64_t end = std::min(total, (c + 1) * per);
+        for (int64_t b = c * per; b < end; b += flush_every) {
+          k.backward_sums(task_, nest, b, std::min(end, b + flush_every), s);
+          flush(mine);
+        }
+      });
+      if (want_group_) {
+        std::vector<double> merged(static_cast<size_t>(2 * ns), 0.0);
+        for (const Partial& p : partials)
+          for (size_t i = 0; i < merged.size(); ++i) merged[i] += p.sums[i];
+        k.backward_coefficients(task_, stats_->data(0), merged.data(), merged.data() + ns, ns);
+      }
+      write_param_sums(partials, want_group_ ? 2 * ns : 0);
+    } else {
+      write_param_sums({}, 0);
+    }
+    if (!a_.grad_input) return;
+    const int parts = parts_for(total, kMinElementsPerThread);
+    if (parts == 1) return k.backward_apply(task_, nest, 0, total);
+    const int64_t per = ((total + parts - 1) / parts + 63) / 64 * 64;
+    parallel_for(parts, [&](int part) {
+      const int64_t begin = part * per, end = std::min(total, begin + per);
+      if (begin < end) k.backward_apply(task_, nest, begin, end);
+    });
+  }
+
+  const MvnBackwardArgs& a_;
+  const DType compute_;
+  const int64_t csize_;
+  std::unique_ptr<FoldedParams> stats_, params_;
+  BackwardTask task_;
+  bool want_params_ = false, want_group_ = false;
+  int64_t n_ = 1;
+};
+
+}  // namespace
+
+void mvn_backward(const MvnBackwardArgs& args, std::string* explain) { BackwardRunner(args).run(explain); }
+
+}  // namespace simdnorm

@@ -1,0 +1,756 @@
+"""Training: batch statistics with running statistics, and the backward of every op.
+
+``batch_normalization_training`` is MVN over every dim but the channel's (its statistics, variance
+included, from the same kernels), then the running statistics. Every backward op is one call of
+``_core.mvn_backward`` (cpp/ops/backward.cpp): batch norm's over its reduced dims, the conveniences'
+through the same views as their forward ops (group norm splits the channel dim). The parameters'
+gradients come back as float64 sums over scale and bias's broadcast shape, reduced here to each
+parameter's own shape and dtype.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from ._activation import ActivationLike, core_tuple
+from ._api import _documented, _split_view
+from ._compile import as_input, as_param, check_out, needs_temporary
+from ._descriptors import (
+    MAX_DIMS,
+    DescriptorAxisError,
+    DescriptorError,
+    DescriptorTypeError,
+    TensorDesc,
+    _check_activation,
+    _check_bool,
+    _check_param_dtype,
+    channel_axis_rule,
+    check_epsilon,
+    check_epsilon_mode,
+    dtype_name,
+    is_int,
+    mvn_param_rule,
+    normalize_axes,
+    normalize_axis,
+    num_groups_rule,
+    per_channel_rule,
+    spatial_axes_rule,
+    stats_dtype,
+    trailing_axes_rule,
+    value_text,
+)
+
+__all__ = [
+    "batch_normalization_training",
+    "batch_normalization_backward",
+    "mean_variance_normalization_backward",
+    "layer_norm_backward",
+    "rms_norm_backward",
+    "instance_norm_backward",
+    "group_norm_backward",
+]
+
+BACKWARD_ACTIVATIONS = ("relu", "leaky_relu", "silu", "gelu")
+_IDENTITY = (0, 0.0, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# argument rules
+
+def _input(x: Any) -> np.ndarray:
+    x = as_input(x)
+    TensorDesc(x.dtype, x.shape)._check("input", "data")
+    return x
+
+
+def _grad_output(dy: Any, x: np.ndarray) -> np.ndarray:
+    dy = as_input(dy, "grad_output")
+    if dy.dtype != x.dtype:
+        raise DescriptorTypeError(
+            f"grad_output: dtype {dtype_name(dy.dtype)} differs from the input's {dtype_name(x.dtype)}; "
+            "grad_output must have the input's dtype and shape")
+    if dy.shape != x.shape:
+        raise DescriptorError(f"grad_output: shape {dy.shape} differs from the input's {x.shape}")
+    return dy
+
+
+def _param(p: Any, name: str, x: np.ndarray) -> Optional[np.ndarray]:
+    if p is None:
+        return None
+    p = as_param(p, name, x)
+    _check_param_dtype(name, TensorDesc(p.dtype, p.shape), TensorDesc(x.dtype, x.shape))
+    return p
+
+
+def _backward_activation(activation: Any) -> Tuple[int, float, float]:
+    act = _check_activation(activation)
+    if act is not None and act.name not in BACKWARD_ACTIVATIONS:
+        raise DescriptorError(
+            f"activation: {act.name!r} has no backward here; the backward ops take None, "
+            + ", ".join(BACKWARD_ACTIVATIONS))
+    return core_tuple(act)
+
+
+def _wanted(flag: Any, name: str, present: bool) -> bool:
+    """grad_scale / grad_bias: None means "when that parameter was given"."""
+    if flag is None:
+        return present
+    want = _check_bool(name, flag)
+    if want and not present:
+        raise DescriptorError(f"{name}=True but no {name[5:]} was given: there is no gradient to return")
+    return want
+
+
+def _full_shape(p: np.ndarray, nd: int, ca: int) -> Tuple[int, ...]:
+    """A parameter's shape at the input's rank, as the kernels place it: a 1-D one at ca (ca >= 0),
+    otherwise aligned right."""
+    if p.ndim == nd:
+        return p.shape
+    if ca >= 0 and p.ndim == 1:
+        return (1,) * ca + p.shape + (1,) * (nd - ca - 1)
+    return (1,) * (nd - p.ndim) + p.shape
+
+
+def _reduce_to(sums: np.ndarray, p: np.ndarray, nd: int, ca: int) -> np.ndarray:
+    """float64 sums over scale and bias's broadcast shape -> p's shape and dtype."""
+    full = _full_shape(p, nd, ca)
+    axes = tuple(d for d in range(nd) if full[d] == 1 and sums.shape[d] != 1)
+    if axes:
+        sums = sums.sum(axis=axes, keepdims=True)
+    return sums.reshape(p.shape).astype(p.dtype)
+
+
+def _targets(out: Any, want_input: bool, x: np.ndarray, *others: Any) -> Tuple[Optional[np.ndarray], Any]:
+    """(the array grad_input is written to or None, the user's out to copy it into or None)."""
+    if not want_input:
+        if out is not None:
+            raise DescriptorError("out: given with grad_input=False; there is no grad_input to write")
+        return None, None
+    if out is None:
+        return np.empty_like(x, subok=False), None
+    check_out(out, x)
+    if np.may_share_memory(out, x) and np.shares_memory(out, x):
+        raise DescriptorError("out: shares memory with the input; the backward reads the input to the end, "
+                              "so out may not be (or overlap) the input")
+    if needs_temporary(out, others[0], *others[1:]):
+        return np.empty_like(x, subok=False), out
+    return out, None
+
+
+def _finish(result: tuple, copy_to: Any) -> tuple:
+    if copy_to is None:
+        return result
+    np.copyto(copy_to, result[0])
+    return (copy_to,) + result[1:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the one backward call
+
+def _backward(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Optional[np.ndarray],
+              inv_std: Optional[np.ndarray], scale: Optional[np.ndarray], bias: Optional[np.ndarray],
+              fused_add: Optional[np.ndarray], target: Optional[np.ndarray], want_scale: bool, want_bias: bool,
+              eps: float, nm: bool, nv: bool, eo: bool, act: Tuple[int, float, float], terms: bool,
+              ca: int) -> tuple:
+    """(grad_input written into target (or None), grad_scale, grad_bias[, grad_fused_add])."""
+    nd = x.ndim
+    sums = (None, None)
+    if want_scale or want_bias:
+        joint = np.broadcast_shapes(*[_full_shape(p, nd, ca) for p in (scale, bias) if p is not None])
+        sums = (np.zeros(joint, np.float64), np.zeros(joint, np.float64))
+    if x.size == 0:
+        pass  # nothing to write; the sums of nothing are 0
+    elif target is not None or sums[0] is not None:
+        _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, target, sums[0], sums[1], eps, nm,
+                           nv, eo, act, terms, False, ca, False)
+    with np.errstate(over="ignore", invalid="ignore"):  # a sum past the parameter's range is inf, as numpy's
+        gs = _reduce_to(sums[0], scale, nd, ca) if want_scale else None
+        gb = _reduce_to(sums[1], bias, nd, ca) if want_bias else None
+        if fused_add is None:
+            return target, gs, gb
+        # grad_fused_add: dy * act'(pre) (in the compute type) summed to fused_add's shape, rounded once
+        if act[0] == 0 or x.size == 0:
+            ga = dy
+        else:
+            ga = np.empty(x.shape, stats_dtype(x.dtype))
+            _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, ga, None, None, eps, nm, nv, eo,
+                               act, terms, True, ca, False)
+        full = (1,) * (nd - fused_add.ndim) + fused_add.shape
+        red = tuple(d for d in range(nd) if full[d] == 1 and x.shape[d] != 1)
+        gf = ga.astype(np.float64).sum(axis=red, keepdims=True) if red else ga
+        return target, gs, gb, np.asarray(gf).reshape(fused_add.shape).astype(fused_add.dtype, copy=True)
+
+
+def _fused_add(fused_add: Any, x: np.ndarray) -> Optional[np.ndarray]:
+    if fused_add is None:
+        return None
+    fa = _param(fused_add, "fused_add", x)
+    mvn_param_rule("fused_add", fa.shape, x.shape)
+    return fa
+
+
+def _stats(p: Any, name: str, x: np.ndarray, axes: Tuple[int, ...]) -> np.ndarray:
+    """MVN's statistics: x's shape with the normalized dims 1 (fewer leading dims allowed)."""
+    p = _param(p, name, x)
+    mvn_param_rule(name, p.shape, x.shape)
+    full = (1,) * (x.ndim - p.ndim) + p.shape
+    bad = [d for d in axes if full[d] != 1]
+    if bad:
+        raise DescriptorError(f"{name}: shape {p.shape} has size {full[bad[0]]} along the normalized axis {bad[0]}; "
+                              "the statistics have size 1 along every normalized axis")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------
+# batch normalization
+
+def _bn_layout(x: np.ndarray, channel_axis: Any, params: Tuple[Tuple[str, Optional[np.ndarray]], ...]
+               ) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """(reduced axes, statistics shape, ca for the kernels' 1-D parameters or -1) by batch norm's
+    training rules: same-rank parameters (DirectML) give the statistics their shape, else (C,)."""
+    nd = x.ndim
+    ca = normalize_axis("channel_axis", channel_axis, nd) if nd > 1 else None
+    if nd == 1 and not is_int(channel_axis):
+        raise DescriptorTypeError(f"channel_axis: expected an int, got {type(channel_axis).__name__}")
+    same = None
+    for name, p in params:
+        if p is None:
+            continue
+        if p.ndim == nd and all(ps in (xs, 1) for ps, xs in zip(p.shape, x.shape)):
+            if same is not None and same[1] != p.shape:
+                raise DescriptorError(f"{name}: shape {p.shape} differs from {same[0]}'s {same[1]}; same-rank "
+                                      "parameters must have one shape (it is the statistics' shape)")
+            same = (name, p.shape)
+        elif ca is not None and p.shape == (x.shape[ca],):
+            continue
+        else:
+            raise DescriptorError(
+                f"{name}: shape {p.shape} does not fit the input's {x.shape}: it must be 1-D of length C = "
+                f"input.shape[channel_axis] or have the input's {nd} dims, each the input's or 1")
+    kinds = {(p.ndim == nd) for _, p in params if p is not None}
+    if len(kinds) > 1 and nd > 1:
+        raise DescriptorError("scale, bias: one is 1-D and the other same-rank; give both in one form")
+    if same is not None:  # (no dim of size 1: statistics of one element each)
+        return tuple(d for d in range(nd) if same[1][d] == 1), same[1], -1
+    if ca is None:
+        raise DescriptorAxisError("input: 1-D; batch norm of a 1-D input needs a same-rank (1-D) scale or bias "
+                                  "to say which dim holds the channels")
+    return tuple(d for d in range(nd) if d != ca), (x.shape[ca],), ca
+
+
+def _momentum(momentum: Any, convention: Any, num_batches_tracked: Any) -> float:
+    if convention not in ("pytorch", "onnx"):
+        raise DescriptorError(f"momentum_convention: {value_text(convention)}; use 'pytorch' or 'onnx'")
+    if momentum is None:
+        return 0.1 if convention == "pytorch" else 0.9
+    if isinstance(momentum, str):
+        if momentum != "cumulative" or convention != "pytorch":
+            raise DescriptorError(f"momentum: {momentum!r}; a float, None, or 'cumulative' (pytorch convention)")
+        if num_batches_tracked is None:
+            raise DescriptorError("num_batches_tracked: required with momentum='cumulative' (the count of batches "
+                                  "including this one)")
+        if not is_int(num_batches_tracked) or isinstance(num_batches_tracked, (bool, np.bool_)):
+            raise DescriptorTypeError(f"num_batches_tracked: expected an int, got {type(num_batches_tracked).__name__}")
+        if int(num_batches_tracked) < 1:
+            raise DescriptorError(f"num_batches_tracked: {int(num_batches_tracked)}; it must be >= 1")
+        return 1.0 / int(num_batches_tracked)
+    if isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, (int, float, np.integer, np.floating)):
+        raise DescriptorTypeError(f"momentum: expected a float, got {type(momentum).__name__}")
+    m = float(momentum)
+    if not (0.0 <= m <= 1.0):
+        raise DescriptorError(f"momentum: {value_text(momentum)}; it must lie in [0, 1]")
+    return m
+
+
+def _running(r: Any, name: str, shape: Tuple[int, ...], x: np.ndarray) -> np.ndarray:
+    if not isinstance(r, np.ndarray):
+        raise DescriptorTypeError(f"{name}: expected a numpy.ndarray (updated in place), got {type(r).__name__}")
+    if r.shape != shape:
+        raise DescriptorError(f"{name}: shape {r.shape}; the running statistics have the statistics' shape {shape}")
+    if r.dtype not in (np.dtype(np.float32), np.dtype(np.float64), x.dtype):
+        raise DescriptorTypeError(f"{name}: dtype {dtype_name(r.dtype)}; float32, float64 or the input's")
+    if not r.flags.writeable:
+        raise DescriptorError(f"{name}: read-only; the running statistics are updated in place")
+    return r
+
+
+@_documented
+def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
+                                 channel_axis: int = 1, fused_add: Any = None, activation: ActivationLike = None,
+                                 running_mean: Optional[np.ndarray] = None, running_var: Optional[np.ndarray] = None,
+                                 momentum: Any = None, momentum_convention: str = "pytorch",
+                                 num_batches_tracked: Optional[int] = None,
+                                 out: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Batch normalization with the batch's own statistics (training).
+
+    The mean and population variance are taken over every dim but ``channel_axis`` (with scale or
+    bias of the input's rank, over the dims where they have size 1), then ``out = activation(scale *
+    (x - mean) / sqrt(variance + epsilon) + bias + fused_add)``. The running statistics, when given,
+    are updated in place afterwards (and left untouched when the call raises).
+
+    Parameters
+    ----------
+    {x}
+    scale, bias : array_like, optional
+        1-D of length C, or of the input's rank with each dim the input's or 1; both of one shape.
+    fused_add : array_like, optional
+        Added before the activation (DirectML's FusedAdd): the input's dtype or float32,
+        broadcastable to the input.
+    running_mean, running_var : ndarray, optional
+        Given together: writeable, of the statistics' shape, float32, float64 or the input's dtype.
+    momentum : float or "cumulative", optional
+        "pytorch" convention: ``r = (1 - m) r + m batch`` with the unbiased variance, m = 0.1 by
+        default; "cumulative" averages over ``num_batches_tracked`` batches (this one included).
+        "onnx" convention: ``r = m r + (1 - m) batch`` with the population variance, m = 0.9.
+    momentum_convention : {{"pytorch", "onnx"}}
+    num_batches_tracked : int, optional
+        With ``momentum="cumulative"``: the count of batches, this one included.
+    {common}
+    channel_axis : int, default 1
+
+    Returns
+    -------
+    (ndarray, ndarray, ndarray)
+        ``(out, mean, variance)``: the statistics are float32 (float64 for float64 data), of shape
+        (C,) or of the same-rank parameters' shape.
+
+    {raises}
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[1.0, 10.0], [3.0, 30.0]], np.float32)  # (N, C) = (2, 2)
+    >>> rm, rv = np.zeros(2, np.float32), np.ones(2, np.float32)
+    >>> y, mean, var = simdnorm.batch_normalization_training(x, epsilon=0.0, running_mean=rm, running_var=rv)
+    >>> print(y)
+    [[-1. -1.]
+     [ 1.  1.]]
+    >>> print(mean, var, rm, rv)
+    [ 2. 20.] [  1. 100.] [0.2 2. ] [ 1.1 20.9]
+    """
+    x = _input(x)
+    scale = _param(scale, "scale", x)
+    bias = _param(bias, "bias", x)
+    fa = _fused_add(fused_add, x)
+    eps = check_epsilon(epsilon, x.dtype)
+    act = core_tuple(_check_activation(activation))
+    axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+    if (running_mean is None) != (running_var is None):
+        raise DescriptorError("running_mean, running_var: give both or neither")
+    count = math.prod(x.shape[d] for d in axes)
+    m = 0.0
+    if running_mean is not None:
+        running_mean = _running(running_mean, "running_mean", sshape, x)
+        running_var = _running(running_var, "running_var", sshape, x)
+        m = _momentum(momentum, momentum_convention, num_batches_tracked)
+        if count == 1:
+            raise DescriptorError("running_var: the statistics are over 1 element per channel, whose unbiased "
+                                  "variance is undefined")
+    target, copy_to = (np.empty_like(x, subok=False), None) if out is None else (out, None)
+    if out is not None:
+        check_out(out, x)
+        if needs_temporary(out, x, scale, bias, fa):
+            target, copy_to = np.empty_like(x, subok=False), out
+    full = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+    sdt = stats_dtype(x.dtype)
+    mean = np.empty(full, sdt)
+    inv_std = np.empty(full, sdt)
+    var = np.empty(full, sdt)
+    if fa is None or x.dtype == sdt:
+        _core.mvn(x, axes, scale, bias, target, eps, True, True, False, _IDENTITY if fa is not None else act, mean,
+                  inv_std, ca, False, var)
+        pre = target
+    else:  # 16-bit data: the sum taken in float32, rounded once at the end
+        pre = np.empty(x.shape, sdt)
+        # (the statistics only: the normalized values go to a scratch array, as out may be x)
+        _core.mvn(x, axes, None, None, np.empty_like(x), eps, True, True, False, _IDENTITY, mean, inv_std, ca, False,
+                  var)
+        np.subtract(x, mean, out=pre, dtype=sdt)
+        np.multiply(pre, inv_std, out=pre)
+        if scale is not None:
+            np.multiply(pre, scale.reshape(_full_shape(scale, x.ndim, ca)), out=pre, casting="unsafe")
+        if bias is not None:
+            np.add(pre, bias.reshape(_full_shape(bias, x.ndim, ca)), out=pre, casting="unsafe")
+    if fa is not None:
+        np.add(pre, fa, out=pre, casting="unsafe")
+        if act != _IDENTITY:  # in place: act(fma(y - 0, 1 / sqrt(1 + 0), 0)) is act(y)
+            zero, one = np.zeros(1, sdt), np.ones(1, sdt)
+            _core.batch_norm(pre, zero, one, None, None, pre, 0.0, act, 0, False)
+        if pre is not target:
+            np.copyto(target, pre, casting="unsafe")
+    if copy_to is not None:
+        np.copyto(copy_to, target)
+        target = copy_to
+    mean = mean.reshape(sshape)
+    var = var.reshape(sshape)
+    if running_mean is not None and count > 0:
+        bm, bv = mean.astype(np.float64), var.astype(np.float64)
+        rm, rv = running_mean.astype(np.float64), running_var.astype(np.float64)
+        if momentum_convention == "pytorch":
+            rm = (1.0 - m) * rm + m * bm
+            rv = (1.0 - m) * rv + m * bv * (count / (count - 1))
+        else:
+            rm = m * rm + (1.0 - m) * bm
+            rv = m * rv + (1.0 - m) * bv
+        running_mean[...] = rm
+        running_var[...] = rv
+    return target, mean, var
+
+
+_BACKWARD_DOC = """grad_output : array_like
+        The gradient of the loss with respect to the forward's output: the input's shape and dtype.
+    activation : str or Activation, optional
+        The forward's fused activation: None, "relu", "leaky_relu", "silu" or "gelu"; its
+        derivative is taken at the pre-activation value, recomputed from the input.
+    grad_input : bool, default True
+        Compute the input's gradient.
+    grad_scale, grad_bias : bool, optional
+        Compute the parameter's gradient; None means "when that parameter is given".
+    out : ndarray, optional
+        Receives grad_input: the input's shape and dtype, any strides, not overlapping the input."""
+
+
+def _documented_backward(fn: Any) -> Any:
+    if fn.__doc__:
+        fn.__doc__ = fn.__doc__.replace("{backward}", _BACKWARD_DOC)
+    return _documented(fn)
+
+
+@_documented_backward
+def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: Any, scale: Any = None,
+                                 bias: Any = None, *, epsilon: float = 1e-5, channel_axis: int = 1,
+                                 training: bool = True, fused_add: Any = None, activation: ActivationLike = None,
+                                 grad_input: bool = True, grad_scale: Optional[bool] = None,
+                                 grad_bias: Optional[bool] = None, out: Optional[np.ndarray] = None) -> tuple:
+    """The gradients of batch normalization.
+
+    With ``training=True`` the statistics are the batch's (:func:`batch_normalization_training`),
+    and the input's gradient takes their dependence on it; with ``training=False`` they are
+    constants (:func:`batch_normalization`): ``grad_input = grad_output * act'(pre) * scale /
+    sqrt(variance + epsilon)``.
+
+    Parameters
+    ----------
+    {backward}
+    {x}
+    mean, variance : array_like
+        The statistics the forward used (its returned mean and variance when training).
+    scale, bias, fused_add : array_like, optional
+        As given to the forward.
+    epsilon : float, default 1e-5
+    channel_axis : int, default 1
+    training : bool, default True
+
+    Returns
+    -------
+    tuple
+        ``(grad_input, grad_scale, grad_bias)``, each None when not asked for, and
+        ``grad_fused_add`` last when fused_add is given.
+
+    {raises}
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[1.0], [3.0]], np.float32)
+    >>> y, mean, var = simdnorm.batch_normalization_training(x, epsilon=0.0)
+    >>> gi, gs, gb = simdnorm.batch_normalization_backward(np.array([[1.0], [0.0]], np.float32), x, mean, var,
+    ...                                                     epsilon=0.0)
+    >>> print(gi.ravel())
+    [0. 0.]
+    """
+    x = _input(x)
+    dy = _grad_output(grad_output, x)
+    scale = _param(scale, "scale", x)
+    bias = _param(bias, "bias", x)
+    fa = _fused_add(fused_add, x)
+    mean = _param(mean, "mean", x)
+    variance = _param(variance, "variance", x)
+    eps = check_epsilon(epsilon, x.dtype)
+    act = _backward_activation(activation)
+    training = _check_bool("training", training)
+    axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+    for name, s in (("mean", mean), ("variance", variance)):
+        if s.shape != sshape and not (s.shape == (1,) * len(sshape)):
+            raise DescriptorError(f"{name}: shape {s.shape}; the statistics have shape {sshape}")
+    inv_std = (1.0 / np.sqrt(variance.astype(np.float64) + eps)).astype(stats_dtype(x.dtype))
+    want_input = _check_bool("grad_input", grad_input)
+    ws = _wanted(grad_scale, "grad_scale", scale is not None)
+    wb = _wanted(grad_bias, "grad_bias", bias is not None)
+    target, copy_to = _targets(out, want_input, x, dy, mean, variance, scale, bias, fa)
+    return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, fa, target, ws, wb, eps, True, True, False, act,
+                             training, ca), copy_to)
+
+
+@_documented_backward
+def mean_variance_normalization_backward(grad_output: Any, x: Any, axes: Any, mean: Any, inv_std: Any,
+                                         scale: Any = None, bias: Any = None, *, normalize_mean: bool = True,
+                                         normalize_variance: bool = True, epsilon: float = 1e-5,
+                                         epsilon_mode: str = "inside", activation: ActivationLike = None,
+                                         grad_input: bool = True, grad_scale: Optional[bool] = None,
+                                         grad_bias: Optional[bool] = None, out: Optional[np.ndarray] = None) -> tuple:
+    """The gradients of :func:`mean_variance_normalization`.
+
+    ``grad_input = inv_std * (g - mean(g) - k * y * mean(g * y))`` over ``axes``, with ``g =
+    grad_output * act'(pre) * scale``, ``y`` the normalized input and ``k = 1`` (``k = 1 / (1 -
+    epsilon * inv_std)`` with epsilon outside the root); ``grad_scale`` and ``grad_bias`` are the
+    sums of ``grad_output * act'(pre) * y`` and ``grad_output * act'(pre)`` over the dims each
+    parameter broadcasts along, in its shape and dtype.
+
+    Parameters
+    ----------
+    {backward}
+    {x}
+    axes : int or sequence of int
+        The forward's axes.
+    mean, inv_std : array_like or None
+        What the forward returned with ``return_stats=True`` (None where it returned None).
+    scale, bias : array_like, optional
+    normalize_mean, normalize_variance, epsilon, epsilon_mode
+        As given to the forward.
+
+    Returns
+    -------
+    tuple
+        ``(grad_input, grad_scale, grad_bias)``, each None when not asked for.
+
+    {raises}
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[1.0, 2.0, 4.0]], np.float32)
+    >>> y, mean, inv_std = simdnorm.mean_variance_normalization(x, 1, return_stats=True)
+    >>> gi, _, _ = simdnorm.mean_variance_normalization_backward(np.ones_like(x), x, 1, mean, inv_std)
+    >>> print(np.abs(gi).max() < 1e-6)  # a constant gradient moves no normalized value
+    True
+    """
+    x = _input(x)
+    dy = _grad_output(grad_output, x)
+    axes_t = normalize_axes(axes, x.ndim)
+    scale = _param(scale, "scale", x)
+    bias = _param(bias, "bias", x)
+    for name, p in (("scale", scale), ("bias", bias)):
+        if p is not None:
+            mvn_param_rule(name, p.shape, x.shape)
+    nm = _check_bool("normalize_mean", normalize_mean)
+    nv = _check_bool("normalize_variance", normalize_variance)
+    mean = _stats(mean, "mean", x, axes_t) if nm else None
+    inv_std = _stats(inv_std, "inv_std", x, axes_t) if nv else None
+    eps = check_epsilon(epsilon, x.dtype)
+    eo = check_epsilon_mode(epsilon_mode)
+    act = _backward_activation(activation)
+    want_input = _check_bool("grad_input", grad_input)
+    ws = _wanted(grad_scale, "grad_scale", scale is not None)
+    wb = _wanted(grad_bias, "grad_bias", bias is not None)
+    target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
+    return _finish(_backward(dy, x, axes_t, mean, inv_std, scale, bias, None, target, ws, wb, eps, nm, nv, eo, act,
+                             True, -1), copy_to)
+
+
+@_documented_backward
+def layer_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale: Any = None, bias: Any = None, *,
+                        axis: int = -1, epsilon: float = 1e-5, activation: ActivationLike = None,
+                        grad_input: bool = True, grad_scale: Optional[bool] = None, grad_bias: Optional[bool] = None,
+                        out: Optional[np.ndarray] = None) -> tuple:
+    """The gradients of :func:`layer_norm` (over the dims ``axis .. ndim-1``).
+
+    Parameters
+    ----------
+    {backward}
+    {x}
+    mean, inv_std : array_like
+        What ``layer_norm(..., return_stats=True)`` returned.
+    scale, bias : array_like, optional
+    axis : int, default -1
+    epsilon : float, default 1e-5
+
+    Returns
+    -------
+    tuple
+        ``(grad_input, grad_scale, grad_bias)``.
+
+    {raises}
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x, g = np.array([[1.0, 3.0]], np.float32), np.array([2.0, 2.0], np.float32)
+    >>> y, mean, inv_std = simdnorm.layer_norm(x, g, epsilon=0.0, return_stats=True)
+    >>> gi, gs, gb = simdnorm.layer_norm_backward(np.array([[1.0, 0.0]], np.float32), x, mean, inv_std, g,
+    ...                                           epsilon=0.0)
+    >>> print(gs, gb)
+    [-1.  0.] None
+    """
+    x = _input(x)
+    axes = trailing_axes_rule(x, axis)
+    return mean_variance_normalization_backward(grad_output, x, axes, mean, inv_std, scale, bias, epsilon=epsilon,
+                                                activation=activation, grad_input=grad_input, grad_scale=grad_scale,
+                                                grad_bias=grad_bias, out=out)
+
+
+@_documented_backward
+def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None, *, axis: int = -1,
+                      epsilon: float = 1e-5, activation: ActivationLike = None, grad_input: bool = True,
+                      grad_scale: Optional[bool] = None, grad_bias: Optional[bool] = None,
+                      out: Optional[np.ndarray] = None) -> tuple:
+    """The gradients of :func:`rms_norm`. ``grad_bias`` is always None (RMS norm has no bias).
+
+    Parameters
+    ----------
+    {backward}
+    {x}
+    inv_rms : array_like
+        What ``rms_norm(..., return_stats=True)`` returned last.
+    scale : array_like, optional
+    axis : int, default -1
+    epsilon : float, default 1e-5
+
+    Returns
+    -------
+    tuple
+        ``(grad_input, grad_scale, None)``.
+
+    {raises}
+
+    Examples
+    --------
+    >>> import numpy as np, simdnorm
+    >>> x = np.array([[3.0, 4.0]], np.float32)
+    >>> y, _, inv_rms = simdnorm.rms_norm(x, epsilon=0.0, return_stats=True)
+    >>> gi, _, _ = simdnorm.rms_norm_backward(y, x, inv_rms, epsilon=0.0)  # y is orthogonal to its own change
+    >>> print(np.abs(gi).max() < 1e-6)
+    True
+    """
+    x = _input(x)
+    axes = trailing_axes_rule(x, axis)
+    if grad_bias is not None and _check_bool("grad_bias", grad_bias):
+        raise DescriptorError("grad_bias=True: RMS norm has no bias")
+    return mean_variance_normalization_backward(grad_output, x, axes, None, inv_rms, scale, None,
+                                                normalize_mean=False, epsilon=epsilon, activation=activation,
+                                                grad_input=grad_input, grad_scale=grad_scale, grad_bias=False,
+                                                out=out)
+
+
+def _per_channel_backward(dy: Any, x: np.ndarray, axes: Tuple[int, ...], ca: int, mean: Any, inv_std: Any,
+                          scale: Any, bias: Any, epsilon: Any, activation: Any, grad_input: Any, grad_scale: Any,
+                          grad_bias: Any, out: Any) -> tuple:
+    """instance norm: statistics shaped like x with the spatial dims 1; scale and bias (C,) at ca."""
+    dy = _grad_output(dy, x)
+    scale = _param(scale, "scale", x)
+    bias = _param(bias, "bias", x)
+    c = x.shape[ca]
+    per_channel_rule("scale", scale, c, "instance_norm")
+    per_channel_rule("bias", bias, c, "instance_norm")
+    mean = _stats(mean, "mean", x, axes)
+    inv_std = _stats(inv_std, "inv_std", x, axes)
+    eps = check_epsilon(epsilon, x.dtype)
+    act = _backward_activation(activation)
+    want_input = _check_bool("grad_input", grad_input)
+    ws = _wanted(grad_scale, "grad_scale", scale is not None)
+    wb = _wanted(grad_bias, "grad_bias", bias is not None)
+    target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
+    return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, None, target, ws, wb, eps, True, True, False, act,
+                             True, ca), copy_to)
+
+
+@_documented_backward
+def instance_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale: Any = None, bias: Any = None,
+                           *, channel_axis: int = 1, epsilon: float = 1e-5, activation: ActivationLike = None,
+                           grad_input: bool = True, grad_scale: Optional[bool] = None,
+                           grad_bias: Optional[bool] = None, out: Optional[np.ndarray] = None) -> tuple:
+    """The gradients of :func:`instance_norm`.
+
+    Parameters
+    ----------
+    {backward}
+    {x}
+    mean, inv_std : array_like
+        What ``instance_norm(..., return_stats=True)`` returned.
+    scale, bias : array_like, optional
+        Of shape (C,).
+    channel_axis : int, default 1
+    epsilon : float, default 1e-5
+
+    Returns
+    -------
+    tuple
+        ``(grad_input, grad_scale, grad_bias)``.
+
+    {raises}
+    """
+    x = _input(x)
+    ca = channel_axis_rule(x, channel_axis, "instance_norm")
+    axes = spatial_axes_rule(x, ca)
+    return _per_channel_backward(grad_output, x, axes, ca, mean, inv_std, scale, bias, epsilon, activation,
+                                 grad_input, grad_scale, grad_bias, out)
+
+
+@_documented_backward
+def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, inv_std: Any, scale: Any = None,
+                        bias: Any = None, *, channel_axis: int = 1, epsilon: float = 1e-5,
+                        activation: ActivationLike = None, grad_input: bool = True, grad_scale: Optional[bool] = None,
+                        grad_bias: Optional[bool] = None, out: Optional[np.ndarray] = None) -> tuple:
+    """The gradients of :func:`group_norm`, through the same (..., G, C/G, ...) views, never copies.
+
+    Parameters
+    ----------
+    {backward}
+    {x}
+    num_groups : int
+    mean, inv_std : array_like
+        What ``group_norm(..., return_stats=True)`` returned: shape (N, num_groups).
+    scale, bias : array_like, optional
+        Of shape (C,).
+    channel_axis : int, default 1
+    epsilon : float, default 1e-5
+
+    Returns
+    -------
+    tuple
+        ``(grad_input, grad_scale, grad_bias)``.
+
+    {raises}
+    """
+    x = _input(x)
+    ca = channel_axis_rule(x, channel_axis, "group_norm")
+    c = x.shape[ca]
+    g = num_groups_rule(num_groups, c)
+    dy = _grad_output(grad_output, x)
+    scale = _param(scale, "scale", x)
+    bias = _param(bias, "bias", x)
+    per_channel_rule("scale", scale, c, "group_norm")
+    per_channel_rule("bias", bias, c, "group_norm")
+    k = c // g
+    n = x.shape[0]
+    vnd = x.ndim + 1
+    if vnd > MAX_DIMS + 1:  # pragma: no cover - the input's own rule caps it first
+        raise DescriptorError("input: too many dims")
+    sshape = (n,) + (1,) * (ca - 1) + (g,) + (1,) * (vnd - ca - 1)
+    stats = []
+    for name, s in (("mean", mean), ("inv_std", inv_std)):
+        s = _param(s, name, x)
+        if s.shape != (n, g):
+            raise DescriptorError(f"{name}: shape {s.shape}; group_norm's statistics have shape (N, num_groups) = "
+                                  f"({n}, {g})")
+        stats.append(s.reshape(sshape))
+    pshape = (1,) * ca + (g, k) + (1,) * (vnd - ca - 2)
+    xv = _split_view(x, ca, g, k)
+    dv = _split_view(dy, ca, g, k)
+    axes = tuple(d for d in range(1, vnd) if d != ca)
+    eps = check_epsilon(epsilon, x.dtype)
+    act = _backward_activation(activation)
+    want_input = _check_bool("grad_input", grad_input)
+    ws = _wanted(grad_scale, "grad_scale", scale is not None)
+    wb = _wanted(grad_bias, "grad_bias", bias is not None)
+    target, copy_to = _targets(out, want_input, x, dy, scale, bias, *stats)
+    sv = None if scale is None else scale.reshape(pshape)
+    bv = None if bias is None else bias.reshape(pshape)
+    tv = None if target is None else _split_view(target, ca, g, k)
+    _, gs, gb = _backward(dv, xv, axes, stats[0], stats[1], sv, bv, None, tv, ws, wb, eps, True, True, False, act,
+                          True, -1)
+    gi = _finish((target,), copy_to)[0]
+    return (gi, None if gs is None else gs.reshape(c), None if gb is None else gb.reshape(c))

@@ -1,0 +1,1154 @@
+"""Training ops (SPEC §9): batch_normalization_training and the backward ops, against the float64
+reference of tests/training_reference.py (itself checked by tests/test_training_reference.py).
+
+Covered here: every backward op in every dtype and backward activation, with poisoned out= and the
+flag variants (batch norm training / global statistics, fused_add, same-rank parameters, channels
+last; MVN's normalize_mean / normalize_variance / epsilon_mode); which gradients come back (None
+when not asked for), their dtypes and shapes (a parameter's gradient in the parameter's dtype,
+float32 parameters with half inputs, grad_fused_add rounded once); memory layouts (transposed,
+negative, zero-stride, unaligned, strided) of every argument and ranks 1-8; zero-size inputs;
+finite differences of simdnorm's own float64 forward ops; PyTorch's autograd in float32 and
+bfloat16; batch statistics and running statistics (PyTorch's momentum and cumulative conventions
+after several steps against torch.nn.BatchNorm2d, ONNX's formula, every running-statistics dtype);
+large means and constant groups; long reductions; every ISA; 1 vs 2 threads bitwise; relu'(0) and
+leaky_relu'(0); the error cases, and running statistics untouched when a call raises. The
+random-layout fuzzer, each case in a child process, is tests/test_training_fuzz.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import simdnorm
+from cases import LAYOUTS, WRITABLE_LAYOUTS, act_arg, bits, layout_empty, make_out, rand_values
+from reference import (
+    BF16,
+    apply_activation,
+    DTYPES,
+    F16,
+    F32,
+    F64,
+    assert_like_empty_like,
+    check_close,
+    compute_dtype,
+    dtype_id,
+    f64,
+)
+from training_reference import (
+    AxisError,
+    Problem,
+    bn_training_ref,
+    check_grad,
+    check_grads,
+    fd_gradients,
+    grad_tolerance,
+    push_from_kinks,
+    quiet,
+    random_problem,
+    running_update_ref,
+)
+
+DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+ACTS = [(None, None), ("relu", None), ("leaky_relu", None), ("leaky_relu", {"alpha": 0.3}), ("silu", None),
+        ("gelu", None)]
+ACT_IDS = ["none", "relu", "leaky", "leaky0.3", "silu", "gelu"]
+U32 = float(np.finfo(np.float32).eps) / 2
+U64 = float(np.finfo(np.float64).eps) / 2
+
+# op variants: random_problem keyword arguments (shapes with lengths around the vector widths)
+VARIANTS = {
+    "batch_norm": [dict(shape=(3, 5, 37)), dict(shape=(3, 5, 37), fused_add=True),
+                   dict(shape=(4, 19, 6), channel_axis=-1, fused_add=True),
+                   dict(shape=(2, 3, 4, 9), scale=None, bias=None),
+                   dict(shape=(3, 4, 9), same_rank=(1, 4, 9), fused_add="(4, 1)")],
+    "batch_norm_eval": [dict(shape=(3, 5, 37)), dict(shape=(4, 19, 6), channel_axis=-1, fused_add=True)],
+    "mvn": [dict(shape=(4, 6, 33), axes=(1, 2)),
+            dict(shape=(4, 6, 33), axes=(0, 2), epsilon_mode="outside", epsilon=0.3),
+            dict(shape=(4, 6, 33), axes=(2,), normalize_mean=False),
+            dict(shape=(4, 6, 33), axes=(2,), normalize_mean=False, epsilon_mode="outside", epsilon=0.1),
+            dict(shape=(4, 6, 33), axes=(1,), normalize_variance=False),
+            dict(shape=(4, 6, 33), axes=(0, 1, 2), normalize_mean=False, normalize_variance=False),
+            dict(shape=(5, 3, 20), axes=(-1, 0), scale="(20,)", bias="(3, 1)")],
+    "layer_norm": [dict(shape=(4, 3, 45)), dict(shape=(4, 3, 45), axis=1), dict(shape=(6, 70), scale=None, bias=None)],
+    "rms_norm": [dict(shape=(4, 3, 45)), dict(shape=(3, 4, 17), axis=1, epsilon=1e-3)],
+    "instance_norm": [dict(shape=(2, 3, 5, 7)), dict(shape=(2, 6, 4, 3), channel_axis=-1)],
+    "group_norm": [dict(shape=(2, 6, 35), num_groups=3), dict(shape=(3, 20, 8), num_groups=4, channel_axis=-1),
+                   dict(shape=(2, 4, 3, 3), num_groups=1)],
+}
+CASES = [(op, i) for op in VARIANTS for i in range(len(VARIANTS[op]))]
+CASE_IDS = [f"{op}-{i}" for op, i in CASES]
+
+
+def make_problem(rng, op, variant, dtype, act=None, params=None, **override) -> Problem:
+    kw = dict(VARIANTS[op][variant])
+    kw.update(override)
+    same_rank = kw.pop("same_rank", None)
+    for name in ("scale", "bias", "fused_add"):  # "(a, b)": a parameter of that shape
+        if isinstance(kw.get(name), str):
+            kw[name] = rand_values(rng, eval(kw[name]), dtype, loc=0.3, scale=1.0)
+    if same_rank is not None:
+        kw["scale"] = rand_values(rng, same_rank, dtype, loc=1.0, scale=0.5)
+        kw["bias"] = rand_values(rng, same_rank, dtype, loc=0.0, scale=1.0)
+    p = random_problem(rng, op, activation=act, act_params=params, dtype=dtype, **kw)
+    if p.eval_stats is not None:  # the given statistics, in the compute dtype
+        p.eval_stats = tuple(a.astype(compute_dtype(dtype)) for a in p.eval_stats)
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# calling the package
+# ----------------------------------------------------------------------------------------------
+
+
+def act_of(p: Problem):
+    return act_arg(p.activation, p.act_params)
+
+
+def sn_forward(p: Problem, x=None, s=None, b=None, fa=None, *, stats=False):
+    """simdnorm's forward op of the problem (x, s, b, fa default to the problem's arrays): the output,
+    or with stats=True the statistics in the form the backward op takes."""
+    x = p.x if x is None else x
+    s = p.scale if s is None else s
+    b = p.bias if b is None else b
+    fa = p.fused_add if fa is None else fa
+    k, eps, act = p.kw, p.epsilon, act_of(p)
+    ca = k.get("channel_axis", 1)
+    if p.op == "batch_norm":
+        y, m, v = simdnorm.batch_normalization_training(x, s, b, epsilon=eps, channel_axis=ca, fused_add=fa,
+                                                        activation=act)
+        return (m, v) if stats else y
+    if p.op == "batch_norm_eval":
+        if stats:
+            return p.eval_stats
+        m, v = p.eval_stats
+        y = simdnorm.batch_normalization(x, m, v, s, b, epsilon=eps, channel_axis=ca)
+        if fa is not None or act is not None:  # the forward with fused_add: in float64, for the FD checks only
+            z = f64(y) + (0.0 if fa is None else np.broadcast_to(f64(fa), x.shape))
+            y = apply_activation(z, p.activation, p.act_params)
+        return y
+    if p.op == "mvn":
+        r = simdnorm.mean_variance_normalization(x, k["axes"], s, b, normalize_mean=k.get("normalize_mean", True),
+                                                 normalize_variance=k.get("normalize_variance", True), epsilon=eps,
+                                                 epsilon_mode=k.get("epsilon_mode", "inside"), activation=act,
+                                                 return_stats=True)
+    elif p.op == "layer_norm":
+        r = simdnorm.layer_norm(x, s, b, axis=k.get("axis", -1), epsilon=eps, activation=act, return_stats=True)
+    elif p.op == "rms_norm":
+        r = simdnorm.rms_norm(x, s, axis=k.get("axis", -1), epsilon=eps, activation=act, return_stats=True)
+        return (r[2],) if stats else r[0]
+    elif p.op == "instance_norm":
+        r = simdnorm.instance_norm(x, s, b, epsilon=eps, channel_axis=ca, activation=act, return_stats=True)
+    elif p.op == "group_norm":
+        r = simdnorm.group_norm(x, k["num_groups"], s, b, epsilon=eps, channel_axis=ca, activation=act,
+                                return_stats=True)
+    else:
+        raise ValueError(p.op)
+    return tuple(r[1:]) if stats else r[0]
+
+
+def sn_backward(p: Problem, dy, stats, *, x=None, s=None, b=None, fa=None, activation="problem", **flags):
+    """simdnorm's backward op of the problem; flags: grad_input, grad_scale, grad_bias, out."""
+    x = p.x if x is None else x
+    s = p.scale if s is None else s
+    b = p.bias if b is None else b
+    fa = p.fused_add if fa is None else fa
+    k, eps = p.kw, p.epsilon
+    act = act_of(p) if activation == "problem" else activation
+    ca = k.get("channel_axis", 1)
+    common = dict(epsilon=eps, activation=act, **flags)
+    if p.op in ("batch_norm", "batch_norm_eval"):
+        extra = {} if fa is None else dict(fused_add=fa)
+        return simdnorm.batch_normalization_backward(dy, x, stats[0], stats[1], s, b, channel_axis=ca,
+                                                     training=p.op == "batch_norm", **extra, **common)
+    if p.op == "mvn":
+        return simdnorm.mean_variance_normalization_backward(
+            dy, x, k["axes"], stats[0], stats[1], s, b, normalize_mean=k.get("normalize_mean", True),
+            normalize_variance=k.get("normalize_variance", True), epsilon_mode=k.get("epsilon_mode", "inside"),
+            **common)
+    if p.op == "layer_norm":
+        return simdnorm.layer_norm_backward(dy, x, stats[0], stats[1], s, b, axis=k.get("axis", -1), **common)
+    if p.op == "rms_norm":
+        return simdnorm.rms_norm_backward(dy, x, stats[0], s, axis=k.get("axis", -1), **common)
+    if p.op == "instance_norm":
+        return simdnorm.instance_norm_backward(dy, x, stats[0], stats[1], s, b, channel_axis=ca, **common)
+    if p.op == "group_norm":
+        return simdnorm.group_norm_backward(dy, x, k["num_groups"], stats[0], stats[1], s, b, channel_axis=ca,
+                                            **common)
+    raise ValueError(p.op)
+
+
+def ref_stats(p: Problem):
+    """The exact statistics rounded to the compute dtype (what a correct forward returns)."""
+    ct = compute_dtype(p.x.dtype)
+    return tuple(None if a is None else np.asarray(a).astype(ct) for a in p.stats())
+
+
+def f64_stats(stats):
+    return tuple(None if a is None else f64(a) for a in stats)
+
+
+def wanted(p: Problem):
+    return ("input",) + (("scale",) if p.scale is not None else ()) + (("bias",) if p.bias is not None else ())
+
+
+# ----------------------------------------------------------------------------------------------
+# every backward op against the float64 reference
+# ----------------------------------------------------------------------------------------------
+
+
+@DT
+@pytest.mark.parametrize("act,params", ACTS, ids=ACT_IDS)
+@pytest.mark.parametrize("op,variant", CASES, ids=CASE_IDS)
+def test_backward_matches_reference(rng, op, variant, dtype, act, params):
+    p = make_problem(rng, op, variant, dtype, act, params)
+    dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    ctx = f"{op} {VARIANTS[op][variant]} {dtype_id(dtype)} act={act} {params or ''}"
+    ref = p.backward(dy, f64_stats(stats))
+    out = make_out(p.x.shape, dtype)
+    res = sn_backward(p, dy, stats, out=out)
+    assert res[0] is out, f"a call with out= must return out as grad_input {ctx}"
+    check_grads(res, ref, x=p.x, scale=p.scale, bias=p.bias, fused_add=p.fused_add, want=wanted(p), context=ctx)
+    res2 = sn_backward(p, dy, stats)  # no out: a new array like np.empty_like(x), the same bits
+    assert_like_empty_like(res2[0], p.x)
+    np.testing.assert_array_equal(bits(res2[0]), bits(out))
+
+
+@pytest.mark.parametrize("op,variant", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_backward_with_reference_statistics(rng, op, variant, dtype):
+    # statistics made by the reference (not by simdnorm's forward): the backward takes any
+    # statistics of the right shape and dtype, and its result follows them
+    p = make_problem(rng, op, variant, dtype, "gelu")
+    dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+    stats = ref_stats(p)
+    res = sn_backward(p, dy, stats)
+    check_grads(res, p.backward(dy, f64_stats(stats)), x=p.x, scale=p.scale, bias=p.bias, fused_add=p.fused_add,
+                want=wanted(p), context=f"{op}-{variant}")
+
+
+@pytest.mark.parametrize("op,variant", CASES, ids=CASE_IDS)
+def test_backward_returns_what_is_asked(rng, op, variant):
+    p = make_problem(rng, op, variant, F32, "silu")
+    dy = rand_values(rng, p.x.shape, F32, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    ref = p.backward(dy, f64_stats(stats))
+    n = 4 if p.fused_add is not None else 3
+    kw = dict(x=p.x, scale=p.scale, bias=p.bias, fused_add=p.fused_add)
+    has = [("scale", p.scale is not None), ("bias", p.bias is not None and op != "rms_norm")]
+    # each subset of the gradients that exist
+    for gi in (True, False):
+        for gs in ([True, False] if p.scale is not None else [None]):
+            for gb in ([True, False] if has[1][1] else [None]):
+                flags = dict(grad_input=gi)
+                if gs is not None:
+                    flags["grad_scale"] = gs
+                if gb is not None:
+                    flags["grad_bias"] = gb
+                res = sn_backward(p, dy, stats, **flags)
+                assert isinstance(res, tuple) and len(res) == n, (flags, type(res))
+                want = (("input",) if gi else ()) + (("scale",) if gs else ()) + (("bias",) if gb else ())
+                check_grads(res, ref, want=want, context=f"{op}-{variant} {flags}", **kw)
+    # the defaults: grad_scale / grad_bias when that parameter was given
+    res = sn_backward(p, dy, stats)
+    check_grads(res, ref, want=wanted(p), context=f"{op}-{variant} defaults", **kw)
+    if op == "rms_norm":
+        assert res[2] is None, "rms_norm_backward: grad_bias is always None"
+
+
+@pytest.mark.parametrize("fshape", [(3, 5, 37), (37,)], ids=["full", "broadcast"])
+@pytest.mark.parametrize("fdtype", ["input", "float32"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+def test_grad_fused_add_rounded_once(rng, dtype, fdtype, fshape):
+    # grad_fused_add = sum of grad_output * act'(pre) to fused_add's shape, accumulated in float32
+    # and rounded once to fused_add's dtype (SPEC §9, §1)
+    x = rand_values(rng, (3, 5, 37) if len(fshape) == 3 else (64, 5, 37), dtype)
+    fa = rand_values(rng, fshape, dtype if fdtype == "input" else F32)
+    dy = rand_values(rng, x.shape, dtype, scale=1.0)
+    p = Problem("batch_norm", x, None, None, fa, kw=dict(channel_axis=1), activation="gelu")
+    _, m, v = simdnorm.batch_normalization_training(x, fused_add=fa, activation="gelu")
+    res = simdnorm.batch_normalization_backward(dy, x, m, v, fused_add=fa, activation="gelu")
+    check_grads(res, p.backward(dy, (f64(m), f64(v))), x=x, fused_add=fa, want=("input",),
+                context=f"fused_add {fshape} {fdtype}")
+
+
+@pytest.mark.parametrize("op,variant", [c for c in CASES if c[0] in ("layer_norm", "group_norm", "batch_norm")],
+                         ids=[f"{o}-{v}" for o, v in CASES if o in ("layer_norm", "group_norm", "batch_norm")])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+def test_backward_float32_parameters_with_half_input(rng, op, variant, dtype):
+    # mixed precision: scale/bias (and fused_add) in float32 with float16/bfloat16 data; the
+    # gradients of the parameters come back in the parameters' dtype
+    p = make_problem(rng, op, variant, dtype, "gelu")
+    for name in ("scale", "bias", "fused_add"):
+        a = getattr(p, name)
+        if a is not None:
+            setattr(p, name, (f64(a) * 1.0009765625).astype(F32))  # values a half type cannot hold
+    dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    res = sn_backward(p, dy, stats)
+    check_grads(res, p.backward(dy, f64_stats(stats)), x=p.x, scale=p.scale, bias=p.bias, fused_add=p.fused_add,
+                want=wanted(p), context=f"{op}-{variant} float32 params")
+
+
+# ----------------------------------------------------------------------------------------------
+# memory layouts of every argument
+# ----------------------------------------------------------------------------------------------
+
+
+def in_layout(a, layout):
+    """An array of a's logical shape and dtype stored in `layout`; zero_stride replaces the values by
+    ones broadcast along every other dim (the caller takes the returned array's values)."""
+    a = np.asarray(a)
+    if layout == "zero_stride":
+        if a.ndim == 1:
+            return np.broadcast_to(a[:1], a.shape)
+        small = a[tuple(slice(0, 1) if d % 2 == 0 else slice(None) for d in range(a.ndim))]
+        return np.broadcast_to(small, a.shape)
+    v = layout_empty(a.shape, a.dtype, layout)
+    v[...] = a
+    return v
+
+
+def strided_stats(stats):
+    """The statistics as negative-stride views (same values)."""
+    out = []
+    for a in stats:
+        if a is None:
+            out.append(None)
+            continue
+        r = np.ascontiguousarray(a[tuple(slice(None, None, -1) for _ in range(a.ndim))])
+        out.append(r[tuple(slice(None, None, -1) for _ in range(a.ndim))])
+    return tuple(out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op,variant", [(o, 0) for o in VARIANTS] + [("batch_norm", 2), ("group_norm", 1)],
+                         ids=[f"{o}-0" for o in VARIANTS] + ["batch_norm-2", "group_norm-1"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_backward_layouts(rng, op, variant, layout, dtype):
+    p = make_problem(rng, op, variant, dtype, "leaky_relu", {"alpha": 0.3}, fused_add=True) if op.startswith(
+        "batch") else make_problem(rng, op, variant, dtype, "leaky_relu", {"alpha": 0.3})
+    li = LAYOUTS.index(layout)
+    p.x = in_layout(p.x, layout)
+    dy = in_layout(rand_values(rng, p.x.shape, dtype, scale=1.0), LAYOUTS[(li + 3) % len(LAYOUTS)])
+    # parameters: broadcast (zero stride), reversed or unaligned, in turn
+    for j, name in enumerate(("scale", "bias", "fused_add")):
+        a = getattr(p, name)
+        if a is None:
+            continue
+        form = (li + j) % 3
+        if form == 0:
+            a = np.broadcast_to(a[(slice(0, 1),) * a.ndim], a.shape)
+        elif form == 1:
+            a = in_layout(a, "negative")
+        else:
+            a = in_layout(a, "unaligned")
+        setattr(p, name, a)
+    stats = sn_forward(p, stats=True)
+    if li % 2:
+        stats = strided_stats(stats)
+    out_layout = WRITABLE_LAYOUTS[(li + 5) % len(WRITABLE_LAYOUTS)]
+    out = make_out(p.x.shape, dtype, out_layout)
+    ctx = f"{op}-{variant} x={layout} dy={LAYOUTS[(li + 3) % len(LAYOUTS)]} out={out_layout} {dtype_id(dtype)}"
+    res = sn_backward(p, dy, stats, out=out)
+    assert res[0] is out
+    ref = p.backward(dy, f64_stats(stats))
+    check_grads(res, ref, x=p.x, scale=p.scale, bias=p.bias, fused_add=p.fused_add, want=wanted(p), context=ctx)
+    res = sn_backward(p, dy, stats)
+    assert_like_empty_like(res[0], p.x)
+    check_grad(res[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input (new)", context=ctx)
+
+
+@pytest.mark.parametrize("ndim", range(1, 9))
+@pytest.mark.parametrize("op", ["batch_norm", "mvn", "layer_norm", "rms_norm", "instance_norm", "group_norm"])
+def test_backward_every_rank(rng, op, ndim):
+    # 1 to 8 dims where the op allows them; transposed (F order) input and a poisoned out
+    if op == "instance_norm" and ndim < 3 or op == "group_norm" and ndim < 2:
+        pytest.skip("needs (N, C, spatial...)")
+    shape = tuple(int(s) for s in rng.integers(2, 4, size=ndim))
+    kw = {}
+    if op == "batch_norm":
+        if ndim == 1:
+            kw = dict(scale=rand_values(rng, (1,), F32, loc=1.0, scale=0.3), bias=rand_values(rng, (1,), F32))
+        kw["channel_axis"] = -1 if ndim % 2 else 1
+    elif op == "mvn":
+        kw = dict(axes=tuple(range(0, ndim, 2)))
+    elif op in ("layer_norm", "rms_norm"):
+        kw = dict(axis=ndim // 2)
+    elif op == "group_norm":
+        shape = shape[:1] + (4,) + shape[2:]
+        kw = dict(num_groups=2)
+    p = random_problem(rng, op, shape=shape, activation="gelu", dtype=F32, **kw)
+    p.x = in_layout(p.x, "transposed")
+    dy = rand_values(rng, shape, F32, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    out = make_out(shape, F32, "negative")
+    res = sn_backward(p, dy, stats, out=out)
+    check_grads(res, p.backward(dy, f64_stats(stats)), x=p.x, scale=p.scale, bias=p.bias, want=wanted(p),
+                context=f"{op} ndim={ndim}")
+
+
+def test_backward_zero_size(rng):
+    # zero-size dims: empty grad_input; parameter gradients summed over nothing are 0
+    x = np.empty((0, 3, 4), F32)
+    dy = np.empty_like(x)
+    s, b = rand_values(rng, (4,), F32), rand_values(rng, (4,), F32)
+    _, m, inv = simdnorm.layer_norm(x, s, b, return_stats=True)
+    gi, gs, gb = simdnorm.layer_norm_backward(dy, x, m, inv, s, b)
+    assert gi.shape == x.shape and gs.shape == (4,) and gb.shape == (4,)
+    np.testing.assert_array_equal(gs, 0)
+    np.testing.assert_array_equal(gb, 0)
+
+
+def test_backward_zero_size_with_empty_parameters(rng):
+    # zero-size dims where the parameters are empty too (SPEC §1: valid, an empty output, no work)
+    x = np.empty((2, 0, 3), F32)
+    s, b = np.ones((0, 3), F32), np.zeros((0, 3), F32)
+    _, m, inv = simdnorm.layer_norm(x, s, b, axis=1, return_stats=True)
+    gi, gs, gb = simdnorm.layer_norm_backward(np.empty_like(x), x, m, inv, s, b, axis=1)
+    assert gi.shape == (2, 0, 3) and gs.shape == (0, 3) and gb.shape == (0, 3)
+    x = np.empty((0,), F32)
+    s, b = np.ones(1, F32), np.zeros(0, F32)
+    _, m, inv = simdnorm.mean_variance_normalization(x, 0, s, b, return_stats=True)
+    gi, gs, gb = simdnorm.mean_variance_normalization_backward(np.empty_like(x), x, 0, m, inv, s, b)
+    assert gi.shape == (0,) and gs.shape == (1,) and gb.shape == (0,)
+    np.testing.assert_array_equal(gs, 0)
+    x = np.empty((3, 0, 2), F32)  # batch norm, same-rank parameters with a zero dim
+    s, b = np.ones((1, 0, 2), F32), np.zeros((1, 0, 2), F32)
+    _, m, v = simdnorm.batch_normalization_training(x, s, b)
+    gi, gs, gb = simdnorm.batch_normalization_backward(np.empty_like(x), x, m, v, s, b)
+    assert gi.shape == x.shape and gs.shape == (1, 0, 2) and gb.shape == (1, 0, 2)
+
+
+def test_parameter_gradient_overflow_is_inf_without_warning(rng):
+    # a float16 parameter gradient beyond float16's range rounds to inf, quietly (the suite runs
+    # with warnings as errors, as a user may)
+    x = rng.normal(size=(20000, 4)).astype(F16)
+    dy = np.full(x.shape, 4.0, F16)  # grad_bias = 80000 per column
+    s, b = np.ones(4, F16), np.zeros(4, F16)
+    _, m, inv = simdnorm.layer_norm(x, s, b, return_stats=True)
+    _, _, gb = simdnorm.layer_norm_backward(dy, x, m, inv, s, b)
+    assert gb.dtype == F16 and (gb == np.inf).all(), gb
+
+
+@pytest.mark.parametrize("form", ["training", "backward_training", "backward_global", "1d"])
+def test_same_rank_parameters_of_full_size(rng, form):
+    # same-rank parameters with no dim of size 1: the statistics are taken over no dims (a count of
+    # 1 each: mean x, variance 0); with training=False (given statistics) nothing is reduced at all.
+    # SPEC §9 makes only a count of 1 *with running_var* an error.
+    x = rand_values(rng, (4, 3), F32)
+    full = rand_values(rng, (4, 3), F32, loc=1.0, scale=0.3)
+    dy = rand_values(rng, (4, 3), F32)
+    if form == "training":
+        y, m, v = simdnorm.batch_normalization_training(x, full, full)
+        np.testing.assert_array_equal(m, x)
+        np.testing.assert_array_equal(v, 0)
+        np.testing.assert_allclose(y, full, rtol=1e-6)
+    elif form == "1d":
+        y, m, v = simdnorm.batch_normalization_training(x[0], full[0])
+        assert m.shape == (3,)
+    else:
+        training = form == "backward_training"
+        mean, var = (x, np.zeros_like(x)) if training else (full * 0.5, full)
+        p = Problem("batch_norm" if training else "batch_norm_eval", x, full, full, kw=dict(channel_axis=1),
+                    eval_stats=(mean, var))
+        res = simdnorm.batch_normalization_backward(dy, x, mean, var, full, full, training=training)
+        check_grads(res, p.backward(dy, (f64(mean), f64(var))), x=x, scale=full, bias=full, context=form)
+
+
+# ----------------------------------------------------------------------------------------------
+# finite differences of simdnorm's own float64 forward ops
+# ----------------------------------------------------------------------------------------------
+
+
+FD_CASES = [("batch_norm", 1), ("batch_norm", 2), ("batch_norm", 4), ("batch_norm_eval", 0), ("batch_norm_eval", 1),
+            ("mvn", 0), ("mvn", 1), ("mvn", 2), ("mvn", 3), ("mvn", 4), ("mvn", 6), ("layer_norm", 1), ("rms_norm", 1),
+            ("instance_norm", 1), ("group_norm", 0), ("group_norm", 1)]
+FD_SHAPES = {"batch_norm": (3, 4, 5), "batch_norm_eval": (3, 4, 5), "mvn": (3, 4, 5), "layer_norm": (2, 3, 5),
+             "rms_norm": (2, 3, 5), "instance_norm": (2, 3, 5), "group_norm": (2, 6, 4)}
+
+
+@pytest.mark.parametrize("act,params", [a for a in ACTS if a[1] is None], ids=["none", "relu", "leaky", "silu", "gelu"])
+@pytest.mark.parametrize("op,variant", FD_CASES, ids=[f"{o}-{v}" for o, v in FD_CASES])
+def test_backward_matches_finite_differences_of_forward(rng, op, variant, act, params):
+    kw = dict(VARIANTS[op][variant])
+    shape = FD_SHAPES[op]
+    if kw.get("channel_axis") == -1:
+        shape = shape[:1] + shape[2:] + shape[1:2]
+    ov = dict(shape=shape)
+    if "same_rank" in kw:
+        ov["same_rank"] = (1,) + shape[1:]
+    for name in ("scale", "bias", "fused_add"):
+        if isinstance(kw.get(name), str):
+            ov[name] = True if name != "fused_add" else np.ascontiguousarray(rng.normal(size=shape[1:2] + (1,)))
+    if op == "mvn" and variant == 6:
+        ov.update(axes=(-1, 0), scale=np.ascontiguousarray(rng.uniform(0.5, 2, size=shape[-1:])),
+                  bias=np.ascontiguousarray(rng.normal(size=(shape[1], 1))))
+    if op == "group_norm" and variant == 1:
+        ov.update(shape=(2, 4, 6), num_groups=3)
+    for _ in range(50):
+        p = make_problem(rng, op, variant, F64, act, params, **ov)
+        if act not in ("relu", "leaky_relu") or np.min(np.abs(p.pre_activation())) > 1e-3:
+            break
+    w = rng.normal(size=p.x.shape)
+    stats = sn_forward(p, stats=True)
+    res = sn_backward(p, w, stats)
+    fd = fd_gradients(p, w, forward=lambda: sn_forward(p), h=1e-5)
+    ctx = f"{op}-{variant} act={act}"
+    names = [("x", 0, "grad_input"), ("scale", 1, "grad_scale"), ("bias", 2, "grad_bias"),
+             ("fused_add", 3, "grad_fused_add")]
+    for key, i, name in names:
+        if key not in fd:
+            continue
+        got = np.asarray(res[i])
+        want = fd[key]
+        scale = max(float(np.max(np.abs(want))), 1e-3)
+        err = float(np.max(np.abs(got - want)))
+        assert got.shape == want.shape, (name, got.shape, want.shape, ctx)
+        assert err <= 1e-6 * scale, f"{name}: max |simdnorm - finite difference| = {err:.3g} (scale {scale:.3g}) {ctx}"
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's autograd
+# ----------------------------------------------------------------------------------------------
+
+
+TORCH_CASES = [("batch_norm", 0), ("batch_norm", 1), ("batch_norm", 2), ("batch_norm_eval", 0), ("layer_norm", 0),
+               ("layer_norm", 1), ("rms_norm", 0), ("rms_norm", 1), ("instance_norm", 0), ("instance_norm", 1),
+               ("group_norm", 0), ("group_norm", 1)]
+
+
+@pytest.mark.parametrize("act,params", ACTS, ids=ACT_IDS)
+@pytest.mark.parametrize("tdtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op,variant", TORCH_CASES, ids=[f"{o}-{v}" for o, v in TORCH_CASES])
+def test_backward_matches_torch_autograd(rng, op, variant, tdtype, act, params):
+    torch = pytest.importorskip("torch", reason="PyTorch not installed: the autograd cross-check needs it")
+    from test_training_reference import torch_grads
+
+    dtype = F32 if tdtype == "float32" else BF16
+    p = make_problem(rng, op, variant, dtype, act, params)
+    if dtype == BF16:  # PyTorch rounds the pre-activation value to bfloat16 first: stay off the kink
+        push_from_kinks(p, 0.05)
+    dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+    tg, _ = torch_grads(torch, p, dy, getattr(torch, tdtype))
+    stats = sn_forward(p, stats=True)
+    res = sn_backward(p, dy, stats)
+    ref = p.backward(dy, f64_stats(stats))
+    ctx = f"{op}-{variant} {tdtype} act={act} {params or ''}"
+    for key, i, name, r, e in (("x", 0, "grad_input", ref.grad_input, ref.e_input),
+                               ("scale", 1, "grad_scale", ref.grad_scale, ref.e_scale),
+                               ("bias", 2, "grad_bias", ref.grad_bias, ref.e_bias),
+                               ("fused_add", 3, "grad_fused_add", ref.grad_fused_add, ref.e_fused_add)):
+        if key not in tg:
+            continue
+        got, want = f64(res[i]), tg[key]
+        if dtype == F32:  # both within the float32 error bound of the float64 result
+            tol = 2 * grad_tolerance(r, e, F32)
+        else:  # PyTorch's bfloat16 tolerance (1.6e-2), relative to each value and to the largest
+            tol = 1.6e-2 * np.abs(want) + 3e-2 * float(np.max(np.abs(want)))
+        bad = ~(np.abs(got - want) <= tol)
+        assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} differ from PyTorch beyond tolerance {ctx}; "
+                               f"first at {np.argwhere(bad)[0]}: simdnorm {got[bad][0]!r} torch {want[bad][0]!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# batch_normalization_training: batch statistics and output
+# ----------------------------------------------------------------------------------------------
+
+
+def check_batch_stats(m, v, x, r, ctx, stat_rtol=None):
+    ct = compute_dtype(np.asarray(x).dtype)
+    assert isinstance(m, np.ndarray) and isinstance(v, np.ndarray), ctx
+    assert m.dtype == ct and v.dtype == ct, (m.dtype, v.dtype, ct, ctx)
+    assert m.shape == r.stat_shape and v.shape == r.stat_shape, (m.shape, v.shape, r.stat_shape, ctx)
+    rt = (1e-5 if ct == F32 else 1e-12) if stat_rtol is None else stat_rtol
+    std = np.sqrt(r.var)
+    with quiet():
+        em = np.abs(f64(m) - r.mean)
+        ev = np.abs(f64(v) - r.var)
+    assert (em <= rt * (np.abs(r.mean) + std) + 1e-300).all(), \
+        f"mean off: got {m.ravel()[:4]} want {r.mean.ravel()[:4]} {ctx}"
+    assert (ev <= 4 * rt * (r.var + rt * r.mean ** 2) + 1e-300).all(), \
+        f"variance off: got {v.ravel()[:4]} want {r.var.ravel()[:4]} {ctx}"
+
+
+TRAIN_VARIANTS = [
+    dict(shape=(4, 5, 37)),
+    dict(shape=(4, 37, 5), channel_axis=-1),
+    dict(shape=(3, 4, 9), same_rank=(1, 4, 9)),   # DirectML's same-rank parameters
+    dict(shape=(3, 4, 9), same_rank=(1, 4, 1)),
+    dict(shape=(2, 3, 4, 5, 6), channel_axis=2),
+    dict(shape=(50,), same_rank=(1,)),             # 1-D input: a same-rank parameter
+    dict(shape=(6, 7), scale=None, bias=None),
+]
+
+
+@DT
+@pytest.mark.parametrize("act", [None, "relu", "gelu", "tanh", "hard_swish"])
+@pytest.mark.parametrize("fused", [None, "full", "broadcast"])
+@pytest.mark.parametrize("vi", range(len(TRAIN_VARIANTS)))
+def test_batch_normalization_training_forward(rng, vi, fused, act, dtype):
+    kw = dict(TRAIN_VARIANTS[vi])
+    shape = kw.pop("shape")
+    sr = kw.pop("same_rank", None)
+    ca = kw.pop("channel_axis", 1)
+    nd = len(shape)
+    if sr is not None:
+        s, b = rand_values(rng, sr, dtype, loc=1.0, scale=0.5), rand_values(rng, sr, F32)
+    elif "scale" in kw:
+        s = b = None
+    else:
+        c = shape[ca % nd]
+        s, b = rand_values(rng, (c,), dtype, loc=1.0, scale=0.5), rand_values(rng, (c,), dtype)
+    fa = None
+    if fused == "full":
+        fa = rand_values(rng, shape, dtype)
+    elif fused == "broadcast":
+        fa = rand_values(rng, shape[-1:], F32)
+    x = rand_values(rng, shape, dtype, loc=1.5, scale=2.0)
+    out = make_out(shape, dtype)
+    ctx = f"{shape} ca={ca} params={None if s is None else s.shape} fused={fused} act={act} {dtype_id(dtype)}"
+    res = simdnorm.batch_normalization_training(x, s, b, epsilon=1e-3, channel_axis=ca, fused_add=fa, activation=act,
+                                                out=out)
+    assert isinstance(res, tuple) and len(res) == 3, ctx
+    y, m, v = res
+    assert y is out, ctx
+    r = bn_training_ref(x, s, b, epsilon=1e-3, channel_axis=ca, fused_add=fa)
+    check_batch_stats(m, v, x, r, ctx)
+    check_close(y, r.pre, r.zscale, act, dtype=dtype, context=ctx)
+    y2, m2, v2 = simdnorm.batch_normalization_training(x, s, b, epsilon=1e-3, channel_axis=ca, fused_add=fa,
+                                                       activation=act)
+    assert_like_empty_like(y2, x)
+    np.testing.assert_array_equal(bits(y2), bits(y))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_batch_normalization_training_layouts(rng, layout, dtype):
+    shape = (3, 6, 5, 7)
+    x = in_layout(rand_values(rng, shape, dtype, loc=-1.0, scale=3.0), layout)
+    s = in_layout(rand_values(rng, (6,), dtype, loc=1.0, scale=0.5), "negative")
+    b = np.broadcast_to(rand_values(rng, (1,), dtype), (6,))
+    fa = in_layout(rand_values(rng, shape, dtype), "unaligned_strided")
+    out = make_out(shape, dtype, WRITABLE_LAYOUTS[LAYOUTS.index(layout) % len(WRITABLE_LAYOUTS)])
+    y, m, v = simdnorm.batch_normalization_training(x, s, b, fused_add=fa, activation="silu", out=out)
+    assert y is out
+    r = bn_training_ref(x, s, b, fused_add=fa)
+    check_batch_stats(m, v, x, r, layout)
+    check_close(y, r.pre, r.zscale, "silu", dtype=dtype, context=layout)
+
+
+def test_batch_normalization_training_in_place(rng):
+    # out is input works for the forward (SPEC §6); it just cannot be differentiated afterwards
+    x = rand_values(rng, (4, 3, 10), F32)
+    x0 = x.copy()
+    y, m, v = simdnorm.batch_normalization_training(x, out=x)
+    assert y is x
+    r = bn_training_ref(x0)
+    check_close(y, r.pre, r.zscale, dtype=F32)
+    check_batch_stats(m, v, x0, r, "in place")
+
+
+def test_batch_normalization_training_count_one_and_zero(rng):
+    # a count of 1 without running statistics: variance 0, the output is bias
+    x = rand_values(rng, (1, 4), F32)
+    s, b = rand_values(rng, (4,), F32), rand_values(rng, (4,), F32)
+    y, m, v = simdnorm.batch_normalization_training(x, s, b)
+    np.testing.assert_array_equal(m, x[0])
+    np.testing.assert_array_equal(v, 0)
+    np.testing.assert_allclose(y[0], b, rtol=1e-6)
+    # a count of 0: empty output, NaN statistics, running statistics untouched
+    x = np.empty((0, 4, 3), F32)
+    rm, rv = rand_values(rng, (4,), F32), rand_values(rng, (4,), F32, loc=2.0, scale=0.1)
+    rm0, rv0 = rm.copy(), rv.copy()
+    y, m, v = simdnorm.batch_normalization_training(x, running_mean=rm, running_var=rv)
+    assert y.shape == (0, 4, 3)
+    assert m.shape == (4,) and v.shape == (4,)
+    assert np.isnan(m).all() and np.isnan(v).all()
+    np.testing.assert_array_equal(bits(rm), bits(rm0))
+    np.testing.assert_array_equal(bits(rv), bits(rv0))
+
+
+# ----------------------------------------------------------------------------------------------
+# running statistics
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum0.1", "cumulative"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_running_stats_match_torch_batchnorm2d(rng, momentum, layout):
+    torch = pytest.importorskip("torch", reason="PyTorch not installed: the BatchNorm2d cross-check needs it")
+    C = 5
+    tbn = torch.nn.BatchNorm2d(C, momentum=momentum, eps=1e-5)
+    tbn.train()
+    with torch.no_grad():
+        tbn.weight.copy_(torch.tensor(rng.uniform(0.5, 2.0, size=C), dtype=torch.float32))
+        tbn.bias.copy_(torch.tensor(rng.normal(size=C), dtype=torch.float32))
+    w, b = tbn.weight.detach().numpy().copy(), tbn.bias.detach().numpy().copy()
+    rm, rv = np.zeros(C, F32), np.ones(C, F32)
+    ids = (id(rm), id(rv))
+    for step in range(1, 5):
+        x = rand_values(rng, (4, C, 6, 7), F32, loc=step - 2.0, scale=1.0 + step)
+        ty = tbn(torch.from_numpy(x)).detach().numpy()
+        kw = dict(momentum="cumulative", num_batches_tracked=step) if momentum is None else dict(momentum=momentum)
+        if layout == "nhwc":
+            xin = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+            y, m, v = simdnorm.batch_normalization_training(xin, w, b, channel_axis=-1, running_mean=rm,
+                                                            running_var=rv, **kw)
+            y = y.transpose(0, 3, 1, 2)
+        else:
+            y, m, v = simdnorm.batch_normalization_training(x, w, b, running_mean=rm, running_var=rv, **kw)
+        assert (id(rm), id(rv)) == ids
+        np.testing.assert_allclose(y, ty, rtol=1e-5, atol=2e-5, err_msg=f"output, step {step}")
+        np.testing.assert_allclose(rm, tbn.running_mean.numpy(), rtol=2e-6, atol=1e-6,
+                                   err_msg=f"running_mean, step {step}")
+        np.testing.assert_allclose(rv, tbn.running_var.numpy(), rtol=2e-6, atol=1e-6,
+                                   err_msg=f"running_var, step {step}")
+        assert int(tbn.num_batches_tracked) == step
+
+
+@pytest.mark.parametrize("rdtype", ["float32", "float64", "input"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("convention,momentum", [("pytorch", None), ("pytorch", 0.3), ("pytorch", "cumulative"),
+                                                 ("onnx", None), ("onnx", 0.8)])
+def test_running_stats_formula(rng, convention, momentum, dtype, rdtype):
+    shape = (3, 4, 11)
+    rdt = {"float32": F32, "float64": F64, "input": dtype}[rdtype]
+    rm = rand_values(rng, (4,), rdt)
+    rv = rand_values(rng, (4,), rdt, loc=2.0, scale=0.3)
+    for step in range(1, 4):
+        x = rand_values(rng, shape, dtype, loc=1.0, scale=2.0)
+        kw = dict(momentum_convention=convention)
+        if momentum is not None:
+            kw["momentum"] = momentum
+        if momentum == "cumulative":
+            kw["num_batches_tracked"] = step
+        r = bn_training_ref(x)
+        want_m, want_v = running_update_ref(rm, rv, r.mean, r.var, r.count, momentum=momentum,
+                                            momentum_convention=convention, num_batches_tracked=step)
+        simdnorm.batch_normalization_training(x, running_mean=rm, running_var=rv, **kw)
+        assert rm.dtype == rdt and rv.dtype == rdt
+        for name, got, want in (("running_mean", rm, want_m), ("running_var", rv, want_v)):
+            # updated in float32 (float64 for float64 data), rounded once to the running dtype
+            crt = 1e-12 if compute_dtype(dtype) == F64 and rdt == F64 else 1e-5
+            tol = crt * (np.abs(want) + 1.0) + {F16: 1e-3, BF16: 8e-3}.get(np.dtype(rdt), 0.0) * np.abs(want)
+            assert (np.abs(f64(got) - want) <= tol).all(), f"{name} step {step}: got {got} want {want} " \
+                f"({convention} momentum={momentum} {dtype_id(dtype)} running {rdtype})"
+            # the next step starts from what is stored
+
+
+def test_running_stats_same_rank_shape(rng):
+    # running statistics take the statistics' shape: with same-rank scale/bias, that shape
+    x = rand_values(rng, (5, 3, 4), F32)
+    s = rand_values(rng, (1, 3, 4), F32, loc=1.0, scale=0.2)
+    rm, rv = np.zeros((1, 3, 4), F32), np.ones((1, 3, 4), F32)
+    _, m, v = simdnorm.batch_normalization_training(x, s, running_mean=rm, running_var=rv, momentum=0.5)
+    r = bn_training_ref(x, s)
+    want_m, want_v = running_update_ref(np.zeros((1, 3, 4)), np.ones((1, 3, 4)), r.mean, r.var, r.count, momentum=0.5)
+    np.testing.assert_allclose(rm, want_m, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rv, want_v, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# accuracy: large means, constant groups, long reductions
+# ----------------------------------------------------------------------------------------------
+
+
+LARGE = [("batch_norm", dict(shape=(4, 3, 500))), ("batch_norm", dict(shape=(500, 4), channel_axis=-1)),
+         ("layer_norm", dict(shape=(8, 3000))), ("group_norm", dict(shape=(2, 4, 1000), num_groups=2)),
+         ("instance_norm", dict(shape=(2, 3, 800))), ("mvn", dict(shape=(1500, 6), axes=(0,))),
+         ("rms_norm", dict(shape=(8, 2000)))]
+
+
+@pytest.mark.parametrize("ratio", [1e2, 1e4])
+@pytest.mark.parametrize("op,kw", LARGE, ids=[f"{o}-{i}" for i, (o, _) in enumerate(LARGE)])
+def test_large_mean_float32(rng, op, kw, ratio):
+    # data with mean 1e4 and std 1: the saved mean and inv_std must be used (never E[x^2] - E[x]^2,
+    # nor sum(g x) - mean sum(g) in float32); y may be off by a few ulp of |x| inv_std (the fold
+    # x inv_std - mean inv_std), nothing more
+    p = random_problem(rng, op, activation="gelu", dtype=F32, loc=ratio, spread=1.0, **kw)
+    dy = rand_values(rng, p.x.shape, F32, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    for s in stats:
+        assert np.isfinite(s).all()
+    res = sn_backward(p, dy, stats)
+    ref = p.backward(dy, f64_stats(stats), rt=4 * U32 * 16, rt_fold=2 * U32)
+    check_grads(res, ref, x=p.x, scale=p.scale, bias=p.bias, want=wanted(p), context=f"{op} ratio={ratio}")
+
+
+@pytest.mark.parametrize("op,kw", LARGE[:4], ids=[f"{o}-{i}" for i, (o, _) in enumerate(LARGE[:4])])
+def test_large_mean_float64(rng, op, kw):
+    p = random_problem(rng, op, activation="silu", dtype=F64, loc=1e8, spread=1.0, **kw)
+    dy = rand_values(rng, p.x.shape, F64, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    res = sn_backward(p, dy, stats)
+    ref = p.backward(dy, f64_stats(stats), rt=1e-12, rt_fold=2 * U64)
+    check_grads(res, ref, x=p.x, scale=p.scale, bias=p.bias, want=wanted(p), context=f"{op} float64 mean 1e8")
+
+
+def test_large_mean_batch_statistics(rng):
+    x = (1e4 + rng.normal(size=(64, 3, 300))).astype(F32)
+    _, m, v = simdnorm.batch_normalization_training(x)
+    r = bn_training_ref(x)
+    np.testing.assert_allclose(m, r.mean, rtol=4 * U32)
+    np.testing.assert_allclose(v, r.var, rtol=1e-4)  # E[x^2] - E[x]^2 would be off by ~1e3
+
+
+def _constant_problem(rng, op, dtype, mode="inside"):
+    if op == "group_norm":
+        p = random_problem(rng, op, shape=(2, 6, 20), num_groups=3, activation="gelu", dtype=dtype)
+        p.x[0, 2:4] = 2.5  # group 1 of sample 0
+        p.x[1, 4:6] = -0.75
+    elif op == "batch_norm":
+        p = random_problem(rng, op, shape=(3, 4, 10), fused_add=True, activation="silu", dtype=dtype)
+        p.x[:, 1] = 1.25  # channel 1
+    elif op == "instance_norm":
+        p = random_problem(rng, op, shape=(2, 3, 10), activation="relu", dtype=dtype)
+        p.x[1, 2] = -3.0
+    elif op == "layer_norm":
+        p = random_problem(rng, op, shape=(3, 40), activation="leaky_relu", dtype=dtype)
+        p.x[1] = 7.0
+    elif op == "rms_norm":  # the "variance" of RMS norm is mean(x^2): 0 only for a zero row
+        p = random_problem(rng, op, shape=(3, 40), activation="gelu", dtype=dtype)
+        p.x[2] = 0.0
+    else:
+        p = random_problem(rng, "mvn", shape=(3, 40), axes=(1,), epsilon_mode=mode, epsilon=0.01, activation="silu",
+                           dtype=dtype)
+        p.x[0] = -2.0
+    return p
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", ["group_norm", "batch_norm", "instance_norm", "layer_norm", "rms_norm", "mvn-inside",
+                                "mvn-outside"])
+def test_constant_group(rng, op, dtype):
+    # a group of equal values (variance 0): y = 0 there, grad_input = inv_std (g - M(g)), finite
+    name, _, mode = op.partition("-")
+    p = _constant_problem(rng, name, dtype, mode or "inside")
+    dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    res = sn_backward(p, dy, stats)
+    for i, g in enumerate(res):
+        if g is not None:
+            assert np.isfinite(f64(g)).all(), f"gradient {i} not finite {op} {dtype_id(dtype)}"
+    check_grads(res, p.backward(dy, f64_stats(stats)), x=p.x, scale=p.scale, bias=p.bias, fused_add=p.fused_add,
+                want=wanted(p), context=f"constant group {op}")
+
+
+def test_long_reduction_float32(rng):
+    # 2**20 elements per channel: float32 partial sums merged in double stay accurate
+    x = rand_values(rng, (256, 2, 4096), F32, loc=3.0, scale=1.0)
+    dy = rand_values(rng, x.shape, F32, loc=0.5, scale=1.0)
+    s, b = np.array([1.5, -0.75], F32), np.array([0.25, 0.5], F32)
+    _, m, v = simdnorm.batch_normalization_training(x, s, b)
+    r = bn_training_ref(x, s, b)
+    check_batch_stats(m, v, x, r, "long", stat_rtol=1e-6)
+    res = simdnorm.batch_normalization_backward(dy, x, m, v, s, b)
+    p = Problem("batch_norm", x, s, b)
+    check_grads(res, p.backward(dy, (f64(m), f64(v)), rt=2e-6), x=x, scale=s, bias=b, context="2**20 per channel")
+
+
+# ----------------------------------------------------------------------------------------------
+# relu'(0) = 0, leaky_relu'(0) = alpha
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act,params,slope", [("relu", None, 0.0), ("leaky_relu", None, 0.01),
+                                              ("leaky_relu", {"alpha": 0.3}, 0.3)])
+@pytest.mark.parametrize("op", ["layer_norm", "batch_norm", "group_norm"])
+def test_activation_derivative_at_zero(rng, op, act, params, slope):
+    # symmetric data: the middle element normalizes to exactly 0, bias 0: the pre-activation value
+    # is exactly 0 there, and the gradient of bias counts dy there times act'(0)
+    row = np.array([-2.0, -1.0, 0.0, 1.0, 2.0], F32)
+    if op == "layer_norm":
+        x = np.stack([row, row * 3])
+        p = Problem(op, x, None, np.zeros(5, F32), kw=dict(axis=-1), activation=act, act_params=params)
+    elif op == "batch_norm":
+        x = np.stack([row, row * 2], axis=1).reshape(5, 2, 1)  # (N=5, C=2, 1)
+        p = Problem(op, x, None, np.zeros(2, F32), kw=dict(channel_axis=1), activation=act, act_params=params)
+    else:
+        x = np.stack([row, -row, row * 4, row]).reshape(1, 4, 5)  # groups of channels (0,1), (2,3)
+        p = Problem(op, x, None, np.zeros(4, F32), kw=dict(num_groups=2), activation=act, act_params=params)
+    dy = rand_values(rng, x.shape, F32, loc=1.0, scale=0.5)
+    stats = sn_forward(p, stats=True)
+    ref = p.backward(dy, f64_stats(stats))
+    assert np.count_nonzero(p.pre_activation() == 0) >= 2
+    res = sn_backward(p, dy, stats)
+    check_grads(res, ref, x=x, bias=p.bias, want=("input", "bias"), context=f"{op} {act} at 0 (slope {slope})")
+
+
+# ----------------------------------------------------------------------------------------------
+# 1 vs 2 threads: bitwise identical
+# ----------------------------------------------------------------------------------------------
+
+
+THREAD_CASES = [("batch_norm", dict(shape=(8, 16, 40, 40), fused_add=True)),
+                ("batch_norm", dict(shape=(8, 40, 40, 16), channel_axis=-1)),
+                ("batch_norm_eval", dict(shape=(8, 16, 40, 40))),
+                ("mvn", dict(shape=(16, 40, 400), axes=(0, 2))),
+                ("mvn", dict(shape=(40, 8, 600), axes=(2,), epsilon_mode="outside", epsilon=0.1)),
+                ("layer_norm", dict(shape=(512, 384))),
+                ("layer_norm", dict(shape=(2, 200000))),
+                ("rms_norm", dict(shape=(512, 384))),
+                ("instance_norm", dict(shape=(4, 16, 60, 60))),
+                ("group_norm", dict(shape=(4, 32, 40, 40), num_groups=8)),
+                ("group_norm", dict(shape=(2, 40, 40, 32), num_groups=4, channel_axis=-1))]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("op,kw", THREAD_CASES, ids=[f"{o}-{i}" for i, (o, _) in enumerate(THREAD_CASES)])
+def test_backward_one_vs_two_threads_bitwise(rng, threads, op, kw, dtype):
+    p = random_problem(rng, op, activation="gelu", dtype=dtype, **kw)
+    if p.eval_stats is not None:
+        p.eval_stats = tuple(a.astype(F32) for a in p.eval_stats)
+    dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        stats = sn_forward(p, stats=True)
+        results.append((stats, sn_backward(p, dy, stats)))
+    (s1, r1), (s2, r2) = results
+    for a, b in zip(s1, s2):
+        if a is not None:
+            np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"forward statistics {op} {kw}")
+    for i, (a, b) in enumerate(zip(r1, r2)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"gradient {i} {op} {kw} 1 vs 2 threads")
+    if dtype == F32 and op in ("batch_norm", "group_norm", "layer_norm"):  # and right, on a split input
+        check_grads(r2, p.backward(dy, f64_stats(s2)), x=p.x, scale=p.scale, bias=p.bias, fused_add=p.fused_add,
+                    want=wanted(p), context=f"{op} {kw} 2 threads")
+
+
+ISA_CASES = [("batch_norm", 1), ("batch_norm_eval", 1), ("mvn", 1), ("mvn", 3), ("layer_norm", 0), ("rms_norm", 0),
+             ("instance_norm", 1), ("group_norm", 1)]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+def test_backward_every_isa(isa, rng, dtype):
+    # every instruction set this machine has (simdnorm.set_isa), against the reference
+    for op, variant in ISA_CASES:
+        for act, params in (("gelu", None), ("leaky_relu", {"alpha": 0.3}), ("silu", None)):
+            p = make_problem(rng, op, variant, dtype, act, params)
+            dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+            stats = sn_forward(p, stats=True)
+            res = sn_backward(p, dy, stats, out=make_out(p.x.shape, dtype))
+            check_grads(res, p.backward(dy, f64_stats(stats)), x=p.x, scale=p.scale, bias=p.bias,
+                        fused_add=p.fused_add, want=wanted(p), context=f"isa={isa} {op}-{variant} {act}")
+    x = rand_values(rng, (6, 5, 41), dtype, loc=2.0)
+    y, m, v = simdnorm.batch_normalization_training(x, activation="gelu")
+    r = bn_training_ref(x)
+    check_batch_stats(m, v, x, r, f"isa={isa}")
+    check_close(y, r.pre, r.zscale, "gelu", dtype=dtype, context=f"isa={isa}")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "same_rank"])
+def test_batch_normalization_training_one_vs_two_threads_bitwise(rng, threads, layout):
+    if layout == "nhwc":
+        x, ca, pshape = rand_values(rng, (8, 40, 40, 16), F32), -1, (16,)
+    elif layout == "same_rank":
+        x, ca, pshape = rand_values(rng, (8, 16, 40, 40), F32), 1, (1, 16, 40, 1)
+    else:
+        x, ca, pshape = rand_values(rng, (8, 16, 40, 40), F32), 1, (16,)
+    s, b = rand_values(rng, pshape, F32), rand_values(rng, pshape, F32)
+    fa = rand_values(rng, x.shape, F32)
+    outs = []
+    for n in (1, 2):
+        threads(n)
+        rm, rv = np.zeros(pshape, F32), np.ones(pshape, F32)
+        y, m, v = simdnorm.batch_normalization_training(x, s, b, channel_axis=ca, fused_add=fa, activation="relu",
+                                                        running_mean=rm, running_var=rv, momentum=0.1)
+        outs.append((y, m, v, rm, rv))
+    for name, a, c in zip(("out", "mean", "variance", "running_mean", "running_var"), *outs):
+        np.testing.assert_array_equal(bits(a), bits(c), err_msg=f"{name} 1 vs 2 threads ({layout})")
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------
+
+
+def _simple(rng, op, dtype=F32, act=None):
+    shape = {"group_norm": (2, 4, 5), "instance_norm": (2, 3, 5)}.get(op, (3, 4, 5))
+    kw = dict(num_groups=2) if op == "group_norm" else {}
+    p = random_problem(rng, op, shape=shape, activation=act, dtype=dtype, **kw)
+    if p.eval_stats is not None:
+        p.eval_stats = tuple(a.astype(F32) for a in p.eval_stats)
+    return p
+
+
+ALL_OPS = ("batch_norm", "batch_norm_eval", "mvn", "layer_norm", "rms_norm", "instance_norm", "group_norm")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_error_grad_of_absent_parameter(rng, op):
+    p = _simple(rng, op)
+    p.scale = None
+    p.bias = None
+    dy = rand_values(rng, p.x.shape, F32)
+    stats = sn_forward(p, stats=True)
+    with pytest.raises(ValueError):
+        sn_backward(p, dy, stats, grad_scale=True)
+    if op != "rms_norm":
+        with pytest.raises(ValueError):
+            sn_backward(p, dy, stats, grad_bias=True)
+    else:  # rms_norm has no bias: asking for its gradient is an error too
+        with pytest.raises((ValueError, TypeError)):
+            sn_backward(p, dy, stats, grad_bias=True)
+    res = sn_backward(p, dy, stats)
+    assert res[1] is None and res[2] is None
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_error_grad_output_shape_and_dtype(rng, op):
+    p = _simple(rng, op)
+    stats = sn_forward(p, stats=True)
+    with pytest.raises(ValueError):
+        sn_backward(p, rand_values(rng, p.x.shape[:-1] + (p.x.shape[-1] + 1,), F32), stats)
+    with pytest.raises(ValueError):
+        sn_backward(p, rand_values(rng, p.x.shape[1:], F32), stats)  # broadcastable is not enough
+    for dt in (F64, F16, np.int32):
+        with pytest.raises(TypeError):
+            sn_backward(p, rand_values(rng, p.x.shape, F32).astype(dt), stats)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_error_out(rng, op):
+    p = _simple(rng, op)
+    dy = rand_values(rng, p.x.shape, F32)
+    stats = sn_forward(p, stats=True)
+    x0 = p.x.copy()
+    with pytest.raises(ValueError):  # the input is needed to the end
+        sn_backward(p, dy, stats, out=p.x)
+    np.testing.assert_array_equal(bits(p.x), bits(x0))
+    for bad in (make_out(p.x.shape, F64), make_out(p.x.shape[:-1] + (1,), F32)):
+        before = bad.copy()
+        with pytest.raises((TypeError, ValueError)):
+            sn_backward(p, dy, stats, out=bad)
+        np.testing.assert_array_equal(bits(bad), bits(before))
+    ro = make_out(p.x.shape, F32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError):
+        sn_backward(p, dy, stats, out=ro)
+
+
+@pytest.mark.parametrize("name", ["tanh", "sigmoid", "elu", "hard_swish", "softplus", "nope"])
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_error_activation_not_differentiable_here(rng, op, name):
+    p = _simple(rng, op)
+    dy = rand_values(rng, p.x.shape, F32)
+    stats = sn_forward(p, stats=True)
+    with pytest.raises(ValueError, match="relu.*leaky_relu.*silu.*gelu|gelu.*silu"):
+        sn_backward(p, dy, stats, activation=name)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "batch_norm"])
+def test_error_identity_is_not_in_the_backward_list(rng, op):
+    # SPEC §9: "None, relu, leaky_relu, silu, gelu (ValueError naming those for any other)"
+    p = _simple(rng, op)
+    dy = rand_values(rng, p.x.shape, F32)
+    stats = sn_forward(p, stats=True)
+    with pytest.raises(ValueError):
+        sn_backward(p, dy, stats, activation="identity")
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "mvn", "layer_norm", "rms_norm", "instance_norm", "group_norm"])
+def test_error_statistics_of_wrong_shape(rng, op):
+    p = _simple(rng, op)
+    dy = rand_values(rng, p.x.shape, F32)
+    stats = sn_forward(p, stats=True)
+    bad = tuple(None if s is None else np.concatenate([s.ravel(), s.ravel()[:1]]) for s in stats)
+    with pytest.raises(ValueError):
+        sn_backward(p, dy, bad)
+
+
+def test_error_batch_normalization_training(rng):
+    x = rand_values(rng, (4, 3, 5), F32)
+    r = np.zeros(3, F32)
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x, running_mean=r)
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x, running_var=np.ones(3, F32))
+    with pytest.raises((ValueError, TypeError)):
+        simdnorm.batch_normalization_training(x, running_mean=r, running_var=np.ones(3, F32), momentum="cumulative")
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x, running_mean=r, running_var=np.ones(3, F32), momentum="cumulative",
+                                              num_batches_tracked=0)
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x, running_mean=r, running_var=np.ones(3, F32),
+                                              momentum_convention="tensorflow")
+    with pytest.raises(ValueError):  # scale and bias of different shapes
+        simdnorm.batch_normalization_training(x, np.ones(3, F32), np.ones((1, 3, 1), F32))
+    with pytest.raises(AxisError):  # a 1-D input needs a same-rank parameter
+        simdnorm.batch_normalization_training(rand_values(rng, (5,), F32))
+    with pytest.raises(ValueError):  # running statistics of the wrong shape
+        simdnorm.batch_normalization_training(x, running_mean=np.zeros(4, F32), running_var=np.ones(4, F32))
+    with pytest.raises(TypeError):
+        simdnorm.batch_normalization_training(x, running_mean=np.zeros(3, np.int32), running_var=np.ones(3, np.int32))
+    ro_m, ro_v = np.zeros(3, F32), np.ones(3, F32)
+    ro_m.flags.writeable = False
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x, running_mean=ro_m, running_var=ro_v)
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x, epsilon=-1.0)
+    with pytest.raises(ValueError):  # fused_add that would enlarge the input
+        simdnorm.batch_normalization_training(x, fused_add=rand_values(rng, (2, 4, 3, 5), F32))
+
+
+def test_running_stats_untouched_when_the_call_raises(rng):
+    x = rand_values(rng, (4, 3, 5), F32)
+    rm, rv = rand_values(rng, (3,), F32), rand_values(rng, (3,), F32, loc=2.0, scale=0.1)
+    rm0, rv0 = rm.copy(), rv.copy()
+    bad_calls = [
+        dict(activation="no_such_activation"),
+        dict(out=np.empty((4, 3, 5), F64)),
+        dict(out=np.empty((4, 3, 6), F32)),
+        dict(fused_add=np.ones((4, 3, 6), F32)),
+        dict(momentum="cumulative"),
+        dict(momentum_convention="nope"),
+        dict(epsilon=float("nan")),
+    ]
+    for kw in bad_calls:
+        with pytest.raises((ValueError, TypeError)):
+            simdnorm.batch_normalization_training(x, running_mean=rm, running_var=rv, **kw)
+        np.testing.assert_array_equal(bits(rm), bits(rm0), err_msg=str(kw))
+        np.testing.assert_array_equal(bits(rv), bits(rv0), err_msg=str(kw))
+    # a per-channel count of 1 with running_var: the unbiased variance is undefined
+    x1 = rand_values(rng, (1, 3), F32)
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x1, running_mean=rm, running_var=rv)
+    np.testing.assert_array_equal(bits(rm), bits(rm0))
+    np.testing.assert_array_equal(bits(rv), bits(rv0))
+    x1 = rand_values(rng, (4, 3, 5), F32)  # same-rank statistics of count 1 (nothing reduced but N=1)
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(x1[:1], np.ones((1, 3, 5), F32), running_mean=np.zeros((1, 3, 5), F32),
+                                              running_var=np.ones((1, 3, 5), F32))
+
+
+def test_count_one_with_running_var_onnx_convention(rng):
+    # SPEC §9 states the count-1 rule for running_var without naming a convention: ONNX's update
+    # (population variance) is no exception
+    rm, rv = rand_values(rng, (3,), F32), rand_values(rng, (3,), F32, loc=2.0, scale=0.1)
+    rm0, rv0 = rm.copy(), rv.copy()
+    with pytest.raises(ValueError):
+        simdnorm.batch_normalization_training(rand_values(rng, (1, 3), F32), running_mean=rm, running_var=rv,
+                                              momentum_convention="onnx")
+    np.testing.assert_array_equal(bits(rm), bits(rm0))
+    np.testing.assert_array_equal(bits(rv), bits(rv0))
+
+
+def test_error_backward_input_dtype_and_rank(rng):
+    x = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+    with pytest.raises(TypeError):
+        simdnorm.layer_norm_backward(x, x, np.zeros((2, 3, 1), F32), np.ones((2, 3, 1), F32))
+    x9 = rand_values(rng, (1,) * 9, F32)
+    with pytest.raises(ValueError):
+        simdnorm.layer_norm_backward(x9, x9, np.zeros((1,) * 9, F32), np.ones((1,) * 9, F32))
+
+
+def test_exported():
+    for name in ("batch_normalization_training", "batch_normalization_backward",
+                 "mean_variance_normalization_backward", "layer_norm_backward", "rms_norm_backward",
+                 "instance_norm_backward", "group_norm_backward"):
+        assert callable(getattr(simdnorm, name)), name
+        assert name in simdnorm.__all__, name
