@@ -55,19 +55,64 @@ __all__ = [
 
 BACKWARD_ACTIVATIONS = ("relu", "leaky_relu", "silu", "gelu")
 _IDENTITY = (0, 0.0, 0.0)
+_nd = np.ndarray
+
+# Plans (the validated attributes and shapes a call needs), keyed like the forward ops' by the
+# dtypes and shapes of the arrays and by each attribute with its class: a call that hits skips the
+# validation, which reads only dtypes, shapes and attributes.
+_PLANS: dict = {}
+
+
+def _k(a: Any) -> Any:
+    return None if a is None else (a.dtype, a.shape)
+
+
+def _a(v: Any) -> Any:
+    return (v, v.__class__)
+
+
+def _axes_key(axes: Any) -> Any:
+    if axes.__class__ is int:
+        return axes
+    if axes.__class__ is tuple or axes.__class__ is list:
+        return (tuple(axes), tuple(map(type, axes)))
+    raise TypeError  # (uncached: validated every call)
+
+
+def _planned(key: Any, make: Any) -> Any:
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable attribute: validate without caching
+        return make()
+    if plan is None:
+        plan = make()
+        if len(_PLANS) >= 512:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _as_arrays(x: Any, dy: Any, *params: Tuple[str, Any]) -> tuple:
+    """Conversions only (no rules): the input, grad_output and parameters as ndarrays."""
+    if x.__class__ is not _nd:
+        x = as_input(x)
+    if dy is not None and dy.__class__ is not _nd:
+        dy = as_input(dy, "grad_output")
+    out = [x, dy]
+    for name, p in params:
+        out.append(p if p is None or p.__class__ is _nd else as_param(p, name, x))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------------
 # argument rules
 
-def _input(x: Any) -> np.ndarray:
-    x = as_input(x)
+def _input(x: Any) -> Any:
     TensorDesc(x.dtype, x.shape)._check("input", "data")
     return x
 
 
-def _grad_output(dy: Any, x: np.ndarray) -> np.ndarray:
-    dy = as_input(dy, "grad_output")
+def _grad_output(dy: Any, x: Any) -> Any:
     if dy.dtype != x.dtype:
         raise DescriptorTypeError(
             f"grad_output: dtype {dtype_name(dy.dtype)} differs from the input's {dtype_name(x.dtype)}; "
@@ -77,10 +122,9 @@ def _grad_output(dy: Any, x: np.ndarray) -> np.ndarray:
     return dy
 
 
-def _param(p: Any, name: str, x: np.ndarray) -> Optional[np.ndarray]:
+def _param(p: Any, name: str, x: Any) -> Any:
     if p is None:
         return None
-    p = as_param(p, name, x)
     _check_param_dtype(name, TensorDesc(p.dtype, p.shape), TensorDesc(x.dtype, x.shape))
     return p
 
@@ -187,14 +231,16 @@ def _backward(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Option
 def _fused_add(fused_add: Any, x: np.ndarray) -> Optional[np.ndarray]:
     if fused_add is None:
         return None
-    fa = _param(fused_add, "fused_add", x)
-    mvn_param_rule("fused_add", fa.shape, x.shape)
-    return fa
+    _param(fused_add, "fused_add", x)
+    mvn_param_rule("fused_add", fused_add.shape, x.shape)
+    return fused_add
 
 
 def _stats(p: Any, name: str, x: np.ndarray, axes: Tuple[int, ...]) -> np.ndarray:
     """MVN's statistics: x's shape with the normalized dims 1 (fewer leading dims allowed)."""
-    p = _param(p, name, x)
+    if p is None:
+        raise DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
+    _param(p, name, x)
     mvn_param_rule(name, p.shape, x.shape)
     full = (1,) * (x.ndim - p.ndim) + p.shape
     bad = [d for d in axes if full[d] != 1]
@@ -331,13 +377,21 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     >>> print(mean, var, rm, rv)
     [ 2. 20.] [  1. 100.] [0.2 2. ] [ 1.1 20.9]
     """
-    x = _input(x)
-    scale = _param(scale, "scale", x)
-    bias = _param(bias, "bias", x)
-    fa = _fused_add(fused_add, x)
-    eps = check_epsilon(epsilon, x.dtype)
-    act = core_tuple(_check_activation(activation))
-    axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+    x, _, scale, bias, fa = _as_arrays(x, None, ("scale", scale), ("bias", bias), ("fused_add", fused_add))
+    try:
+        key: Any = ("bn_training", _k(x), _k(scale), _k(bias), _k(fa), _a(epsilon), _a(activation), _a(channel_axis))
+    except TypeError:
+        key = []
+
+    def plan() -> tuple:
+        _input(x)
+        _param(scale, "scale", x)
+        _param(bias, "bias", x)
+        _fused_add(fa, x)
+        return (check_epsilon(epsilon, x.dtype), core_tuple(_check_activation(activation)))\
+            + _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+
+    eps, act, axes, sshape, ca = _planned(key, plan)
     if (running_mean is None) != (running_var is None):
         raise DescriptorError("running_mean, running_var: give both or neither")
     count = math.prod(x.shape[d] for d in axes)
@@ -462,24 +516,32 @@ def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: 
     >>> print(gi.ravel())
     [0. 0.]
     """
-    x = _input(x)
-    dy = _grad_output(grad_output, x)
-    scale = _param(scale, "scale", x)
-    bias = _param(bias, "bias", x)
-    fa = _fused_add(fused_add, x)
-    mean = _param(mean, "mean", x)
-    variance = _param(variance, "variance", x)
-    eps = check_epsilon(epsilon, x.dtype)
-    act = _backward_activation(activation)
-    training = _check_bool("training", training)
-    axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
-    for name, s in (("mean", mean), ("variance", variance)):
-        if s.shape != sshape and not (s.shape == (1,) * len(sshape)):
-            raise DescriptorError(f"{name}: shape {s.shape}; the statistics have shape {sshape}")
+    x, dy, mean, variance, scale, bias, fa = _as_arrays(
+        x, grad_output, ("mean", mean), ("variance", variance), ("scale", scale), ("bias", bias), ("fused_add", fused_add))
+    try:
+        key: Any = ("bn_backward", _k(x), _k(dy), _k(mean), _k(variance), _k(scale), _k(bias), _k(fa), _a(epsilon),
+                    _a(channel_axis), _a(training), _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))
+    except TypeError:
+        key = []
+
+    def plan() -> tuple:
+        _input(x)
+        _grad_output(dy, x)
+        for name, p in (("scale", scale), ("bias", bias), ("mean", mean), ("variance", variance)):
+            _param(p, name, x)
+        _fused_add(fa, x)
+        eps = check_epsilon(epsilon, x.dtype)
+        act = _backward_activation(activation)
+        terms = _check_bool("training", training)
+        axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+        for name, st in (("mean", mean), ("variance", variance)):
+            if st.shape != sshape and not (st.shape == (1,) * len(sshape)):
+                raise DescriptorError(f"{name}: shape {st.shape}; the statistics have shape {sshape}")
+        return (eps, act, terms, axes, ca, _check_bool("grad_input", grad_input),
+                _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
+
+    eps, act, training, axes, ca, want_input, ws, wb = _planned(key, plan)
     inv_std = (1.0 / np.sqrt(variance.astype(np.float64) + eps)).astype(stats_dtype(x.dtype))
-    want_input = _check_bool("grad_input", grad_input)
-    ws = _wanted(grad_scale, "grad_scale", scale is not None)
-    wb = _wanted(grad_bias, "grad_bias", bias is not None)
     target, copy_to = _targets(out, want_input, x, dy, mean, variance, scale, bias, fa)
     return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, fa, target, ws, wb, eps, True, True, False, act,
                              training, ca), copy_to)
@@ -528,24 +590,36 @@ def mean_variance_normalization_backward(grad_output: Any, x: Any, axes: Any, me
     >>> print(np.abs(gi).max() < 1e-6)  # a constant gradient moves no normalized value
     True
     """
-    x = _input(x)
-    dy = _grad_output(grad_output, x)
-    axes_t = normalize_axes(axes, x.ndim)
-    scale = _param(scale, "scale", x)
-    bias = _param(bias, "bias", x)
-    for name, p in (("scale", scale), ("bias", bias)):
-        if p is not None:
-            mvn_param_rule(name, p.shape, x.shape)
-    nm = _check_bool("normalize_mean", normalize_mean)
-    nv = _check_bool("normalize_variance", normalize_variance)
-    mean = _stats(mean, "mean", x, axes_t) if nm else None
-    inv_std = _stats(inv_std, "inv_std", x, axes_t) if nv else None
-    eps = check_epsilon(epsilon, x.dtype)
-    eo = check_epsilon_mode(epsilon_mode)
-    act = _backward_activation(activation)
-    want_input = _check_bool("grad_input", grad_input)
-    ws = _wanted(grad_scale, "grad_scale", scale is not None)
-    wb = _wanted(grad_bias, "grad_bias", bias is not None)
+    x, dy, mean, inv_std, scale, bias = _as_arrays(
+        x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
+    try:
+        key: Any = ("mvn_backward", _k(x), _k(dy), _axes_key(axes), _k(mean), _k(inv_std), _k(scale), _k(bias),
+                    _a(normalize_mean), _a(normalize_variance), _a(epsilon), _a(epsilon_mode), _a(activation),
+                    _a(grad_input), _a(grad_scale), _a(grad_bias))
+    except TypeError:
+        key = []
+
+    def plan() -> tuple:
+        _input(x)
+        _grad_output(dy, x)
+        axes_t = normalize_axes(axes, x.ndim)
+        for name, p in (("scale", scale), ("bias", bias)):
+            if p is not None:
+                _param(p, name, x)
+                mvn_param_rule(name, p.shape, x.shape)
+        nm = _check_bool("normalize_mean", normalize_mean)
+        nv = _check_bool("normalize_variance", normalize_variance)
+        if nm:
+            _stats(mean, "mean", x, axes_t)
+        if nv:
+            _stats(inv_std, "inv_std", x, axes_t)
+        return (axes_t, nm, nv, check_epsilon(epsilon, x.dtype), check_epsilon_mode(epsilon_mode),
+                _backward_activation(activation), _check_bool("grad_input", grad_input),
+                _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
+
+    axes_t, nm, nv, eps, eo, act, want_input, ws, wb = _planned(key, plan)
+    mean = mean if nm else None
+    inv_std = inv_std if nv else None
     target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
     return _finish(_backward(dy, x, axes_t, mean, inv_std, scale, bias, None, target, ws, wb, eps, nm, nv, eo, act,
                              True, -1), copy_to)
@@ -585,8 +659,9 @@ def layer_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale
     >>> print(gs, gb)
     [-1.  0.] None
     """
-    x = _input(x)
-    axes = trailing_axes_rule(x, axis)
+    if x.__class__ is not _nd:
+        x = as_input(x)
+    axes = _trailing_axes(x, axis)
     return mean_variance_normalization_backward(grad_output, x, axes, mean, inv_std, scale, bias, epsilon=epsilon,
                                                 activation=activation, grad_input=grad_input, grad_scale=grad_scale,
                                                 grad_bias=grad_bias, out=out)
@@ -625,8 +700,9 @@ def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None,
     >>> print(np.abs(gi).max() < 1e-6)
     True
     """
-    x = _input(x)
-    axes = trailing_axes_rule(x, axis)
+    if x.__class__ is not _nd:
+        x = as_input(x)
+    axes = _trailing_axes(x, axis)
     if grad_bias is not None and _check_bool("grad_bias", grad_bias):
         raise DescriptorError("grad_bias=True: RMS norm has no bias")
     return mean_variance_normalization_backward(grad_output, x, axes, None, inv_rms, scale, None,
@@ -635,18 +711,27 @@ def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None,
                                                 out=out)
 
 
+def _trailing_axes(x: np.ndarray, axis: Any) -> Tuple[int, ...]:
+    """layer and RMS norm's axes (the rule cached by the input's dtype, shape and axis)."""
+    try:
+        key: Any = ("trailing", x.dtype, x.shape, _a(axis))
+    except TypeError:
+        key = []
+    return _planned(key, lambda: trailing_axes_rule(x, axis))
+
+
 def _per_channel_backward(dy: Any, x: np.ndarray, axes: Tuple[int, ...], ca: int, mean: Any, inv_std: Any,
                           scale: Any, bias: Any, epsilon: Any, activation: Any, grad_input: Any, grad_scale: Any,
                           grad_bias: Any, out: Any) -> tuple:
     """instance norm: statistics shaped like x with the spatial dims 1; scale and bias (C,) at ca."""
     dy = _grad_output(dy, x)
-    scale = _param(scale, "scale", x)
-    bias = _param(bias, "bias", x)
+    _param(scale, "scale", x)
+    _param(bias, "bias", x)
     c = x.shape[ca]
     per_channel_rule("scale", scale, c, "instance_norm")
     per_channel_rule("bias", bias, c, "instance_norm")
-    mean = _stats(mean, "mean", x, axes)
-    inv_std = _stats(inv_std, "inv_std", x, axes)
+    _stats(mean, "mean", x, axes)
+    _stats(inv_std, "inv_std", x, axes)
     eps = check_epsilon(epsilon, x.dtype)
     act = _backward_activation(activation)
     want_input = _check_bool("grad_input", grad_input)
@@ -682,7 +767,8 @@ def instance_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, sc
 
     {raises}
     """
-    x = _input(x)
+    x, grad_output, mean, inv_std, scale, bias = _as_arrays(
+        x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
     ca = channel_axis_rule(x, channel_axis, "instance_norm")
     axes = spatial_axes_rule(x, ca)
     return _per_channel_backward(grad_output, x, axes, ca, mean, inv_std, scale, bias, epsilon, activation,
@@ -715,13 +801,14 @@ def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, in
 
     {raises}
     """
-    x = _input(x)
+    x, dy, mean, inv_std, scale, bias = _as_arrays(
+        x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
     ca = channel_axis_rule(x, channel_axis, "group_norm")
     c = x.shape[ca]
     g = num_groups_rule(num_groups, c)
-    dy = _grad_output(grad_output, x)
-    scale = _param(scale, "scale", x)
-    bias = _param(bias, "bias", x)
+    _grad_output(dy, x)
+    _param(scale, "scale", x)
+    _param(bias, "bias", x)
     per_channel_rule("scale", scale, c, "group_norm")
     per_channel_rule("bias", bias, c, "group_norm")
     k = c // g
@@ -732,7 +819,9 @@ def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, in
     sshape = (n,) + (1,) * (ca - 1) + (g,) + (1,) * (vnd - ca - 1)
     stats = []
     for name, s in (("mean", mean), ("inv_std", inv_std)):
-        s = _param(s, name, x)
+        if s is None:
+            raise DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
+        _param(s, name, x)
         if s.shape != (n, g):
             raise DescriptorError(f"{name}: shape {s.shape}; group_norm's statistics have shape (N, num_groups) = "
                                   f"({n}, {g})")
