@@ -29,6 +29,9 @@ from ._api import (  # noqa: E402
 )
 from ._compile import compile  # noqa: E402,A004
 from ._training import (  # noqa: E402
+    BatchNormalizationGradDesc,
+    BatchNormalizationTrainingDesc,
+    MeanVarianceNormalizationGradDesc,
     batch_normalization_backward,
     batch_normalization_training,
     group_norm_backward,
@@ -74,6 +77,9 @@ __all__ = [
     "TensorDesc",
     "BatchNormalizationDesc",
     "MeanVarianceNormalizationDesc",
+    "BatchNormalizationTrainingDesc",
+    "BatchNormalizationGradDesc",
+    "MeanVarianceNormalizationGradDesc",
     "Activation",
     "ActivationLike",
     "ACTIVATIONS",

@@ -136,6 +136,71 @@ class _CompiledMeanVarianceNormalization(Protocol):
 def compile(desc: BatchNormalizationDesc) -> _CompiledBatchNormalization: ...
 @overload
 def compile(desc: MeanVarianceNormalizationDesc) -> _CompiledMeanVarianceNormalization: ...
+@overload
+def compile(
+    desc: Union[BatchNormalizationTrainingDesc, BatchNormalizationGradDesc, MeanVarianceNormalizationGradDesc],
+) -> Any: ...
+
+class BatchNormalizationTrainingDesc:
+    input: TensorDesc
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    fused_add: Optional[TensorDesc]
+    epsilon: float
+    activation: ActivationLike
+    channel_axis: int
+    def __init__(
+        self, input: TensorDesc, scale: Optional[TensorDesc] = ..., bias: Optional[TensorDesc] = ...,
+        fused_add: Optional[TensorDesc] = ..., *, epsilon: float = ..., activation: ActivationLike = ...,
+        channel_axis: int = ...,
+    ) -> None: ...
+    def validate(self) -> None: ...
+
+class BatchNormalizationGradDesc:
+    input: TensorDesc
+    mean: TensorDesc
+    variance: TensorDesc
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    fused_add: Optional[TensorDesc]
+    epsilon: float
+    channel_axis: int
+    training: bool
+    activation: ActivationLike
+    grad_input: bool
+    grad_scale: Optional[bool]
+    grad_bias: Optional[bool]
+    def __init__(
+        self, input: TensorDesc, mean: TensorDesc, variance: TensorDesc, scale: Optional[TensorDesc] = ...,
+        bias: Optional[TensorDesc] = ..., fused_add: Optional[TensorDesc] = ..., *, epsilon: float = ...,
+        channel_axis: int = ..., training: bool = ..., activation: ActivationLike = ..., grad_input: bool = ...,
+        grad_scale: Optional[bool] = ..., grad_bias: Optional[bool] = ...,
+    ) -> None: ...
+    def validate(self) -> None: ...
+
+class MeanVarianceNormalizationGradDesc:
+    input: TensorDesc
+    axes: Union[int, Tuple[int, ...]]
+    mean: Optional[TensorDesc]
+    inv_std: Optional[TensorDesc]
+    scale: Optional[TensorDesc]
+    bias: Optional[TensorDesc]
+    normalize_mean: bool
+    normalize_variance: bool
+    epsilon: float
+    epsilon_mode: Literal["inside", "outside"]
+    activation: ActivationLike
+    grad_input: bool
+    grad_scale: Optional[bool]
+    grad_bias: Optional[bool]
+    def __init__(
+        self, input: TensorDesc, axes: _Axes, mean: Optional[TensorDesc], inv_std: Optional[TensorDesc],
+        scale: Optional[TensorDesc] = ..., bias: Optional[TensorDesc] = ..., *, normalize_mean: bool = ...,
+        normalize_variance: bool = ..., epsilon: float = ..., epsilon_mode: Literal["inside", "outside"] = ...,
+        activation: ActivationLike = ..., grad_input: bool = ..., grad_scale: Optional[bool] = ...,
+        grad_bias: Optional[bool] = ...,
+    ) -> None: ...
+    def validate(self) -> None: ...
 
 def batch_normalization(
     x: _ArrayLike,

@@ -60,7 +60,7 @@ _range = range
 _CACHE_MAX = 512
 
 # The sections every function's docstring shares, written once: each public function's docstring
-# names them as {x}, {common} and {raises} (_documented fills them in at import).
+# names them as {x}, {common} and {raises} (documented fills them in at import).
 _DOC_SECTIONS = {
     "x": """x : array_like
         The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
@@ -84,7 +84,7 @@ _DOC_SECTIONS = {
 }
 
 
-def _documented(fn: Any) -> Any:
+def documented(fn: Any) -> Any:
     if fn.__doc__:  # (None under python -OO)
         fn.__doc__ = fn.__doc__.format(**_DOC_SECTIONS)
     return fn
@@ -125,7 +125,7 @@ def _bn_miss(key: Any, x, mean, variance, scale, bias, epsilon, activation, chan
     return plan
 
 
-@_documented
+@documented
 def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None, *,
                         epsilon: float = 1e-5, activation: ActivationLike = None, channel_axis: int = 1,
                         out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -270,7 +270,7 @@ def _other_axes(axes: Any) -> Tuple[Any, Any]:
     return axes, None
 
 
-@_documented
+@documented
 def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any = None, *,
                                 normalize_mean: bool = True, normalize_variance: bool = True,
                                 epsilon: float = 1e-5, epsilon_mode: str = "inside",
@@ -369,7 +369,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
 # ----------------------------------------------------------------------------------------------------
 # conveniences
 
-@_documented
+@documented
 def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
                activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                return_stats: bool = False) -> Any:
@@ -433,7 +433,7 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     return _run_mvn(x, scale, bias, out, return_stats, plan)
 
 
-@_documented
+@documented
 def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
              activation: ActivationLike = None, out: Optional[np.ndarray] = None, return_stats: bool = False) -> Any:
     """RMS normalization (ONNX RMSNormalization-23): ``x / sqrt(mean(x**2) + epsilon) * scale`` over
@@ -508,7 +508,7 @@ def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
     return (ca, _mvn_miss(None, x, axes, s, b, True, True, epsilon, "inside", activation))
 
 
-@_documented
+@documented
 def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5, channel_axis: int = 1,
                   activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                   return_stats: bool = False) -> Any:
@@ -579,7 +579,7 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
 _as_strided = np.lib.stride_tricks.as_strided
 
 
-def _split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
+def split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
     """A view of ``a`` with dim ca split into (g, k): always possible without a copy, any strides.
     (numpy's reshape never copies to split one dim; the check makes that certain.)"""
     shape = a.shape[:ca] + (g, k) + a.shape[ca + 1:]
@@ -609,7 +609,7 @@ def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -
     return (ca, g, k, vshape, pshape, plan_mvn(desc._validated(VIEW_MAX_DIMS)), (x.shape[0], g))
 
 
-@_documented
+@documented
 def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
                channel_axis: int = 1, activation: ActivationLike = None, out: Optional[np.ndarray] = None,
                return_stats: bool = False) -> Any:
@@ -685,8 +685,8 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     xv = x.reshape(vshape)
     rv = res.reshape(vshape)
     if xv.base is None or rv.base is None:  # pragma: no cover - numpy copied: explicit strides
-        xv = _split_view(x, ca, g, k)
-        rv = _split_view(res, ca, g, k)
+        xv = split_view(x, ca, g, k)
+        rv = split_view(res, ca, g, k)
     r = _run_mvn(xv, None if scale is None else scale.reshape(pshape), None if bias is None else bias.reshape(pshape),
                  rv, return_stats, plan)
     if not return_stats:

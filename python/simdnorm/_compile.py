@@ -240,7 +240,7 @@ def _expect(d: Optional[TensorDesc]) -> Optional[tuple]:
     return (d.dtype, d.sizes, d.byte_strides())
 
 
-def _check_arg(name: str, a: Any, d: Optional[TensorDesc]) -> Any:
+def check_arg(name: str, a: Any, d: Optional[TensorDesc]) -> Any:
     """The slow path of a compiled operator's argument check: convert, then match or raise."""
     if d is None:
         if a is None:
@@ -293,7 +293,7 @@ def _gen_params(params, ns) -> str:
     (descriptor None) must be None."""
     lines = []
     for arg, d in params:
-        ns[f"{arg}_slow"] = functools.partial(_check_arg, arg, d=d)
+        ns[f"{arg}_slow"] = functools.partial(check_arg, arg, d=d)
         if d is None:
             lines.append(f"    if {arg} is not None:\n        {arg}_slow({arg})")
             continue
@@ -333,7 +333,7 @@ def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> s
 def _gen_operator(name: str, signature: str, info: Any, params, kernel_call: str, ns: dict,
                   before_call: str = "", ret: str = "out"):
     """Generate one compiled operator: the input's fast check, the parameters', the body."""
-    ns["x_slow"] = lambda a: _check_arg("input", a, info.input)
+    ns["x_slow"] = lambda a: check_arg("input", a, info.input)
     ns["OUT_DESC"] = info.output
     # (A subclass takes the slow path: a masked array must be refused there.)
     cond = "x.__class__ is not _nd or " + _gen_conditions([("x", info.input)], ns)
@@ -401,7 +401,7 @@ def compile(desc: Any) -> Any:  # noqa: A001 - the public name is simdnorm.compi
 
     ``BatchNormalizationDesc`` -> ``op(x, mean, variance, scale=None, bias=None, *, out=None)``;
     ``MeanVarianceNormalizationDesc`` -> ``op(x, scale=None, bias=None, *, out=None,
-    return_stats=False)``. The operator is a plain function (one Python frame per call) with the
+    return_stats=False)``; the training descriptors -> the operators their docstrings name. The operator is a plain function (one Python frame per call) with the
     descriptor as ``op.desc``. Arrays must match the descriptors' dtypes and sizes (and strides,
     where a descriptor gives them); the input and out may otherwise have any strides.
     Raises DescriptorError (a ValueError) for an invalid descriptor. The operator, a generated
@@ -412,7 +412,12 @@ def compile(desc: Any) -> Any:  # noqa: A001 - the public name is simdnorm.compi
         return _compile_bn(desc)
     if isinstance(desc, MeanVarianceNormalizationDesc):
         return _compile_mvn(desc)
+    from . import _training  # (it imports this module)
+
+    if isinstance(desc, _training.TRAINING_DESCRIPTORS):
+        return _training.compile_training(desc)
     raise TypeError(
-        "compile: expected a BatchNormalizationDesc or a MeanVarianceNormalizationDesc, "
+        "compile: expected a BatchNormalizationDesc, MeanVarianceNormalizationDesc, "
+        "BatchNormalizationTrainingDesc, BatchNormalizationGradDesc or MeanVarianceNormalizationGradDesc, "
         f"got {type(desc).__name__}"
     )

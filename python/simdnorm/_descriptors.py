@@ -356,7 +356,7 @@ def _check_output_disjoint(sizes: Tuple[int, ...], strides: Tuple[int, ...]) -> 
         )
 
 
-def _check_param_dtype(name: str, p: TensorDesc, x: TensorDesc) -> None:
+def check_param_dtype(name: str, p: TensorDesc, x: TensorDesc) -> None:
     if p.dtype != x.dtype and p.dtype != F32:
         raise DescriptorTypeError(
             f"{name}: dtype {dtype_name(p.dtype)} is not accepted with a {dtype_name(x.dtype)} input; "
@@ -495,13 +495,13 @@ class MVNInfo(NamedTuple):
 BN_PARAM_NAMES = ("mean", "variance", "scale", "bias")
 
 
-def _check_bool(name: str, v: Any) -> bool:
+def check_bool(name: str, v: Any) -> bool:
     if isinstance(v, (bool, np.bool_)) or (isinstance(v, (int, np.integer)) and v in (0, 1)):
         return bool(v)
     raise DescriptorTypeError(f"{name}: expected a bool, got {type(v).__name__} ({value_text(v)})")
 
 
-def _check_activation(v: Any) -> Optional[Activation]:
+def check_activation(v: Any) -> Optional[Activation]:
     try:
         return _resolve_activation(v)
     except TypeError as e:
@@ -609,11 +609,11 @@ def _validate_bn(d: BatchNormalizationDesc) -> BNInfo:
             params.append(None)
             continue
         p._check(name, "param")
-        _check_param_dtype(name, p, x)
+        check_param_dtype(name, p, x)
         params.append((p, bn_param_rule(name, p.sizes, x.sizes, ca)))
     eps = check_epsilon(d.epsilon, x.dtype)
-    act = _check_activation(d.activation)
-    _check_bool("spatial", d.spatial)
+    act = check_activation(d.activation)
+    check_bool("spatial", d.spatial)
     return BNInfo(x, d.output, tuple(params), eps, act)
 
 
@@ -686,11 +686,11 @@ def _validate_mvn(d: MeanVarianceNormalizationDesc, max_dims: int = MAX_DIMS) ->
         _require_desc(name, p, True)
         if p is not None:
             p._check(name, "param", max_dims)
-            _check_param_dtype(name, p, x)
+            check_param_dtype(name, p, x)
             mvn_param_rule(name, p.sizes, x.sizes)
-    nm = _check_bool("normalize_mean", d.normalize_mean)
-    nv = _check_bool("normalize_variance", d.normalize_variance)
+    nm = check_bool("normalize_mean", d.normalize_mean)
+    nv = check_bool("normalize_variance", d.normalize_variance)
     eps = check_epsilon(d.epsilon, x.dtype)
     eo = check_epsilon_mode(d.epsilon_mode)
-    act = _check_activation(d.activation)
+    act = check_activation(d.activation)
     return MVNInfo(x, d.output, axes, d.scale, d.bias, nm, nv, eps, eo, act)

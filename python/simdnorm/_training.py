@@ -16,17 +16,18 @@ import numpy as np
 
 from . import _core
 from ._activation import ActivationLike, core_tuple
-from ._api import _documented, _split_view
-from ._compile import as_input, as_param, check_out, needs_temporary
+from ._api import documented, split_view
+from ._compile import as_input, as_param, check_arg, check_out, needs_temporary
 from ._descriptors import (
     MAX_DIMS,
+    as_int_tuple,
     DescriptorAxisError,
     DescriptorError,
     DescriptorTypeError,
     TensorDesc,
-    _check_activation,
-    _check_bool,
-    _check_param_dtype,
+    check_activation,
+    check_bool,
+    check_param_dtype,
     channel_axis_rule,
     check_epsilon,
     check_epsilon_mode,
@@ -51,6 +52,9 @@ __all__ = [
     "rms_norm_backward",
     "instance_norm_backward",
     "group_norm_backward",
+    "BatchNormalizationTrainingDesc",
+    "BatchNormalizationGradDesc",
+    "MeanVarianceNormalizationGradDesc",
 ]
 
 BACKWARD_ACTIVATIONS = ("relu", "leaky_relu", "silu", "gelu")
@@ -125,12 +129,12 @@ def _grad_output(dy: Any, x: Any) -> Any:
 def _param(p: Any, name: str, x: Any) -> Any:
     if p is None:
         return None
-    _check_param_dtype(name, TensorDesc(p.dtype, p.shape), TensorDesc(x.dtype, x.shape))
+    check_param_dtype(name, TensorDesc(p.dtype, p.shape), TensorDesc(x.dtype, x.shape))
     return p
 
 
 def _backward_activation(activation: Any) -> Tuple[int, float, float]:
-    act = _check_activation(activation)
+    act = check_activation(activation)
     if act is not None and act.name not in BACKWARD_ACTIVATIONS:
         raise DescriptorError(
             f"activation: {act.name!r} has no backward here; the backward ops take None, "
@@ -142,7 +146,7 @@ def _wanted(flag: Any, name: str, present: bool) -> bool:
     """grad_scale / grad_bias: None means "when that parameter was given"."""
     if flag is None:
         return present
-    want = _check_bool(name, flag)
+    want = check_bool(name, flag)
     if want and not present:
         raise DescriptorError(f"{name}=True but no {name[5:]} was given: there is no gradient to return")
     return want
@@ -323,7 +327,63 @@ def _running(r: Any, name: str, shape: Tuple[int, ...], x: np.ndarray) -> np.nda
     return r
 
 
-@_documented
+# ----------------------------------------------------------------------------------------------------
+# plans: the rules, on anything with a dtype and a shape (arrays, or the descriptors' stand-ins)
+
+def _plan_bn_training(x: Any, scale: Any, bias: Any, fa: Any, epsilon: Any, activation: Any,
+                      channel_axis: Any) -> tuple:
+    _input(x)
+    _param(scale, "scale", x)
+    _param(bias, "bias", x)
+    _fused_add(fa, x)
+    return (check_epsilon(epsilon, x.dtype), core_tuple(check_activation(activation)))\
+        + _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+
+
+def _plan_bn_backward(x: Any, dy: Any, mean: Any, variance: Any, scale: Any, bias: Any, fa: Any, epsilon: Any,
+                      channel_axis: Any, training: Any, activation: Any, grad_input: Any, grad_scale: Any,
+                      grad_bias: Any) -> tuple:
+    _input(x)
+    _grad_output(dy, x)
+    for name, p in (("scale", scale), ("bias", bias), ("mean", mean), ("variance", variance)):
+        if p is None and name in ("mean", "variance"):
+            raise DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
+        _param(p, name, x)
+    _fused_add(fa, x)
+    eps = check_epsilon(epsilon, x.dtype)
+    act = _backward_activation(activation)
+    terms = check_bool("training", training)
+    axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+    for name, st in (("mean", mean), ("variance", variance)):
+        if st.shape != sshape and not (st.shape == (1,) * len(sshape)):
+            raise DescriptorError(f"{name}: shape {st.shape}; the statistics have shape {sshape}")
+    return (eps, act, terms, axes, ca, check_bool("grad_input", grad_input),
+            _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
+
+
+def _plan_mvn_backward(x: Any, dy: Any, axes: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
+                       normalize_mean: Any, normalize_variance: Any, epsilon: Any, epsilon_mode: Any,
+                       activation: Any, grad_input: Any, grad_scale: Any, grad_bias: Any) -> tuple:
+    _input(x)
+    _grad_output(dy, x)
+    axes_t = normalize_axes(axes, x.ndim)
+    for name, p in (("scale", scale), ("bias", bias)):
+        if p is not None:
+            _param(p, name, x)
+            mvn_param_rule(name, p.shape, x.shape)
+    nm = check_bool("normalize_mean", normalize_mean)
+    nv = check_bool("normalize_variance", normalize_variance)
+    if nm:
+        _stats(mean, "mean", x, axes_t)
+    if nv:
+        _stats(inv_std, "inv_std", x, axes_t)
+    return (axes_t, nm, nv, check_epsilon(epsilon, x.dtype), check_epsilon_mode(epsilon_mode),
+            _backward_activation(activation), check_bool("grad_input", grad_input),
+            _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
+
+
+
+@documented
 def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
                                  channel_axis: int = 1, fused_add: Any = None, activation: ActivationLike = None,
                                  running_mean: Optional[np.ndarray] = None, running_var: Optional[np.ndarray] = None,
@@ -383,15 +443,8 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     except TypeError:
         key = []
 
-    def plan() -> tuple:
-        _input(x)
-        _param(scale, "scale", x)
-        _param(bias, "bias", x)
-        _fused_add(fa, x)
-        return (check_epsilon(epsilon, x.dtype), core_tuple(_check_activation(activation)))\
-            + _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
-
-    eps, act, axes, sshape, ca = _planned(key, plan)
+    eps, act, axes, sshape, ca = _planned(
+        key, lambda: _plan_bn_training(x, scale, bias, fa, epsilon, activation, channel_axis))
     if (running_mean is None) != (running_var is None):
         raise DescriptorError("running_mean, running_var: give both or neither")
     count = math.prod(x.shape[d] for d in axes)
@@ -470,7 +523,7 @@ _BACKWARD_DOC = """grad_output : array_like
 def _documented_backward(fn: Any) -> Any:
     if fn.__doc__:
         fn.__doc__ = fn.__doc__.replace("{backward}", _BACKWARD_DOC)
-    return _documented(fn)
+    return documented(fn)
 
 
 @_documented_backward
@@ -524,23 +577,9 @@ def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: 
     except TypeError:
         key = []
 
-    def plan() -> tuple:
-        _input(x)
-        _grad_output(dy, x)
-        for name, p in (("scale", scale), ("bias", bias), ("mean", mean), ("variance", variance)):
-            _param(p, name, x)
-        _fused_add(fa, x)
-        eps = check_epsilon(epsilon, x.dtype)
-        act = _backward_activation(activation)
-        terms = _check_bool("training", training)
-        axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
-        for name, st in (("mean", mean), ("variance", variance)):
-            if st.shape != sshape and not (st.shape == (1,) * len(sshape)):
-                raise DescriptorError(f"{name}: shape {st.shape}; the statistics have shape {sshape}")
-        return (eps, act, terms, axes, ca, _check_bool("grad_input", grad_input),
-                _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
-
-    eps, act, training, axes, ca, want_input, ws, wb = _planned(key, plan)
+    eps, act, training, axes, ca, want_input, ws, wb = _planned(key, lambda: _plan_bn_backward(
+        x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training, activation, grad_input, grad_scale,
+        grad_bias))
     inv_std = (1.0 / np.sqrt(variance.astype(np.float64) + eps)).astype(stats_dtype(x.dtype))
     target, copy_to = _targets(out, want_input, x, dy, mean, variance, scale, bias, fa)
     return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, fa, target, ws, wb, eps, True, True, False, act,
@@ -599,25 +638,9 @@ def mean_variance_normalization_backward(grad_output: Any, x: Any, axes: Any, me
     except TypeError:
         key = []
 
-    def plan() -> tuple:
-        _input(x)
-        _grad_output(dy, x)
-        axes_t = normalize_axes(axes, x.ndim)
-        for name, p in (("scale", scale), ("bias", bias)):
-            if p is not None:
-                _param(p, name, x)
-                mvn_param_rule(name, p.shape, x.shape)
-        nm = _check_bool("normalize_mean", normalize_mean)
-        nv = _check_bool("normalize_variance", normalize_variance)
-        if nm:
-            _stats(mean, "mean", x, axes_t)
-        if nv:
-            _stats(inv_std, "inv_std", x, axes_t)
-        return (axes_t, nm, nv, check_epsilon(epsilon, x.dtype), check_epsilon_mode(epsilon_mode),
-                _backward_activation(activation), _check_bool("grad_input", grad_input),
-                _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
-
-    axes_t, nm, nv, eps, eo, act, want_input, ws, wb = _planned(key, plan)
+    axes_t, nm, nv, eps, eo, act, want_input, ws, wb = _planned(key, lambda: _plan_mvn_backward(
+        x, dy, axes, mean, inv_std, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode, activation,
+        grad_input, grad_scale, grad_bias))
     mean = mean if nm else None
     inv_std = inv_std if nv else None
     target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
@@ -703,7 +726,7 @@ def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None,
     if x.__class__ is not _nd:
         x = as_input(x)
     axes = _trailing_axes(x, axis)
-    if grad_bias is not None and _check_bool("grad_bias", grad_bias):
+    if grad_bias is not None and check_bool("grad_bias", grad_bias):
         raise DescriptorError("grad_bias=True: RMS norm has no bias")
     return mean_variance_normalization_backward(grad_output, x, axes, None, inv_rms, scale, None,
                                                 normalize_mean=False, epsilon=epsilon, activation=activation,
@@ -734,7 +757,7 @@ def _per_channel_backward(dy: Any, x: np.ndarray, axes: Tuple[int, ...], ca: int
     _stats(inv_std, "inv_std", x, axes)
     eps = check_epsilon(epsilon, x.dtype)
     act = _backward_activation(activation)
-    want_input = _check_bool("grad_input", grad_input)
+    want_input = check_bool("grad_input", grad_input)
     ws = _wanted(grad_scale, "grad_scale", scale is not None)
     wb = _wanted(grad_bias, "grad_bias", bias is not None)
     target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
@@ -827,19 +850,188 @@ def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, in
                                   f"({n}, {g})")
         stats.append(s.reshape(sshape))
     pshape = (1,) * ca + (g, k) + (1,) * (vnd - ca - 2)
-    xv = _split_view(x, ca, g, k)
-    dv = _split_view(dy, ca, g, k)
+    xv = split_view(x, ca, g, k)
+    dv = split_view(dy, ca, g, k)
     axes = tuple(d for d in range(1, vnd) if d != ca)
     eps = check_epsilon(epsilon, x.dtype)
     act = _backward_activation(activation)
-    want_input = _check_bool("grad_input", grad_input)
+    want_input = check_bool("grad_input", grad_input)
     ws = _wanted(grad_scale, "grad_scale", scale is not None)
     wb = _wanted(grad_bias, "grad_bias", bias is not None)
     target, copy_to = _targets(out, want_input, x, dy, scale, bias, *stats)
     sv = None if scale is None else scale.reshape(pshape)
     bv = None if bias is None else bias.reshape(pshape)
-    tv = None if target is None else _split_view(target, ca, g, k)
+    tv = None if target is None else split_view(target, ca, g, k)
     _, gs, gb = _backward(dv, xv, axes, stats[0], stats[1], sv, bv, None, tv, ws, wb, eps, True, True, False, act,
                           True, -1)
     gi = _finish((target,), copy_to)[0]
     return (gi, None if gs is None else gs.reshape(c), None if gb is None else gb.reshape(c))
+
+
+# ----------------------------------------------------------------------------------------------------
+# descriptors and compiled operators
+
+def _stand_in(d: Any, name: str, role: str = "param") -> Any:
+    """An array of the descriptor's dtype and sizes that takes no memory: the rules read only those."""
+    if d is None:
+        return None
+    if not isinstance(d, TensorDesc):
+        raise DescriptorTypeError(f"{name}: expected a TensorDesc or None, got {type(d).__name__}")
+    d._check(name, role)
+    return np.broadcast_to(np.zeros((), d.dtype), d.sizes)
+
+
+class _TrainingDesc:
+    """What the three descriptors share: validate() and the plan it caches."""
+
+    _fields: Tuple[str, ...] = ()
+
+    def __init__(self, **values: Any) -> None:
+        for k, v in values.items():
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self._fields) + ")"
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is type(self) and all(getattr(self, k) == getattr(other, k) for k in self._fields)
+
+    def __hash__(self) -> int:
+        return hash(tuple(repr(getattr(self, k)) for k in self._fields))
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_desc, (type(self), {k: getattr(self, k) for k in self._fields}))
+
+    def validate(self) -> None:
+        """Raise DescriptorError (naming the field and the rule) unless every rule holds."""
+        self._validated()
+
+    def _validated(self) -> Any:
+        plan = self.__dict__.get("_plan")
+        if plan is None:
+            plan = self._plan()
+            object.__setattr__(self, "_plan", plan)
+        return plan
+
+    def _plan(self) -> Any:  # pragma: no cover - each descriptor has its own
+        raise NotImplementedError
+
+
+def _rebuild_desc(cls: Any, values: dict) -> Any:
+    obj = cls.__new__(cls)
+    _TrainingDesc.__init__(obj, **values)
+    return obj
+
+
+class BatchNormalizationTrainingDesc(_TrainingDesc):
+    """Batch normalization with batch statistics (DirectML BATCH_NORMALIZATION_TRAINING): compile it
+    into ``op(x, scale=None, bias=None, fused_add=None, *, running_mean=None, running_var=None,
+    momentum=None, momentum_convention="pytorch", num_batches_tracked=None, out=None)``."""
+
+    _fields = ("input", "scale", "bias", "fused_add", "epsilon", "activation", "channel_axis")
+
+    def __init__(self, input: TensorDesc, scale: Optional[TensorDesc] = None, bias: Optional[TensorDesc] = None,
+                 fused_add: Optional[TensorDesc] = None, *, epsilon: float = 1e-5, activation: ActivationLike = None,
+                 channel_axis: int = 1) -> None:
+        super().__init__(input=input, scale=scale, bias=bias, fused_add=fused_add, epsilon=epsilon,
+                         activation=activation, channel_axis=channel_axis)
+
+    def _plan(self) -> Any:
+        x = _stand_in(self.input, "input", "data")
+        return _plan_bn_training(x, _stand_in(self.scale, "scale"), _stand_in(self.bias, "bias"),
+                                 _stand_in(self.fused_add, "fused_add"), self.epsilon, self.activation,
+                                 self.channel_axis)
+
+
+class BatchNormalizationGradDesc(_TrainingDesc):
+    """The gradients of batch normalization (DirectML BATCH_NORMALIZATION_GRAD with
+    ``training=False``, _TRAINING_GRAD with ``training=True``): compile it into ``op(grad_output, x,
+    mean, variance, scale=None, bias=None, fused_add=None, *, out=None)``."""
+
+    _fields = ("input", "mean", "variance", "scale", "bias", "fused_add", "epsilon", "channel_axis", "training",
+               "activation", "grad_input", "grad_scale", "grad_bias")
+
+    def __init__(self, input: TensorDesc, mean: TensorDesc, variance: TensorDesc, scale: Optional[TensorDesc] = None,
+                 bias: Optional[TensorDesc] = None, fused_add: Optional[TensorDesc] = None, *,
+                 epsilon: float = 1e-5, channel_axis: int = 1, training: bool = True,
+                 activation: ActivationLike = None, grad_input: bool = True, grad_scale: Optional[bool] = None,
+                 grad_bias: Optional[bool] = None) -> None:
+        super().__init__(input=input, mean=mean, variance=variance, scale=scale, bias=bias, fused_add=fused_add,
+                         epsilon=epsilon, channel_axis=channel_axis, training=training, activation=activation,
+                         grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias)
+
+    def _plan(self) -> Any:
+        x = _stand_in(self.input, "input", "data")
+        return _plan_bn_backward(x, x, _stand_in(self.mean, "mean"), _stand_in(self.variance, "variance"),
+                                 _stand_in(self.scale, "scale"), _stand_in(self.bias, "bias"),
+                                 _stand_in(self.fused_add, "fused_add"), self.epsilon, self.channel_axis,
+                                 self.training, self.activation, self.grad_input, self.grad_scale, self.grad_bias)
+
+
+class MeanVarianceNormalizationGradDesc(_TrainingDesc):
+    """The gradients of mean-variance normalization: compile it into ``op(grad_output, x, mean,
+    inv_std, scale=None, bias=None, *, out=None)``."""
+
+    _fields = ("input", "axes", "mean", "inv_std", "scale", "bias", "normalize_mean", "normalize_variance",
+               "epsilon", "epsilon_mode", "activation", "grad_input", "grad_scale", "grad_bias")
+
+    def __init__(self, input: TensorDesc, axes: Any, mean: Optional[TensorDesc], inv_std: Optional[TensorDesc],
+                 scale: Optional[TensorDesc] = None, bias: Optional[TensorDesc] = None, *,
+                 normalize_mean: bool = True, normalize_variance: bool = True, epsilon: float = 1e-5,
+                 epsilon_mode: str = "inside", activation: ActivationLike = None, grad_input: bool = True,
+                 grad_scale: Optional[bool] = None, grad_bias: Optional[bool] = None) -> None:
+        super().__init__(input=input, axes=axes if is_int(axes) else as_int_tuple(axes), mean=mean, inv_std=inv_std,
+                         scale=scale, bias=bias, normalize_mean=normalize_mean,
+                         normalize_variance=normalize_variance, epsilon=epsilon, epsilon_mode=epsilon_mode,
+                         activation=activation, grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias)
+
+    def _plan(self) -> Any:
+        x = _stand_in(self.input, "input", "data")
+        return _plan_mvn_backward(x, x, self.axes, _stand_in(self.mean, "mean"), _stand_in(self.inv_std, "inv_std"),
+                                  _stand_in(self.scale, "scale"), _stand_in(self.bias, "bias"), self.normalize_mean,
+                                  self.normalize_variance, self.epsilon, self.epsilon_mode, self.activation,
+                                  self.grad_input, self.grad_scale, self.grad_bias)
+
+
+def compile_training(desc: Any) -> Any:
+    """compile() for the training descriptors: an operator that checks its arrays against the
+    descriptors, then calls the functional op with the descriptor's attributes."""
+    desc._validated()
+    d = desc
+    if isinstance(d, BatchNormalizationTrainingDesc):
+        def op(x: Any, scale: Any = None, bias: Any = None, fused_add: Any = None, *, running_mean: Any = None,
+               running_var: Any = None, momentum: Any = None, momentum_convention: str = "pytorch",
+               num_batches_tracked: Any = None, out: Any = None) -> Any:
+            return batch_normalization_training(
+                check_arg("input", x, d.input), check_arg("scale", scale, d.scale), check_arg("bias", bias, d.bias),
+                epsilon=d.epsilon, channel_axis=d.channel_axis, fused_add=check_arg("fused_add", fused_add, d.fused_add),
+                activation=d.activation, running_mean=running_mean, running_var=running_var, momentum=momentum,
+                momentum_convention=momentum_convention, num_batches_tracked=num_batches_tracked, out=out)
+    elif isinstance(d, BatchNormalizationGradDesc):
+        def op(grad_output: Any, x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None,
+               fused_add: Any = None, *, out: Any = None) -> Any:  # type: ignore[misc]
+            return batch_normalization_backward(
+                check_arg("grad_output", grad_output, d.input), check_arg("input", x, d.input),
+                check_arg("mean", mean, d.mean), check_arg("variance", variance, d.variance),
+                check_arg("scale", scale, d.scale), check_arg("bias", bias, d.bias), epsilon=d.epsilon,
+                channel_axis=d.channel_axis, training=d.training,
+                fused_add=check_arg("fused_add", fused_add, d.fused_add), activation=d.activation,
+                grad_input=d.grad_input, grad_scale=d.grad_scale, grad_bias=d.grad_bias, out=out)
+    else:
+        def op(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale: Any = None, bias: Any = None, *,
+               out: Any = None) -> Any:  # type: ignore[misc]
+            return mean_variance_normalization_backward(
+                check_arg("grad_output", grad_output, d.input), check_arg("input", x, d.input), d.axes,
+                check_arg("mean", mean, d.mean), check_arg("inv_std", inv_std, d.inv_std),
+                check_arg("scale", scale, d.scale), check_arg("bias", bias, d.bias),
+                normalize_mean=d.normalize_mean, normalize_variance=d.normalize_variance, epsilon=d.epsilon,
+                epsilon_mode=d.epsilon_mode, activation=d.activation, grad_input=d.grad_input,
+                grad_scale=d.grad_scale, grad_bias=d.grad_bias, out=out)
+    op.desc = d  # type: ignore[attr-defined]
+    return op
+
+
+TRAINING_DESCRIPTORS = (BatchNormalizationTrainingDesc, BatchNormalizationGradDesc, MeanVarianceNormalizationGradDesc)
