@@ -7,14 +7,20 @@ in float16, bfloat16 and float64, so a peer that wants its parameters in the inp
 same op. A float64 input holds float64 values (not float32 ones widened), so that an
 implementation which reads it in float32 is off by ~1e-8 and fails the float64 tolerance even
 before its arithmetic does.
+
+A training case (:attr:`Case.is_training`) has several outputs: its reference is an :class:`Expected`
+(float64 arrays by output name), and an implementation's ``run_once`` returns a dict of the outputs it
+computes, by the same names (the first one, "out" or "grad_input", required); each is checked. A
+backward case also has ``grad_output`` (``CaseData.dy``): same shape, dtype and layout as the input.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional, Union
 
 import numpy as np
 
-from .shapes import Case
+from .shapes import MOMENTUM, RUNNING_MEAN_INIT, RUNNING_VAR_INIT, Case, forward_op
 
 try:  # bfloat16 as a numpy dtype
     import ml_dtypes as _ml_dtypes
@@ -55,6 +61,7 @@ class CaseData:
     case: Case
     x: np.ndarray  # logical shape, case dtype, case layout
     params: dict[str, np.ndarray] = field(default_factory=dict)  # 1-D float32 (values exact in every dtype)
+    dy: Optional[np.ndarray] = None  # grad_output of a backward case: like x (shape, dtype, layout)
 
     def new_output(self) -> np.ndarray:
         """A fresh output array like the input (same layout), filled with NaN."""
@@ -109,12 +116,94 @@ def make_data(case: Case, seed: int = 0) -> CaseData:
         else:  # bias
             v = rng.uniform(-0.5, 0.5, n)
         params[name] = _bf16_exact(v.astype(np.float32))
-    return CaseData(case, x, params)
+    dy = None
+    if case.is_backward:  # standard normal, in the input's dtype and layout
+        dy = empty_like_layout(case)
+        dy[...] = rng.standard_normal(case.numel, dtype=gen).reshape(case.shape).astype(dy.dtype)
+    return CaseData(case, x, params, dy)
 
 
-def reference(data: CaseData) -> np.ndarray:
-    """The case's op in float64 numpy, on the case's arrays (logical shape)."""
+@dataclass
+class Expected:
+    """The float64 reference outputs of a training case, by name; `primary` ("out" or "grad_input")
+    has the case's shape (and must have its dtype); the others are statistics or parameter-shaped.
+    `sum_norms[k]` for an output that is a long sum (grad_scale, grad_bias): the L2 norm of the terms
+    summed into each element, the scale its rounding error is relative to (a sum of random terms is
+    often near zero, where a relative tolerance alone asks for more than any float32 sum gives)."""
+
+    values: dict[str, np.ndarray]
+    primary: str
+    sum_norms: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _grouped(case: Case, a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    """(view of `a` in which the normalized groups are the reduced axes, those axes)."""
+    op = forward_op(case.op)
+    if op == "group_norm":
+        n, c = a.shape[:2]
+        g = case.groups
+        v = a.reshape((n, g, c // g) + a.shape[2:])
+        return v, tuple(range(2, v.ndim))
+    return a, tuple(case.axes)
+
+
+def _param_axes(case: Case, nd: int) -> tuple[int, ...]:
+    """The dims a (C,) or (D,) parameter broadcasts along (its gradient is summed over them)."""
+    if forward_op(case.op) in ("layer_norm", "rms_norm"):
+        return tuple(range(nd - 1))
+    return (0,) + tuple(range(2, nd))
+
+
+def _training_reference(data: CaseData) -> Expected:
     case = data.case
+    x = data.x.astype(np.float64)
+    p = {k: v.astype(np.float64) for k, v in data.params.items()}
+    eps = case.epsilon
+    nd = x.ndim
+    pshape = (-1,) if forward_op(case.op) in ("layer_norm", "rms_norm") else (1, -1) + (1,) * (nd - 2)
+    xv, axes = _grouped(case, x)
+    center = forward_op(case.op) != "rms_norm"
+    m = xv.mean(axis=axes, keepdims=True) if center else 0.0
+    var = ((xv - m) ** 2).mean(axis=axes, keepdims=True)  # the mean square for RMS norm
+    inv = 1.0 / np.sqrt(var + eps)
+    y = ((xv - m) * inv).reshape(x.shape)  # the normalized value
+    scale = p["scale"].reshape(pshape) if "scale" in p else 1.0
+    if case.op == "batch_norm_training":
+        count = x.size // x.shape[1]
+        mean, v = m.reshape(-1), var.reshape(-1)
+        keep = 1.0 - MOMENTUM
+        return Expected({
+            "out": y * scale + p["bias"].reshape(pshape),
+            "mean": mean,
+            "variance": v,
+            # PyTorch: r = (1 - m) r + m batch, the variance unbiased
+            "running_mean": keep * RUNNING_MEAN_INIT + MOMENTUM * mean,
+            "running_var": keep * RUNNING_VAR_INIT + MOMENTUM * v * count / (count - 1),
+            # ONNX BatchNormalization-15 (momentum 1 - m): the population variance
+            "running_var_onnx": keep * RUNNING_VAR_INIT + MOMENTUM * v,
+        }, "out")
+    # backward: grad_input = inv_std * (g - M(g) - y * M(g * y)), g = grad_output * scale (SPEC §9)
+    dy = data.dy.astype(np.float64)
+    g = dy * scale
+    gv, yv = _grouped(case, g)[0], _grouped(case, y)[0]
+    gi = gv - (gv.mean(axis=axes, keepdims=True) if center else 0.0)
+    gi = (gi - yv * (gv * yv).mean(axis=axes, keepdims=True)) * inv
+    values = {"grad_input": gi.reshape(x.shape)}
+    norms = {}
+    paxes = _param_axes(case, nd)
+    for name, param, terms in (("grad_scale", "scale", dy * y), ("grad_bias", "bias", dy)):
+        if param in p:
+            values[name] = terms.sum(axis=paxes)
+            norms[name] = np.sqrt((terms * terms).sum(axis=paxes))
+    return Expected(values, "grad_input", norms)
+
+
+def reference(data: CaseData) -> Union[np.ndarray, Expected]:
+    """The case's op in float64 numpy, on the case's arrays (logical shape); an :class:`Expected`
+    for a training case."""
+    case = data.case
+    if case.is_training:
+        return _training_reference(data)
     x = data.x.astype(np.float64)
     p = {k: v.astype(np.float64) for k, v in data.params.items()}
     eps = case.epsilon
@@ -162,17 +251,55 @@ TOLERANCE = {
 }
 
 
-def check(case: Case, out, ref: np.ndarray) -> tuple[bool, float]:
-    """(within tolerance, max abs error). `out` must have the case's logical shape and dtype."""
+def _close(case: Case, got: np.ndarray, ref: np.ndarray, norm=None) -> tuple[bool, float]:
+    o = got.astype(np.float64)
+    if not np.all(np.isfinite(o)):
+        return False, float("nan")
+    atol, rtol = TOLERANCE[case.dtype]
+    err = np.abs(o - ref)
+    bound = np.abs(ref) if norm is None else np.abs(ref) + norm
+    ok = bool(np.all(err <= atol + rtol * bound))
+    return ok, float(err.max()) if err.size else 0.0
+
+
+def check_each(case: Case, out, ref: Expected) -> dict[str, tuple[bool, float]]:
+    """A training case's outputs one by one: {name: (within tolerance, max abs error)}. `out` is the
+    primary output alone or a dict of outputs by name, which must hold the primary one and no name
+    the reference does not know (a missing or unknown one fails). The others need the reference's
+    number of elements (any shape, any float dtype: statistics shaped (C,) or with the reduced dims
+    kept, gradients in the parameters' dtype); a long sum is within tolerance relative to |ref| + the
+    L2 norm of its terms."""
+    outs = out if isinstance(out, dict) else {ref.primary: out}
+    res: dict[str, tuple[bool, float]] = {}
+    if ref.primary not in outs:
+        res[ref.primary] = (False, float("inf"))
+    for name, got in outs.items():
+        want = ref.values.get(name)
+        if want is None:
+            res[name] = (False, float("inf"))
+        elif name == ref.primary:
+            res[name] = check(case, got, want)
+        else:
+            got = np.asarray(got)
+            if got.size != want.size or (got.dtype.kind != "f" and got.dtype.name != "bfloat16"):
+                res[name] = (False, float("inf"))
+            else:
+                res[name] = _close(case, got.reshape(want.shape), want, ref.sum_norms.get(name))
+    return res
+
+
+def check(case: Case, out, ref) -> tuple[bool, float]:
+    """(within tolerance, max abs error). `out` must have the case's logical shape and dtype.
+    Training cases: `ref` is an :class:`Expected`, `out` one output or several (see check_each)."""
+    if isinstance(ref, Expected):
+        res = check_each(case, out, ref)
+        bad = [e for ok, e in res.values() if not ok]
+        if bad:
+            return False, bad[0]
+        return True, max(e for _, e in res.values())
     out = np.asarray(out)
     if out.shape != tuple(case.shape):
         return False, float("inf")
     if out.dtype != np_dtype(case.dtype):
         return False, float("inf")
-    o = out.astype(np.float64)
-    if not np.all(np.isfinite(o)):
-        return False, float("nan")
-    atol, rtol = TOLERANCE[case.dtype]
-    err = np.abs(o - ref)
-    ok = bool(np.all(err <= atol + rtol * np.abs(ref)))
-    return ok, float(err.max()) if err.size else 0.0
+    return _close(case, out, ref)

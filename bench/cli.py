@@ -11,6 +11,7 @@ import time
 from typing import Optional, Sequence
 
 from . import shapes
+from .impl_base import FLOORS
 from .impls import IMPL_NAMES, all_impls
 from .report import _loadavg, fmt_bytes, format_case, format_summary, json_document, plot
 from .runner import ERROR, WRONG, run_case
@@ -73,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m simdnorm bench",
         description=__doc__,
-        epilog="GB/s counts the input read once and the output written once (2 x input bytes). "
-               "t/copy = time / copy time; t/best other = time / the fastest other implementation "
-               "(copy excluded).")
+        epilog="GB/s counts the input read once and the output written once (2 x input bytes; a "
+               "backward op reads x and grad_output and writes grad_input: 3 x). t/copy = time / "
+               "copy time; t/add = time / np.add(x, dy, out=dx)'s (the backward cases' floor); "
+               "t/best other = time / the fastest other implementation (floors excluded). The "
+               "training cases: --filter train --filter bwd.")
     p.add_argument("--threads", type=_threads, default=1, metavar="N",
                    help="threads for every library (default 1; at most simdnorm's maximum)")
     p.add_argument("--quick", action="store_true",
@@ -89,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the extension: .png, .svg, .pdf...; no extension: FILE.png)")
     p.add_argument("--impl", metavar="NAMES",
                    help=f"comma-separated implementations to run (default all: {','.join(IMPL_NAMES)}); "
-                        "copy is always included")
+                        "the floors (copy; add in the backward cases) are always included")
     p.add_argument("--rounds", type=_int_in(1), default=None,
                    help=f"interleaved rounds (default {DEFAULT_ROUNDS}, --quick {QUICK_ROUNDS})")
     p.add_argument("--min-sample-ms", type=_nonnegative_ms, default=2.0,
@@ -146,8 +149,8 @@ def shutil_cols() -> int:
 
 
 def _wanted_impls(spec: Optional[str]) -> Optional[set]:
-    """The implementation names --impl asks for (copy always added), None for all; ValueError for
-    an unknown name."""
+    """The implementation names --impl asks for (the floors always added), None for all; ValueError
+    for an unknown name."""
     if not spec:
         return None
     wanted = {s.strip() for s in spec.split(",") if s.strip()}
@@ -155,7 +158,7 @@ def _wanted_impls(spec: Optional[str]) -> Optional[set]:
     if unknown:
         raise ValueError(f"--impl: unknown implementation(s): {', '.join(sorted(unknown))}; "
                          f"valid: {', '.join(IMPL_NAMES)}")
-    return wanted | {"copy"}
+    return wanted | set(FLOORS)
 
 
 def _select_impls(spec: Optional[str]):
@@ -252,7 +255,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         "loop_overhead_ns": round(loop_overhead_ns(), 1),
         "pause_between_samples_ms": 1.0 if args.threads > 1 else 0.0,
         "then_until_other_threads_idle_ms": [1.0, 50.0] if args.threads > 1 else None,
-        "gbps_definition": "2 * input nbytes / median time per call",
+        "gbps_definition": "bytes moved / median time per call: 2 * input nbytes (3 * for a "
+                           "backward op: x, grad_output, grad_input; the copy its 2, the add its 3)",
         "argv": list(argv) if argv is not None else sys.argv[1:],
         "loadavg_at_start": _loadavg(),
     }
@@ -280,7 +284,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print(format_case(cr))
             print(flush=True)
             sn = cr.results.get("simdnorm")
-            if sn is not None and sn.status in (WRONG, ERROR):
+            if sn is not None and (sn.status in (WRONG, ERROR) or sn.inaccurate):
                 failed = True
     finally:
         progress.done()

@@ -11,7 +11,10 @@ import numpy as np
 
 from .cases import CaseData, NotAvailable
 
-__all__ = ["Prepared", "Impl", "LazyPeerImpl", "prepared_out"]
+__all__ = ["Prepared", "Impl", "LazyPeerImpl", "prepared_out", "FLOORS"]
+
+# The floors, by name: always run where they apply (--impl or not), never anyone's "best other".
+FLOORS = ("copy", "add")
 
 
 @dataclass
@@ -25,6 +28,12 @@ class Prepared:
     # all are timed in the same interleaved rounds, and the fastest by median stands for the
     # implementation (the runner records every one; see CopyImpl).
     variants: Optional[dict[str, Callable[[], Any]]] = None
+    # The floors (copy, add) do no normalization: `exact` holds the bits their output must hold
+    # (checked bitwise for fn and every variant instead of against the reference), `exact_of` says
+    # what that is ("its input"), and `bytes_moved` what they move (GB/s), when not the case's.
+    exact: Optional[np.ndarray] = None
+    exact_of: str = ""
+    bytes_moved: Optional[int] = None
 
 
 class Impl:
@@ -34,6 +43,11 @@ class Impl:
     def unavailable(self) -> Optional[str]:
         """Why this implementation cannot run at all (not installed...), or None."""
         return None
+
+    def applies(self, case) -> bool:
+        """Whether the implementation belongs in this case's table at all (the two-read floor is
+        only there for the backward cases); one that applies but cannot run it is n/a instead."""
+        return True
 
     def version(self) -> Optional[str]:
         return None

@@ -10,15 +10,16 @@ from __future__ import annotations
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .cases import CaseData, NotAvailable
 from .impl_base import Impl, LazyPeerImpl, Prepared, prepared_out
+from .shapes import MOMENTUM, RUNNING_MEAN_INIT, RUNNING_VAR_INIT
 
-__all__ = ["Prepared", "Impl", "LazyPeerImpl", "CopyImpl", "NumpyImpl", "SimdnormImpl", "NotAvailable",
-           "all_impls", "IMPL_NAMES"]
+__all__ = ["Prepared", "Impl", "LazyPeerImpl", "CopyImpl", "AddImpl", "NumpyImpl", "SimdnormImpl",
+           "NotAvailable", "all_impls", "IMPL_NAMES"]
 
 
 # --------------------------------------------------------------------------------------------- copy
@@ -67,53 +68,110 @@ class CopyImpl(Impl):
         return self._pool
 
     @staticmethod
-    def split(x: np.ndarray, out: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(out slice, x slice) pairs along the outermost (largest-stride) axis of size >= n."""
-        axes = sorted(range(x.ndim), key=lambda a: -abs(x.strides[a]))
-        for ax in axes:
-            size = x.shape[ax]
+    def split_all(arrays: Sequence[np.ndarray], n: int) -> list[tuple[np.ndarray, ...]]:
+        """The arrays (same shape and strides) cut into n slices along the outermost (largest-stride)
+        axis of size >= n: one tuple of slices per part ([tuple(arrays)] when no axis has n)."""
+        a0 = arrays[0]
+        for ax in sorted(range(a0.ndim), key=lambda a: -abs(a0.strides[a])):
+            size = a0.shape[ax]
             if size >= n:
                 bounds = [size * i // n for i in range(n + 1)]
-                idx = [slice(None)] * x.ndim
-                pairs = []
+                idx = [slice(None)] * a0.ndim
+                parts = []
                 for lo, hi in zip(bounds[:-1], bounds[1:]):
                     idx[ax] = slice(lo, hi)
-                    pairs.append((out[tuple(idx)], x[tuple(idx)]))
-                return pairs
-        return [(out, x)]
+                    parts.append(tuple(a[tuple(idx)] for a in arrays))
+                return parts
+        return [tuple(arrays)]
+
+    @classmethod
+    def split(cls, x: np.ndarray, out: np.ndarray, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(out slice, x slice) pairs along the outermost (largest-stride) axis of size >= n."""
+        return cls.split_all((out, x), n)
+
+    # What the floor does: kernel(*operands) writes out (an operand); subclasses change these.
+    kernel = staticmethod(np.copyto)
+
+    def operands(self, data: CaseData) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, str]:
+        """(kernel arguments, the output among them, the bits it must hold, what those are)."""
+        out = data.new_output()
+        return (out, data.x), out, data.x, "its input"
+
+    def bytes_moved(self, data: CaseData) -> int:
+        return 2 * data.x.nbytes
 
     def prepare(self, data: CaseData) -> Prepared:
-        x = data.x
-        out = data.new_output()
+        args, out, exact, exact_of = self.operands(data)
+        prep = self._prepare(args, out)
+        prep.exact, prep.exact_of, prep.bytes_moved = exact, exact_of, self.bytes_moved(data)
+        return prep
+
+    def _prepare(self, args: tuple[np.ndarray, ...], out: np.ndarray) -> Prepared:
+        kernel = self.kernel
         n = self.threads
-        if n <= 1 or x.nbytes < self.SPLIT_MIN_BYTES:
-            fn = functools.partial(np.copyto, out, x)
+        if n <= 1 or out.nbytes < self.SPLIT_MIN_BYTES:
+            fn = functools.partial(kernel, *args)
             note = "" if n <= 1 else "one thread (small array)"
             return prepared_out(fn, out, note)
-        pairs = self.split(x, out, n)
-        if len(pairs) == 1:
-            fn = functools.partial(np.copyto, out, x)
+        parts = self.split_all(args, n)
+        if len(parts) == 1:
+            fn = functools.partial(kernel, *args)
             return prepared_out(fn, out, "one thread (no axis to split)")
-        one_thread = functools.partial(np.copyto, out, x)
+        one_thread = functools.partial(kernel, *args)
         pool = self._get_pool()
-        first, rest = pairs[0], pairs[1:]
-        copyto = np.copyto
+        first, rest = parts[0], parts[1:]
         submit = pool.submit
 
-        def threaded_copy() -> None:
-            futs = [submit(copyto, o, i) for o, i in rest]
-            copyto(*first)
+        def threaded() -> None:
+            futs = [submit(kernel, *p) for p in rest]
+            kernel(*first)
             for f in futs:
                 f.result()
 
-        prep = prepared_out(threaded_copy, out, f"1 thread or {len(pairs)} threads, the faster")
-        prep.variants = {"1 thread": one_thread, f"{len(pairs)} threads": threaded_copy}
+        prep = prepared_out(threaded, out, f"1 thread or {len(parts)} threads, the faster")
+        prep.variants = {"1 thread": one_thread, f"{len(parts)} threads": threaded}
         return prep
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+# ----------------------------------------------------------------------------------- two-read floor
+class AddImpl(CopyImpl):
+    """np.add(x, dy, out=dx) on the backward case's input and grad_output into a like-laid-out
+    output: read two arrays, write one, the least any backward op can move (3 x input bytes). Only
+    in the backward cases. Split across threads as the copy is (see CopyImpl).
+
+    float16 and bfloat16 through uint16 views (an integer add, the same bytes): numpy's float16
+    and ml_dtypes' bfloat16 add convert element by element and are compute-bound (8x512x768 here:
+    float16 21 ms, bfloat16 7.5 ms, against 0.47 ms for the uint16 add and 1.4 ms for float32)."""
+
+    name = "add"
+    footnote = ("add: np.add(x, dy, out=dx) of the input and grad_output into a like-laid-out array "
+                "(read two, write one: the floor of a backward op; backward cases only; float16 and "
+                "bfloat16 as uint16 views, whose add moves the same bytes without numpy's per-element "
+                "16-bit float conversions); threads as the copy")
+    kernel = staticmethod(np.add)  # np.add(x, dy, dx): out= given positionally, the same call
+
+    def applies(self, case) -> bool:
+        return case.is_backward
+
+    def operands(self, data: CaseData):
+        if data.dy is None:
+            raise NotAvailable("not a backward case (no grad_output)")
+        out = data.new_output()
+        x, dy, o = data.x, data.dy, out
+        if x.dtype.itemsize == 2:  # float16 / bfloat16: same itemsize, so views of any strides
+            x, dy, o = (a.view(np.uint16) for a in (x, dy, out))
+        exact = np.empty_like(data.x)
+        view = exact.view(o.dtype)
+        np.add(x, dy, out=view)
+        return (x, dy, o), out, exact, "np.add(x, dy)"
+
+    def bytes_moved(self, data: CaseData) -> int:
+        return 3 * data.x.nbytes
 
 
 # -------------------------------------------------------------------------------------------- numpy
@@ -134,6 +192,8 @@ class NumpyImpl(Impl):
 
     def prepare(self, data: CaseData) -> Prepared:
         case = data.case
+        if case.is_training:
+            raise NotAvailable("no numpy version of the training ops (PyTorch's is the baseline)")
         x = data.x
         out = data.new_output()
         # the work type: float32, or float64 for float64 data (a float64 user's obvious code)
@@ -227,7 +287,10 @@ class SimdnormImpl(Impl):
     name = "simdnorm"
     kind = "simdnorm"
     footnote = ("simdnorm: the functional call with out= (tiny/bn-compiled: simdnorm.compile(desc)), "
-                "float32 (C,) parameters (float64 ones for float64 data)")
+                "float32 (C,) parameters (float64 ones for float64 data); training: "
+                "batch_normalization_training with running statistics, and the backward ops with "
+                "out= for grad_input, given the statistics of the forward run with return_stats "
+                "before the timing")
 
     def __init__(self) -> None:
         self.threads = 1
@@ -259,6 +322,8 @@ class SimdnormImpl(Impl):
         return f
 
     def prepare(self, data: CaseData) -> Prepared:
+        if data.case.is_training:
+            return self._prepare_training(data)
         sn = self._mod()
         case = data.case
         x = data.x
@@ -301,14 +366,75 @@ class SimdnormImpl(Impl):
             raise NotAvailable(f"unknown op {case.op}")
         return prepared_out(fn, out)
 
+    def _prepare_training(self, data: CaseData) -> Prepared:
+        """Forward-training batch norm: the call with running statistics (PyTorch's momentum), which
+        it updates in place on every timed call. Backward: the statistics from the forward op with
+        return_stats=True (batch_normalization_training for batch norm), then only the backward
+        call is timed: grad_input into a preallocated array, grad_scale and grad_bias returned."""
+        sn = self._mod()
+        case = data.case
+        x, dy = data.x, data.dy
+        out = data.new_output()
+        p = data.user_params()
+        scale, bias = p.get("scale"), p.get("bias")
+        eps = case.epsilon
+        partial = functools.partial
+        op = case.op
+        if op == "batch_norm_training":
+            rm = np.empty(case.param_len, data.param_dtype)
+            rv = np.empty_like(rm)
+            fn = partial(sn.batch_normalization_training, x, scale, bias, epsilon=eps, running_mean=rm,
+                         running_var=rv, momentum=MOMENTUM, momentum_convention="pytorch", out=out)
+
+            def run_training() -> dict:
+                rm.fill(RUNNING_MEAN_INIT)
+                rv.fill(RUNNING_VAR_INIT)
+                _, mean, var = fn()
+                return {"out": out, "mean": mean, "variance": var, "running_mean": rm.copy(),
+                        "running_var": rv.copy()}
+
+            return Prepared(fn, run_training, out=out)
+        if op == "batch_norm_backward":
+            _, mean, var = sn.batch_normalization_training(x, scale, bias, epsilon=eps)
+            fn = partial(sn.batch_normalization_backward, dy, x, mean, var, scale, bias, epsilon=eps,
+                         training=True, out=out)
+        elif op == "layer_norm_backward":
+            _, mean, inv = sn.layer_norm(x, scale, bias, epsilon=eps, return_stats=True)
+            fn = partial(sn.layer_norm_backward, dy, x, mean, inv, scale, bias, epsilon=eps, out=out)
+        elif op == "rms_norm_backward":
+            _, _, inv = sn.rms_norm(x, scale, epsilon=eps, return_stats=True)
+            fn = partial(sn.rms_norm_backward, dy, x, inv, scale, epsilon=eps, out=out)
+        elif op == "group_norm_backward":
+            g = case.groups
+            _, mean, inv = sn.group_norm(x, g, scale, bias, epsilon=eps, return_stats=True)
+            fn = partial(sn.group_norm_backward, dy, x, g, mean, inv, scale, bias, epsilon=eps, out=out)
+        elif op == "instance_norm_backward":
+            _, mean, inv = sn.instance_norm(x, scale, bias, epsilon=eps, return_stats=True)
+            fn = partial(sn.instance_norm_backward, dy, x, mean, inv, scale, bias, epsilon=eps, out=out)
+        elif op == "mvn_backward":
+            axes = tuple(case.axes)
+            _, mean, inv = sn.mean_variance_normalization(x, axes, epsilon=eps, return_stats=True)
+            fn = partial(sn.mean_variance_normalization_backward, dy, x, axes, mean, inv, epsilon=eps,
+                         out=out)
+        else:
+            raise NotAvailable(f"unknown op {op}")
+
+        def run_backward() -> dict:
+            _, gs, gb = fn()
+            res = {"grad_input": out, "grad_scale": gs, "grad_bias": gb}
+            return {k: v for k, v in res.items() if v is not None}
+
+        return Prepared(fn, run_backward, out=out)
+
 
 # -------------------------------------------------------------------------------------- registry
 def all_impls() -> list[Impl]:
-    """Every implementation, in display order: the roofline, simdnorm, numpy, then the peers."""
+    """Every implementation, in display order: the floors, simdnorm, numpy, then the peers."""
     from .peer_onnxruntime import OnnxRuntimeImpl
     from .peer_openvino import OpenVinoImpl
     from .peer_torch import TorchImpl
-    return [CopyImpl(), SimdnormImpl(), NumpyImpl(), TorchImpl(), OnnxRuntimeImpl(), OpenVinoImpl()]
+    return [CopyImpl(), AddImpl(), SimdnormImpl(), NumpyImpl(), TorchImpl(), OnnxRuntimeImpl(),
+            OpenVinoImpl()]
 
 
-IMPL_NAMES = ("copy", "simdnorm", "numpy", "torch", "onnxruntime", "openvino")
+IMPL_NAMES = ("copy", "add", "simdnorm", "numpy", "torch", "onnxruntime", "openvino")

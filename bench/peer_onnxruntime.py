@@ -4,6 +4,12 @@ onto preallocated numpy arrays.
 The optimized graph ORT actually runs is inspected once per case: if ORT inserted casts to float32
 because it lacks a kernel for the dtype, the case is n/a (we do not time a cast); if ORT expanded the
 op into several nodes (an ONNX function body), the table says so.
+
+Training: forward-training batch norm is BatchNormalization-15 with training_mode=1 (Y and the
+updated running statistics as outputs, ONNX's momentum convention), which ORT's CPU inference
+session runs. Backward cases are n/a: ONNX defines no gradient operators, and ORT's own
+(com.microsoft *Grad) kernels are registered only in its training builds; the reason shown is what
+this build says when asked for one.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import numpy as np
 
 from .cases import CaseData, NotAvailable
 from .impl_base import LazyPeerImpl, Prepared, prepared_out  # noqa: F401
+from .shapes import MOMENTUM, RUNNING_MEAN_INIT, RUNNING_VAR_INIT
 
 OPSET = 23  # RMSNormalization-23; BatchNormalization-15, LayerNormalization-17, GroupNormalization-21
 ONNX_OP = {
@@ -24,6 +31,7 @@ ONNX_OP = {
     "mvn": "MeanVarianceNormalization",
     "layer_norm": "LayerNormalization",
     "rms_norm": "RMSNormalization",
+    "batch_norm_training": "BatchNormalization",  # training_mode=1
 }
 
 
@@ -32,6 +40,14 @@ def _import():
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
     return onnx, ort, helper, numpy_helper, TensorProto
+
+
+# ORT's training-build gradient kernels of the backward cases' ops (none for group, instance, MVN)
+ORT_GRAD_OP = {
+    "batch_norm_backward": "BatchNormalizationGrad",
+    "layer_norm_backward": "LayerNormalizationGrad",
+    "rms_norm_backward": "SimplifiedLayerNormalizationGrad",
+}
 
 
 def _elem_type(TensorProto, dtype_name: str) -> int:
@@ -54,6 +70,33 @@ class OnnxRuntimeImpl(LazyPeerImpl):
         onnx, ort, *_ = mods
         return f"{ort.__version__} (onnx {onnx.__version__})"
 
+    def _grad_kernel_missing(self, op: str) -> Optional[str]:
+        """ORT's own words when asked for a session with com.microsoft.`op` (None if it builds one)."""
+        onnx, ort, helper, numpy_helper, TensorProto = self._load()
+        node = helper.make_node(op, ["dY", "X"], ["dX"], domain="com.microsoft")
+        vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("dY", "X", "dX")]
+        graph = helper.make_graph([node], "probe", vi[:2], vi[2:])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        model.ir_version = 10
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            if "not a registered" in msg:
+                return msg[msg.find("com.microsoft:"):][:100]
+        return None
+
+    def _backward_unavailable(self, case) -> str:
+        grad = ORT_GRAD_OP.get(case.op)
+        why = "no backward op (ONNX defines no gradient operators"
+        if grad is None:
+            return why + ")"
+        missing = self._grad_kernel_missing(grad)
+        if missing:
+            return f"{why}; ORT's own are in its training builds only: here {missing})"
+        return f"{why}; this ORT registers com.microsoft.{grad}, a training build's, not timed here)"
+
     # ---------------------------------------------------------------------------------- model
     def build_model(self, data: CaseData):
         """(onnx ModelProto, note, name of the op that must survive as one node or None)."""
@@ -70,6 +113,8 @@ class OnnxRuntimeImpl(LazyPeerImpl):
         pdt = {"float32": np.float32, "float16": np.float16, "bfloat16": data.x.dtype,
                "float64": np.float64}[case.dtype]
         bn_pdt = np.float64 if case.dtype == "float64" else np.float32
+        if case.is_backward:
+            raise NotAvailable(self._backward_unavailable(case))
         inits = []
         nodes = []
         note = ""
@@ -89,7 +134,25 @@ class OnnxRuntimeImpl(LazyPeerImpl):
         def const(name, value, dtype=None):
             return init(name, np.asarray(value, dtype=dtype or pdt))
 
-        if case.op == "batch_norm" and case.layout == "nchw":
+        outputs = [Y]
+        if case.op == "batch_norm_training":
+            if case.layout != "nchw":
+                raise NotAvailable("ONNX BatchNormalization is channels-first (a training-mode "
+                                   "expansion over NHWC would not be the op)")
+            # the running statistics in: constants (torch.nn's initial values), as each step's
+            # are to the kernel; out: ONNX's r = momentum * r + (1 - momentum) * batch
+            names = [init(k, data.params[k].astype(bn_pdt)) for k in ("scale", "bias")]
+            c = case.param_len
+            names.append(init("running_mean", np.full(c, RUNNING_MEAN_INIT, bn_pdt)))
+            names.append(init("running_var", np.full(c, RUNNING_VAR_INIT, bn_pdt)))
+            outputs += [helper.make_tensor_value_info(k, _elem_type(TensorProto, np.dtype(bn_pdt).name), [c])
+                        for k in ("running_mean_out", "running_var_out")]
+            nodes.append(helper.make_node("BatchNormalization", ["X"] + names,
+                                          ["Y", "running_mean_out", "running_var_out"], epsilon=eps,
+                                          momentum=1.0 - MOMENTUM, training_mode=1))
+            note = "training_mode=1 (ONNX running variance: the population one)"
+            keep = "BatchNormalization"
+        elif case.op == "batch_norm" and case.layout == "nchw":
             names = [init(k, data.params[k].astype(bn_pdt)) for k in ("scale", "bias", "mean", "var")]
             nodes.append(helper.make_node("BatchNormalization", ["X"] + names, ["Y"], epsilon=eps))
         elif case.op == "batch_norm":
@@ -146,7 +209,7 @@ class OnnxRuntimeImpl(LazyPeerImpl):
                                           stash_type=1))
         else:
             raise NotAvailable(f"unknown op {case.op}")
-        graph = helper.make_graph(nodes, "bench", [X], [Y], initializer=inits)
+        graph = helper.make_graph(nodes, "bench", [X], outputs, initializer=inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
         model.ir_version = 10
         return model, note, keep
@@ -200,6 +263,10 @@ class OnnxRuntimeImpl(LazyPeerImpl):
         y = out.transpose(0, 2, 3, 1) if case.layout == "nhwc" else out
         assert x.flags.c_contiguous and y.flags.c_contiguous
         io = sess.io_binding()
+        extra = {}  # the other outputs (training: the running statistics), preallocated too
+        for o in sess.get_outputs()[1:]:
+            extra[o.name] = np.full(o.shape, np.nan, np.float64 if o.type == "tensor(double)" else np.float32)
+            io.bind_output(o.name, "cpu", 0, extra[o.name].dtype, list(o.shape), extra[o.name].ctypes.data)
         if x.dtype.name == "bfloat16":  # numpy has no bfloat16: bind the bytes with the ONNX type
             TensorProto = self._load()[4]
             for bind, name, arr in ((io.bind_ortvalue_input, "X", x), (io.bind_ortvalue_output, "Y", y)):
@@ -214,5 +281,13 @@ class OnnxRuntimeImpl(LazyPeerImpl):
             run(io)
 
         # keep the arrays alive with the binding
-        fn._keep = (sess, io, x, y)  # type: ignore[attr-defined]
-        return prepared_out(fn, out, note)
+        fn._keep = (sess, io, x, y, extra)  # type: ignore[attr-defined]
+        if not extra:
+            return prepared_out(fn, out, note)
+
+        def run_training() -> dict:
+            fn()
+            return {"out": out, "running_mean": extra["running_mean_out"],
+                    "running_var_onnx": extra["running_var_out"]}
+
+        return Prepared(fn, run_training, note, out=out)

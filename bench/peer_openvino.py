@@ -1,6 +1,8 @@
 """OpenVINO (CPU plugin): a model built from openvino opset ops, compiled with f32 inference
 precision (its default on CPUs with bf16 support is bf16) and INFERENCE_NUM_THREADS, run on
 shared-memory tensors with one reused infer request. The layer types of the executed graph are shown.
+The training cases are n/a: OpenVINO is an inference runtime (BatchNormInference only: no batch
+statistics, running statistics or backward ops).
 """
 from __future__ import annotations
 
@@ -76,6 +78,10 @@ class OpenVinoImpl(LazyPeerImpl):
     def build_model(self, data: CaseData):
         ov, ops = self._load()
         case = data.case
+        if case.is_training:
+            raise NotAvailable("no training ops: OpenVINO's opsets are inference only "
+                               + ("(no backward ops)" if case.is_backward
+                                  else "(BatchNormInference: no batch or running statistics)"))
         et = {"float32": ov.Type.f32, "float16": ov.Type.f16, "bfloat16": ov.Type.bf16,
               "float64": ov.Type.f64}[case.dtype]
         base_shape = list(data.base.shape)

@@ -6,6 +6,7 @@ import platform
 import sys
 from typing import Any, Optional, Sequence
 
+from .impl_base import FLOORS
 from .runner import OK, CaseResult, summary
 from .shapes import OP_DESCRIPTIONS
 
@@ -43,10 +44,16 @@ def _ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _has_add(cr: CaseResult) -> bool:
+    return "add" in cr.results
+
+
 def format_case(cr: CaseResult) -> str:
     c = cr.case
+    add = _has_add(cr)  # a backward case: t/add, the time over the two-read floor's, beside t/copy
     lines = [f"{c.name}  ({c.describe()}; {fmt_bytes(c.bytes_moved)} moved)"]
-    hdr = f"  {'impl':<12}{'median':>11}{'IQR':>8}{'min..max':>19}{'GB/s':>8}{'t/copy':>8}  {'t/best other':<22}note"
+    hdr = (f"  {'impl':<12}{'median':>11}{'IQR':>8}{'min..max':>19}{'GB/s':>8}{'t/copy':>8}"
+           + (f"{'t/add':>7}" if add else "") + f"  {'t/best other':<22}note")
     lines.append(hdr)
     for name, r in cr.results.items():
         if r.status == OK and r.median_ns is not None:
@@ -55,8 +62,10 @@ def format_case(cr: CaseResult) -> str:
             mm = (f"{fmt_time(r.min_ns, r.median_ns, False)}.."
                   f"{fmt_time(r.max_ns, r.median_ns, False)} {unit}")
             best = "-" if r.vs_best_other is None else f"{r.vs_best_other:.2f} ({r.best_other})"
+            note = f"INACCURATE {r.inaccurate}; {r.note}" if r.inaccurate else r.note
             lines.append(f"  {name:<12}{fmt_time(r.median_ns):>11}{iqr:>7.1f}%{mm:>19}"
-                         f"{r.gbps:>8.2f}{_ratio(r.vs_copy):>8}  {best:<22}{r.note}")
+                         f"{r.gbps:>8.2f}{_ratio(r.vs_copy):>8}"
+                         + (f"{_ratio(r.vs_add):>7}" if add else "") + f"  {best:<22}{note}".rstrip())
         else:
             why = r.reason + (f"  [{r.note}]" if r.note else "")
             lines.append(f"  {name:<12}{r.status:>11}  {why}")
@@ -65,24 +74,39 @@ def format_case(cr: CaseResult) -> str:
 
 def format_summary(results: Sequence[CaseResult]) -> str:
     w = max([len(cr.case.name) for cr in results] + [4])
-    lines = ["Summary (GB/s = 2 x input bytes / median time; speedup = best other's time / simdnorm's)",
+    add = any(_has_add(cr) for cr in results)
+    lines = ["Summary (GB/s = bytes moved / median time: 2 x input bytes, 3 x for a backward op; "
+             "speedup = best other's time / simdnorm's"
+             + ("; t/add = time / np.add(x, dy, out=dx)'s, backward cases)" if add else ")"),
              f"{'case':<{w}}  {'simdnorm':>10} {'GB/s':>7}  {'copy GB/s':>9}  {'t/copy':>6}  "
-             f"{'best other':<12} {'GB/s':>7}  {'speedup':>7}"]
+             + (f"{'t/add':>6}  " if add else "")
+             + f"{'best other':<12} {'GB/s':>7}  {'speedup':>7}"]
+    starred = False
     for cr in results:
         s = summary(cr)
         sn = cr.results.get("simdnorm")
         if sn is not None and sn.status == OK:
             sn_t, sn_g, sn_r = fmt_time(sn.median_ns), f"{sn.gbps:7.2f}", _ratio(sn.vs_copy)
+            sn_a = _ratio(sn.vs_add)
         else:
-            sn_t, sn_g, sn_r = (sn.status if sn else "-"), f"{'-':>7}", "-"
+            sn_t, sn_g, sn_r, sn_a = (sn.status if sn else "-"), f"{'-':>7}", "-", "-"
         copy = s.get("copy_gbps")
         bg = s.get("best_other_gbps")
         sp = s.get("simdnorm_speedup_over_best_other")
         copy_s = f"{copy:9.2f}" if copy else f"{'-':>9}"
         bg_s = f"{bg:7.2f}" if bg else f"{'-':>7}"
         sp_s = f"{sp:6.2f}x" if sp else f"{'-':>7}"
+        if sn is not None and sn.inaccurate:
+            sn_t, starred = sn_t + "*", True
+        best = s.get("best_other") or "-"
+        if best in cr.results and cr.results[best].inaccurate:
+            best, starred = best + "*", True
         lines.append(f"{cr.case.name:<{w}}  {sn_t:>10} {sn_g}  {copy_s}  {sn_r:>6}  "
-                     f"{s.get('best_other') or '-':<12} {bg_s}  {sp_s}")
+                     + (f"{sn_a:>6}  " if add else "")
+                     + f"{best:<12} {bg_s}  {sp_s}")
+    if starred:
+        lines.append("* timed, but a statistic or parameter gradient it returns is beyond the "
+                     "tolerance (INACCURATE in the case's table)")
     return "\n".join(lines)
 
 
@@ -188,7 +212,8 @@ def json_document(results: Sequence[CaseResult], impls, config: dict[str, Any]) 
 # ---------------------------------------------------------------------------------------- plot
 def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: int = 12) -> None:
     """Grouped bars: GB/s of each implementation per case, the copy (roofline) as a black line over
-    each group; panels of `per_panel` cases stacked vertically."""
+    each group (and the two-read floor of a backward case as a dashed one); panels of `per_panel`
+    cases stacked vertically."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -197,7 +222,7 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
     impl_names: list[str] = []
     for cr in results:
         for k in cr.results:
-            if k != "copy" and k not in impl_names:
+            if k not in FLOORS and k not in impl_names:
                 impl_names.append(k)
     k = max(1, len(impl_names))
     chunks = [list(results[i:i + per_panel]) for i in range(0, len(results), per_panel)] or [[]]
@@ -215,9 +240,10 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
                     hs.append(r.gbps)
             ax.bar(xs, hs, width=width * 0.95, color=colors[j % len(colors)])
         for i, cr in enumerate(chunk):
-            r = cr.results.get("copy")
-            if r is not None and r.status == OK and r.gbps:
-                ax.plot([i - 0.45, i + 0.45], [r.gbps, r.gbps], color="black", lw=2.0)
+            for floor, style in (("copy", "-"), ("add", "--")):
+                r = cr.results.get(floor)
+                if r is not None and r.status == OK and r.gbps:
+                    ax.plot([i - 0.45, i + 0.45], [r.gbps, r.gbps], color="black", lw=2.0, ls=style)
             for j, name in enumerate(impl_names):  # mark what could not be timed
                 r = cr.results.get(name)
                 if r is not None and r.status != OK:
@@ -229,7 +255,7 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
         ax.set_ylabel("GB/s")
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle((title or "simdnorm benchmark") +
-                 ": GB/s (2 x input bytes / median time) vs the copy roofline",
+                 ": GB/s (bytes moved / median time) vs the copy roofline",
                  y=1 - 0.12 / fig_h, fontsize=11)
     # Proxies in each implementation's colour: an implementation with no bar at all (a peer that
     # is not installed) would otherwise get the legend's default colour, the first one's.
@@ -238,8 +264,10 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
 
     handles = [Patch(color=colors[j % len(colors)], label=name) for j, name in enumerate(impl_names)]
     handles.append(Line2D([], [], color="black", lw=2.0, label="copy (roofline)"))
+    if any("add" in cr.results for cr in results):
+        handles.append(Line2D([], [], color="black", lw=2.0, ls="--", label="add (backward floor)"))
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.38 / fig_h), fontsize=8,
-               ncol=k + 1, frameon=False)
+               ncol=len(handles), frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig_h))
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -9,6 +9,11 @@ Layouts (4-D cases only):
 - ``"nhwc"``: channels-last, i.e. the view ``np.empty((N, H, W, C)).transpose(0, 3, 1, 2)``: the
   same logical shape (N, C, H, W), channel_axis=1, with the channels innermost in memory.
 - ``"contig"``: a C-contiguous array (the sequence cases, e.g. (batch, tokens, hidden)).
+
+Training ops (SPEC §9): ``batch_norm_training`` (batch statistics, running statistics updated) and the
+backward ops ``<op>_backward`` (grad_input, grad_scale and grad_bias of the forward op from
+grad_output, given the statistics its forward returned). Their cases are listed after the others
+(:data:`TRAINING_CASES`), named ``bn-train/...`` and ``<short>-bwd/...``.
 """
 from __future__ import annotations
 
@@ -44,6 +49,27 @@ FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
     ("instance_norm", SPATIAL_NORM_SHAPES[0], "nchw"),
 )
 
+# Training ops: (op, shape, layout, dtype). The shapes and dtypes of the speed goals of the training
+# issue: forward-training batch norm (NCHW); the backward of batch norm (NCHW and channels-last), of
+# layer norm (float32 and bfloat16), RMS norm, group norm (32 groups), instance norm and MVN over
+# (0, 2, 3), all float32 unless said. Tagged "training" (the backward ones also "backward").
+TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
+    ("batch_norm_training", RESNET50_BN_SHAPES[1], "nchw", "float32"),
+    ("batch_norm_backward", RESNET50_BN_SHAPES[1], "nchw", "float32"),
+    ("batch_norm_backward", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
+    ("layer_norm_backward", SEQUENCE_NORM_SHAPES[0], "contig", "float32"),
+    ("layer_norm_backward", SEQUENCE_NORM_SHAPES[0], "contig", "bfloat16"),
+    ("rms_norm_backward", SEQUENCE_NORM_SHAPES[0], "contig", "float32"),
+    ("group_norm_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
+    ("instance_norm_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
+    ("mvn_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
+)
+# PyTorch's running-statistics momentum (ONNX's is 1 - this: 0.9) and torch.nn's initial running
+# statistics, for the forward-training case.
+MOMENTUM = 0.1
+RUNNING_MEAN_INIT = 0.0
+RUNNING_VAR_INIT = 1.0
+
 BN_DTYPES = ("float32", "float16", "bfloat16")
 BN_LAYOUTS = ("nchw", "nhwc")
 SPATIAL_DTYPES = ("float32", "float16")
@@ -64,7 +90,28 @@ OP_DESCRIPTIONS = {
     "mvn": "mean/variance over axes, y = (x-mean)/sqrt(var+eps), no scale or bias",
     "layer_norm": "over the last axis, (D,) scale and bias",
     "rms_norm": "y = scale*x/sqrt(mean(x^2)+eps) over the last axis, (D,) scale",
+    "batch_norm_training": "batch norm with the batch's mean and population variance over (0, 2, 3), "
+                           "(C,) float32 scale and bias; returns them and updates (C,) running "
+                           "statistics (PyTorch's momentum 0.1 and unbiased variance)",
+    "batch_norm_backward": "grad_input, grad_scale, grad_bias of training-mode batch norm given "
+                           "grad_output and the forward's mean and variance",
+    "instance_norm_backward": "grad_input, grad_scale, grad_bias of instance norm given grad_output "
+                              "and the forward's mean and inv_std",
+    "group_norm_backward": "grad_input, grad_scale, grad_bias of group norm given grad_output and "
+                           "the forward's mean and inv_std",
+    "mvn_backward": "grad_input of MVN over axes given grad_output and the forward's mean and inv_std",
+    "layer_norm_backward": "grad_input, grad_scale, grad_bias of layer norm given grad_output and "
+                           "the forward's mean and inv_std",
+    "rms_norm_backward": "grad_input, grad_scale of RMS norm given grad_output and the forward's inv_rms",
 }
+TRAINING_OPS = frozenset(op for op in OP_DESCRIPTIONS if op == "batch_norm_training" or op.endswith("_backward"))
+BACKWARD_OPS = frozenset(op for op in OP_DESCRIPTIONS if op.endswith("_backward"))
+
+
+def forward_op(op: str) -> str:
+    """The forward op a backward op differentiates ("layer_norm" for "layer_norm_backward"; batch norm
+    in training mode for "batch_norm_backward"); the op itself otherwise."""
+    return op[: -len("_backward")] if op.endswith("_backward") else op
 
 
 @dataclass(frozen=True)
@@ -93,8 +140,18 @@ class Case:
 
     @property
     def bytes_moved(self) -> int:
-        """Bytes a one-read one-write op must move: the input read once + the output written once."""
-        return bytes_moved(self.shape, self.dtype)
+        """Bytes the op must move at least: the input read once + the output written once; for a
+        backward op, x and grad_output read once + grad_input written once."""
+        return bytes_moved(self.shape, self.dtype, self.op)
+
+    @property
+    def is_training(self) -> bool:
+        """A training op (forward-training batch norm or a backward op)."""
+        return self.op in TRAINING_OPS
+
+    @property
+    def is_backward(self) -> bool:
+        return self.op in BACKWARD_OPS
 
     @property
     def channels(self) -> int:
@@ -103,9 +160,10 @@ class Case:
     @property
     def param_len(self) -> int:
         """Length of the 1-D parameters (scale, bias, mean, var), 0 if the op takes none."""
-        if self.op in ("batch_norm", "instance_norm", "group_norm"):
+        op = forward_op(self.op)
+        if op in ("batch_norm", "batch_norm_training", "instance_norm", "group_norm"):
             return self.shape[1]
-        if self.op in ("layer_norm", "rms_norm"):
+        if op in ("layer_norm", "rms_norm"):
             return self.shape[-1]
         return 0
 
@@ -119,11 +177,19 @@ class Case:
             "mvn": (),
             "layer_norm": ("scale", "bias"),
             "rms_norm": ("scale",),
+            # batch statistics, not given ones: scale and bias only
+            "batch_norm_training": ("scale", "bias"),
+            "batch_norm_backward": ("scale", "bias"),
+            "instance_norm_backward": ("scale", "bias"),
+            "group_norm_backward": ("scale", "bias"),
+            "mvn_backward": (),
+            "layer_norm_backward": ("scale", "bias"),
+            "rms_norm_backward": ("scale",),
         }[self.op]
 
     def describe(self) -> str:
         extra = []
-        if self.axes and self.op in ("mvn",):
+        if self.axes and self.op in ("mvn", "mvn_backward"):
             extra.append(f"axes={self.axes}")
         if self.groups:
             extra.append(f"groups={self.groups}")
@@ -146,9 +212,10 @@ def shape_str(shape: Iterable[int]) -> str:
     return "x".join(str(int(s)) for s in shape)
 
 
-def bytes_moved(shape: Sequence[int], dtype: str) -> int:
-    """Input read once + output written once: 2 * nbytes of the input."""
-    return 2 * prod(shape) * ITEMSIZE[dtype]
+def bytes_moved(shape: Sequence[int], dtype: str, op: str = "") -> int:
+    """Input read once + output written once: 2 * nbytes of the input; a backward op reads x and
+    grad_output and writes grad_input: 3 * nbytes (the statistics and parameters are not counted)."""
+    return (3 if op in BACKWARD_OPS else 2) * prod(shape) * ITEMSIZE[dtype]
 
 
 def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled: bool = False,
@@ -157,6 +224,9 @@ def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled
     s = shape_str(shape)
     if tiny:
         return f"tiny/bn{'-compiled' if compiled else ''}/{s}/{d}"
+    if op == "batch_norm_training":
+        return f"bn-train/{s}/{layout}/{d}"
+    fwd = forward_op(op)
     short = {
         "batch_norm": "bn",
         "instance_norm": "instance",
@@ -164,8 +234,10 @@ def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled
         "mvn": "mvn023",
         "layer_norm": "layer",
         "rms_norm": "rms",
-    }[op]
-    if op == "batch_norm":
+    }[fwd]
+    if op != fwd:
+        short += "-bwd"
+    if fwd == "batch_norm":
         return f"{short}/{s}/{layout}/{d}"
     return f"{short}/{s}/{d}"
 
@@ -211,6 +283,20 @@ def _build_cases() -> tuple[Case, ...]:
             axes, tags = (len(shape) - 1,), {"sequence"}
         out.append(Case(make_name(op, shape, "float64", layout), op, shape, "float64", layout,
                         axes=axes, tags=frozenset(tags | {"float64"})))
+    for op, shape, layout, dtype in TRAINING_CASES:
+        fwd = forward_op(op)
+        groups = GROUP_NORM_GROUPS if fwd == "group_norm" else 0
+        if fwd in ("batch_norm", "batch_norm_training", "mvn"):
+            axes = (0, 2, 3)
+        elif fwd in ("instance_norm", "group_norm"):
+            axes = (2, 3)
+        else:  # layer_norm, rms_norm
+            axes = (len(shape) - 1,)
+        tags = {"training", dtype} | ({"backward"} if op in BACKWARD_OPS else set())
+        if (op, dtype) == ("layer_norm_backward", "float32"):
+            tags.add("quick")
+        out.append(Case(make_name(op, shape, dtype, layout, groups), op, shape, dtype, layout,
+                        axes=axes, groups=groups, tags=frozenset(tags)))
     names = [c.name for c in out]
     assert len(names) == len(set(names)), "case names must be unique"
     return tuple(out)

@@ -1,6 +1,9 @@
 """The benchmark suite reports what it says: each timed callable computes the named op on the named
 shape, dtype and layout (checked against a float64 numpy reference), the copy really copies, the
-byte count is 2 x the input's bytes, and `--quick --filter tiny` runs end to end with valid JSON.
+byte count is 2 x the input's bytes (3 x for a backward op), and `--quick --filter tiny` runs end to
+end with valid JSON. The training cases (forward-training batch norm, the backward ops) are checked
+the same way: their float64 reference against finite differences, every output of every
+implementation against it, the two-read floor bit for bit.
 
 The suite is imported as the installed ``simdnorm.bench`` when available, else from the source
 tree's ``bench/``. Tests that need simdnorm skip cleanly while ``import simdnorm`` fails; the peers'
@@ -8,6 +11,7 @@ tests skip when a peer is not installed.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -40,6 +44,7 @@ impls = importlib.import_module(B.__name__ + ".impls")
 runner = importlib.import_module(B.__name__ + ".runner")
 timing = importlib.import_module(B.__name__ + ".timing")
 report = importlib.import_module(B.__name__ + ".report")
+impl_base = importlib.import_module(B.__name__ + ".impl_base")
 
 
 def _simdnorm_or_skip():
@@ -54,7 +59,7 @@ def small_shape(case):
     has odd sizes, so vector tails are exercised."""
     if "tiny" in case.tags:
         return case.shape
-    if case.op == "group_norm":
+    if case.groups:
         return (2, 2 * case.groups, 5, 3)
     if len(case.shape) == 4:
         return (2, 24, 5, 7)
@@ -83,11 +88,14 @@ def _needs_ml_dtypes(case):
 def _check_timed_callable(case, prep, ref):
     """The output matches the reference; for a callable that writes a preallocated output, the
     *timed* callable alone, run on a poisoned output, writes it again (a callable that returns its
-    output, like torch's, is what run_once converts)."""
+    output, like torch's, is what run_once converts). A training case's outputs: each of them."""
     out = prep.run_once()
     ok, err = bcases.check(case, out, ref)
-    assert ok, f"{case.name}: max |err| {err}"
+    assert ok, f"{case.name}: max |err| {err}" + (
+        f" {bcases.check_each(case, out, ref)}" if isinstance(ref, bcases.Expected) else "")
     if prep.out is not None:
+        if isinstance(out, dict):
+            out = out[ref.primary]
         assert out is prep.out
         prep.out[...] = np.nan
         prep.fn()
@@ -144,7 +152,8 @@ FLOAT64_CASES = {  # name: (op, shape, layout, axes, tags)
 def test_float64_cases_are_added_beside_the_others():
     names = [c.name for c in shapes.CASES]
     assert len(CASES_BEFORE_FLOAT64) == 80
-    assert [n for n in names if not n.endswith("/f64")] == CASES_BEFORE_FLOAT64
+    assert [n for n in names if not n.endswith("/f64") and not shapes.get_case(n).is_training] \
+        == CASES_BEFORE_FLOAT64
     f64 = [c for c in shapes.CASES if c.dtype == "float64"]
     assert [c.name for c in f64] == list(FLOAT64_CASES) == [c.name for c in shapes.select(filters=["f64"])]
     for c in f64:
@@ -161,8 +170,9 @@ def test_float64_cases_are_added_beside_the_others():
 
 def test_byte_count_formula():
     for c in shapes.CASES:
-        assert c.bytes_moved == 2 * math.prod(c.shape) * shapes.ITEMSIZE[c.dtype]
-        assert c.nbytes * 2 == c.bytes_moved
+        k = 3 if c.op.endswith("_backward") else 2  # backward: x and grad_output read, grad_input written
+        assert c.bytes_moved == k * math.prod(c.shape) * shapes.ITEMSIZE[c.dtype]
+        assert c.nbytes * k == c.bytes_moved
     c = shapes.get_case("bn/8x512x7x7/nhwc/f16")
     assert c.bytes_moved == 2 * 8 * 512 * 7 * 7 * 2
     data = bcases.make_data(c.scaled((2, 8, 3, 5)))
@@ -292,6 +302,289 @@ def test_float64_tolerance_catches_float32_work(name):
     assert res["f32work"].status == runner.WRONG and 1e-9 < res["f32work"].max_abs_err < 1e-5
 
 
+# ---------------------------------------------------------------------------- training cases
+TRAINING_CASES = {  # name: (op, shape, layout, dtype): the speed goals' shapes, after all the others
+    "bn-train/8x256x56x56/nchw/f32": ("batch_norm_training", (8, 256, 56, 56), "nchw", "float32"),
+    "bn-bwd/8x256x56x56/nchw/f32": ("batch_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
+    "bn-bwd/8x256x56x56/nhwc/f32": ("batch_norm_backward", (8, 256, 56, 56), "nhwc", "float32"),
+    "layer-bwd/8x512x768/f32": ("layer_norm_backward", (8, 512, 768), "contig", "float32"),
+    "layer-bwd/8x512x768/bf16": ("layer_norm_backward", (8, 512, 768), "contig", "bfloat16"),
+    "rms-bwd/8x512x768/f32": ("rms_norm_backward", (8, 512, 768), "contig", "float32"),
+    "group32-bwd/8x256x56x56/f32": ("group_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
+    "instance-bwd/8x256x56x56/f32": ("instance_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
+    "mvn023-bwd/8x256x56x56/f32": ("mvn_backward", (8, 256, 56, 56), "nchw", "float32"),
+}
+TRAINING_KINDS = [c for c in KINDS if c.is_training]
+BACKWARD_KINDS = [c for c in TRAINING_KINDS if c.is_backward]
+# what simdnorm's row calls (the timed callable), by op
+SIMDNORM_CALL = {"batch_norm_training": "batch_normalization_training",
+                 "batch_norm_backward": "batch_normalization_backward",
+                 "mvn_backward": "mean_variance_normalization_backward"}
+
+
+def _output_names(case):
+    """The outputs an implementation of a training case returns at least."""
+    if case.op == "batch_norm_training":
+        return {"out", "running_mean"}
+    return {"grad_input"} | {f"grad_{k}" for k in case.params}
+
+
+def test_training_cases_come_last_with_the_issues_shapes():
+    names = [c.name for c in shapes.CASES]
+    assert names[-len(TRAINING_CASES):] == list(TRAINING_CASES)
+    assert [c.name for c in shapes.select(filters=["train", "bwd"])] == list(TRAINING_CASES)
+    for name, (op, shape, layout, dtype) in TRAINING_CASES.items():
+        c = shapes.get_case(name)
+        assert (c.op, c.shape, c.layout, c.dtype, c.compiled) == (op, shape, layout, dtype, False)
+        assert c.is_training and "training" in c.tags and dtype in c.tags
+        assert c.is_backward == ("backward" in c.tags) == (op != "batch_norm_training")
+        assert c.describe().startswith(f"{op} {shapes.shape_str(shape)} {dtype} {layout}")
+        assert c.scaled(small_shape(c)).op == op
+    assert shapes.get_case("group32-bwd/8x256x56x56/f32").groups == 32
+    assert shapes.get_case("mvn023-bwd/8x256x56x56/f32").axes == (0, 2, 3)
+    assert shapes.get_case("bn-bwd/8x256x56x56/nhwc/f32").params == ("scale", "bias")
+    assert shapes.get_case("rms-bwd/8x512x768/f32").params == ("scale",)
+    assert [c.name for c in shapes.select(quick=True) if c.is_training] == ["layer-bwd/8x512x768/f32"]
+    assert not any(c.is_training for c in shapes.CASES if c.name not in TRAINING_CASES)
+    assert not any(c.is_training for c in shapes.select(filters=["bn/", "layer/", "group32/"]))
+
+
+def test_backward_cases_have_a_grad_output_like_the_input():
+    for case in TRAINING_KINDS:
+        d = bcases.make_data(case)
+        if not case.is_backward:
+            assert d.dy is None
+            continue
+        assert d.dy.shape == d.x.shape and d.dy.dtype == d.x.dtype and d.dy.strides == d.x.strides
+        dy = d.dy.astype(np.float64)
+        assert abs(dy.mean()) < 0.5 and 0.5 < dy.std() < 1.5 and not np.array_equal(d.dy, d.x)
+    f = bcases.make_data(shapes.get_case("layer-bwd/8x512x768/f32").scaled((2, 3, 37)))
+    g = bcases.make_data(shapes.get_case("layer/8x512x768/f32").scaled((2, 3, 37)))
+    assert np.array_equal(f.x, g.x) and g.dy is None  # the same x as the forward case's
+
+
+def _fd_case(case):
+    """The case on a tiny float64 shape (group norm: 2 groups of 2 channels)."""
+    shape = (2, 3, 5) if len(case.shape) == 3 else (2, 4, 3, 2)
+    return dataclasses.replace(case, shape=shape, dtype="float64", groups=2 if case.groups else 0)
+
+
+def _forward_out(case, x, params):
+    """The backward case's forward op in float64 (batch norm: in training mode, with the batch's
+    statistics), from the suite's forward references."""
+    if case.op == "batch_norm_backward":
+        fwd = dataclasses.replace(case, op="batch_norm_training")
+        return bcases.reference(bcases.CaseData(fwd, x, params)).values["out"]
+    fwd = dataclasses.replace(case, op=shapes.forward_op(case.op))
+    return bcases.reference(bcases.CaseData(fwd, x, params))
+
+
+@pytest.mark.parametrize("case", BACKWARD_KINDS, ids=[c.name for c in BACKWARD_KINDS])
+def test_backward_reference_is_the_gradient_by_finite_differences(case):
+    """grad_input, grad_scale and grad_bias of the reference are the gradients of
+    sum(grad_output * forward(x, scale, bias)), by central differences in float64."""
+    case = _fd_case(case)
+    d = bcases.make_data(case)
+    ref = bcases.reference(d)
+    assert isinstance(ref, bcases.Expected) and ref.primary == "grad_input"
+    assert set(ref.values) == _output_names(case) and set(ref.sum_norms) == set(ref.values) - {"grad_input"}
+    x = d.x
+    p = {k: v.astype(np.float64) for k, v in d.params.items()}
+    h = 1e-6
+
+    def loss():
+        return float(np.sum(d.dy * _forward_out(case, x, p)))
+
+    def numeric(a):
+        g = np.empty(a.shape)
+        for i in np.ndindex(a.shape):
+            v = a[i]
+            a[i] = v + h
+            up = loss()
+            a[i] = v - h
+            g[i] = (up - loss()) / (2 * h)
+            a[i] = v
+        return g
+
+    for name, a in [("grad_input", x)] + [(f"grad_{k}", p[k]) for k in case.params]:
+        np.testing.assert_allclose(ref.values[name], numeric(a), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_forward_training_reference():
+    case = shapes.get_case("bn-train/8x256x56x56/nchw/f32").scaled((2, 3, 4, 5))
+    d = bcases.make_data(case)
+    ref = bcases.reference(d)
+    assert ref.primary == "out" and set(ref.values) == {"out", "mean", "variance", "running_mean",
+                                                        "running_var", "running_var_onnx"}
+    x = d.x.astype(np.float64)
+    mean, var, unbiased = x.mean(axis=(0, 2, 3)), x.var(axis=(0, 2, 3)), x.var(axis=(0, 2, 3), ddof=1)
+    v = ref.values
+    np.testing.assert_allclose(v["mean"], mean, rtol=1e-12)
+    np.testing.assert_allclose(v["variance"], var, rtol=1e-12)
+    np.testing.assert_allclose(v["running_mean"], 0.9 * 0.0 + 0.1 * mean, rtol=1e-12)  # torch.nn's
+    np.testing.assert_allclose(v["running_var"], 0.9 * 1.0 + 0.1 * unbiased, rtol=1e-12)
+    np.testing.assert_allclose(v["running_var_onnx"], 0.9 * 1.0 + 0.1 * var, rtol=1e-12)  # ONNX's
+    sc, bi = d.params["scale"], d.params["bias"]
+    for c in range(3):
+        want = (x[:, c] - mean[c]) / math.sqrt(var[c] + 1e-5) * sc[c] + bi[c]
+        np.testing.assert_allclose(v["out"][:, c], want, rtol=1e-12, atol=1e-12)
+
+
+def test_check_takes_every_output_of_a_training_case():
+    case = shapes.get_case("layer-bwd/8x512x768/f32").scaled((2, 3, 37))
+    d = bcases.make_data(case)
+    ref = bcases.reference(d)
+    good = {k: v.astype(np.float32) for k, v in ref.values.items()}
+    assert bcases.check(case, good, ref)[0]
+    assert bcases.check(case, good["grad_input"], ref)[0]  # the primary output alone
+    assert bcases.check(case, {**good, "grad_scale": good["grad_scale"].reshape(1, 1, -1)}, ref)[0]
+    for bad in ({"grad_scale": good["grad_scale"]},  # no primary output
+                {**good, "grad_weight": good["grad_scale"]},  # a name the reference does not know
+                {**good, "grad_scale": good["grad_scale"][:-1]},  # the wrong size
+                {**good, "grad_input": good["grad_input"].astype(np.float64)},  # the wrong dtype
+                {**good, "grad_bias": good["grad_bias"] * np.nan}):
+        assert not bcases.check(case, bad, ref)[0]
+    # a long sum is within tolerance relative to |ref| + the L2 norm of its terms
+    atol, rtol = bcases.TOLERANCE["float32"]
+    bound = atol + rtol * (np.abs(ref.values["grad_bias"]) + ref.sum_norms["grad_bias"])
+    assert np.all(ref.sum_norms["grad_bias"] > 3 * np.abs(ref.values["grad_bias"]).min())
+    assert bcases.check(case, {**good, "grad_bias": ref.values["grad_bias"] + 0.9 * bound}, ref)[0]
+    each = bcases.check_each(case, {**good, "grad_bias": ref.values["grad_bias"] + 1.1 * bound}, ref)
+    assert [k for k, (ok, _) in each.items() if not ok] == ["grad_bias"]
+
+
+class _OffImpl(impls.Impl):
+    """The reference's outputs, one of them moved off by twice its tolerance."""
+
+    def __init__(self, name, off):
+        self.name, self.off = name, off
+
+    def prepare(self, data):
+        ref = bcases.reference(data)
+        out = data.new_output()
+        outs = dict(ref.values)
+        atol, rtol = bcases.TOLERANCE[data.case.dtype]
+        norm = ref.sum_norms.get(self.off, 0.0)
+        outs[self.off] = outs[self.off] + 2 * (atol + rtol * (np.abs(outs[self.off]) + norm))
+        prim = outs.pop(ref.primary).astype(out.dtype)
+
+        def fn():
+            np.copyto(out, prim)
+
+        return impls.Prepared(fn, lambda: (fn(), {ref.primary: out, **outs})[1], out=out)
+
+
+def test_runner_times_an_inaccurate_parameter_gradient_but_flags_it():
+    """A wrong grad_input is WRONG and not timed; a grad_bias past its tolerance (PyTorch's bfloat16
+    layer-norm backward sums in bfloat16) is timed, flagged INACCURATE in the table and the JSON."""
+    case = shapes.get_case("layer-bwd/8x512x768/f32").scaled((4, 8, 64))
+    cr = runner.run_case(case, [impls.CopyImpl(), impls.AddImpl(), _OffImpl("offgi", "grad_input"),
+                                _OffImpl("offgb", "grad_bias")], rounds=2, min_sample_ns=1e5, warmup_ns=1e4)
+    res = cr.results
+    assert res["offgi"].status == runner.WRONG and res["offgi"].median_ns is None
+    assert res["offgi"].reason.startswith("grad_input differs")
+    gb = res["offgb"]
+    assert gb.status == runner.OK and gb.median_ns and gb.inaccurate.startswith("grad_bias max |err|")
+    assert res["copy"].inaccurate is None and "inaccurate" not in cr.to_json()["results"]["copy"]
+    assert json.loads(json.dumps(cr.to_json()))["results"]["offgb"]["inaccurate"] == gb.inaccurate
+    assert f"INACCURATE {gb.inaccurate}" in report.format_case(cr)
+    assert "offgb*" in report.format_summary([cr])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name, shape", [("bn-bwd/8x256x56x56/nchw/f32", (4, 64, 33, 35)),
+                                         ("bn-bwd/8x256x56x56/nhwc/f32", (4, 64, 33, 35)),
+                                         ("layer-bwd/8x512x768/bf16", (4, 100, 1401))])  # > 1 MiB
+def test_add_floor_really_adds(threads, name, shape):
+    """np.add(x, dy, out=dx) into a like-laid-out output, split across threads as the copy is;
+    16-bit floats through uint16 views (the same bytes)."""
+    case = shapes.get_case(name).scaled(shape)
+    if case.dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    data = bcases.make_data(case)
+    impl = impls.AddImpl()
+    impl.set_threads(threads)
+    try:
+        prep = impl.prepare(data)
+        out = prep.run_once()
+        assert out is prep.out and out.strides == data.x.strides and out.dtype == data.x.dtype
+        if case.dtype == "float32":
+            want = data.x + data.dy
+        else:
+            want = (data.x.view(np.uint16) + data.dy.view(np.uint16)).view(data.x.dtype)
+        assert runner.copied_exactly(out, want) and runner.copied_exactly(prep.exact, want)
+        for f in (prep.variants or {"fn": prep.fn}).values():
+            prep.out[...] = np.nan
+            f()
+            assert runner.copied_exactly(prep.out, want)
+        assert set(prep.variants or {}) == ({"1 thread", "2 threads"} if threads == 2 else set())
+        assert prep.bytes_moved == 3 * data.x.nbytes == case.bytes_moved
+    finally:
+        impl.shutdown()
+
+
+def test_add_floor_is_in_the_backward_cases_only():
+    add = impls.AddImpl()
+    assert [c.name for c in shapes.CASES if add.applies(c)] == [n for n in TRAINING_CASES if "-bwd/" in n]
+    fwd = shapes.get_case("bn-train/8x256x56x56/nchw/f32").scaled((2, 24, 5, 7))
+    res = runner.run_case(fwd, [impls.CopyImpl(), add], rounds=1, min_sample_ns=1e4, warmup_ns=0).results
+    assert set(res) == {"copy"}
+    with pytest.raises(bcases.NotAvailable):
+        add.prepare(bcases.make_data(fwd))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", ["bn-bwd/8x256x56x56/nhwc/f32", "bn-train/8x256x56x56/nchw/f32"])
+def test_training_case_runs_through_every_implementation(name):
+    """A scaled training case through the runner with every implementation: each is verified on
+    every output it returns and timed, or n/a with its reason (numpy, OpenVINO, ORT's backward);
+    the floors count their own bytes (copy 2 x, add 3 x the input's)."""
+    case = shapes.get_case(name).scaled((2, 24, 5, 7))
+    all_ = impls.all_impls()
+    for i in all_:
+        if i.unavailable() is None:
+            i.set_threads(1)
+    try:
+        cr = runner.run_case(case, all_, rounds=2, min_sample_ns=1e5, warmup_ns=1e4)
+    finally:
+        for i in all_:
+            i.shutdown()
+    res = cr.results
+    nbytes = 2 * 24 * 5 * 7 * 4
+    assert set(res) == set(impls.IMPL_NAMES) - (set() if case.is_backward else {"add"})
+    for n, r in res.items():
+        assert r.status in (runner.OK, runner.NA), (n, r.status, r.reason)
+        assert r.status == runner.OK or r.reason
+        assert r.inaccurate is None, (n, r.inaccurate)
+    assert res["copy"].gbps == pytest.approx(2 * nbytes / res["copy"].median_ns)
+    assert res["numpy"].status == runner.NA and "training" in res["numpy"].reason
+    if res["openvino"].status == runner.NA and impls.all_impls()[-1].unavailable() is None:
+        assert "inference only" in res["openvino"].reason
+    if case.is_backward:
+        assert case.bytes_moved == 3 * nbytes
+        assert res["add"].status == runner.OK and res["add"].gbps == pytest.approx(3 * nbytes / res["add"].median_ns)
+        timed = [r for r in res.values() if r.status == runner.OK]
+        assert all(r.vs_add == pytest.approx(r.median_ns / res["add"].median_ns) for r in timed)
+        if "onnxruntime" in res and res["onnxruntime"].status == runner.NA:
+            assert res["onnxruntime"].reason.startswith(("no backward op", "onnxruntime/onnx not importable"))
+        assert " t/add " in report.format_case(cr) and "t/add" in report.format_summary([cr])
+    else:
+        assert " t/add " not in report.format_case(cr) and "t/add" not in report.format_summary([cr])
+    for peer in ("torch", "onnxruntime"):  # installed: they run these (ORT: no backward op)
+        if res[peer].status == runner.NA:
+            assert "not importable" in res[peer].reason or (peer == "onnxruntime" and case.is_backward)
+    for n in ("torch", "simdnorm"):
+        if res[n].status == runner.OK:
+            assert res[n].gbps == pytest.approx(case.bytes_moved / res[n].median_ns)
+            assert res[n].best_other not in impl_base.FLOORS
+    if impls.load_simdnorm()[0] is not None:
+        assert res["simdnorm"].status == runner.OK
+    doc = json.loads(json.dumps(cr.to_json()))
+    assert doc["bytes_moved"] == case.bytes_moved and doc["op"] == case.op
+    assert ("add_gbps" in doc["summary"]) == case.is_backward
+
+
 # -------------------------------------------------------------------------------------- copy
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -346,6 +639,10 @@ def test_copy_roofline_at_threads_is_the_faster_of_one_thread_and_the_split():
 def test_numpy_peer_computes_the_named_op(case):
     _needs_ml_dtypes(case)
     data = bcases.make_data(case)
+    if case.is_training:  # PyTorch is the training ops' baseline
+        with pytest.raises(bcases.NotAvailable, match="training"):
+            impls.NumpyImpl().prepare(data)
+        return
     ref = bcases.reference(data)
     prep = impls.NumpyImpl().prepare(data)
     _check_timed_callable(case, prep, ref)
@@ -403,6 +700,41 @@ def test_simdnorm_tiny_batch_norm_in_float64(compiled):
 def test_simdnorm_real_cases(name):
     _simdnorm_or_skip()
     case = shapes.get_case(name)
+    data = bcases.make_data(case)
+    prep = impls.SimdnormImpl().prepare(data)
+    _check_timed_callable(case, prep, bcases.reference(data))
+
+
+@pytest.mark.parametrize("case", TRAINING_KINDS, ids=[c.name for c in TRAINING_KINDS])
+def test_simdnorm_training_rows_time_the_named_call(case):
+    """The timed callable is the training or backward call itself, into the preallocated output,
+    with the statistics its forward returned computed before; it returns every output of the op."""
+    sn = _simdnorm_or_skip()
+    _needs_ml_dtypes(case)
+    data = bcases.make_data(case)
+    prep = impls.SimdnormImpl().prepare(data)
+    fn = prep.fn
+    assert fn.func is getattr(sn, SIMDNORM_CALL.get(case.op, case.op))
+    assert fn.keywords["out"] is prep.out and fn.keywords["epsilon"] == case.epsilon
+    if case.is_backward:
+        assert fn.args[0] is data.dy and fn.args[1] is data.x
+        params = fn.args[len(fn.args) - len(case.params):]
+        assert [a is data.params[k] for a, k in zip(params, case.params)] == [True] * len(case.params)
+        stats = [a for a in fn.args[2:len(fn.args) - len(case.params)] if isinstance(a, np.ndarray)]
+        assert len(stats) == (1 if case.op == "rms_norm_backward" else 2)  # mean and inv_std/variance
+        assert all(a.dtype == np.float32 for a in stats)
+        want = _output_names(case)
+    else:
+        assert fn.keywords["momentum"] == 0.1 and fn.keywords["momentum_convention"] == "pytorch"
+        want = {"out", "mean", "variance", "running_mean", "running_var"}
+    assert set(prep.run_once()) == want
+
+
+@pytest.mark.parametrize("name", list(TRAINING_CASES))
+def test_simdnorm_training_real_cases(name):
+    _simdnorm_or_skip()
+    case = shapes.get_case(name)
+    _needs_ml_dtypes(case)
     data = bcases.make_data(case)
     prep = impls.SimdnormImpl().prepare(data)
     _check_timed_callable(case, prep, bcases.reference(data))
@@ -500,7 +832,7 @@ def test_float64_case_runs_through_every_implementation():
         for i in all_:
             i.shutdown()
     res = cr.results
-    assert set(res) == set(impls.IMPL_NAMES)
+    assert set(res) == set(impls.IMPL_NAMES) - {"add"}  # the two-read floor: backward cases only
     for name, r in res.items():
         assert r.status in (runner.OK, runner.NA), (name, r.status, r.reason)
         if r.status == runner.OK:
@@ -516,6 +848,66 @@ def test_float64_case_runs_through_every_implementation():
     assert doc["input_bytes"] == 2 * 24 * 5 * 7 * 8
     assert "bn/2x24x5x7/nchw/f64" in report.format_case(cr)
     assert "bn/2x24x5x7/nchw/f64" in report.format_summary([cr])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_torch_backward_times_autograd_grad_of_a_graph_built_before():
+    """What the torch row of a backward case times: torch.autograd.grad of the forward's output
+    (built in setup) with respect to (x, weight, bias), x being the case's own memory."""
+    impl = _peer("torch")
+    torch, F = impl._load()
+    for case in BACKWARD_KINDS:
+        if case.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
+            continue
+        data = bcases.make_data(case)
+        prep = impl.prepare(data)
+        fn = prep.fn
+        assert fn.func is torch.autograd.grad and fn.keywords == {"retain_graph": True}
+        y, wrt, dy = fn.args
+        assert y.grad_fn is not None and y.shape == data.x.shape  # the forward ran before
+        assert len(wrt) == 1 + len(case.params) and all(t.requires_grad and t.is_leaf for t in wrt)
+        assert wrt[0].data_ptr() == data.x.ctypes.data and dy.data_ptr() == data.dy.ctypes.data
+        assert set(prep.run_once()) == _output_names(case)
+    case = shapes.get_case("bn-train/8x256x56x56/nchw/f32").scaled((2, 24, 5, 7))
+    prep = impl.prepare(bcases.make_data(case))
+    assert prep.fn.func is F.batch_norm
+    x, rm, rv, w, b, training, momentum, eps = prep.fn.args
+    assert training is True and momentum == 0.1 and rm.shape == rv.shape == (24,)
+    assert w.requires_grad and b.requires_grad  # as nn.BatchNorm2d's parameters
+    assert set(prep.run_once()) == {"out", "running_mean", "running_var"}
+
+
+def test_onnxruntime_runs_training_batch_norm_and_says_why_no_backward():
+    impl = _peer("onnxruntime")
+    onnx = impl._load()[0]
+    case = shapes.get_case("bn-train/8x256x56x56/nchw/f32").scaled((2, 24, 5, 7))
+    data = bcases.make_data(case)
+    model, note, keep = impl.build_model(data)
+    (node,) = model.graph.node
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert node.op_type == keep == "BatchNormalization" and list(node.output)[1:] == [
+        "running_mean_out", "running_var_out"]
+    assert attrs["training_mode"] == 1 and attrs["momentum"] == pytest.approx(0.9)
+    prep = impl.prepare(data)
+    _check_timed_callable(case, prep, bcases.reference(data))
+    assert set(prep.run_once()) == {"out", "running_mean", "running_var_onnx"}
+    with pytest.raises(bcases.NotAvailable, match="channels-first"):
+        impl.prepare(bcases.make_data(dataclasses.replace(case, layout="nhwc")))
+    for case in BACKWARD_KINDS:
+        with pytest.raises(bcases.NotAvailable, match="^no backward op") as e:
+            impl.prepare(bcases.make_data(case))
+        grad = {"batch_norm_backward": "BatchNormalizationGrad", "layer_norm_backward": "LayerNormalizationGrad",
+                "rms_norm_backward": "SimplifiedLayerNormalizationGrad"}.get(case.op)
+        if grad:  # ORT's own words about its training-build kernel
+            assert f"com.microsoft.{grad}" in str(e.value) or f"com.microsoft:{grad}" in str(e.value)
+
+
+def test_openvino_has_no_training_ops():
+    impl = _peer("openvino")
+    for case in TRAINING_KINDS:
+        with pytest.raises(bcases.NotAvailable, match="inference only"):
+            impl.prepare(bcases.make_data(case))
 
 
 # ------------------------------------------------------------------------------- runner, timing
@@ -643,6 +1035,11 @@ def test_list(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines] == list(FLOAT64_CASES)
     assert "float64" in lines[0] and "(50.3 MB moved)" in lines[0]  # 2 x 8 x 512 x 768 x 8 bytes
+    assert B.main(["--list", "--filter", "train", "--filter", "bwd"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(TRAINING_CASES)
+    assert "(51.4 MB moved)" in lines[0] and "(77.1 MB moved)" in lines[1]  # 2 x, 3 x 8x256x56x56x4
+    assert cli._wanted_impls("torch") == {"torch", "copy", "add"} and cli._wanted_impls("") is None
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
