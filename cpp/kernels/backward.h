@@ -107,14 +107,14 @@ struct BackwardKernel {
     static constexpr int DStep = SStep == kAny || PStep == kAny ? kAny : kUnit;
     const D& deriv;
     const char *x, *dy, *stats, *params, *fused;
-    int64_t sx, sdy, ss, sp, sf, stats_pitch, params_pitch;
-    bool prefetch, fused_is_input;
+    int64_t sx, sdy, ss, sp, sf, stats_pitch, params_pitch, ahead;
+    bool fused_is_input;
     V mean_c, u_c, c1_c, c2_c, scale_c, bias_c;  // the constants (kConst)
 
-    Element(const BackwardTask& t, const D& d, char* const* p, const int64_t* s, bool prefetch_ahead)
+    Element(const BackwardTask& t, const D& d, char* const* p, const int64_t* s, int64_t prefetch_ahead)
         : deriv(d), x(p[kX]), dy(p[kGradOut]), stats(p[kStats]), params(p[kParams]), fused(p[kFusedAdd]),
           sx(s[kX]), sdy(s[kGradOut]), ss(s[kStats]), sp(s[kParams]), sf(s[kFusedAdd]),
-          stats_pitch(t.stats_pitch), params_pitch(t.params_pitch), prefetch(prefetch_ahead),
+          stats_pitch(t.stats_pitch), params_pitch(t.params_pitch), ahead(prefetch_ahead),
           fused_is_input(t.fused_add_dtype == t.dtype) {
       if constexpr (SStep == kConst) {
         mean_c = splat_at(stats, 0), u_c = splat_at(stats, 1), c1_c = splat_at(stats, 2), c2_c = splat_at(stats, 3);
@@ -141,11 +141,12 @@ struct BackwardKernel {
     SIMDNORM_CURSOR_METHOD void at(int64_t e, int m, V& y, V& ga, V& g) const {
       const char* px = x + e * sx;
       const char* pdy = dy + e * sdy;
-      if (DStep == kUnit && prefetch) {
+      if (DStep == kUnit) {
         // Rows follow each other in memory (layer norm) or runs are long: what the next rows need
-        // arrives while these are computed.
-        __builtin_prefetch(px + kPrefetchAheadBytes);
-        __builtin_prefetch(pdy + kPrefetchAheadBytes);
+        // arrives while these are computed. Grouped, the apply pass reads its group from the L1
+        // and prefetches twice as far as the sums pass, so that requests keep going out.
+        __builtin_prefetch(px + ahead);
+        __builtin_prefetch(pdy + ahead);
       }
       const V xv = load<DStep, T>(px, sx, m);
       const V dyv = load<DStep, T>(pdy, sdy, m);
@@ -182,7 +183,7 @@ struct BackwardKernel {
   template <int SStep, int PStep, class D>
   static void sums_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n,
                        const BackwardSums& acc) {
-    const Element<SStep, PStep, D> el(t, deriv, p, s, true);
+    const Element<SStep, PStep, D> el(t, deriv, p, s, kPrefetchAheadBytes);
     const int64_t cs = static_cast<int64_t>(sizeof(C));
     // Grouped, the apply pass writes these elements next: their lines are fetched for writing
     // while this pass waits on its reads.
@@ -248,9 +249,8 @@ struct BackwardKernel {
   template <int SStep, int PStep, class D>
   static void apply_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n) {
     // Grouped, the sums pass has just read the group: its data are in the L1.
-    // Grouped, the sums pass has just read the group: its data are in the L1.
     const bool grouped = t.grouped, write_ga = t.write_ga;
-    const Element<SStep, PStep, D> el(t, deriv, p, s, !grouped);
+    const Element<SStep, PStep, D> el(t, deriv, p, s, (grouped ? 2 : 1) * kPrefetchAheadBytes);
     char* const dx_base = p[kGradIn];
     const int64_t sdx = s[kGradIn];
     for (int64_t e = 0; e < n; e += W) {
@@ -345,31 +345,62 @@ template <class T>
 static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) {
   using C = typename ComputeOf<T>::type;
   using K = BackwardKernel<T>;
+  constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
   int64_t n = 1;
   for (int d = 0; d < gs.group.ndim; ++d) n *= gs.group.sizes[d];
   const BackwardSums& s = gs.sums;
   const char* stats0 = s.stats_base;
   LoopNest g = gs.group;
+  // A scale constant over each group (batch and instance norm): the group's sum(g) and sum(g y) are
+  // its scale times sum(ga) and sum(ga y), which the parameters need anyway; only those are summed.
+  bool scale_per_group = true;
+  for (int d = 0; d < g.ndim; ++d) scale_per_group &= g.strides[kParams][d] == 0;
+  double own[2];
+  C own_vary[2];
+  BackwardSums per_group;
+  per_group.param[0] = &own[0], per_group.param[1] = &own[1];
+  per_group.param_vary[0] = &own_vary[0], per_group.param_vary[1] = &own_vary[1];
+  // Sums the group at g by `sum`, then sets its coefficients.
+  auto sum_group = [&](auto&& sum) SIMDNORM_INLINE_LAMBDA {
+    const int64_t i = (g.data[kStats] - stats0) / cs;
+    if (!scale_per_group) {
+      sum(s);
+      set_coefficients<C>(t, const_cast<char*>(stats0), i, s.group[0][i], s.group[1][i]);
+      return;
+    }
+    own[0] = own[1] = 0.0;
+    per_group.stats_base = g.data[kStats];
+    per_group.params_base = g.data[kParams];  // (the one element the group reads)
+    sum(per_group);
+    C scale;
+    std::memcpy(&scale, g.data[kParams], sizeof scale);
+    set_coefficients<C>(t, const_cast<char*>(stats0), i, static_cast<double>(scale) * own[1],
+                        static_cast<double>(scale) * own[0]);
+    if (s.param[0] != nullptr) {
+      const int64_t pi = (g.data[kParams] - s.params_base) / cs;
+      s.param[0][pi] += own[0];
+      s.param[1][pi] += own[1];
+    }
+  };
   auto finish = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
-    if (s.param[0] != nullptr && (k % gs.flush_every == gs.flush_every - 1 || k == gs.count - 1)) {
+    if (s.param[0] != nullptr && !scale_per_group &&
+        (k % gs.flush_every == gs.flush_every - 1 || k == gs.count - 1)) {
       flush_vary<C>(s.param[0], s.param_vary[0], gs.param_count);
       flush_vary<C>(s.param[1], s.param_vary[1], gs.param_count);
     }
     for (int op = 0; op < kNumOperands; ++op) g.data[op] += gs.step[op];
-  };
-  auto coefficients = [&]() SIMDNORM_INLINE_LAMBDA {
-    const int64_t i = (g.data[kStats] - stats0) / static_cast<int64_t>(sizeof(C));
-    set_coefficients<C>(t, const_cast<char*>(stats0), i, s.group[0][i], s.group[1][i]);
   };
   if (g.ndim == 1) {  // one run a group (layer and RMS norm rows): its loop chosen once for all
     int64_t steps[kNumOperands];
     for (int op = 0; op < kNumOperands; ++op) steps[op] = g.strides[op][0];
     visit_derivative<typename K::V>(t.act, [&](const auto& deriv) {
       K::visit_layout(t, steps, gs.apply, [&](auto ss, auto ps) {
+        constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
         for (int64_t k = 0; k < gs.count; ++k) {
-          K::template sums_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, g.data, steps, n, s);
-          coefficients();
-          if (gs.apply) K::template apply_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, g.data, steps, n);
+          sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
+            K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums);
+          });
+          if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n);
           finish(k);
         }
       });
@@ -377,8 +408,7 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
     return;
   }
   for (int64_t k = 0; k < gs.count; ++k) {
-    K::sums(t, g, 0, n, s);
-    coefficients();
+    sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA { K::sums(t, g, 0, n, sums); });
     if (gs.apply) K::apply(t, g, 0, n);
     finish(k);
   }

@@ -67,7 +67,7 @@ class BackwardRunner {
     n_ = group_size;
     if (total == 0) {
       if (explain != nullptr) *explain = "empty";
-      else write_param_sums({}, 0);
+      else write_param_sums({});
       return;
     }
     task_.dtype = x.dtype;
@@ -194,17 +194,13 @@ class BackwardRunner {
 
 
 
-  // The parameters' sums: the partials' (from offset `at`), merged in their order, into the user's.
-  void write_param_sums(const std::vector<Partial>& partials, int64_t at) {
+  // The parameters' sums (sum(ga y) then sum(ga), merged), or zeros when empty, into the user's.
+  void write_param_sums(const std::vector<double>& sums) {
     if (!want_params_) return;
     const int64_t np = params_->count();
     for (int o = 0; o < 2; ++o) {
       double* out = reinterpret_cast<double*>(a_.param_sums[o]->data);
-      for (int64_t i = 0; i < np; ++i) {
-        double s = 0.0;
-        for (const Partial& p : partials) s += p.sums[static_cast<size_t>(at + o * np + i)];
-        out[i] = s;
-      }
+      for (int64_t i = 0; i < np; ++i) out[i] = sums.empty() ? 0.0 : sums[static_cast<size_t>(o * np + i)];
     }
   }
 
@@ -263,38 +259,65 @@ class BackwardRunner {
         k.backward_groups(task_, call);
       }
     });
-    write_param_sums(partials, 0);
+    write_param_sums(merged(partials, 0, want_params_ ? 2 * params_->count() : 0));
+  }
+
+  // The statistics and the parameters share one compact layout (batch norm: both per channel):
+  // sum(g) and sum(g y) are then the scale times the parameters' sum(ga) and sum(ga y), and only
+  // those are summed.
+  bool shared_layout() const {
+    if (stats_->count() != params_->count()) return false;
+    for (int d = 0; d < a_.input.ndim; ++d)
+      if (stats_->strides()[d] != params_->strides()[d]) return false;
+    return true;
+  }
+
+  // The partials' sums [at, at + width), added in the partials' order.
+  static std::vector<double> merged(const std::vector<Partial>& partials, int64_t at, int64_t width) {
+    std::vector<double> m(static_cast<size_t>(width), 0.0);
+    for (const Partial& p : partials)
+      for (int64_t i = 0; i < width; ++i) m[static_cast<size_t>(i)] += p.sums[static_cast<size_t>(at + i)];
+    return m;
   }
 
   void run_two_pass(const LoopNest& nest, int64_t total) {
     const KernelTable& k = kernels();
-    const int64_t ns = stats_->count();
-    if (want_group_ || want_params_) {
-      const int64_t bytes = ((want_group_ ? 2 * ns : 0) + (want_params_ ? 2 * params_->count() : 0)) * (8 + csize_);
+    const int64_t ns = stats_->count(), np = params_->count();
+    const bool derive = want_group_ && shared_layout();
+    const bool group_sums = want_group_ && !derive, param_sums = want_params_ || derive;
+    if (group_sums || param_sums) {
+      const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
       const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
       const int64_t per = (total + chunks - 1) / chunks;
       // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest.
       const int64_t flush_every = kFlushRuns * nest.sizes[nest.ndim - 1];
       std::vector<Partial> partials;
-      for (int64_t c = 0; c < chunks; ++c) partials.push_back(partial(want_group_, want_params_));
+      for (int64_t c = 0; c < chunks; ++c) partials.push_back(partial(group_sums, param_sums));
       for_parts(chunks, total, [&](int c) {
         Partial& mine = partials[static_cast<size_t>(c)];
-        const BackwardSums s = sums_of(mine, want_group_, want_params_);
+        const BackwardSums s = sums_of(mine, group_sums, param_sums);
         const int64_t end = std::min(total, (c + 1) * per);
         for (int64_t b = c * per; b < end; b += flush_every) {
           k.backward_sums(task_, nest, b, std::min(end, b + flush_every), s);
           flush(mine);
         }
       });
+      const std::vector<double> params = param_sums ? merged(partials, group_sums ? 2 * ns : 0, 2 * np)
+                                                    : std::vector<double>();
       if (want_group_) {
-        std::vector<double> merged(static_cast<size_t>(2 * ns), 0.0);
-        for (const Partial& p : partials)
-          for (size_t i = 0; i < merged.size(); ++i) merged[i] += p.sums[i];
-        k.backward_coefficients(task_, stats_->data(0), merged.data(), merged.data() + ns, ns);
+        std::vector<double> group = derive ? std::vector<double>(static_cast<size_t>(2 * ns)) : merged(partials, 0, 2 * ns);
+        if (derive) {
+          for (int64_t i = 0; i < ns; ++i) {
+            const double scale = load_scalar(compute_, params_->data(0) + i * csize_);
+            group[static_cast<size_t>(i)] = scale * params[static_cast<size_t>(np + i)];
+            group[static_cast<size_t>(ns + i)] = scale * params[static_cast<size_t>(i)];
+          }
+        }
+        k.backward_coefficients(task_, stats_->data(0), group.data(), group.data() + ns, ns);
       }
-      write_param_sums(partials, want_group_ ? 2 * ns : 0);
+      write_param_sums(params);
     } else {
-      write_param_sums({}, 0);
+      write_param_sums({});
     }
     if (!a_.grad_input) return;
     const int parts = parts_for(total, kMinElementsPerThread);
