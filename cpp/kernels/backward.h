@@ -245,6 +245,54 @@ struct BackwardKernel {
     }
   }
 
+  // The sums pass over two rows of one run each (layer and RMS norm) that read the same parameters,
+  // contiguous along them: each parameter slot is read and written once for both rows.
+  template <class D>
+  static void sums_pair(const BackwardTask& t, const D& deriv, char* const* p0, char* const* p1, const int64_t* s,
+                        int64_t n, const BackwardSums& acc) {
+    const Element<kConst, kUnit, D> r0(t, deriv, p0, s, kPrefetchAheadBytes), r1(t, deriv, p1, s, kPrefetchAheadBytes);
+    const int64_t cs = static_cast<int64_t>(sizeof(C)), es = static_cast<int64_t>(sizeof(T));
+    const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
+    const int64_t g0 = (p0[kStats] - acc.stats_base) / cs, g1 = (p1[kStats] - acc.stats_base) / cs;
+    C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + (p0[kParams] - acc.params_base) / cs : nullptr;
+    C* const pv1 = want_param ? static_cast<C*>(acc.param_vary[1]) + (p0[kParams] - acc.params_base) / cs : nullptr;
+    char* const out0 = t.grouped ? p0[kGradIn] : nullptr;
+    char* const out1 = t.grouped ? p1[kGradIn] : nullptr;
+    for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
+      const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
+      V sg0 = zero(), sgy0 = zero(), sg1 = zero(), sgy1 = zero();
+      for (int64_t e = e0; e < e1; e += W) {
+        const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
+        if (out0 != nullptr) {
+          __builtin_prefetch(out0 + e * es, 1);
+          __builtin_prefetch(out1 + e * es, 1);
+        }
+        V y0, ga0, gg0, y1, ga1, gg1;
+        r0.at(e, m, y0, ga0, gg0);
+        r1.at(e, m, y1, ga1, gg1);
+        if (m < W) {
+          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+          y0 = vselect(own, y0, zero()), ga0 = vselect(own, ga0, zero()), gg0 = vselect(own, gg0, zero());
+          y1 = vselect(own, y1, zero()), ga1 = vselect(own, ga1, zero()), gg1 = vselect(own, gg1, zero());
+        }
+        if (want_group) {
+          sg0 = sg0 + gg0, sgy0 = vfma(gg0, y0, sgy0);
+          sg1 = sg1 + gg1, sgy1 = vfma(gg1, y1, sgy1);
+        }
+        if (want_param) {
+          add_varying<kUnit>(pv0 + e, 1, vfma(ga0, y0, ga1 * y1), m);
+          add_varying<kUnit>(pv1 + e, 1, ga0 + ga1, m);
+        }
+      }
+      if (want_group) {
+        acc.group[0][g0] += static_cast<double>(vreduce_add(sg0));
+        acc.group[1][g0] += static_cast<double>(vreduce_add(sgy0));
+        acc.group[0][g1] += static_cast<double>(vreduce_add(sg1));
+        acc.group[1][g1] += static_cast<double>(vreduce_add(sgy1));
+      }
+    }
+  }
+
   // The apply pass over one run: dx = u * ((g - c1) - y * c2).
   template <int SStep, int PStep, class D>
   static void apply_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n) {
@@ -396,6 +444,33 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
     visit_derivative<typename K::V>(t.act, [&](const auto& deriv) {
       K::visit_layout(t, steps, gs.apply, [&](auto ss, auto ps) {
         constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
+        if constexpr (SS == kConst && PS == kUnit) {
+          if (!scale_per_group && gs.step[kParams] == 0) {  // rows sharing their parameters, in pairs
+            int64_t k = 0;
+            for (; k + 1 < gs.count; k += 2) {
+              char* next[kNumOperands];
+              for (int op = 0; op < kNumOperands; ++op) next[op] = g.data[op] + gs.step[op];
+              K::sums_pair(t, deriv, g.data, next, steps, n, s);
+              auto finish_row = [&](char* const* row) SIMDNORM_INLINE_LAMBDA {
+                const int64_t i = (row[kStats] - stats0) / cs;
+                set_coefficients<C>(t, const_cast<char*>(stats0), i, s.group[0][i], s.group[1][i]);
+                if (gs.apply) K::template apply_run<SS, PS>(t, deriv, row, steps, n);
+              };
+              finish_row(g.data);
+              finish_row(next);
+              finish(k);
+              finish(k + 1);
+            }
+            if (k < gs.count) {
+              sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
+                K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums);
+              });
+              if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n);
+              finish(k);
+            }
+            return;
+          }
+        }
         for (int64_t k = 0; k < gs.count; ++k) {
           sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
             K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums);
