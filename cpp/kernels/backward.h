@@ -46,23 +46,39 @@ template <class V> V gelu_derivative(V p) {
   const V pdf = vexp(splat<V>(-0.5) * p * p) * splat<V>(0.39894228040143267794);
   return vfma(p, pdf, cdf);
 }
-template <class V> __attribute__((noinline)) V smooth_derivative(ActKind kind, V pre) {
-  return kind == ActKind::gelu ? gelu_derivative(pre) : silu_derivative(pre);
-}
-// silu and gelu: out of line, a call a vector (their arithmetic outweighs it).
 template <class V> struct DerivSmooth {
   ActKind kind;
   explicit DerivSmooth(const Activation& a) : kind(a.kind) {}
-  static constexpr bool kUsesPre = true;
-  V operator()(V pre, V dy) const { return dy * smooth_derivative(kind, pre); }
+  V operator()(V pre, V dy) const {
+    return dy * (kind == ActKind::gelu ? gelu_derivative(pre) : silu_derivative(pre));
+  }
 };
 
+// Every activation but identity runs out of line, a call a vector: the backward's loops are
+// compiled twice, not three times (the module has a size budget: .ci/run).
+template <class V> struct DerivOutOfLine {
+  V (*apply)(const void* deriv, V pre, V dy);
+  const void* deriv;  // the functor, alive for the call that visits it
+  static constexpr bool kUsesPre = true;
+  V operator()(V pre, V dy) const { return apply(deriv, pre, dy); }
+};
+template <class Deriv, class V> __attribute__((noinline)) V apply_derivative(const void* d, V pre, V dy) {
+  return (*static_cast<const Deriv*>(d))(pre, dy);
+}
+
+// Calls fn(functor): DerivIdentity, or DerivOutOfLine for the others.
 template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& fn) {
+  auto out_of_line = [&](const auto& functor) {
+    using Deriv = std::decay_t<decltype(functor)>;
+    V (*apply)(const void*, V, V) = &apply_derivative<Deriv, V>;
+    __asm__("" : "+r"(apply));  // opaque: no clone of the loops per activation
+    fn(DerivOutOfLine<V>{apply, &functor});
+  };
   switch (act.kind) {
     case ActKind::relu:
-    case ActKind::leaky_relu: return fn(DerivPiecewise<V>(act));
+    case ActKind::leaky_relu: return out_of_line(DerivPiecewise<V>(act));
     case ActKind::silu:
-    case ActKind::gelu: return fn(DerivSmooth<V>(act));
+    case ActKind::gelu: return out_of_line(DerivSmooth<V>(act));
     default: return fn(DerivIdentity<V>(act));
   }
 }
@@ -444,6 +460,13 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
     visit_derivative<typename K::V>(t.act, [&](const auto& deriv) {
       K::visit_layout(t, steps, gs.apply, [&](auto ss, auto ps) {
         constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
+        auto one_row = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
+          sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
+            K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums);
+          });
+          if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n);
+          finish(k);
+        };
         if constexpr (SS == kConst && PS == kUnit) {
           if (!scale_per_group && gs.step[kParams] == 0) {  // rows sharing their parameters, in pairs
             int64_t k = 0;
@@ -461,23 +484,11 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
               finish(k);
               finish(k + 1);
             }
-            if (k < gs.count) {
-              sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
-                K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums);
-              });
-              if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n);
-              finish(k);
-            }
+            if (k < gs.count) one_row(k);
             return;
           }
         }
-        for (int64_t k = 0; k < gs.count; ++k) {
-          sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
-            K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums);
-          });
-          if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n);
-          finish(k);
-        }
+        for (int64_t k = 0; k < gs.count; ++k) one_row(k);
       });
     });
     return;
