@@ -26,7 +26,6 @@ template <class V> struct DerivPiecewise {
   V alpha;
   bool leaky;
   explicit DerivPiecewise(const Activation& a) : alpha(splat<V>(a.p0)), leaky(a.kind == ActKind::leaky_relu) {}
-  static constexpr bool kUsesPre = true;
   V operator()(V pre, V dy) const {
     const V left = leaky ? alpha * dy : splat<V>(0.0);
     return vselect(pre > splat<V>(0.0), dy, left);

@@ -320,13 +320,7 @@ class BackwardRunner {
       write_param_sums({});
     }
     if (!a_.grad_input) return;
-    const int parts = parts_for(total, kMinElementsPerThread);
-    if (parts == 1) return k.backward_apply(task_, nest, 0, total);
-    const int64_t per = ((total + parts - 1) / parts + 63) / 64 * 64;
-    parallel_for(parts, [&](int part) {
-      const int64_t begin = part * per, end = std::min(total, begin + per);
-      if (begin < end) k.backward_apply(task_, nest, begin, end);
-    });
+    for_element_ranges(total, [&](int64_t begin, int64_t end) { k.backward_apply(task_, nest, begin, end); });
   }
 
   const MvnBackwardArgs& a_;

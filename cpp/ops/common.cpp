@@ -320,16 +320,8 @@ std::string describe_normalize(const NormalizeTask& task) {
 }
 
 void run_normalize(NormalizeTask& task) {
-  const int64_t total = element_count(task.loop);
-  const int parts = parts_for(total, kMinElementsPerThread);
   const KernelTable& k = kernels();
-  if (parts == 1) return k.normalize(task, 0, total);
-  // Boundaries on multiples of 64 elements keep threads off each other's output cache lines.
-  const int64_t per = ((total + parts - 1) / parts + 63) / 64 * 64;
-  parallel_for(parts, [&](int part) {
-    const int64_t begin = part * per, end = begin + per < total ? begin + per : total;
-    if (begin < end) k.normalize(task, begin, end);
-  });
+  for_element_ranges(element_count(task.loop), [&](int64_t begin, int64_t end) { k.normalize(task, begin, end); });
 }
 
 }  // namespace simdnorm

@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "plan/plan.h"
+#include "runtime/thread_pool.h"
 #include "simdnorm/kernel_table.h"
 #include "simdnorm/ops.h"
 
@@ -73,6 +74,11 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);
+// fn(begin, end) over [0, total) split into one range per thread (one range when the work is too
+// small for a second), the boundaries on multiples of 64 elements: threads stay off each other's
+// output cache lines.
+template <class Fn>
+void for_element_ranges(int64_t total, Fn&& fn);
 // The rest of a task's plan, once its loop, dtype and scale_folded are set: the L1's size; whether
 // to write with non-temporal stores (for operations that move more bytes, input plus output, than
 // stream_threshold_bytes(): smaller ones stay cached between calls, and their output is cached for
@@ -92,5 +98,16 @@ std::string describe_normalize(const NormalizeTask& task);
 // Minimum elements per thread before a second thread is worth waking (less work than this costs
 // less than the wake-up).
 constexpr int64_t kMinElementsPerThread = 1 << 15;
+
+template <class Fn>
+void for_element_ranges(int64_t total, Fn&& fn) {
+  const int parts = parts_for(total, kMinElementsPerThread);
+  if (parts == 1) return fn(int64_t{0}, total);
+  const int64_t per = ((total + parts - 1) / parts + 63) / 64 * 64;
+  parallel_for(parts, [&](int part) {
+    const int64_t begin = part * per, end = begin + per < total ? begin + per : total;
+    if (begin < end) fn(begin, end);
+  });
+}
 
 }  // namespace simdnorm
