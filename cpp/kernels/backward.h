@@ -87,6 +87,27 @@ template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& f
 enum BackwardStep : int { kConst = 0, kUnit = 1, kAny = 2 };
 constexpr int64_t kSumFlush = 1024;  // elements a target's vector lanes sum before their tree
 
+// c1 and c2 of statistics element i (at stats + i * sizeof(C)) from its sums.
+template <class C>
+static void set_coefficients(const BackwardTask& t, char* stats, int64_t i, double sum_g, double sum_gy) {
+  double c1 = 0.0, c2 = 0.0;
+  if (t.statistics_terms) {
+    C u;
+    std::memcpy(&u, stats + t.stats_pitch + i * sizeof(C), sizeof u);
+    double k = 1.0;
+    if (t.epsilon_outside) {
+      // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
+      const double den = 1.0 - t.epsilon * static_cast<double>(u);
+      k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
+    }
+    c1 = t.normalize_mean ? sum_g * t.inv_n : 0.0;
+    c2 = t.normalize_variance ? k * sum_gy * t.inv_n : 0.0;
+  }
+  const C v1 = static_cast<C>(c1), v2 = static_cast<C>(c2);
+  std::memcpy(stats + 2 * t.stats_pitch + i * sizeof(C), &v1, sizeof v1);
+  std::memcpy(stats + 3 * t.stats_pitch + i * sizeof(C), &v2, sizeof v2);
+}
+
 template <class T>
 struct BackwardKernel {
   using L = Lanes<T>;
@@ -260,51 +281,130 @@ struct BackwardKernel {
     }
   }
 
-  // The sums pass over two rows of one run each (layer and RMS norm) that read the same parameters,
-  // contiguous along them: each parameter slot is read and written once for both rows.
-  template <class D>
-  static void sums_pair(const BackwardTask& t, const D& deriv, char* const* p0, char* const* p1, const int64_t* s,
-                        int64_t n, const BackwardSums& acc) {
-    const Element<kConst, kUnit, D> r0(t, deriv, p0, s, kPrefetchAheadBytes), r1(t, deriv, p1, s, kPrefetchAheadBytes);
-    const int64_t cs = static_cast<int64_t>(sizeof(C)), es = static_cast<int64_t>(sizeof(T));
-    const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
-    const int64_t g0 = (p0[kStats] - acc.stats_base) / cs, g1 = (p1[kStats] - acc.stats_base) / cs;
-    C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + (p0[kParams] - acc.params_base) / cs : nullptr;
-    C* const pv1 = want_param ? static_cast<C*>(acc.param_vary[1]) + (p0[kParams] - acc.params_base) / cs : nullptr;
-    char* const out0 = t.grouped ? p0[kGradIn] : nullptr;
-    char* const out1 = t.grouped ? p1[kGradIn] : nullptr;
-    for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
-      const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
-      V sg0 = zero(), sgy0 = zero(), sg1 = zero(), sgy1 = zero();
-      for (int64_t e = e0; e < e1; e += W) {
-        const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
-        if (out0 != nullptr) {
-          __builtin_prefetch(out0 + e * es, 1);
-          __builtin_prefetch(out1 + e * es, 1);
-        }
-        V y0, ga0, gg0, y1, ga1, gg1;
-        r0.at(e, m, y0, ga0, gg0);
-        r1.at(e, m, y1, ga1, gg1);
-        if (m < W) {
-          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
-          y0 = vselect(own, y0, zero()), ga0 = vselect(own, ga0, zero()), gg0 = vselect(own, gg0, zero());
-          y1 = vselect(own, y1, zero()), ga1 = vselect(own, ga1, zero()), gg1 = vselect(own, gg1, zero());
-        }
-        if (want_group) {
-          sg0 = sg0 + gg0, sgy0 = vfma(gg0, y0, sgy0);
-          sg1 = sg1 + gg1, sgy1 = vfma(gg1, y1, sgy1);
-        }
+  // Layer and RMS norm rows: one run each, contiguous, the statistics constant along a row, the
+  // parameters contiguous and shared by all rows. R rows make a block, and one loop writes block
+  // k's grad_input while it sums block k + 1 (as the forward's fused rows do): the reads from
+  // memory and the writes go out together, block k is read again from the L1, and each parameter
+  // slot is read and written once for R rows. Apply: dx = (x - mean) (-u^2 c2) + ga (scale u) - u c1.
+  struct RowState {
+    const char *x, *dy;
+    char* dx;
+    int64_t stat;  // the row's statistics element
+    V mean, u, a, b;  // a, b: sum(g), sum(g y) while summed; then -u^2 c2 and -u c1
+  };
+  template <int R, class D, class AfterBlock>
+  static void rows_stream(const BackwardTask& t, const D& deriv, char* const* first, const int64_t* step, int64_t n,
+                          int64_t blocks, const BackwardSums& acc, AfterBlock&& after_block) {
+    if (blocks == 0) return;
+    constexpr int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));
+    char* p[kNumOperands];  // (the caller moves its own pointers on after each block)
+    for (int op = 0; op < kNumOperands; ++op) p[op] = first[op];
+    char* const stats = const_cast<char*>(acc.stats_base);
+    auto stat_of = [&](int64_t i, int array) {
+      C v;
+      std::memcpy(&v, stats + array * t.stats_pitch + i * cs, sizeof v);
+      return v;
+    };
+    const C* const scale = reinterpret_cast<const C*>(p[kParams]);
+    const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
+    const bool want_param = acc.param[0] != nullptr;
+    const int64_t pi = (p[kParams] - acc.params_base) / cs;
+    C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
+    C* const pv1 = want_param ? static_cast<C*>(acc.param_vary[1]) + pi : nullptr;
+    // The rows summed are fetched into the L2 this many rows ahead (whole blocks).
+    const int64_t ahead = R * ((2 * prefetch_units_ahead(n * es) + R - 1) / R);
+    const int64_t ahead_x = ahead * step[kX], ahead_dy = ahead * step[kGradOut];
+    auto load_t = [](const char* q, int m) SIMDNORM_INLINE_LAMBDA {
+      return m == W ? L::load(reinterpret_cast<const T*>(q)) : L::load_partial(reinterpret_cast<const T*>(q), m);
+    };
+    auto load_c = [](const C* q, int m) SIMDNORM_INLINE_LAMBDA { return m == W ? LC::load(q) : LC::load_partial(q, m); };
+    // ga at element e of row r; d = x - mean, y = d u.
+    auto grad_at = [&](const RowState& r, int64_t e, int m, V s, V b, V& d, V& y) SIMDNORM_INLINE_LAMBDA {
+      d = load_t(r.x + e * es, m) - r.mean;
+      y = d * r.u;
+      const V dyv = load_t(r.dy + e * es, m);
+      if constexpr (D::kUsesPre) return deriv(vfma(y, s, b), dyv);
+      else return dyv;
+    };
+    RowsOf<RowState, R> cur, next;
+    auto open = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
+      next.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
+        const int64_t row = k * R + j;
+        r.x = p[kX] + row * step[kX], r.dy = p[kGradOut] + row * step[kGradOut], r.dx = p[kGradIn] + row * step[kGradIn];
+        r.stat = (p[kStats] + row * step[kStats] - acc.stats_base) / cs;
+        r.mean = splat<V>(stat_of(r.stat, 0)), r.u = splat<V>(stat_of(r.stat, 1));
+        r.a = zero(), r.b = zero();
+      });
+    };
+    // One vector of each row of `next` summed and/or of `cur` written, at element e (m of them).
+    auto at = [&](auto sum, auto write, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
+      if constexpr (decltype(sum)::value) {
+        V p0 = zero(), p1 = zero();
+        if (want_param) p0 = load_c(pv0 + e, m), p1 = load_c(pv1 + e, m);
+        next.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+          __builtin_prefetch(r.x + ahead_x + e * es, 0, 2);
+          __builtin_prefetch(r.dy + ahead_dy + e * es, 0, 2);
+          __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
+          V d, y;
+          V ga = grad_at(r, e, m, s, b, d, y);
+          if (m < W) {
+            const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+            y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
+          }
+          const V g = ga * s;
+          r.a = r.a + g, r.b = vfma(g, y, r.b);
+          p0 = vfma(ga, y, p0), p1 = p1 + ga;
+        });
         if (want_param) {
-          add_varying<kUnit>(pv0 + e, 1, vfma(ga0, y0, ga1 * y1), m);
-          add_varying<kUnit>(pv1 + e, 1, ga0 + ga1, m);
+          if (m == W) LC::store(pv0 + e, p0), LC::store(pv1 + e, p1);
+          else LC::store_partial(pv0 + e, p0, m), LC::store_partial(pv1 + e, p1, m);
         }
       }
-      if (want_group) {
-        acc.group[0][g0] += static_cast<double>(vreduce_add(sg0));
-        acc.group[1][g0] += static_cast<double>(vreduce_add(sgy0));
-        acc.group[0][g1] += static_cast<double>(vreduce_add(sg1));
-        acc.group[1][g1] += static_cast<double>(vreduce_add(sgy1));
+      if constexpr (decltype(write)::value) {
+        cur.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+          V d, y;
+          const V ga = grad_at(r, e, m, s, b, d, y);
+          const V dx = vfma(d, r.a, vfma(ga, s * r.u, r.b));
+          if (m == W) L::store(reinterpret_cast<T*>(r.dx + e * es), dx);
+          else L::store_partial(reinterpret_cast<T*>(r.dx + e * es), dx, m);
+        });
       }
+    };
+    // The loop over the rows, its sums added into their doubles every kSumFlush elements.
+    auto pass = [&](auto sum, auto write) SIMDNORM_INLINE_LAMBDA {
+      for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
+        const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
+        int64_t e = e0;
+        for (; e + W <= e1; e += W) at(sum, write, e, W);
+        if (e < e1) at(sum, write, e, static_cast<int>(e1 - e));
+        if constexpr (decltype(sum)::value) {
+          next.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+            acc.group[0][r.stat] += static_cast<double>(vreduce_add(r.a));
+            acc.group[1][r.stat] += static_cast<double>(vreduce_add(r.b));
+            r.a = zero(), r.b = zero();
+          });
+        }
+      }
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    open(0);
+    pass(Yes{}, No{});
+    for (int64_t k = 0; k < blocks; ++k) {
+      cur = next;
+      cur.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+        set_coefficients<C>(t, stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
+        const C u = stat_of(r.stat, 1);
+        r.a = splat<V>(-(u * u) * stat_of(r.stat, 3)), r.b = splat<V>(-u * stat_of(r.stat, 2));
+      });
+      if (k + 1 < blocks) {
+        open(k + 1);
+        pass(Yes{}, Yes{});
+      } else {
+        pass(No{}, Yes{});
+      }
+      after_block(k);
     }
   }
 
@@ -376,27 +476,6 @@ struct BackwardKernel {
   }
 };
 
-// c1 and c2 of statistics element i (at stats + i * sizeof(C)) from its sums.
-template <class C>
-static void set_coefficients(const BackwardTask& t, char* stats, int64_t i, double sum_g, double sum_gy) {
-  double c1 = 0.0, c2 = 0.0;
-  if (t.statistics_terms) {
-    C u;
-    std::memcpy(&u, stats + t.stats_pitch + i * sizeof(C), sizeof u);
-    double k = 1.0;
-    if (t.epsilon_outside) {
-      // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
-      const double den = 1.0 - t.epsilon * static_cast<double>(u);
-      k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
-    }
-    c1 = t.normalize_mean ? sum_g * t.inv_n : 0.0;
-    c2 = t.normalize_variance ? k * sum_gy * t.inv_n : 0.0;
-  }
-  const C v1 = static_cast<C>(c1), v2 = static_cast<C>(c2);
-  std::memcpy(stats + 2 * t.stats_pitch + i * sizeof(C), &v1, sizeof v1);
-  std::memcpy(stats + 3 * t.stats_pitch + i * sizeof(C), &v2, sizeof v2);
-}
-
 template <class C>
 static void flush_vary(double* sums, void* vary, int64_t n) {
   C* v = static_cast<C*>(vary);
@@ -467,23 +546,16 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
           finish(k);
         };
         if constexpr (SS == kConst && PS == kUnit) {
-          if (!scale_per_group && gs.step[kParams] == 0) {  // rows sharing their parameters, in pairs
-            int64_t k = 0;
-            for (; k + 1 < gs.count; k += 2) {
-              char* next[kNumOperands];
-              for (int op = 0; op < kNumOperands; ++op) next[op] = g.data[op] + gs.step[op];
-              K::sums_pair(t, deriv, g.data, next, steps, n, s);
-              auto finish_row = [&](char* const* row) SIMDNORM_INLINE_LAMBDA {
-                const int64_t i = (row[kStats] - stats0) / cs;
-                set_coefficients<C>(t, const_cast<char*>(stats0), i, s.group[0][i], s.group[1][i]);
-                if (gs.apply) K::template apply_run<SS, PS>(t, deriv, row, steps, n);
-              };
-              finish_row(g.data);
-              finish_row(next);
-              finish(k);
-              finish(k + 1);
-            }
-            if (k < gs.count) one_row(k);
+          if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
+            constexpr int R = 4;
+            const int64_t blocks = gs.count / R, rest = gs.count - blocks * R;
+            K::template rows_stream<R>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
+              for (int r = 0; r < R; ++r) finish(b * R + r);
+            });
+            if (rest > 0)
+              K::template rows_stream<1>(t, deriv, g.data, gs.step, n, rest, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
+                finish(blocks * R + b);
+              });
             return;
           }
         }

@@ -643,6 +643,12 @@ template <class E> struct RowsOf<E, 2> {
   template <class Fn> SIMDNORM_CURSOR_METHOD void each(Fn&& fn) const { fn(r0, 0); fn(r1, 1); }
 };
 
+template <class E> struct RowsOf<E, 4> {
+  E r0, r1, r2, r3;
+  template <class Fn> SIMDNORM_CURSOR_METHOD void each(Fn&& fn) { fn(r0, 0); fn(r1, 1); fn(r2, 2); fn(r3, 3); }
+  template <class Fn> SIMDNORM_CURSOR_METHOD void each(Fn&& fn) const { fn(r0, 0); fn(r1, 1); fn(r2, 2); fn(r3, 3); }
+};
+
 // Calls fn(std::integral_constant<int, I>) for I = First, ..., Last - 1: loops whose index must be
 // a constant (a member chosen by it, a template argument). fn is a SIMDNORM_INLINE_LAMBDA.
 template <int First, int Last, class Fn>
