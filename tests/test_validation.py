@@ -1,6 +1,6 @@
 """The functional API's error paths (SPEC sections 1-6) and the Python layer's routing: every error
 has the right type and a message naming the argument and the rule, and ``out`` (poisoned first) is
-untouched after every error. Also: inputs (lists, DLPack), out semantics (returned, in place,
+untouched after every error. Also: inputs (lists; DLPack: test_dlpack.py), out semantics (returned, in place,
 overlap), return_stats shapes and memory order of the result."""
 
 from __future__ import annotations
@@ -661,58 +661,7 @@ def test_masked_out_that_masks_nothing_is_written():
         assert_close(out.data, ref_mvn(x, -1)[0])
 
 
-# ----------------------------------------------------------------------------------------------
-# DLPack and other inputs
-# ----------------------------------------------------------------------------------------------
-
-def test_dlpack_input_is_not_copied():
-    torch = pytest.importorskip("torch")
-    from simdnorm._compile import as_input
-
-    t = torch.randn(2, 4, 3, 5)
-    a = as_input(t)
-    assert type(a) is np.ndarray and np.shares_memory(a, t.numpy())
-    m, v = torch.zeros(4), torch.ones(4)
-    y = bn(t, m, v)
-    np.testing.assert_allclose(y, t.numpy() / np.sqrt(1 + 1e-5), rtol=1e-6)
-    # in place through the tensor's own memory
-    want = simdnorm.layer_norm(t.clone())
-    tv = t.numpy()
-    assert simdnorm.layer_norm(t, out=tv) is tv
-    np.testing.assert_array_equal(t.numpy(), want)
-
-
-def test_dlpack_failure_is_type_error():
-    torch = pytest.importorskip("torch")
-    t = torch.randn(2, 3, requires_grad=True)
-    with pytest.raises(TypeError, match=r"input: cannot view this Tensor as a numpy array through DLPack"):
-        mvn(t, -1)
-    with pytest.raises(TypeError, match=r"^out: expected a numpy.ndarray, got Tensor"):
-        mvn(np.ones((2, 3), F32), -1, out=torch.empty(2, 3))
-
-
-def test_dlpack_bfloat16_tensor_names_numpy_and_the_view():
-    """numpy cannot take bfloat16 through DLPack: the message says so (not "pass a CPU tensor": it
-    is one) and gives the view that works; that view, checked here, holds the tensor's values."""
-    torch = pytest.importorskip("torch")
-    t = torch.randn(3, 4, 10, generator=torch.Generator().manual_seed(21)).to(torch.bfloat16)
-    out = poisoned(t.shape, BF16)
-    with pytest.raises(TypeError, match=r"^input: cannot view this Tensor as a numpy array through DLPack .*: numpy "
-                                        r"cannot hold its dtype torch.bfloat16 through DLPack; view its memory as "
-                                        r"ml_dtypes.bfloat16 \(no copy\), for a torch tensor t: "
-                                        r"t.view\(torch.int16\).numpy\(\).view\(ml_dtypes.bfloat16\)$"):
-        simdnorm.layer_norm(t, out=out)
-    assert_poisoned(out)
-    with pytest.raises(TypeError, match=r"^scale: .*numpy cannot hold its dtype torch.bfloat16"):
-        mvn(np.ones((3, 4, 10), BF16), -1, t[0, 0])
-    import ml_dtypes
-
-    for tt in (t, t.transpose(0, 2)):
-        a = tt.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        assert a.dtype == BF16 and a.shape == tuple(tt.shape) and np.shares_memory(a, tt.view(torch.int16).numpy())
-        np.testing.assert_array_equal(a.astype(np.float64), tt.double().numpy())
-        y = simdnorm.layer_norm(a)
-        np.testing.assert_allclose(y.astype(np.float64), ref_mvn(a, -1)[0], rtol=1e-2, atol=1e-2)
+# (DLPack producers and torch tensors, in and out: tests/test_dlpack.py)
 
 
 # ----------------------------------------------------------------------------------------------

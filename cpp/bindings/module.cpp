@@ -1,4 +1,5 @@
-// The one binding file: numpy arrays -> TensorViews, GIL released around the ops. No algorithm here.
+// The one binding file: numpy arrays -> TensorViews, GIL released around the ops; DLPack capsules ->
+// numpy arrays over the producer's memory (bindings/dlpack.h has the ABI). No algorithm here.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -11,6 +12,7 @@
 #include <string>
 #include <type_traits>
 
+#include "bindings/dlpack.h"
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
 #include "simdnorm/ops.h"
@@ -357,7 +359,7 @@ py::object py_mvn_backward(py::args args) {
 
 // The two hot entry points are plain METH_FASTCALL functions: pybind11's general dispatcher costs
 // more than the rest of a small call put together.
-// f returns a bool (returned as True/False) or a string (returned as str).
+// f returns a bool (returned as True/False), a string (returned as str) or an object.
 template <size_t N, class F>
 PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
   try {
@@ -365,6 +367,8 @@ PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&
       throw py::type_error(std::string(name) + "() takes " + std::to_string(N) + " positional arguments");
     if constexpr (std::is_same_v<decltype(f(args)), bool>) {
       return py::bool_(f(args)).release().ptr();
+    } else if constexpr (std::is_same_v<decltype(f(args)), py::object>) {
+      return f(args).release().ptr();
     } else {
       return py::str(f(args)).release().ptr();
     }
@@ -429,12 +433,267 @@ PyMethodDef g_fast_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
+// ------------------------------------------------------------------------------------------------
+// DLPack in: a producer's capsule -> a numpy array over its memory, without a copy. The Python
+// layer then treats it as any other array; the array's base owns the DLPack tensor, whose
+// deleter runs once, when the array and every view of it are gone. Everything is validated before
+// the capsule is taken: a refused capsule stays the producer's (its destructor deletes it).
+
+namespace dl = simdnorm::dlpack;
+
+[[noreturn]] void throw_type(const std::string& msg) { throw py::type_error(msg); }
+[[noreturn]] void throw_value(const std::string& msg) { throw py::value_error(msg); }
+
+std::string type_name(py::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
+
+// The producer's __dlpack__(max_version=(1, 0)), or __dlpack__() for one that predates max_version
+// (a TypeError for the keyword). Whatever it raises (an Exception) becomes a TypeError naming the
+// argument, chained to the producer's own error. (A vectorcall with interned names: a torch
+// tensor's __dlpack__ costs 2 us by itself, the call around it need not add to that.)
+py::object call_dlpack(py::handle producer, const char* name) {
+  static PyObject* const method = PyUnicode_InternFromString("__dlpack__");
+  static PyObject* const kwnames = Py_BuildValue("(s)", "max_version");
+  static PyObject* const version = Py_BuildValue("(II)", dl::kMajorVersion, 0u);
+  if (method == nullptr || kwnames == nullptr || version == nullptr) throw py::error_already_set();
+  PyObject* args[] = {producer.ptr(), version};
+  PyObject* cap = PyObject_VectorcallMethod(method, args, 1, kwnames);
+  if (cap == nullptr && PyErr_ExceptionMatches(PyExc_TypeError)) {
+    PyErr_Clear();
+    cap = PyObject_CallMethodNoArgs(producer.ptr(), method);
+  }
+  if (cap != nullptr) return py::reinterpret_steal<py::object>(cap);
+  py::error_already_set e;
+  if (!e.matches(PyExc_Exception) || e.matches(PyExc_MemoryError)) throw e;
+  const std::string msg = std::string(name) + ": cannot read this " + type_name(producer) +
+                          " through DLPack: its __dlpack__() raised " +
+                          py::str(e.type().attr("__name__")).cast<std::string>() + ": " +
+                          py::str(e.value()).cast<std::string>();
+  py::raise_from(e, PyExc_TypeError, msg.c_str());
+  throw py::error_already_set();
+}
+
+const char* device_name(int32_t type) {
+  switch (type) {
+    case 2: return "CUDA";
+    case 4: return "OpenCL";
+    case 7: return "Vulkan";
+    case 8: return "Metal";
+    case 9: return "VPI";
+    case 10: return "ROCm";
+    case 12: return "ExtDev";
+    case 13: return "CUDA managed";
+    case 14: return "oneAPI";
+    case 15: return "WebGPU";
+    case 16: return "Hexagon";
+    case 17: return "MAIA";
+    default: return "unknown";
+  }
+}
+
+std::string dtype_text(const dl::DLDataType& t) {
+  static const char* const kinds[] = {"int", "uint", "float", "opaque handle", "bfloat", "complex", "bool"};
+  const bool sized = t.code != dl::kDLOpaqueHandle && t.code != dl::kDLBool;
+  std::string s = t.code < 7 ? std::string(kinds[t.code]) + (sized ? std::to_string(t.bits) : "") : "float8 or sub-byte";
+  s += " (DLPack code " + std::to_string(t.code) + ", " + std::to_string(t.bits) + " bits, " +
+       std::to_string(t.lanes) + (t.lanes == 1 ? " lane)" : " lanes)");
+  return s;
+}
+
+// The numpy type number of a DLPack dtype: float16, bfloat16 (ml_dtypes'), float32, float64.
+int numpy_type_of(const dl::DLDataType& t, const char* name) {
+  int num = -1;
+  if (t.lanes == 1 && t.code == dl::kDLFloat)
+    num = t.bits == 16 ? 23 /* NPY_HALF */ : t.bits == 32 ? py::detail::npy_api::NPY_FLOAT_
+                                           : t.bits == 64 ? py::detail::npy_api::NPY_DOUBLE_ : -1;
+  else if (t.lanes == 1 && t.code == dl::kDLBfloat && t.bits == 16)
+    num = g_bfloat16_num;
+  if (num < 0)
+    throw_type(std::string(name) + ": dtype " + dtype_text(t) +
+               " is not supported; accepted: float32, float16, bfloat16, float64");
+  return num;
+}
+
+// The tensor's sizes and byte strides, checked: sizes >= 0, every byte stride and the byte extent
+// within int64, the addressed bytes inside the address space, data non-null when there are
+// elements. (The kernels add int64 byte offsets to the data pointer: none may wrap.)
+struct Layout {
+  Py_intptr_t sizes[kMaxDims];
+  Py_intptr_t strides[kMaxDims];
+  char* data;
+};
+
+Layout layout_of(const dl::DLTensor& t, int64_t itemsize, const char* name, bool writeable) {
+  const std::string n(name);
+  Layout l{};
+  if (t.ndim > 0 && t.shape == nullptr) throw_value(n + ": the DLPack tensor has " + std::to_string(t.ndim) + " dims and no shape");
+  // the bytes of the non-zero sizes must fit (numpy's rule, even when a zero size leaves no element)
+  bool empty = false;
+  int64_t bytes = itemsize;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0)
+      throw_value(n + ": DLPack shape[" + std::to_string(d) + "] is " + std::to_string(t.shape[d]) + "; sizes must be >= 0");
+    l.sizes[d] = t.shape[d];
+    empty |= t.shape[d] == 0;
+    if (t.shape[d] > 0 && __builtin_mul_overflow(bytes, t.shape[d], &bytes))
+      throw_value(n + ": the DLPack shape's element count times " + std::to_string(itemsize) +
+                  " bytes overflows 64-bit arithmetic");
+  }
+  if (t.strides == nullptr) {  // compact row-major: every stride is at most the bytes, which fit
+    int64_t step = itemsize;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      l.strides[d] = step;
+      step *= t.shape[d] > 0 ? t.shape[d] : 1;
+    }
+  } else {
+    for (int d = 0; d < t.ndim; ++d) {
+      int64_t b;
+      if (__builtin_mul_overflow(t.strides[d], itemsize, &b))
+        throw_value(n + ": DLPack strides[" + std::to_string(d) + "] = " + std::to_string(t.strides[d]) + " elements of " +
+                    std::to_string(itemsize) + " bytes overflows 64-bit arithmetic");
+      l.strides[d] = b;
+    }
+  }
+  if (t.byte_offset > static_cast<uint64_t>(INT64_MAX))
+    throw_value(n + ": DLPack byte_offset " + std::to_string(t.byte_offset) + " overflows 64-bit arithmetic");
+  if (empty) {  // nothing is addressed; numpy wants a pointer all the same
+    static double nothing;
+    uintptr_t p;
+    const bool usable = t.data != nullptr && !__builtin_add_overflow(reinterpret_cast<uintptr_t>(t.data), t.byte_offset, &p);
+    l.data = usable ? reinterpret_cast<char*>(p) : reinterpret_cast<char*>(&nothing);
+    return l;
+  }
+  if (t.data == nullptr)
+    throw_value(n + ": the DLPack tensor's data pointer is null and it has " + std::to_string(bytes / itemsize) + " elements");
+  // byte offsets below and above element (0, ..., 0); then the addresses they reach
+  int64_t below = 0, above = 0;
+  bool overflow = false;
+  for (int d = 0; d < t.ndim; ++d) {
+    int64_t span;
+    const int64_t s = l.strides[d];
+    overflow |= __builtin_mul_overflow(l.sizes[d] - 1, s, &span);  // sizes[d] >= 1 here
+    if (span < 0) overflow |= __builtin_sub_overflow(below, span, &below);
+    else overflow |= __builtin_add_overflow(above, span, &above);
+    if (writeable && s == 0 && l.sizes[d] > 1)
+      throw_value(n + ": DLPack strides[" + std::to_string(d) + "] is 0 with size " + std::to_string(l.sizes[d]) +
+                  ": more than one element of it is one memory location, so it cannot be written");
+  }
+  overflow |= __builtin_add_overflow(below, above, &bytes) || __builtin_add_overflow(bytes, int64_t{8}, &bytes);
+  uintptr_t base = 0, lo = 0, hi = 0;
+  overflow = overflow || __builtin_add_overflow(reinterpret_cast<uintptr_t>(t.data), t.byte_offset, &base) ||
+             __builtin_sub_overflow(base, static_cast<uintptr_t>(below), &lo) ||
+             __builtin_add_overflow(base, static_cast<uintptr_t>(above) + static_cast<uintptr_t>(itemsize), &hi);
+  if (overflow)
+    throw_value(n + ": the byte extent of the DLPack tensor's shape, strides and byte_offset overflows 64-bit "
+                "arithmetic or the address space");
+  l.data = reinterpret_cast<char*>(base);
+  return l;
+}
+
+// The array's base: owns the managed tensor; its destructor is the one place the deleter runs.
+// (The destructor is set only once the array holds it, so a failure before leaves no call behind.)
+constexpr const char* kOwnerVersioned = "simdnorm.dltensor_versioned_owner";
+constexpr const char* kOwnerLegacy = "simdnorm.dltensor_owner";
+
+template <class Managed>
+void release_managed(PyObject* owner) {
+  const char* name = std::is_same_v<Managed, dl::DLManagedTensorVersioned> ? kOwnerVersioned : kOwnerLegacy;
+  auto* m = static_cast<Managed*>(PyCapsule_GetPointer(owner, name));
+  PyObject *type, *value, *trace;  // a deleter (a Python callback, say) must not eat a pending error
+  PyErr_Fetch(&type, &value, &trace);
+  if (m != nullptr && m->deleter != nullptr) m->deleter(m);
+  PyErr_Restore(type, value, trace);
+}
+
+// obj.__dlpack__() as a numpy array over the same memory: float16, bfloat16, float32, float64 on
+// the CPU, 0 to 8 dims. Read-only (DLPack 1.x's flag) gives a read-only array; writeable asks for
+// a writeable one (out=, running statistics), refusing a read-only or self-overlapping tensor.
+py::object array_from_dlpack(py::handle producer, const char* name, bool writeable) {
+  const std::string n(name);
+  py::object capsule = call_dlpack(producer, name);
+  PyObject* cap = capsule.ptr();
+  if (!PyCapsule_CheckExact(cap))
+    throw_type(n + ": " + type_name(producer) + ".__dlpack__() returned a " + type_name(capsule) +
+               ", not a DLPack capsule");
+  const char* cap_name = PyCapsule_GetName(cap);
+  if (cap_name == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  const std::string cname = cap_name ? cap_name : "";
+  const bool versioned = cname == dl::kCapsuleVersioned;
+  if (cname == dl::kUsedCapsule || cname == dl::kUsedCapsuleVersioned)
+    throw_value(n + ": " + type_name(producer) + ".__dlpack__() returned a capsule already consumed (named \"" + cname +
+                "\"): a DLPack capsule can be read once");
+  if (!versioned && cname != dl::kCapsule)
+    throw_type(n + ": " + type_name(producer) + ".__dlpack__() returned a capsule named \"" + cname +
+               "\", not a DLPack tensor (\"dltensor_versioned\" or \"dltensor\")");
+  void* managed = PyCapsule_GetPointer(cap, cap_name);
+  if (managed == nullptr) throw py::error_already_set();
+  const dl::DLTensor* t;
+  uint64_t flags = 0;
+  if (versioned) {
+    auto* m = static_cast<dl::DLManagedTensorVersioned*>(managed);
+    if (m->version.major != dl::kMajorVersion)
+      throw_type(n + ": DLPack version " + std::to_string(m->version.major) + "." + std::to_string(m->version.minor) +
+                 " (simdnorm reads major version " + std::to_string(dl::kMajorVersion) + ")");
+    t = &m->dl_tensor;
+    flags = m->flags;
+  } else {
+    t = &static_cast<dl::DLManagedTensor*>(managed)->dl_tensor;
+  }
+  const int32_t dev = t->device.device_type;
+  if (dev != dl::kDLCPU && dev != dl::kDLCUDAHost && dev != dl::kDLROCMHost)
+    throw_type(n + ": the DLPack tensor is on device " + device_name(dev) + " (type " + std::to_string(dev) + ", id " +
+               std::to_string(t->device.device_id) + "), not in the CPU's memory; move it to the CPU first");
+  if (t->ndim < 0 || t->ndim > kMaxDims)
+    throw_value(n + ": " + std::to_string(t->ndim) + " dimensions (DLPack ndim); tensors must have 1 to " +
+                std::to_string(kMaxDims) + " dimensions");
+  const bool read_only = (flags & dl::kFlagReadOnly) != 0;
+  if (writeable && read_only)
+    throw_value(n + ": the " + type_name(producer) + " is read-only (its DLPack export says so); it cannot be written");
+  const int num = numpy_type_of(t->dtype, name);
+  auto& api = py::detail::npy_api::get();
+  py::object descr = py::reinterpret_steal<py::object>(api.PyArray_DescrFromType_(num));
+  if (!descr) throw py::error_already_set();
+  const int64_t itemsize = py::reinterpret_borrow<py::dtype>(descr).itemsize();
+  if (itemsize * 8 != t->dtype.bits) throw_type(n + ": dtype " + dtype_text(t->dtype) + " does not match its numpy type");
+  const Layout l = layout_of(*t, itemsize, name, writeable);
+  // The array first, then the owner (no destructor yet); only when the array holds the owner is
+  // the capsule renamed (taken) and the owner's destructor set: no failure can call the deleter
+  // twice, or leave it uncalled.
+  py::object arr = py::reinterpret_steal<py::object>(api.PyArray_NewFromDescr_(
+      api.PyArray_Type_, descr.release().ptr(), t->ndim, l.sizes, l.strides, l.data,
+      read_only ? 0 : py::detail::npy_api::NPY_ARRAY_WRITEABLE_, nullptr));
+  if (!arr) throw py::error_already_set();
+  PyObject* owner = PyCapsule_New(managed, versioned ? kOwnerVersioned : kOwnerLegacy, nullptr);
+  if (owner == nullptr) throw py::error_already_set();
+  if (api.PyArray_SetBaseObject_(arr.ptr(), owner) != 0) throw py::error_already_set();  // (owner stolen)
+  if (PyCapsule_SetName(cap, versioned ? dl::kUsedCapsuleVersioned : dl::kUsedCapsule) != 0 ||
+      PyCapsule_SetDestructor(owner, versioned ? release_managed<dl::DLManagedTensorVersioned>
+                                               : release_managed<dl::DLManagedTensor>) != 0)
+    throw py::error_already_set();  // (cannot fail for a valid capsule)
+  return arr;
+}
+
+PyObject* fast_from_dlpack(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall<3>(args, nargs, "from_dlpack", [](PyObject* const* a) {
+    const char* name = PyUnicode_AsUTF8(a[1]);
+    if (name == nullptr) throw py::error_already_set();
+    return array_from_dlpack(a[0], name, bool_of(a[2], "writeable"));
+  });
+}
+
+PyMethodDef g_dlpack_methods[] = {
+    {"from_dlpack", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_from_dlpack)), METH_FASTCALL,
+     "from_dlpack(obj, name, writeable) -> a numpy array over obj's memory, read through obj.__dlpack__() (no "
+     "copy; the array owns the DLPack tensor); name is the argument's, for messages"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "simdnorm kernels (see the simdnorm package for the public API)";
   m.attr("__version__") = SIMDNORM_VERSION;
-  if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0) throw py::error_already_set();
+  if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0 || PyModule_AddFunctions(m.ptr(), g_dlpack_methods) != 0)
+    throw py::error_already_set();
   m.def("mvn_backward", &py_mvn_backward,
         "mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g, "
         "epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, statistics_terms, write_ga, "

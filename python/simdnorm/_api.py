@@ -23,6 +23,9 @@ from ._compile import (
     channel_index,
     check_out,
     check_return_stats,
+    follow_input,
+    is_foreign_out,
+    is_tensor,
     plan_bn,
     plan_mvn,
     run_overlapping,
@@ -64,17 +67,20 @@ _CACHE_MAX = 512
 _DOC_SECTIONS = {
     "x": """x : array_like
         The input, 1 to 8 dims: float32, float16, bfloat16 (``ml_dtypes.bfloat16``) or float64,
-        any strides (views, negative or zero strides, unaligned). An ndarray or a DLPack tensor
-        (a CPU torch tensor, say) is read where it lies, never copied; a list is converted.""",
+        any strides (views, negative or zero strides, unaligned). An ndarray or a CPU DLPack
+        tensor (a torch tensor, float16 and bfloat16 included) is read where it lies, never
+        copied; a list is converted. A torch tensor gives torch tensors back (the result as
+        ``torch.empty_like(x)``, memory format kept, and the statistics); any other input gives
+        numpy arrays.""",
     "common": """epsilon : float, default 1e-5
         Added to the variance, finite and >= 0.
     activation : str or Activation, optional
         A fused activation applied before the single rounding to the output type ("relu",
         ``Activation("leaky_relu", alpha=0.1)``, ...; see :data:`ACTIVATIONS`).
-    out : ndarray, optional
-        A writeable array of the input's shape and dtype, any strides, that receives the result
-        (and is returned). It may be the input itself; any other overlap with an argument gives the
-        result as if there were none.""",
+    out : ndarray or torch.Tensor, optional
+        A writeable array (or CPU DLPack tensor) of the input's shape and dtype, any strides, that
+        receives the result (and is returned). It may be the input itself; any other overlap with
+        an argument gives the result as if there were none.""",
     "raises": """Raises
     ------
     DescriptorError
@@ -168,6 +174,8 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
       [0. 1.]]]
     """
     if type(x) is not _nd:
+        if is_tensor(x):  # torch in, torch out (SPEC section 10)
+            return follow_input(batch_normalization, locals())
         x = as_input(x)
     if type(mean) is not _nd:
         mean = as_param(mean, "mean", x)
@@ -207,6 +215,8 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
         _core.batch_norm(x, mean, variance, scale, bias, res, eps, act, ca, False)
         return res
     if out.__class__ is not _nd or out.shape != xs or out.dtype is not xd or not out.flags.writeable:
+        if is_foreign_out(out):
+            return follow_input(batch_normalization, locals())
         check_out(out, x)
     if not _core.batch_norm(x, mean, variance, scale, bias, out, eps, act, ca, True):
         run_overlapping(lambda o, check: _core.batch_norm(x, mean, variance, scale, bias, o, eps, act, ca, check),
@@ -323,6 +333,8 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
     [ 2.5 15. ] [0.8944272 0.2      ]
     """
     if type(x) is not _nd:
+        if is_tensor(x):  # torch in, torch out (SPEC section 10)
+            return follow_input(mean_variance_normalization, locals())
         x = as_input(x)
     if scale is None:
         sdt = sshape = None
@@ -362,6 +374,8 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
                              epsilon_mode, activation)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
+        if is_foreign_out(out):
+            return follow_input(mean_variance_normalization, locals())
         check_out(out, x)
     return _run_mvn(x, scale, bias, out, return_stats, plan)
 
@@ -405,6 +419,8 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     (2, 1) [2. 4.] [1.  0.5]
     """
     if type(x) is not _nd:
+        if is_tensor(x):
+            return follow_input(layer_norm, locals())
         x = as_input(x, "input")
     if scale is None:
         sk = None
@@ -429,6 +445,8 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
+        if is_foreign_out(out):
+            return follow_input(layer_norm, locals())
         check_out(out, x)
     return _run_mvn(x, scale, bias, out, return_stats, plan)
 
@@ -465,6 +483,8 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
     [[1.2 1.6 0.  0. ]]
     """
     if type(x) is not _nd:
+        if is_tensor(x):
+            return follow_input(rms_norm, locals())
         x = as_input(x, "input")
     if scale is None:
         sk = None
@@ -483,6 +503,8 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
+        if is_foreign_out(out):
+            return follow_input(rms_norm, locals())
         check_out(out, x)
     return _run_mvn(x, scale, None, out, return_stats, plan)
 
@@ -545,6 +567,8 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
       [ 0.          0.        ]]]
     """
     if type(x) is not _nd:
+        if is_tensor(x):
+            return follow_input(instance_norm, locals())
         x = as_input(x, "input")
     if scale is None:
         sk = None
@@ -570,6 +594,8 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
     ca, plan = ip
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
+        if is_foreign_out(out):
+            return follow_input(instance_norm, locals())
         check_out(out, x)
     return _run_mvn(x, scale, bias, out, return_stats, plan, ca)
 
@@ -651,6 +677,8 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     [[ 1. 20.]] [[1.  0.1]]
     """
     if type(x) is not _nd:
+        if is_tensor(x):
+            return follow_input(group_norm, locals())
         x = as_input(x, "input")
     if scale is None:
         sk = None
@@ -679,6 +707,8 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
         res = _empty_like(x, subok=False)
     else:
         if out.__class__ is not _nd or out.shape != xs or out.dtype is not x.dtype or not out.flags.writeable:
+            if is_foreign_out(out):
+                return follow_input(group_norm, locals())
             check_out(out, x)
         res = out
     # views, never copies: x and res split at the channel dim; scale/bias (C,) -> (G, C/G) there

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import builtins
 import functools
-from typing import Any, Optional, Tuple
+import sys
+from typing import Any, Callable, Optional, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from . import _core
@@ -62,35 +64,106 @@ def reject_masked(a: np.ndarray, name: str) -> None:
 
 
 def as_input(obj: Any, name: str = "input") -> np.ndarray:
-    """An ndarray (subclasses too, but not a masked array that masks anything), a DLPack object (no
-    copy) or a list/array-like (np.asarray)."""
+    """An ndarray (subclasses too, but not a masked array that masks anything), a DLPack object
+    (read in place: dlpack_array) or a list/array-like (np.asarray)."""
     if isinstance(obj, _nd):
         if obj.__class__ is not _nd:
             reject_masked(obj, name)
         return obj
     if hasattr(obj, "__dlpack__"):
-        try:
-            return np.from_dlpack(obj)
-        except (BufferError, RuntimeError, TypeError, ValueError) as e:
-            raise TypeError(_dlpack_failure(obj, name, e)) from None
+        return dlpack_array(obj, name)
+    reject_lazy(obj, name)
     try:
         return np.asarray(obj)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{name}: cannot convert {type(obj).__name__} to a numpy array ({e})") from None
 
 
-def _dlpack_failure(obj: Any, name: str, e: Exception) -> str:
-    """The message for an object np.from_dlpack refused. An unsupported DLPack dtype (numpy's message
-    names the dtype) is numpy's limit, not the object's place: say so; a CPU tensor of bfloat16, which
-    numpy cannot take through DLPack, is one view away from ml_dtypes.bfloat16."""
-    head = f"{name}: cannot view this {type(obj).__name__} as a numpy array through DLPack without a copy ({e})"
-    if "dtype" not in str(e).lower():
-        return head + "; pass a numpy array or a CPU tensor"
-    dt = str(getattr(obj, "dtype", "of this object"))
-    if dt.endswith("bfloat16"):
-        return (head + f": numpy cannot hold its dtype {dt} through DLPack; view its memory as ml_dtypes.bfloat16 "
-                "(no copy), for a torch tensor t: t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)")
-    return head + f": numpy cannot hold its dtype {dt} through DLPack; accepted: {ACCEPTED_DTYPES}"
+def reject_lazy(obj: Any, name: str) -> None:
+    """A dask array or an xarray object would be computed whole (np.asarray) into one array: their
+    place is simdnorm.dask, which runs the op per chunk."""
+    module = type(obj).__module__ or ""
+    if module.split(".")[0] in ("dask", "xarray"):
+        raise TypeError(f"{name}: a {module.split('.')[0]} {type(obj).__name__}; the plain functions take numpy "
+                        "arrays and CPU tensors: use simdnorm.dask, which normalizes it chunk by chunk")
+
+
+def is_tensor(obj: Any) -> bool:
+    """A torch.Tensor (or subclass), told without importing torch: until torch is imported, no
+    object is one."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, getattr(torch, "Tensor", ()))
+
+
+def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
+    """obj's memory as a numpy array, no copy: _core.from_dlpack reads obj.__dlpack__()'s capsule
+    itself (float16 and bfloat16 included, which numpy's from_dlpack lacks); the array owns it.
+    writeable: for out= and the running statistics (a read-only export is a ValueError). A torch
+    tensor that requires grad is read through its detached alias (the same memory) under
+    torch.no_grad(); with grad mode on, simdnorm's plain functions would drop its autograd: a
+    TypeError."""
+    if is_tensor(obj) and obj.requires_grad:
+        import torch
+
+        if torch.is_grad_enabled():
+            raise TypeError(
+                f"{name}: a torch tensor that requires grad, with grad mode on; the plain functions record no "
+                "autograd: call them under torch.no_grad() or on .detach(), or use the differentiable "
+                "torch.ops.simdnorm ops (simdnorm.torch)")
+        obj = obj.detach()
+    return _core.from_dlpack(obj, name, writeable)
+
+
+def is_foreign_out(out: Any) -> bool:
+    """out= that is not an ndarray but a DLPack tensor (a torch tensor): follow_input writes it."""
+    return out.__class__ is not _nd and not isinstance(out, _nd) and hasattr(out, "__dlpack__")
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _to_torch(a: np.ndarray, torch: Any) -> Any:
+    """A new result array as a torch tensor over the same memory (bfloat16 through an int16 view:
+    torch.from_numpy does not know ml_dtypes' type)."""
+    if a.dtype == _BF16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def follow_input(fn: Callable[..., Any], args: dict) -> Any:
+    """Run the public function fn on numpy views of a torch input x and of a DLPack out=, and give
+    the results the caller's type (SPEC section 10). args: fn's locals() at the call (fn's own
+    parameters are picked from it by name). A torch input gets torch outputs: the output is
+    torch.empty_like(input) (its memory format kept), written through a DLPack view; the other
+    results (statistics, parameter gradients), new numpy arrays, become tensors over the same
+    memory. out= (a torch tensor, whatever the input) is written through a writeable view and
+    returned itself. numpy inputs never come here: their calls stay as they were."""
+    code = fn.__code__
+    names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    # (at a function's top its locals are its parameters: the dict is theirs to reuse)
+    kw = args if len(args) == len(names) else {k: args[k] for k in names}
+    x = kw["x"]
+    torch = sys.modules.get("torch") if is_tensor(x) else None
+    if torch is not None:
+        kw["x"] = dlpack_array(x, "input")
+    out = result = kw.get("out")  # result: what the call returns for the array it writes
+    if out is not None:
+        if is_foreign_out(out):
+            kw["out"] = dlpack_array(out, "out", writeable=True)
+    elif torch is not None and kw.get("grad_input", True) is True:  # (a backward op may be asked for none)
+        result = torch.empty_like(x, requires_grad=False)
+        kw["out"] = dlpack_array(result, "out", writeable=True)
+    target = kw.get("out")
+    r = fn(**kw)
+
+    def back(v: Any) -> Any:
+        if v is target and v is not None:
+            return result
+        if torch is not None and v.__class__ is _nd:
+            return _to_torch(v, torch)
+        return v
+
+    return tuple(map(back, r)) if r.__class__ is tuple else back(r)
 
 
 def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
@@ -100,6 +173,7 @@ def as_param(obj: Any, name: str, x: np.ndarray) -> np.ndarray:
         raise DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
     if isinstance(obj, _nd) or hasattr(obj, "__dlpack__"):
         return as_input(obj, name)
+    reject_lazy(obj, name)
     try:
         return np.asarray(obj, dtype=stats_dtype(x.dtype))
     except (TypeError, ValueError) as e:
@@ -255,6 +329,7 @@ def check_arg(name: str, a: Any, d: Optional[TensorDesc]) -> Any:
         if name == "input" or hasattr(a, "__dlpack__"):
             a = as_input(a, name)
         else:  # a parameter as a list of numbers: the descriptor's dtype
+            reject_lazy(a, name)
             try:
                 a = np.asarray(a, dtype=dt)
             except (TypeError, ValueError) as e:
@@ -306,10 +381,10 @@ def _kernel_args(params) -> str:
     return ", ".join("None" if d is None else a for a, d in params)
 
 
-def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> str:
+def _gen_body(name: str, params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> str:
     """The rest of a compiled operator after its argument checks: a new output, or out= with its fast
-    checks (the slow path raises) and the overlap rule (run_overlapping). kernel_call has the
-    placeholders {target} and {check}."""
+    checks (the slow path raises, or writes a torch out through follow_input) and the overlap rule
+    (run_overlapping). kernel_call has the placeholders {target} and {check}."""
     ost = out_desc.byte_strides()
     st_cond = ""
     if ost is not None:
@@ -323,6 +398,8 @@ def _gen_body(params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> s
         return {ret}
     if (out.__class__ is not _nd or out.shape != x_S or out.dtype is not x_D{st_cond}
             or not out.flags.writeable):
+        if _is_foreign_out(out):
+            return _follow({name}, locals())
         _check_out(out, x, OUT_DESC)
     if not {kernel_call.format(target="out", check="True")}:
         _run_overlapping(lambda o, check: {kernel_call.format(target="o", check="check")}, out, x{plist})
@@ -343,14 +420,17 @@ def _gen_operator(name: str, signature: str, info: Any, params, kernel_call: str
     except AttributeError:
         slow = True
     if slow:
+        if _is_tensor(x):
+            return _follow({name}, locals())
         x = x_slow(x)
 {_gen_params(params, ns)}
-{before_call}{_gen_body(params, ns, kernel_call.replace("ARGS", _kernel_args(params)), info.output, ret)}"""
+{before_call}{_gen_body(name, params, ns, kernel_call.replace("ARGS", _kernel_args(params)), info.output, ret)}"""
     return _compile_source(src, ns, name)
 
 
 def _compile_source(src: str, ns: dict, name: str):
-    ns.update(_nd=_nd, _empty_like=_empty_like, _empty=_empty, _check_out=_check_out_compiled, _core=_core)
+    ns.update(_nd=_nd, _empty_like=_empty_like, _empty=_empty, _check_out=_check_out_compiled, _core=_core,
+              _is_tensor=is_tensor, _is_foreign_out=is_foreign_out, _follow=follow_input)
     code = builtins.compile(src, f"<simdnorm compiled {name}>", "exec")
     exec(code, ns)  # noqa: S102 - generated from the descriptor's own (validated) values only
     fn = ns[name]

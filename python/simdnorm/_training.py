@@ -17,7 +17,8 @@ import numpy as np
 from . import _core
 from ._activation import ActivationLike, core_tuple
 from ._api import documented, split_view
-from ._compile import as_input, as_param, check_arg, check_out, needs_temporary
+from ._compile import (as_input, as_param, check_arg, check_out, dlpack_array, follow_input, is_foreign_out,
+                       is_tensor, needs_temporary)
 from ._descriptors import (
     MAX_DIMS,
     as_int_tuple,
@@ -316,6 +317,8 @@ def _momentum(momentum: Any, convention: Any, num_batches_tracked: Any) -> float
 
 
 def _running(r: Any, name: str, shape: Tuple[int, ...], x: np.ndarray) -> np.ndarray:
+    if not isinstance(r, np.ndarray) and hasattr(r, "__dlpack__"):  # a torch buffer: updated through a view
+        r = dlpack_array(r, name, writeable=True)
     if not isinstance(r, np.ndarray):
         raise DescriptorTypeError(f"{name}: expected a numpy.ndarray (updated in place), got {type(r).__name__}")
     if r.shape != shape:
@@ -437,6 +440,8 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     >>> print(mean, var, rm, rv)
     [ 2. 20.] [  1. 100.] [0.2 2. ] [ 1.1 20.9]
     """
+    if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+        return follow_input(batch_normalization_training, locals())  # torch in, torch out (SPEC section 10)
     x, _, scale, bias, fa = _as_arrays(x, None, ("scale", scale), ("bias", bias), ("fused_add", fused_add))
     try:
         key: Any = ("bn_training", _k(x), _k(scale), _k(bias), _k(fa), _a(epsilon), _a(activation), _a(channel_axis))
@@ -569,6 +574,8 @@ def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: 
     >>> print(gi.ravel())
     [0. 0.]
     """
+    if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+        return follow_input(batch_normalization_backward, locals())
     x, dy, mean, variance, scale, bias, fa = _as_arrays(
         x, grad_output, ("mean", mean), ("variance", variance), ("scale", scale), ("bias", bias), ("fused_add", fused_add))
     try:
@@ -629,6 +636,8 @@ def mean_variance_normalization_backward(grad_output: Any, x: Any, axes: Any, me
     >>> print(np.abs(gi).max() < 1e-6)  # a constant gradient moves no normalized value
     True
     """
+    if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+        return follow_input(mean_variance_normalization_backward, locals())
     x, dy, mean, inv_std, scale, bias = _as_arrays(
         x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
     try:
@@ -682,6 +691,8 @@ def layer_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale
     >>> print(gs, gb)
     [-1.  0.] None
     """
+    if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+        return follow_input(layer_norm_backward, locals())
     if x.__class__ is not _nd:
         x = as_input(x)
     axes = _trailing_axes(x, axis)
@@ -723,6 +734,8 @@ def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None,
     >>> print(np.abs(gi).max() < 1e-6)
     True
     """
+    if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+        return follow_input(rms_norm_backward, locals())
     if x.__class__ is not _nd:
         x = as_input(x)
     axes = _trailing_axes(x, axis)
@@ -790,6 +803,8 @@ def instance_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, sc
 
     {raises}
     """
+    if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+        return follow_input(instance_norm_backward, locals())
     x, grad_output, mean, inv_std, scale, bias = _as_arrays(
         x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
     ca = channel_axis_rule(x, channel_axis, "instance_norm")
@@ -824,6 +839,8 @@ def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, in
 
     {raises}
     """
+    if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+        return follow_input(group_norm_backward, locals())
     x, dy, mean, inv_std, scale, bias = _as_arrays(
         x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
     ca = channel_axis_rule(x, channel_axis, "group_norm")
@@ -1005,6 +1022,8 @@ def compile_training(desc: Any) -> Any:
         def op(x: Any, scale: Any = None, bias: Any = None, fused_add: Any = None, *, running_mean: Any = None,
                running_var: Any = None, momentum: Any = None, momentum_convention: str = "pytorch",
                num_batches_tracked: Any = None, out: Any = None) -> Any:
+            if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+                return follow_input(op, locals())  # torch in, torch out
             return batch_normalization_training(
                 check_arg("input", x, d.input), check_arg("scale", scale, d.scale), check_arg("bias", bias, d.bias),
                 epsilon=d.epsilon, channel_axis=d.channel_axis, fused_add=check_arg("fused_add", fused_add, d.fused_add),
@@ -1013,6 +1032,8 @@ def compile_training(desc: Any) -> Any:
     elif isinstance(d, BatchNormalizationGradDesc):
         def op(grad_output: Any, x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None,
                fused_add: Any = None, *, out: Any = None) -> Any:  # type: ignore[misc]
+            if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+                return follow_input(op, locals())
             return batch_normalization_backward(
                 check_arg("grad_output", grad_output, d.input), check_arg("input", x, d.input),
                 check_arg("mean", mean, d.mean), check_arg("variance", variance, d.variance),
@@ -1023,6 +1044,8 @@ def compile_training(desc: Any) -> Any:
     else:
         def op(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale: Any = None, bias: Any = None, *,
                out: Any = None) -> Any:  # type: ignore[misc]
+            if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+                return follow_input(op, locals())
             return mean_variance_normalization_backward(
                 check_arg("grad_output", grad_output, d.input), check_arg("input", x, d.input), d.axes,
                 check_arg("mean", mean, d.mean), check_arg("inv_std", inv_std, d.inv_std),
