@@ -50,6 +50,11 @@ bool spin_until(Ready ready) {
   }
 }
 
+// Parts a thread takes at most. More than one: a thread whose core is taken (another runtime's
+// workers spinning after their own parallel region, as OpenMP's do) takes fewer parts, and the
+// threads that run take the rest, instead of everyone waiting on its one part.
+constexpr int64_t kPartsPerThread = 4;
+
 class Pool {
  public:
   // A thread that cannot start (an address-space or process limit, a thread count set far past
@@ -166,8 +171,9 @@ void set_num_threads(int n) { g_num_threads.store(n < 1 ? 1 : n, std::memory_ord
 
 int parts_for(int64_t work, int64_t min_per_part) {
   const int64_t threads = get_num_threads();
+  if (threads == 1) return 1;
   int64_t parts = min_per_part > 0 ? work / min_per_part : work;
-  if (parts > threads) parts = threads;
+  if (parts > threads * kPartsPerThread) parts = threads * kPartsPerThread;
   return parts < 1 ? 1 : static_cast<int>(parts);
 }
 

@@ -15,7 +15,7 @@ void set_num_threads(int n);
 void parallel_for(int nparts, const std::function<void(int)>& fn);
 
 // How many parts to cut `work` units into so that each part has at least `min_per_part` units
-// (small work stays on one thread), and at most one part per thread.
+// (small work stays on one thread), and a few parts per thread (thread_pool.cpp: kPartsPerThread).
 int parts_for(int64_t work, int64_t min_per_part);
 
 }  // namespace simdnorm
