@@ -1,0 +1,43 @@
+"""simdnorm for PyTorch (CPU): ``torch.ops.simdnorm.*`` operators and drop-in torch.nn modules.
+
+Importing this module registers the operators (``torch.ops.simdnorm.layer_norm``, ...: one per
+function of simdnorm's functional and training API, with ``.out`` overloads, fake kernels for
+torch.compile and torch.export, and autograd through simdnorm's backward ops; plus
+``update_running_stats_``). The modules :class:`BatchNorm1d` ... :class:`InstanceNorm3d` subclass
+torch.nn's and compute with those operators; :func:`convert` swaps them into a model in place.
+The user guide's page docs/torch.rst lists the schemas.
+
+PyTorch stays optional: ``import simdnorm`` never imports it; this module needs it.
+"""
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised in an environment without PyTorch
+    raise ImportError("simdnorm.torch needs PyTorch: pip install 'simdnorm[torch]'") from e
+
+from ._modules import (  # noqa: E402
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    RMSNorm,
+    convert,
+)
+from ._ops import SCHEMAS  # noqa: E402
+
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "LayerNorm",
+    "GroupNorm",
+    "RMSNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "convert",
+    "SCHEMAS",
+]

@@ -1,0 +1,205 @@
+"""Drop-in torch.nn normalization modules running on the ``torch.ops.simdnorm`` ops, and convert().
+
+Each class subclasses its torch.nn class and overrides only how the output is computed, so that
+constructor arguments, parameters, buffers, ``state_dict`` (old checkpoints too), ``isinstance``
+and ``convert_sync_batchnorm`` are torch.nn's own. Running statistics follow torch.nn's rules
+(momentum, the unbiased running variance, ``num_batches_tracked``, momentum=None's cumulative
+average). Whatever simdnorm does not take (a tensor off the CPU, another dtype, an empty batch, a
+shape torch.nn would refuse) goes to torch.nn's own forward, which computes it or raises its error.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from . import _ops  # noqa: F401 - registers torch.ops.simdnorm
+
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "LayerNorm",
+    "GroupNorm",
+    "RMSNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "convert",
+]
+
+_ops_ns = torch.ops.simdnorm
+_bn = _ops_ns.batch_normalization.default
+_bn_training = _ops_ns.batch_normalization_training.default
+_update = _ops_ns.update_running_stats_.default
+_layer_norm = _ops_ns.layer_norm.default
+_rms_norm = _ops_ns.rms_norm.default
+_group_norm = _ops_ns.group_norm.default
+_instance_norm = _ops_ns.instance_norm.default
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _takes(x: Tensor, *params: Optional[Tensor]) -> bool:
+    """Whether simdnorm computes this call as torch.nn would: a non-empty CPU tensor of 1 to 8 dims
+    in one of its dtypes, each parameter of the input's dtype or, for 16-bit data, float32 (the
+    mixed precision torch.nn takes too)."""
+    if x.device.type != "cpu" or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
+        return False
+    for p in params:
+        if p is not None and p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _HALF):
+            return False
+        if p is not None and p.device.type != "cpu":
+            return False
+    return True
+
+
+class _BatchNormForward(_BatchNorm):
+    """forward of _BatchNorm (torch/nn/modules/batchnorm.py), step for step. (A subclass of it, so
+    that it types; BatchNorm1d's MRO puts nn.BatchNorm1d after it: super() is torch.nn's.)"""
+
+    def forward(self, input: Tensor) -> Tensor:
+        rm, rv = self.running_mean, self.running_var
+        if (rm is None) != (rv is None) or not _takes(input, self.weight, self.bias, rm, rv):
+            return super().forward(input)
+        self._check_input_dim(input)
+        if not self.training and rm is not None:
+            return _bn(input, rm, rv, self.weight, self.bias, epsilon=self.eps)
+        if self.training:
+            F._verify_batch_size(input.size())  # type: ignore[attr-defined]
+        out, mean, var = _bn_training(input, self.weight, self.bias, epsilon=self.eps)
+        if self.training and self.track_running_stats:
+            nbt = self.num_batches_tracked
+            if rm is not None:
+                # momentum=None without a counter: torch.nn's factor is then 0 (nothing moves)
+                momentum = 0.0 if self.momentum is None and nbt is None else self.momentum
+                _update(rm, rv, mean, var, nbt, count=input.numel() // input.shape[1], momentum=momentum)
+            elif nbt is not None:
+                nbt.add_(1)
+        return out
+
+
+class BatchNorm1d(_BatchNormForward, nn.BatchNorm1d):
+    """:class:`torch.nn.BatchNorm1d` computed by simdnorm on the CPU."""
+
+
+class BatchNorm2d(_BatchNormForward, nn.BatchNorm2d):
+    """:class:`torch.nn.BatchNorm2d` computed by simdnorm on the CPU."""
+
+
+class BatchNorm3d(_BatchNormForward, nn.BatchNorm3d):
+    """:class:`torch.nn.BatchNorm3d` computed by simdnorm on the CPU."""
+
+
+class _InstanceNormForward(_InstanceNorm):
+    """_InstanceNorm's normalization (its forward's checks, warning and unbatched input stay
+    torch.nn's: it calls this after them)."""
+
+    def _apply_instance_norm(self, input: Tensor) -> Tensor:
+        rm, rv = self.running_mean, self.running_var
+        if (rm is None) != (rv is None) or not _takes(input, self.weight, self.bias, rm, rv) or input.dim() < 3:
+            return super()._apply_instance_norm(input)
+        if not self.training and self.track_running_stats and rm is not None:  # torch.nn's use_input_stats
+            return _bn(input, rm, rv, self.weight, self.bias, epsilon=self.eps)
+        F._verify_spatial_size(input.size())  # type: ignore[attr-defined]
+        if rm is None:
+            return _instance_norm(input, self.weight, self.bias, epsilon=self.eps)[0]
+        # Running statistics need the variance: batch norm with (N, C, 1, ...) parameters takes the
+        # statistics of each (n, c), the (C,) weight and bias expanded to that shape (no copy).
+        n, c = input.shape[0], input.shape[1]
+        shape = [n, c] + [1] * (input.dim() - 2)
+        w: Tensor = self.weight if self.weight is not None else input.new_ones((), dtype=torch.float32)
+        w = w.reshape([1, -1] + [1] * (input.dim() - 2)).expand(shape)
+        b = None if self.bias is None else self.bias.reshape([1, c] + [1] * (input.dim() - 2)).expand(shape)
+        out, mean, var = _bn_training(input, w, b, epsilon=self.eps)
+        # torch.nn averages each (n, c)'s update over n, and leaves num_batches_tracked alone
+        _update(rm, rv, mean.reshape(n, c).mean(0), var.reshape(n, c).mean(0), None,
+                count=input.numel() // (n * c), momentum=self.momentum if self.momentum is not None else 0.0)
+        return out
+
+
+class InstanceNorm1d(_InstanceNormForward, nn.InstanceNorm1d):
+    """:class:`torch.nn.InstanceNorm1d` computed by simdnorm on the CPU."""
+
+
+class InstanceNorm2d(_InstanceNormForward, nn.InstanceNorm2d):
+    """:class:`torch.nn.InstanceNorm2d` computed by simdnorm on the CPU."""
+
+
+class InstanceNorm3d(_InstanceNormForward, nn.InstanceNorm3d):
+    """:class:`torch.nn.InstanceNorm3d` computed by simdnorm on the CPU."""
+
+
+def _trailing(input: Tensor, normalized_shape: Any) -> bool:
+    k = len(normalized_shape)
+    return 0 < k <= input.dim() and tuple(input.shape[input.dim() - k:]) == tuple(normalized_shape)
+
+
+class LayerNorm(nn.LayerNorm):
+    """:class:`torch.nn.LayerNorm` computed by simdnorm on the CPU."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not _trailing(input, self.normalized_shape) or not _takes(input, self.weight, self.bias):
+            return super().forward(input)
+        return _layer_norm(input, self.weight, self.bias, axis=-len(self.normalized_shape), epsilon=self.eps)[0]
+
+
+class RMSNorm(nn.RMSNorm):
+    """:class:`torch.nn.RMSNorm` computed by simdnorm on the CPU. ``eps=None`` is the machine epsilon
+    of the computation type, as torch.nn's: float32's for float32 and 16-bit data, float64's for
+    float64."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not _trailing(x, self.normalized_shape) or not _takes(x, self.weight):
+            return super().forward(x)
+        eps = self.eps
+        if eps is None:
+            eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+        return _rms_norm(x, self.weight, axis=-len(self.normalized_shape), epsilon=eps)[0]
+
+
+class GroupNorm(nn.GroupNorm):
+    """:class:`torch.nn.GroupNorm` computed by simdnorm on the CPU."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if (input.dim() < 2 or input.shape[1] % self.num_groups != 0
+                or (self.affine and input.shape[1] != self.num_channels)
+                or not _takes(input, self.weight, self.bias)):
+            return super().forward(input)
+        return _group_norm(input, self.num_groups, self.weight, self.bias, epsilon=self.eps)[0]
+
+
+_DROP_INS = {
+    nn.BatchNorm1d: BatchNorm1d,
+    nn.BatchNorm2d: BatchNorm2d,
+    nn.BatchNorm3d: BatchNorm3d,
+    nn.LayerNorm: LayerNorm,
+    nn.GroupNorm: GroupNorm,
+    nn.RMSNorm: RMSNorm,
+    nn.InstanceNorm1d: InstanceNorm1d,
+    nn.InstanceNorm2d: InstanceNorm2d,
+    nn.InstanceNorm3d: InstanceNorm3d,
+}
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Swap, in place, every module of ``model`` (``model`` itself included) whose class is exactly
+    one of torch.nn's BatchNorm1d/2d/3d, LayerNorm, GroupNorm, RMSNorm, InstanceNorm1d/2d/3d for
+    simdnorm's drop-in, and return ``model``.
+
+    The module objects stay where they are and only change class, so their Parameter and buffer
+    objects, hooks and the optimizers that hold those parameters carry on unchanged. Subclasses
+    of those classes (yours, SyncBatchNorm) are left alone.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    for m in model.modules():
+        cls = _DROP_INS.get(type(m))
+        if cls is not None:
+            m.__class__ = cls
+    return model

@@ -1,0 +1,862 @@
+"""The ``torch.ops.simdnorm`` operators: every op of SPEC §2-§4 and §9 for CPU tensors.
+
+Each op is defined with ``torch.library.Library`` (a schema string), not ``custom_op``: the latter's
+Python wrappers cost ~9 us a call on their own, the whole budget of a small normalization. Per op:
+
+* a CPU kernel: zero-copy numpy views of the tensors (``_as_numpy``), the simdnorm function, its
+  output written straight into a ``torch.empty_like`` tensor through ``out=``;
+* a ``.out`` overload taking the main output as ``out`` and returning the other outputs (a custom
+  op may not return an alias of an argument: functionalization refuses it);
+* a fake kernel (shapes and dtypes only) for torch.compile and torch.export;
+* an Autograd kernel: with nothing to differentiate, on plain CPU tensors, it runs the CPU kernel
+  itself (the path every inference call takes: a redispatch would cost another Python call), on
+  any other tensors (fake, functional, subclasses) it redispatches; with something to
+  differentiate, an ``autograd.Function`` whose backward calls the simdnorm ``*_backward`` op, so
+  a compiled backward graph holds simdnorm ops too. The backward ops and the ``.out`` overloads
+  have no derivative: differentiating them raises.
+
+Where a small call's time goes (a (1, 16, 8, 8) float32 batch norm, ~11 us): ~3 us the dispatcher
+and the Python Autograd kernel, ~0.7 us each numpy view (six), ~1 us torch.empty_like, ~2 us the
+simdnorm function.
+
+``update_running_stats_`` updates running statistics in place, separately, so the training op
+itself stays functional.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from .. import (
+    ACTIVATIONS,
+    Activation,
+    batch_normalization as _sn_batch_normalization,
+    batch_normalization_backward as _sn_batch_normalization_backward,
+    batch_normalization_training as _sn_batch_normalization_training,
+    group_norm as _sn_group_norm,
+    group_norm_backward as _sn_group_norm_backward,
+    instance_norm as _sn_instance_norm,
+    instance_norm_backward as _sn_instance_norm_backward,
+    layer_norm as _sn_layer_norm,
+    layer_norm_backward as _sn_layer_norm_backward,
+    mean_variance_normalization as _sn_mean_variance_normalization,
+    mean_variance_normalization_backward as _sn_mean_variance_normalization_backward,
+    rms_norm as _sn_rms_norm,
+    rms_norm_backward as _sn_rms_norm_backward,
+)
+
+__all__ = ["SCHEMAS", "BACKWARD_ACTIVATIONS"]
+
+_LIB = torch.library.Library("simdnorm", "DEF")
+
+# ----------------------------------------------------------------------------------------------------
+# tensors <-> numpy: every conversion is here, so that the binding's own DLPack path can replace it
+
+_BF16 = torch.bfloat16
+_NP_BF16 = np.dtype(ml_dtypes.bfloat16)
+_ACCEPTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_from_numpy = torch.from_numpy
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a CPU tensor (any strides). numpy has no bfloat16: its bits are
+    viewed as int16, then as ``ml_dtypes.bfloat16``. A dtype outside simdnorm's four goes through
+    when numpy holds it (simdnorm's TypeError then names it), else is refused here. (numpy() is
+    tried first: a dtype test before it would cost every call a tenth of a microsecond.)"""
+    try:
+        return t.numpy()
+    except TypeError:  # a dtype numpy cannot hold
+        if t.dtype is _BF16:
+            return t.view(torch.int16).numpy().view(_NP_BF16)
+        raise TypeError(f"dtype {t.dtype} is not accepted: simdnorm takes "
+                        f"{', '.join(map(str, _ACCEPTED))}") from None
+    except RuntimeError:  # requires grad, with grad mode on (a caller outside the Autograd kernel)
+        return _as_numpy(t.detach())
+
+
+def _opt(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    return None if t is None else _as_numpy(t)
+
+
+def _as_tensor(a: Optional[np.ndarray], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A result array as a tensor (no copy); None, a result not asked for, as an empty tensor."""
+    if a is None:
+        return like.new_empty((0,), dtype=dtype)
+    if a.dtype == _NP_BF16:
+        return _from_numpy(a.view(np.int16)).view(_BF16)
+    return _from_numpy(a)
+
+
+def _stats_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype is torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------------
+# activation: a name (str?) and its parameters in ACTIVATIONS' order (float[]?)
+
+BACKWARD_ACTIVATIONS = (None, "relu", "leaky_relu", "silu", "gelu")
+_ACTS: Dict[Any, Activation] = {}
+
+
+def _activation(name: Optional[str], params: Optional[Sequence[float]]) -> Optional[Activation]:
+    if name is None:
+        if params:
+            raise ValueError(f"activation_params: {list(params)} given without an activation")
+        return None
+    key = (name, None if params is None else tuple(params))
+    act = _ACTS.get(key)
+    if act is None:
+        names = tuple(ACTIVATIONS[name]) if name in ACTIVATIONS else ()
+        if params is not None and len(params) > len(names) and name in ACTIVATIONS:
+            raise ValueError(f"activation_params: {len(params)} values for {name!r}, which takes "
+                             f"{len(names)} ({', '.join(names) or 'none'}, in that order)")
+        act = Activation(name, **dict(zip(names, params or ())))  # (an unknown name: its ValueError)
+        if len(_ACTS) >= 256:
+            _ACTS.clear()
+        _ACTS[key] = act
+    return act
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU kernels: the functional op and its .out overload in one function (out=None: a new tensor)
+
+def batch_normalization(input, mean, variance, scale=None, bias=None, *, epsilon=1e-05, activation=None,
+                        activation_params=None, channel_axis=1, out=None):
+    res = torch.empty_like(input) if out is None else out
+    act = _activation(activation, activation_params)
+    _sn_batch_normalization(_as_numpy(input), _as_numpy(mean), _as_numpy(variance), _opt(scale), _opt(bias),
+                            epsilon=epsilon, activation=act, channel_axis=channel_axis, out=_as_numpy(res))
+    return res
+
+
+def _with_stats(res: torch.Tensor, input: torch.Tensor, r: tuple) -> tuple:
+    sd = _stats_dtype(input)
+    return (res,) + tuple(_as_tensor(a, input, sd) for a in r[1:])
+
+
+def mean_variance_normalization(input, axes, scale=None, bias=None, *, normalize_mean=True,
+                                normalize_variance=True, epsilon=1e-05, epsilon_mode="inside", activation=None,
+                                activation_params=None, out=None):
+    res = torch.empty_like(input) if out is None else out
+    r = _sn_mean_variance_normalization(
+        _as_numpy(input), axes, _opt(scale), _opt(bias), normalize_mean=normalize_mean,
+        normalize_variance=normalize_variance, epsilon=epsilon, epsilon_mode=epsilon_mode,
+        activation=_activation(activation, activation_params), out=_as_numpy(res), return_stats=True)
+    return _with_stats(res, input, r)
+
+
+def layer_norm(input, scale=None, bias=None, *, axis=-1, epsilon=1e-05, activation=None, activation_params=None,
+               out=None):
+    res = torch.empty_like(input) if out is None else out
+    act = _activation(activation, activation_params)
+    _, m, s = _sn_layer_norm(_as_numpy(input), _opt(scale), _opt(bias), axis=axis, epsilon=epsilon, activation=act,
+                             out=_as_numpy(res), return_stats=True)
+    return res, _from_numpy(m), _from_numpy(s)
+
+
+def rms_norm(input, scale=None, *, axis=-1, epsilon=1e-05, activation=None, activation_params=None, out=None):
+    res = torch.empty_like(input) if out is None else out
+    act = _activation(activation, activation_params)
+    _, _, s = _sn_rms_norm(_as_numpy(input), _opt(scale), axis=axis, epsilon=epsilon, activation=act,
+                           out=_as_numpy(res), return_stats=True)
+    return res, _from_numpy(s)
+
+
+def instance_norm(input, scale=None, bias=None, *, epsilon=1e-05, channel_axis=1, activation=None,
+                  activation_params=None, out=None):
+    res = torch.empty_like(input) if out is None else out
+    act = _activation(activation, activation_params)
+    _, m, s = _sn_instance_norm(_as_numpy(input), _opt(scale), _opt(bias), epsilon=epsilon,
+                                channel_axis=channel_axis, activation=act, out=_as_numpy(res), return_stats=True)
+    return res, _from_numpy(m), _from_numpy(s)
+
+
+def group_norm(input, num_groups, scale=None, bias=None, *, epsilon=1e-05, channel_axis=1, activation=None,
+               activation_params=None, out=None):
+    res = torch.empty_like(input) if out is None else out
+    act = _activation(activation, activation_params)
+    _, m, s = _sn_group_norm(_as_numpy(input), num_groups, _opt(scale), _opt(bias), epsilon=epsilon,
+                             channel_axis=channel_axis, activation=act, out=_as_numpy(res), return_stats=True)
+    return res, _from_numpy(m), _from_numpy(s)
+
+
+def batch_normalization_training(input, scale=None, bias=None, fused_add=None, *, epsilon=1e-05, channel_axis=1,
+                                 activation=None, activation_params=None, out=None):
+    res = torch.empty_like(input) if out is None else out
+    _, m, v = _sn_batch_normalization_training(
+        _as_numpy(input), _opt(scale), _opt(bias), epsilon=epsilon, channel_axis=channel_axis,
+        fused_add=_opt(fused_add), activation=_activation(activation, activation_params), out=_as_numpy(res))
+    return res, _from_numpy(m), _from_numpy(v)
+
+
+def _grads(input: torch.Tensor, gi: Optional[torch.Tensor], r: tuple,
+           params: Sequence[Optional[torch.Tensor]]) -> tuple:
+    """(grad_input, the parameters' gradients...): None (not asked for) as an empty tensor."""
+    if gi is None:
+        gi = input.new_empty((0,))
+    return (gi,) + tuple(_as_tensor(a, input, input.dtype if p is None else p.dtype) for a, p in zip(r[1:], params))
+
+
+def _grad_target(input: torch.Tensor, grad_input: bool, out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if out is not None or not grad_input:
+        return out  # (grad_input=False with out given: simdnorm's ValueError)
+    return torch.empty_like(input)
+
+
+def batch_normalization_backward(grad_output, input, mean, variance, scale=None, bias=None, fused_add=None, *,
+                                 epsilon=1e-05, channel_axis=1, training=True, activation=None,
+                                 activation_params=None, grad_input=True, grad_scale=None, grad_bias=None, out=None):
+    gi = _grad_target(input, grad_input, out)
+    r = _sn_batch_normalization_backward(
+        _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(variance), _opt(scale), _opt(bias),
+        epsilon=epsilon, channel_axis=channel_axis, training=training, fused_add=_opt(fused_add),
+        activation=_activation(activation, activation_params), grad_input=grad_input, grad_scale=grad_scale,
+        grad_bias=grad_bias, out=_opt(gi))
+    if fused_add is None:
+        r = r + (None,)
+    return _grads(input, gi, r, (scale, bias, fused_add))
+
+
+def mean_variance_normalization_backward(grad_output, input, axes, mean, inv_std, scale=None, bias=None, *,
+                                         normalize_mean=True, normalize_variance=True, epsilon=1e-05,
+                                         epsilon_mode="inside", activation=None, activation_params=None,
+                                         grad_input=True, grad_scale=None, grad_bias=None, out=None):
+    gi = _grad_target(input, grad_input, out)
+    r = _sn_mean_variance_normalization_backward(
+        _as_numpy(grad_output), _as_numpy(input), axes, _opt(mean), _opt(inv_std), _opt(scale), _opt(bias),
+        normalize_mean=normalize_mean, normalize_variance=normalize_variance, epsilon=epsilon,
+        epsilon_mode=epsilon_mode, activation=_activation(activation, activation_params), grad_input=grad_input,
+        grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+    return _grads(input, gi, r, (scale, bias))
+
+
+def layer_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=None, *, axis=-1, epsilon=1e-05,
+                        activation=None, activation_params=None, grad_input=True, grad_scale=None, grad_bias=None,
+                        out=None):
+    gi = _grad_target(input, grad_input, out)
+    r = _sn_layer_norm_backward(
+        _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(inv_std), _opt(scale), _opt(bias),
+        axis=axis, epsilon=epsilon, activation=_activation(activation, activation_params), grad_input=grad_input,
+        grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+    return _grads(input, gi, r, (scale, bias))
+
+
+def rms_norm_backward(grad_output, input, inv_rms, scale=None, *, axis=-1, epsilon=1e-05, activation=None,
+                      activation_params=None, grad_input=True, grad_scale=None, out=None):
+    gi = _grad_target(input, grad_input, out)
+    r = _sn_rms_norm_backward(
+        _as_numpy(grad_output), _as_numpy(input), _as_numpy(inv_rms), _opt(scale), axis=axis, epsilon=epsilon,
+        activation=_activation(activation, activation_params), grad_input=grad_input, grad_scale=grad_scale,
+        out=_opt(gi))
+    return _grads(input, gi, r[:2], (scale,))
+
+
+def instance_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=None, *, channel_axis=1,
+                           epsilon=1e-05, activation=None, activation_params=None, grad_input=True, grad_scale=None,
+                           grad_bias=None, out=None):
+    gi = _grad_target(input, grad_input, out)
+    r = _sn_instance_norm_backward(
+        _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(inv_std), _opt(scale), _opt(bias),
+        channel_axis=channel_axis, epsilon=epsilon, activation=_activation(activation, activation_params),
+        grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+    return _grads(input, gi, r, (scale, bias))
+
+
+def group_norm_backward(grad_output, input, num_groups, mean, inv_std, scale=None, bias=None, *, channel_axis=1,
+                        epsilon=1e-05, activation=None, activation_params=None, grad_input=True, grad_scale=None,
+                        grad_bias=None, out=None):
+    gi = _grad_target(input, grad_input, out)
+    r = _sn_group_norm_backward(
+        _as_numpy(grad_output), _as_numpy(input), num_groups, _as_numpy(mean), _as_numpy(inv_std), _opt(scale),
+        _opt(bias), channel_axis=channel_axis, epsilon=epsilon, activation=_activation(activation, activation_params),
+        grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+    return _grads(input, gi, r, (scale, bias))
+
+
+def update_running_stats_(running_mean, running_var, mean, variance, num_batches_tracked=None, *, count,
+                          momentum=0.1, momentum_convention="pytorch"):
+    """SPEC §9's running-statistics rules, in float64, each result rounded once into its buffer."""
+    for name, r, b in (("running_mean", running_mean, mean), ("running_var", running_var, variance)):
+        if r.shape != b.shape:
+            raise ValueError(f"{name}: shape {tuple(r.shape)} differs from the batch statistic's {tuple(b.shape)}")
+    nbt = num_batches_tracked
+    if nbt is not None and (nbt.dim() != 0 or nbt.dtype.is_floating_point or nbt.dtype == torch.bool):
+        raise TypeError(f"num_batches_tracked: a 0-d integer tensor (torch.nn's buffer), got a {nbt.dim()}-d "
+                        f"{nbt.dtype} tensor")
+    if momentum_convention not in ("pytorch", "onnx"):
+        raise ValueError(f"momentum_convention: {momentum_convention!r}; use 'pytorch' or 'onnx'")
+    if momentum is None:
+        if momentum_convention != "pytorch" or num_batches_tracked is None:
+            raise ValueError("momentum=None (the cumulative average) needs the pytorch convention and "
+                             "num_batches_tracked")
+    elif not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"momentum: {momentum}; it must lie in [0, 1]")
+    if count == 1:
+        raise ValueError("count: 1 element per channel, whose unbiased variance is undefined")
+    if count < 0:
+        raise ValueError(f"count: {count}; the number of elements each statistic was taken over, >= 0")
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)  # as torch.nn counts batches: before the update, which may use it
+    if count == 0:
+        return  # (an empty batch: NaN statistics, running statistics untouched)
+    m = 1.0 / float(num_batches_tracked) if momentum is None else float(momentum)
+    rm, rv = _as_numpy(running_mean), _as_numpy(running_var)
+    bm, bv = _as_numpy(mean).astype(np.float64), _as_numpy(variance).astype(np.float64)
+    if momentum_convention == "pytorch":
+        rm[...] = (1.0 - m) * rm.astype(np.float64) + m * bm
+        rv[...] = (1.0 - m) * rv.astype(np.float64) + m * bv * (count / (count - 1))
+    else:
+        rm[...] = m * rm.astype(np.float64) + (1.0 - m) * bm
+        rv[...] = m * rv.astype(np.float64) + (1.0 - m) * bv
+
+
+# ----------------------------------------------------------------------------------------------------
+# fake kernels: the outputs' shapes, dtypes and strides, exactly as the CPU kernels make them
+
+def _empty(like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    return like.new_empty((0,), dtype=like.dtype if dtype is None else dtype)
+
+
+def _rank(input: torch.Tensor) -> int:
+    """The input's dims, by simdnorm's rule (which the CPU kernel applies too)."""
+    nd = input.dim()
+    if not 1 <= nd <= 8:
+        raise ValueError(f"input: {nd} dims; simdnorm takes 1 to 8")
+    return nd
+
+
+def _kept(input: torch.Tensor, axes: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    nd = _rank(input)
+    red = {a % nd for a in axes}
+    return input.new_empty([1 if d in red else n for d, n in enumerate(input.shape)], dtype=dtype)
+
+
+def _fake_batch_normalization(input, mean, variance, scale=None, bias=None, **kw):
+    return torch.empty_like(input)
+
+
+def _fake_mean_variance_normalization(input, axes, scale=None, bias=None, *, normalize_mean=True,
+                                      normalize_variance=True, **kw):
+    sd = _stats_dtype(input)
+    return (torch.empty_like(input), _kept(input, axes, sd) if normalize_mean else _empty(input, sd),
+            _kept(input, axes, sd) if normalize_variance else _empty(input, sd))
+
+
+def _fake_layer_norm(input, scale=None, bias=None, *, axis=-1, **kw):
+    nd = _rank(input)
+    s = _kept(input, range(axis % nd, nd), _stats_dtype(input))
+    return torch.empty_like(input), s, torch.empty_like(s)
+
+
+def _fake_rms_norm(input, scale=None, *, axis=-1, **kw):
+    nd = _rank(input)
+    return torch.empty_like(input), _kept(input, range(axis % nd, nd), _stats_dtype(input))
+
+
+def _fake_instance_norm(input, scale=None, bias=None, *, channel_axis=1, **kw):
+    nd = _rank(input)
+    s = _kept(input, [d for d in range(1, nd) if d != channel_axis % nd], _stats_dtype(input))
+    return torch.empty_like(input), s, torch.empty_like(s)
+
+
+def _fake_group_norm(input, num_groups, scale=None, bias=None, **kw):
+    s = input.new_empty((input.shape[0], num_groups), dtype=_stats_dtype(input))
+    return torch.empty_like(input), s, torch.empty_like(s)
+
+
+def _bn_stats_shape(input: torch.Tensor, scale: Any, bias: Any, channel_axis: int) -> List[Any]:
+    """batch norm training's statistics: a same-rank parameter's shape, else (C,)."""
+    for p in (scale, bias):
+        if p is not None and p.dim() == input.dim():
+            return list(p.shape)
+    return [input.shape[channel_axis]]
+
+
+def _fake_batch_normalization_training(input, scale=None, bias=None, fused_add=None, *, channel_axis=1, **kw):
+    s = input.new_empty(_bn_stats_shape(input, scale, bias, channel_axis), dtype=_stats_dtype(input))
+    return torch.empty_like(input), s, torch.empty_like(s)
+
+
+def _fake_grads(input: torch.Tensor, grad_input: bool, wanted: Sequence[Tuple[Any, Optional[bool]]]) -> tuple:
+    """grad_input like the input, then per (parameter, flag) its gradient (None: when given)."""
+    res = [torch.empty_like(input) if grad_input else _empty(input)]
+    for p, flag in wanted:
+        want = p is not None if flag is None else flag
+        res.append(input.new_empty(p.shape, dtype=p.dtype) if want and p is not None
+                   else _empty(input, None if p is None else p.dtype))
+    return tuple(res)
+
+
+def _fake_batch_normalization_backward(grad_output, input, mean, variance, scale=None, bias=None, fused_add=None, *,
+                                       grad_input=True, grad_scale=None, grad_bias=None, **kw):
+    return _fake_grads(input, grad_input, ((scale, grad_scale), (bias, grad_bias), (fused_add, None)))
+
+
+def _fake_mean_variance_normalization_backward(grad_output, input, axes, mean, inv_std, scale=None, bias=None, *,
+                                               grad_input=True, grad_scale=None, grad_bias=None, **kw):
+    return _fake_grads(input, grad_input, ((scale, grad_scale), (bias, grad_bias)))
+
+
+def _fake_layer_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=None, *, grad_input=True,
+                              grad_scale=None, grad_bias=None, **kw):
+    return _fake_grads(input, grad_input, ((scale, grad_scale), (bias, grad_bias)))
+
+
+_fake_instance_norm_backward = _fake_layer_norm_backward
+
+
+def _fake_rms_norm_backward(grad_output, input, inv_rms, scale=None, *, grad_input=True, grad_scale=None, **kw):
+    return _fake_grads(input, grad_input, ((scale, grad_scale),))
+
+
+def _fake_group_norm_backward(grad_output, input, num_groups, mean, inv_std, scale=None, bias=None, *,
+                              grad_input=True, grad_scale=None, grad_bias=None, **kw):
+    return _fake_grads(input, grad_input, ((scale, grad_scale), (bias, grad_bias)))
+
+
+def _fake_update_running_stats_(*args, **kw):
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# derivatives: setup (what the forward saves) and backward (the simdnorm backward op), per op.
+# `a` is the op's positional arguments with their defaults filled in, `kw` its keyword-only ones;
+# `need` says which positional arguments want a gradient.
+
+_ops = torch.ops.simdnorm
+
+
+def _check_differentiable(kw: dict, name: str) -> None:
+    if kw["activation"] not in BACKWARD_ACTIVATIONS:
+        raise ValueError(
+            f"simdnorm::{name}: activation {kw['activation']!r} has no backward op (they take None, relu, "
+            "leaky_relu, silu and gelu); run it without gradients (torch.no_grad()) or apply the activation "
+            "after the op")
+
+
+def _act_kw(kw: dict) -> dict:
+    """The activation's keyword arguments for a backward op: none without one (the dispatcher
+    converts each keyword argument given, ~0.45 us apiece)."""
+    if kw["activation"] is None:
+        return {}
+    return {"activation": kw["activation"], "activation_params": kw["activation_params"]}
+
+
+def _placed(p: torch.Tensor, nd: int, ca: int) -> torch.Tensor:
+    """A (C,) parameter viewed at the channel axis of an nd-dim input; a same-rank one as it is."""
+    if p.dim() == nd:
+        return p
+    shape = [1] * nd
+    shape[ca % nd] = p.shape[0]
+    return p.reshape(shape)
+
+
+def _sum_to(t: torch.Tensor, p: torch.Tensor, placed: torch.Tensor) -> torch.Tensor:
+    dims = [d for d in range(t.dim()) if placed.shape[d] == 1 and t.shape[d] != 1]
+    return (t.sum(dims, keepdim=True) if dims else t).reshape(p.shape).to(p.dtype)
+
+
+def _setup_batch_normalization(ctx, a, kw, result):
+    _check_differentiable(kw, "batch_normalization")
+    ctx.save_for_backward(*a[:5])
+    ctx.kw = kw
+
+
+def _backward_batch_normalization(ctx, need, go):
+    x, mean, var, scale, bias = ctx.saved_tensors
+    kw = ctx.kw
+    nd, ca = x.dim(), kw["channel_axis"]
+    m, v, s, b = mean, var, scale, bias
+    if nd > 1 and any(p is not None and p.dim() == nd for p in (mean, var, scale, bias)):
+        # The forward takes each parameter 1-D or same-rank on its own, the backward one shape for
+        # all: each expanded (a view) to their joint broadcast shape, scale 1 standing in if absent.
+        joint = torch.broadcast_shapes(*[_placed(p, nd, ca).shape for p in (mean, var, scale, bias) if p is not None])
+        m, v = _placed(mean, nd, ca).expand(joint), _placed(var, nd, ca).expand(joint)
+        s = (mean.new_ones(()) if scale is None else _placed(scale, nd, ca)).expand(joint)
+        b = None if bias is None else _placed(bias, nd, ca).expand(joint)
+    want_stats = need[1] or need[2]
+    gi, gs, gb, _ = _ops.batch_normalization_backward(
+        go, x, m, v, s, b, epsilon=kw["epsilon"], channel_axis=ca, training=False,
+        grad_input=need[0] or want_stats, grad_scale=need[3], grad_bias=need[4], **_act_kw(kw))
+    gs = _sum_to(gs, scale, _placed(scale, nd, ca)) if need[3] and gs.shape != scale.shape else gs
+    gb = _sum_to(gb, bias, _placed(bias, nd, ca)) if need[4] and gb.shape != bias.shape else gb
+    gm = gv = None
+    if want_stats:  # the statistics as inputs (not torch.nn's use): out = f((x - mean) / sqrt(var + eps))
+        cd = _stats_dtype(x)
+        g = gi.to(cd)
+        pm = _placed(mean, nd, ca)
+        if need[1]:
+            gm = _sum_to(-g, mean, pm)
+        if need[2]:
+            pv = _placed(var, nd, ca)
+            gv = _sum_to(g * (x.to(cd) - pm.to(cd)) * (-0.5 / (pv.to(cd) + kw["epsilon"])), var, pv)
+    return (gi if need[0] else None, gm, gv, gs if need[3] else None, gb if need[4] else None)
+
+
+def _setup_batch_normalization_training(ctx, a, kw, result):
+    _check_differentiable(kw, "batch_normalization_training")
+    ctx.save_for_backward(*a[:4], result[1], result[2])
+    ctx.kw = kw
+
+
+def _backward_batch_normalization_training(ctx, need, go, _gm, _gv):
+    x, scale, bias, fa, mean, var = ctx.saved_tensors
+    kw = ctx.kw
+    gi, gs, gb, gf = _ops.batch_normalization_backward(
+        go, x, mean, var, scale, bias, fa, epsilon=kw["epsilon"], channel_axis=kw["channel_axis"], training=True,
+        grad_input=need[0], grad_scale=need[1], grad_bias=need[2], **_act_kw(kw))
+    return (gi if need[0] else None, gs if need[1] else None, gb if need[2] else None, gf if need[3] else None)
+
+
+def _save_stats(ctx, a, kw, result, name, n_tensors):
+    _check_differentiable(kw, name)
+    ctx.save_for_backward(*[t for t in a[:n_tensors] if not isinstance(t, (int, list))], *result[1:])
+    ctx.a = [t for t in a if isinstance(t, (int, list))]  # (axes, num_groups)
+    ctx.kw = kw
+
+
+def _flags(need: Sequence[bool], gi: int, gs: int, gb: Optional[int] = None) -> dict:
+    f = {"grad_input": need[gi], "grad_scale": need[gs]}
+    if gb is not None:
+        f["grad_bias"] = need[gb]
+    return f
+
+
+def _keep(need: Sequence[bool], grads: Sequence[Any], where: Sequence[Optional[int]]) -> tuple:
+    """The gradient of each positional argument: grads[where[i]] when it is wanted, else None."""
+    return tuple(None if w is None or not need[i] else grads[w] for i, w in enumerate(where))
+
+
+def _setup_mean_variance_normalization(ctx, a, kw, result):
+    _save_stats(ctx, a, kw, result, "mean_variance_normalization", 4)
+
+
+def _backward_mean_variance_normalization(ctx, need, go, _gm, _gs):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw = ctx.kw
+    grads = _ops.mean_variance_normalization_backward(
+        go, x, ctx.a[0], mean if kw["normalize_mean"] else None, inv_std if kw["normalize_variance"] else None,
+        scale, bias, normalize_mean=kw["normalize_mean"], normalize_variance=kw["normalize_variance"],
+        epsilon=kw["epsilon"], epsilon_mode=kw["epsilon_mode"], **_act_kw(kw), **_flags(need, 0, 2, 3))
+    return _keep(need, grads, (0, None, 1, 2))
+
+
+def _setup_layer_norm(ctx, a, kw, result):
+    _save_stats(ctx, a, kw, result, "layer_norm", 3)
+
+
+def _backward_layer_norm(ctx, need, go, _gm, _gs):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw = ctx.kw
+    grads = _ops.layer_norm_backward(go, x, mean, inv_std, scale, bias, axis=kw["axis"], epsilon=kw["epsilon"],
+                                     **_act_kw(kw), **_flags(need, 0, 1, 2))
+    return _keep(need, grads, (0, 1, 2))
+
+
+def _setup_rms_norm(ctx, a, kw, result):
+    _save_stats(ctx, a, kw, result, "rms_norm", 2)
+
+
+def _backward_rms_norm(ctx, need, go, _gs):
+    x, scale, inv_rms = ctx.saved_tensors
+    kw = ctx.kw
+    grads = _ops.rms_norm_backward(go, x, inv_rms, scale, axis=kw["axis"], epsilon=kw["epsilon"], **_act_kw(kw),
+                                   **_flags(need, 0, 1))
+    return _keep(need, grads, (0, 1))
+
+
+def _setup_instance_norm(ctx, a, kw, result):
+    _save_stats(ctx, a, kw, result, "instance_norm", 3)
+
+
+def _backward_instance_norm(ctx, need, go, _gm, _gs):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw = ctx.kw
+    grads = _ops.instance_norm_backward(go, x, mean, inv_std, scale, bias, channel_axis=kw["channel_axis"],
+                                        epsilon=kw["epsilon"], **_act_kw(kw), **_flags(need, 0, 1, 2))
+    return _keep(need, grads, (0, 1, 2))
+
+
+def _setup_group_norm(ctx, a, kw, result):
+    _save_stats(ctx, a, kw, result, "group_norm", 4)
+
+
+def _backward_group_norm(ctx, need, go, _gm, _gs):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw = ctx.kw
+    grads = _ops.group_norm_backward(go, x, ctx.a[0], mean, inv_std, scale, bias, channel_axis=kw["channel_axis"],
+                                     epsilon=kw["epsilon"], **_act_kw(kw), **_flags(need, 0, 2, 3))
+    return _keep(need, grads, (0, None, 1, 2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the table: name, arguments, returns (the first is what .out receives); the kernels by name
+
+_ACT = "str? activation=None, float[]? activation_params=None"
+_GRADS = "bool grad_input=True, bool? grad_scale=None, bool? grad_bias=None"
+_T2, _T3, _T4 = "(Tensor, Tensor)", "(Tensor, Tensor, Tensor)", "(Tensor, Tensor, Tensor, Tensor)"
+
+_TABLE: Tuple[Tuple[str, str, str], ...] = (
+    ("batch_normalization",
+     "Tensor input, Tensor mean, Tensor variance, Tensor? scale=None, Tensor? bias=None, *, float epsilon=1e-05, "
+     f"{_ACT}, int channel_axis=1", "Tensor"),
+    ("mean_variance_normalization",
+     "Tensor input, int[] axes, Tensor? scale=None, Tensor? bias=None, *, bool normalize_mean=True, "
+     f"bool normalize_variance=True, float epsilon=1e-05, str epsilon_mode=\"inside\", {_ACT}", _T3),
+    ("layer_norm", f"Tensor input, Tensor? scale=None, Tensor? bias=None, *, int axis=-1, float epsilon=1e-05, {_ACT}",
+     _T3),
+    ("rms_norm", f"Tensor input, Tensor? scale=None, *, int axis=-1, float epsilon=1e-05, {_ACT}", _T2),
+    ("instance_norm",
+     f"Tensor input, Tensor? scale=None, Tensor? bias=None, *, float epsilon=1e-05, int channel_axis=1, {_ACT}", _T3),
+    ("group_norm",
+     "Tensor input, int num_groups, Tensor? scale=None, Tensor? bias=None, *, float epsilon=1e-05, "
+     f"int channel_axis=1, {_ACT}", _T3),
+    ("batch_normalization_training",
+     "Tensor input, Tensor? scale=None, Tensor? bias=None, Tensor? fused_add=None, *, float epsilon=1e-05, "
+     f"int channel_axis=1, {_ACT}", _T3),
+    ("batch_normalization_backward",
+     "Tensor grad_output, Tensor input, Tensor mean, Tensor variance, Tensor? scale=None, Tensor? bias=None, "
+     f"Tensor? fused_add=None, *, float epsilon=1e-05, int channel_axis=1, bool training=True, {_ACT}, {_GRADS}", _T4),
+    ("mean_variance_normalization_backward",
+     "Tensor grad_output, Tensor input, int[] axes, Tensor? mean, Tensor? inv_std, Tensor? scale=None, "
+     "Tensor? bias=None, *, bool normalize_mean=True, bool normalize_variance=True, float epsilon=1e-05, "
+     f"str epsilon_mode=\"inside\", {_ACT}, {_GRADS}", _T3),
+    ("layer_norm_backward",
+     "Tensor grad_output, Tensor input, Tensor mean, Tensor inv_std, Tensor? scale=None, Tensor? bias=None, *, "
+     f"int axis=-1, float epsilon=1e-05, {_ACT}, {_GRADS}", _T3),
+    ("rms_norm_backward",
+     "Tensor grad_output, Tensor input, Tensor inv_rms, Tensor? scale=None, *, int axis=-1, float epsilon=1e-05, "
+     f"{_ACT}, bool grad_input=True, bool? grad_scale=None", _T2),
+    ("instance_norm_backward",
+     "Tensor grad_output, Tensor input, Tensor mean, Tensor inv_std, Tensor? scale=None, Tensor? bias=None, *, "
+     f"int channel_axis=1, float epsilon=1e-05, {_ACT}, {_GRADS}", _T3),
+    ("group_norm_backward",
+     "Tensor grad_output, Tensor input, int num_groups, Tensor mean, Tensor inv_std, Tensor? scale=None, "
+     f"Tensor? bias=None, *, int channel_axis=1, float epsilon=1e-05, {_ACT}, {_GRADS}", _T3),
+)
+
+_MUTATING = (
+    ("update_running_stats_",
+     "Tensor(a!) running_mean, Tensor(b!) running_var, Tensor mean, Tensor variance, "
+     "Tensor(c!)? num_batches_tracked=None, *, SymInt count, float? momentum=0.1, "
+     "str momentum_convention=\"pytorch\"", "()"),
+)
+
+
+def _rest(returns: str) -> str:
+    """What a .out overload returns: the outputs after the first (the one out receives)."""
+    n = returns.count("Tensor")
+    return "()" if n == 1 else "Tensor" if n == 2 else "(" + ", ".join(["Tensor"] * (n - 1)) + ")"
+
+
+def _out_schema(args: str) -> str:
+    return args + (", " if "*" in args else ", *, ") + "Tensor(a!) out"
+
+
+#: Every op's schema (without the namespace), as defined: the docs list these.
+SCHEMAS: Dict[str, str] = {}
+for _name, _args, _returns in _TABLE:
+    SCHEMAS[_name] = f"{_name}({_args}) -> {_returns}"
+    SCHEMAS[_name + ".out"] = f"{_name}.out({_out_schema(_args)}) -> {_rest(_returns)}"
+for _name, _args, _returns in _MUTATING:
+    SCHEMAS[_name] = f"{_name}({_args}) -> {_returns}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# registration
+
+_grad_enabled = torch.is_grad_enabled
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_AFTER_INPLACE = torch._C._after_ADInplaceOrView_keyset
+_any_requires_grad: Callable[..., bool] = getattr(
+    torch._C, "_any_requires_grad", lambda *a, **k: any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                       for t in (*a, *k.values())))
+
+
+def _defaults(op: Any) -> Tuple[List[Any], Dict[str, Any]]:
+    """The schema's defaults: the dispatcher drops arguments equal to them before a Python kernel."""
+    pos, kw = [], {}
+    for arg in op._schema.arguments:
+        d = arg.default_value if arg.has_default_value() else None
+        if arg.kwarg_only:
+            kw[arg.name] = d
+        else:
+            pos.append(d)
+    return pos, kw
+
+
+# The keyset an Autograd kernel receives for plain CPU tensors: nothing between it and the CPU
+# kernel (no fake, functional or subclass tensor, no mode), so it may run the CPU kernel itself,
+# saving the redispatch. Any other keyset redispatches.
+_PLAIN_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutogradCPU)
+
+
+def _runner(op: Any, cpu: Callable) -> Callable:
+    """run(keyset, args, kwargs): the op below autograd."""
+    redispatch = op._handle.redispatch_boxed  # (OpOverload.redispatch adds a Python frame a call)
+
+    def run(keyset, args, kwargs):
+        if keyset == _PLAIN_CPU:
+            return cpu(*args, **kwargs)
+        with _below_autograd():
+            return redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+
+    return run
+
+
+def _differentiable(name: str, cpu: Callable, setup: Callable, backward: Callable) -> Callable:
+    """The Autograd kernel of a forward op."""
+    op = getattr(_ops, name).default
+    run = _runner(op, cpu)
+    pos_defaults, kw_defaults = _defaults(op)
+
+    def forward(ctx, keyset, kwargs, *args):
+        result = run(keyset, args, kwargs)
+        full = list(args) + pos_defaults[len(args):]
+        setup(ctx, full, {**kw_defaults, **kwargs}, result)
+        if isinstance(result, tuple):
+            ctx.mark_non_differentiable(*result[1:])  # the statistics, as native_layer_norm's
+        ctx.set_materialize_grads(False)  # (the statistics' gradients, zeros, would be ignored)
+        ctx.n_args = len(args)
+        return result
+
+    def backward_(ctx, *grads):
+        if grads[0] is None:  # (no gradient reached the output)
+            return (None,) * (2 + ctx.n_args)
+        need = ctx.needs_input_grad[2:] + (False,) * (len(pos_defaults) - ctx.n_args)
+        return (None, None) + tuple(backward(ctx, need, *grads))[:ctx.n_args]
+
+    fn: Any = type(f"simdnorm_{name}", (torch.autograd.Function,),
+                   {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    apply = fn.apply
+
+    def kernel(keyset, *args, **kwargs):
+        if _grad_enabled() and _any_requires_grad(*args):
+            return apply(keyset, kwargs, *args)
+        if keyset == _PLAIN_CPU:
+            return cpu(*args, **kwargs)
+        return run(keyset, args, kwargs)
+
+    return kernel
+
+
+def _not_differentiable(qualname: str, op: Any, cpu: Callable) -> Callable:
+    """The Autograd kernel of a backward op: its result may be differentiated no further."""
+    run = _runner(op, cpu)
+
+    def forward(ctx, keyset, kwargs, *args):
+        return run(keyset, args, kwargs)
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"Trying to backward through {qualname} but no autograd formula was registered: "
+                           "simdnorm's backward ops have no derivative (no double backward)")
+
+    fn: Any = type(f"simdnorm_{op._opname}", (torch.autograd.Function,),
+                   {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    apply = fn.apply
+
+    def kernel(keyset, *args, **kwargs):
+        if _grad_enabled() and _any_requires_grad(*args):
+            return apply(keyset, kwargs, *args)
+        return run(keyset, args, kwargs)
+
+    return kernel
+
+
+_PLAIN_CPU_MUTATING = _PLAIN_CPU | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+
+
+def _mutated(op: Any) -> Callable:
+    """bump(args, kwargs): autograd must see a mutating op's arguments change (their version)."""
+    pos = [i for i, a in enumerate(op._schema.arguments) if a.is_write and not a.kwarg_only]
+    kws = [a.name for a in op._schema.arguments if a.is_write and a.kwarg_only]
+    increment = torch.autograd.graph.increment_version
+
+    def bump(args, kwargs):
+        for t in [args[i] for i in pos if i < len(args)] + [kwargs.get(k) for k in kws]:
+            if t is not None:
+                increment(t)
+
+    return bump
+
+
+def _no_autograd(qualname: str, op: Any, cpu: Callable) -> Callable:
+    """The Autograd kernel of a mutating op (.out, running statistics): none, as torch's out= ops.
+    On plain CPU tensors it runs the CPU kernel and the ADInplaceOrView kernel's work itself."""
+    redispatch = op._handle.redispatch_boxed
+    bump = _mutated(op)
+
+    def kernel(keyset, *args, **kwargs):
+        if _grad_enabled() and _any_requires_grad(*args, **kwargs):
+            raise RuntimeError(f"{qualname}(): functions with out=... arguments don't support automatic "
+                               "differentiation, but one of the arguments requires grad")
+        if keyset == _PLAIN_CPU_MUTATING:
+            result = cpu(*args, **kwargs)
+            bump(args, kwargs)
+            return result
+        with _below_autograd():
+            return redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+
+    return kernel
+
+
+def _bump_versions(op: Any) -> Callable:
+    """The ADInplaceOrView kernel of a mutating op (reached when the Autograd kernel redispatches)."""
+    redispatch = op._handle.redispatch_boxed
+    bump = _mutated(op)
+
+    def kernel(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            result = redispatch(keyset & _AFTER_INPLACE, *args, **kwargs)
+        bump(args, kwargs)
+        return result
+
+    return kernel
+
+
+def _out_kernel(kernel: Callable, returns: str) -> Callable:
+    n = returns.count("Tensor")
+
+    def out_kernel(*args, out, **kwargs):
+        r = kernel(*args, out=out, **kwargs)
+        return None if n == 1 else r[1] if n == 2 else r[1:]
+
+    return out_kernel
+
+
+def _register() -> None:
+    g = globals()
+    for name, args, returns in _TABLE:
+        _LIB.define(SCHEMAS[name])
+        _LIB.define(SCHEMAS[name + ".out"])
+        kernel, fake = g[name], g["_fake_" + name]
+        _LIB.impl(name, kernel, "CPU")
+        out_kernel = _out_kernel(kernel, returns)
+        _LIB.impl(name + ".out", out_kernel, "CPU")
+        torch.library.register_fake(f"simdnorm::{name}", fake, lib=_LIB)
+        torch.library.register_fake(f"simdnorm::{name}.out", _out_kernel(fake, returns), lib=_LIB)
+        packet = getattr(_ops, name)
+        if name.endswith("_backward"):
+            _LIB.impl(name, _not_differentiable(f"simdnorm::{name}", packet.default, kernel), "Autograd",
+                      with_keyset=True)
+        else:
+            _LIB.impl(name, _differentiable(name, kernel, g["_setup_" + name], g["_backward_" + name]), "Autograd",
+                      with_keyset=True)
+        _LIB.impl(name + ".out", _no_autograd(f"simdnorm::{name}.out", packet.out, out_kernel), "Autograd",
+                  with_keyset=True)
+        _LIB.impl(name + ".out", _bump_versions(packet.out), "ADInplaceOrView", with_keyset=True)
+    for name, args, returns in _MUTATING:
+        _LIB.define(SCHEMAS[name])
+        _LIB.impl(name, g[name], "CPU")
+        torch.library.register_fake(f"simdnorm::{name}", g["_fake_" + name], lib=_LIB)
+        op = getattr(_ops, name).default
+        _LIB.impl(name, _no_autograd(f"simdnorm::{name}", op, g[name]), "Autograd", with_keyset=True)
+        _LIB.impl(name, _bump_versions(op), "ADInplaceOrView", with_keyset=True)
+
+
+_register()
