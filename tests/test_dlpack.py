@@ -10,7 +10,7 @@ exported through DLPack 1.x by a wrapper):
 * float16 and bfloat16 tensors end to end (numpy's from_dlpack cannot take bfloat16);
 * every forward op, the training op and the backward ops, and compiled operators, against float64
   references (the backward ops against torch's autograd in float64);
-* read-only producers are never written; a tensor that requires grad is refused with grad mode on
+* read-only producers are never written; a tensor that requires grad, with grad mode on, goes through autograd
   and read through its detached alias under no_grad; dask and xarray objects are refused, naming
   simdnorm.dask; ``import simdnorm`` (and a call with numpy arrays or another producer) does not
   import torch.
@@ -366,7 +366,10 @@ def test_compiled_operators_follow_the_input(rng, dtype):
 # what is refused, and what is never written
 # ----------------------------------------------------------------------------------------------
 
-def test_requires_grad_refused_with_grad_mode_read_without(rng):
+def test_requires_grad_goes_through_autograd_and_no_grad_reads_in_place(rng):
+    """SPEC section 10: a torch input (or parameter) that requires grad, with grad mode on, runs the
+    torch.ops.simdnorm op, and its gradients are torch.nn's; under no_grad it is read in place."""
+    pytest.importorskip("simdnorm.torch", reason="simdnorm.torch needs torch")
     bn = torch.nn.BatchNorm2d(4).eval()
     with torch.no_grad():
         bn.weight.uniform_(0.5, 2.0)
@@ -374,15 +377,47 @@ def test_requires_grad_refused_with_grad_mode_read_without(rng):
         bn.running_mean.uniform_(-1, 1)
     x = tensor(rng, (2, 4, 3, 3), F32)
     args = (bn.running_mean, bn.running_var, bn.weight, bn.bias)
-    with pytest.raises(TypeError, match=r"^scale: a torch tensor that requires grad, with grad mode on; .*no_grad"):
-        simdnorm.batch_normalization(x, *args)
-    with pytest.raises(TypeError, match=r"^input: a torch tensor that requires grad"):
-        simdnorm.layer_norm(x.clone().requires_grad_())
+    dy = tensor(rng, (2, 4, 3, 3), F32)
+    y = simdnorm.batch_normalization(x, *args, epsilon=bn.eps)
+    assert y.requires_grad
+    (gs,) = torch.autograd.grad(y, bn.weight, dy)
+    (want,) = torch.autograd.grad(bn(x), bn.weight, dy)
+    np.testing.assert_allclose(gs.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    xg = x.clone().requires_grad_()
+    ln = torch.nn.LayerNorm(9)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 2.0)
+    got = simdnorm.layer_norm(xg.reshape(2, 4, 9), ln.weight, ln.bias, return_stats=True)
+    assert len(got) == 3 and got[0].requires_grad and not got[1].requires_grad
+    g_got = torch.autograd.grad(got[0], (xg, ln.weight), dy.reshape(2, 4, 9))
+    g_want = torch.autograd.grad(ln(xg.reshape(2, 4, 9)), (xg, ln.weight), dy.reshape(2, 4, 9))
+    for a, b in zip(g_got, g_want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match=r"out= with a tensor that requires grad"):
+        simdnorm.layer_norm(xg, out=torch.empty_like(xg))
+    with pytest.raises(TypeError, match=r"^grad_output: a torch tensor that requires grad"):
+        simdnorm.layer_norm_backward(dy.clone().requires_grad_(), x, *simdnorm.layer_norm(x, return_stats=True)[1:])
     with torch.no_grad():
         y = simdnorm.batch_normalization(x, *args, epsilon=bn.eps)
         want = bn(x)
     assert type(y) is torch.Tensor and not y.requires_grad
     np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_training_requires_grad_updates_running_statistics(rng):
+    pytest.importorskip("simdnorm.torch", reason="simdnorm.torch needs torch")
+    bn = torch.nn.BatchNorm2d(3)
+    x = tensor(rng, (4, 3, 5, 5), F32).requires_grad_()
+    rm, rv = torch.zeros(3), torch.ones(3)
+    y, mean, var = simdnorm.batch_normalization_training(x, bn.weight, bn.bias, epsilon=bn.eps, running_mean=rm,
+                                                         running_var=rv, momentum=0.1)
+    want = bn(x)
+    np.testing.assert_allclose(y.detach().numpy(), want.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rm.numpy(), bn.running_mean.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(rv.numpy(), bn.running_var.numpy(), rtol=1e-5, atol=1e-7)
+    dy = tensor(rng, (4, 3, 5, 5), F32)
+    for a, b in zip(torch.autograd.grad(y, (x, bn.weight), dy), torch.autograd.grad(want, (x, bn.weight), dy)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-5)
 
 
 def _read_only_producer(a):

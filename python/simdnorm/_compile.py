@@ -105,11 +105,10 @@ def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
     if is_tensor(obj) and obj.requires_grad:
         import torch
 
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # (follow_input sends the forward ops' such calls to their torch op)
             raise TypeError(
-                f"{name}: a torch tensor that requires grad, with grad mode on; the plain functions record no "
-                "autograd: call them under torch.no_grad() or on .detach(), or use the differentiable "
-                "torch.ops.simdnorm ops (simdnorm.torch)")
+                f"{name}: a torch tensor that requires grad, with grad mode on; this function records no "
+                "autograd: call it under torch.no_grad() or on .detach()")
         obj = obj.detach()
     return _core.from_dlpack(obj, name, writeable)
 
@@ -130,6 +129,19 @@ def _to_torch(a: np.ndarray, torch: Any) -> Any:
     return torch.from_numpy(a)
 
 
+# The functions whose torch op autograd differentiates, and the arguments it differentiates: a call
+# with one of them requiring grad (grad mode on) runs that op (SPEC section 10).
+_DIFFERENTIABLE = {
+    "batch_normalization": ("x", "mean", "variance", "scale", "bias"),
+    "mean_variance_normalization": ("x", "scale", "bias"),
+    "layer_norm": ("x", "scale", "bias"),
+    "rms_norm": ("x", "scale"),
+    "instance_norm": ("x", "scale", "bias"),
+    "group_norm": ("x", "scale", "bias"),
+    "batch_normalization_training": ("x", "scale", "bias", "fused_add"),
+}
+
+
 def follow_input(fn: Callable[..., Any], args: dict) -> Any:
     """Run the public function fn on numpy views of a torch input x and of a DLPack out=, and give
     the results the caller's type (SPEC section 10). args: fn's locals() at the call (fn's own
@@ -144,6 +156,11 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
     kw = args if len(args) == len(names) else {k: args[k] for k in names}
     x = kw["x"]
     torch = sys.modules.get("torch") if is_tensor(x) else None
+    if torch is not None and torch.is_grad_enabled() and fn.__name__ in _DIFFERENTIABLE and any(
+            getattr(kw.get(k), "requires_grad", False) for k in _DIFFERENTIABLE[fn.__name__]):
+        from .torch._ops import call_differentiable  # (loads simdnorm.torch: torch is loaded already)
+
+        return call_differentiable(fn.__name__, kw)
     if torch is not None:
         kw["x"] = dlpack_array(x, "input")
     out = result = kw.get("out")  # result: what the call returns for the array it writes

@@ -860,3 +860,94 @@ def _register() -> None:
 
 
 _register()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the plain functions' differentiable route (SPEC §10): simdnorm.layer_norm(x, ...) on a tensor that
+# requires grad, with grad mode on, runs its torch.ops.simdnorm op, which autograd records
+
+_RUNNING = ("running_mean", "running_var", "momentum", "momentum_convention", "num_batches_tracked")
+
+
+def _tensor_arg(v: Any, like: torch.Tensor) -> Any:
+    """A plain function's array argument as the op takes it: tensors as they are, anything else
+    array-like as a (zero-copy where it can) tensor."""
+    if v is None or isinstance(v, torch.Tensor):
+        return v
+    a = np.asarray(v, dtype=_as_numpy_dtype(like) if isinstance(v, (list, tuple, float, int)) else None)
+    return _as_tensor(a, like, like.dtype)
+
+
+def _as_numpy_dtype(t: torch.Tensor) -> Any:
+    return _NP_BF16 if t.dtype is _BF16 else torch.empty((), dtype=t.dtype).numpy().dtype
+
+
+def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
+    """The plain function `name` called with `kw` (its arguments by name, x a torch tensor), through
+    the op of the same name; the results as the plain function returns them."""
+    from .._descriptors import check_activation  # (the plain functions' own rules)
+
+    kw = dict(kw)
+    if kw.pop("out", None) is not None:
+        raise TypeError(f"{name}: out= with a tensor that requires grad (grad mode on); autograd records no "
+                        "writes into out=: leave out= out, or call under torch.no_grad()")
+    return_stats = kw.pop("return_stats", False)
+    running = {k: kw.pop(k) for k in _RUNNING if k in kw}
+    act = check_activation(kw.pop("activation", None))
+    if act is not None:
+        kw["activation"], kw["activation_params"] = act.name, list(act.params.values())
+    if isinstance(kw.get("axes"), int):
+        kw["axes"] = [kw["axes"]]
+    x = kw.pop("x")
+    op = getattr(_ops, name).default
+    args: List[Any] = []
+    kwargs: Dict[str, Any] = {}
+    for a in op._schema.arguments:
+        if a.name == "input":
+            args.append(x)
+        elif a.name in kw:
+            v = kw[a.name]
+            if str(a.type).startswith("Tensor"):
+                v = _tensor_arg(v, x)
+            if a.kwarg_only:
+                kwargs[a.name] = v
+            else:
+                args.append(v)
+    res = op(*args, **kwargs)
+    if name == "batch_normalization":
+        return res
+    if name == "batch_normalization_training":
+        if running.get("running_mean") is not None or running.get("running_var") is not None:
+            _update_running(x, res[1], res[2], running)
+        return res
+    if not return_stats:
+        return res[0]
+    if name == "rms_norm":
+        return res[0], None, res[1]
+    if name == "mean_variance_normalization":
+        return (res[0], res[1] if kw.get("normalize_mean", True) else None,
+                res[2] if kw.get("normalize_variance", True) else None)
+    return res
+
+
+def _update_running(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, running: Dict[str, Any]) -> None:
+    """batch_normalization_training's running statistics, by its rules (momentum None: the
+    convention's default; "cumulative": 1 / num_batches_tracked, the count with this batch)."""
+    rm, rv = running.get("running_mean"), running.get("running_var")
+    if (rm is None) != (rv is None):
+        raise ValueError("running_mean, running_var: give both or neither")
+    momentum, convention = running.get("momentum"), running.get("momentum_convention", "pytorch")
+    nbt = None
+    if momentum is None:
+        momentum = 0.1 if convention == "pytorch" else 0.9
+    elif momentum == "cumulative":
+        count = running.get("num_batches_tracked")
+        if count is None or isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise ValueError("num_batches_tracked: an int >= 1 (the count of batches including this one) is "
+                             "required with momentum='cumulative'")
+        momentum, nbt = None, torch.tensor(int(count) - 1, dtype=torch.int64)  # (the op counts this batch)
+    rm_t = rm if isinstance(rm, torch.Tensor) else torch.from_numpy(rm)
+    rv_t = rv if isinstance(rv, torch.Tensor) else torch.from_numpy(rv)
+    with torch.no_grad():
+        _ops.update_running_stats_(rm_t, rv_t, mean.detach(), var.detach(), nbt, count=x.numel() // max(1, mean.numel()),
+                                   momentum=momentum, momentum_convention=convention)
