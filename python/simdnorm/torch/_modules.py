@@ -9,7 +9,7 @@ shape torch.nn would refuse) goes to torch.nn's own forward, which computes it o
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,8 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from . import _ops  # noqa: F401 - registers torch.ops.simdnorm
+import simdnorm as _sn
+from . import _ops  # registers torch.ops.simdnorm; its CPU kernels, called directly when _direct()
 
 __all__ = [
     "BatchNorm1d",
@@ -59,6 +60,32 @@ def _takes(x: Tensor, *params: Optional[Tensor]) -> bool:
     return True
 
 
+def _direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call may run the op's CPU kernel itself, skipping the dispatcher (a few
+    microseconds of a small call): eager (not under torch.compile), plain tensors (not fake,
+    functional or another subclass, which tracing uses), none of them recording autograd."""
+    if _is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and ((t.__class__ is not Tensor and t.__class__ is not _Parameter) or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def _plain(fn: Any, input: Tensor, *args: Any, **kw: Any) -> Tensor:
+    """The plain function fn on numpy views of the tensors (no statistics asked for), written into
+    torch.empty_like(input): a module's direct call."""
+    res = torch.empty_like(input)
+    fn(_ops._as_numpy(input), *[_ops._as_numpy(a) if isinstance(a, Tensor) else a for a in args],
+       out=_ops._as_numpy(res), **kw)
+    return res
+
+
+_is_compiling = torch.compiler.is_compiling
+_Parameter = nn.Parameter
+
+
 class _BatchNormForward(_BatchNorm):
     """forward of _BatchNorm (torch/nn/modules/batchnorm.py), step for step. (A subclass of it, so
     that it types; BatchNorm1d's MRO puts nn.BatchNorm1d after it: super() is torch.nn's.)"""
@@ -68,17 +95,35 @@ class _BatchNormForward(_BatchNorm):
         if (rm is None) != (rv is None) or not _takes(input, self.weight, self.bias, rm, rv):
             return super().forward(input)
         self._check_input_dim(input)
+        w, b = self.weight, self.bias
+        direct = _direct(input, w, b)
         if not self.training and rm is not None:
-            return _bn(input, rm, rv, self.weight, self.bias, epsilon=self.eps)
+            if direct:
+                return _plain(_sn.batch_normalization, input, rm, rv, w, b, epsilon=self.eps)
+            return _bn(input, rm, rv, w, b, epsilon=self.eps)
         if self.training:
             F._verify_batch_size(input.size())  # type: ignore[attr-defined]
-        out, mean, var = _bn_training(input, self.weight, self.bias, epsilon=self.eps)
+        nbt = self.num_batches_tracked
+        if direct and self.training and self.track_running_stats and rm is not None and _direct(rm, rv, nbt):
+            # the plain function updates the running statistics by the same rules, in one call
+            if nbt is not None:
+                nbt.add_(1)
+            if self.momentum is not None:
+                mom: Dict[str, Any] = {"momentum": float(self.momentum)}
+            elif nbt is not None:
+                mom = {"momentum": "cumulative", "num_batches_tracked": int(nbt)}
+            else:
+                mom = {"momentum": 0.0}
+            return _plain(_sn.batch_normalization_training, input, w, b, epsilon=self.eps,
+                          running_mean=_ops._as_numpy(rm), running_var=_ops._as_numpy(rv), **mom)
+        train = _ops.batch_normalization_training if direct else _bn_training
+        out, mean, var = train(input, w, b, epsilon=self.eps)
         if self.training and self.track_running_stats:
-            nbt = self.num_batches_tracked
             if rm is not None:
                 # momentum=None without a counter: torch.nn's factor is then 0 (nothing moves)
                 momentum = 0.0 if self.momentum is None and nbt is None else self.momentum
-                _update(rm, rv, mean, var, nbt, count=input.numel() // input.shape[1], momentum=momentum)
+                update = _ops.update_running_stats_ if direct and _direct(rm, rv, nbt) else _update
+                update(rm, rv, mean, var, nbt, count=input.numel() // input.shape[1], momentum=momentum)
             elif nbt is not None:
                 nbt.add_(1)
         return out
@@ -108,6 +153,8 @@ class _InstanceNormForward(_InstanceNorm):
             return _bn(input, rm, rv, self.weight, self.bias, epsilon=self.eps)
         F._verify_spatial_size(input.size())  # type: ignore[attr-defined]
         if rm is None:
+            if _direct(input, self.weight, self.bias):
+                return _plain(_sn.instance_norm, input, self.weight, self.bias, epsilon=self.eps)
             return _instance_norm(input, self.weight, self.bias, epsilon=self.eps)[0]
         # Running statistics need the variance: batch norm with (N, C, 1, ...) parameters takes the
         # statistics of each (n, c), the (C,) weight and bias expanded to that shape (no copy).
@@ -146,7 +193,10 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, input: Tensor) -> Tensor:
         if not _trailing(input, self.normalized_shape) or not _takes(input, self.weight, self.bias):
             return super().forward(input)
-        return _layer_norm(input, self.weight, self.bias, axis=-len(self.normalized_shape), epsilon=self.eps)[0]
+        w, b = self.weight, self.bias
+        if _direct(input, w, b):
+            return _plain(_sn.layer_norm, input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)
+        return _layer_norm(input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)[0]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -160,7 +210,10 @@ class RMSNorm(nn.RMSNorm):
         eps = self.eps
         if eps is None:
             eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
-        return _rms_norm(x, self.weight, axis=-len(self.normalized_shape), epsilon=eps)[0]
+        w = self.weight
+        if _direct(x, w):
+            return _plain(_sn.rms_norm, x, w, axis=-len(self.normalized_shape), epsilon=eps)
+        return _rms_norm(x, w, axis=-len(self.normalized_shape), epsilon=eps)[0]
 
 
 class GroupNorm(nn.GroupNorm):
@@ -171,7 +224,10 @@ class GroupNorm(nn.GroupNorm):
                 or (self.affine and input.shape[1] != self.num_channels)
                 or not _takes(input, self.weight, self.bias)):
             return super().forward(input)
-        return _group_norm(input, self.num_groups, self.weight, self.bias, epsilon=self.eps)[0]
+        w, b = self.weight, self.bias
+        if _direct(input, w, b):
+            return _plain(_sn.group_norm, input, self.num_groups, w, b, epsilon=self.eps)
+        return _group_norm(input, self.num_groups, w, b, epsilon=self.eps)[0]
 
 
 _DROP_INS = {
