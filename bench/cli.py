@@ -1,5 +1,6 @@
 """`python -m simdnorm bench [options]`: simdnorm side by side with the copy roofline, numpy and
-the libraries a user would pick instead (PyTorch, ONNX Runtime, OpenVINO) when installed."""
+the libraries a user would pick instead (PyTorch, ONNX Runtime, OpenVINO) when installed.
+`--torch-modules`: simdnorm.torch's modules against torch.nn's instead (bench/torch_modules.py)."""
 from __future__ import annotations
 
 import argparse
@@ -70,6 +71,16 @@ def _threads(s: str) -> int:
     return _int_in(1, max_threads())(s)
 
 
+def _thread_list(s: str) -> tuple[int, ...]:
+    """N or N,N,... (the list for --torch-modules), each N as _threads takes it."""
+    out: list[int] = []
+    for part in s.split(","):
+        n = _threads(part.strip())
+        if n not in out:
+            out.append(n)
+    return tuple(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m simdnorm bench",
@@ -79,8 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                "copy time; t/add = time / np.add(x, dy, out=dx)'s (the backward cases' floor); "
                "t/best other = time / the fastest other implementation (floors excluded). The "
                "training cases: --filter train --filter bwd.")
-    p.add_argument("--threads", type=_threads, default=1, metavar="N",
-                   help="threads for every library (default 1; at most simdnorm's maximum)")
+    p.add_argument("--threads", type=_thread_list, default=None, metavar="N",
+                   help="threads for every library (default 1; at most simdnorm's maximum); with "
+                        "--torch-modules a list, each run in turn (default 1,2)")
+    p.add_argument("--torch-modules", action="store_true",
+                   help="instead of the array cases: simdnorm.torch's drop-in modules against "
+                        "torch.nn's on the same tensors (forward, forward + backward, both inside a "
+                        "model), and the per-call cost of torch.ops.simdnorm (needs torch)")
     p.add_argument("--quick", action="store_true",
                    help="a few shapes and fewer rounds (under a minute)")
     p.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
@@ -217,6 +233,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.torch_modules:
+        from . import torch_modules
+
+        args.threads = args.threads or (1, 2)
+        args.argv = list(argv) if argv is not None else sys.argv[1:]
+        return torch_modules.main(args, parser)
+    if args.threads is not None and len(args.threads) > 1:
+        parser.error(f"--threads: one N for the array cases (a list is for --torch-modules), got "
+                     f"{','.join(map(str, args.threads))}")
+    args.threads = args.threads[0] if args.threads else 1
     cases = shapes.select(quick=args.quick, filters=args.filter)
     if not cases:
         parser.error(f"no case{' of --quick' if args.quick else ''} matches --filter "

@@ -1,0 +1,112 @@
+"""`python -m simdnorm bench --torch-modules` (bench/torch_modules.py) on scaled-down shapes: every
+row verifies simdnorm.torch against torch.nn before it is timed, a disagreement is reported as a
+MISMATCH (exit 1) instead of a time, and `--quick` runs end to end at 1 and 2 threads with valid
+JSON. Skips without torch or simdnorm.torch.
+
+The bench is imported as the installed ``simdnorm.bench`` when that has this module, else from the
+source tree's ``bench/``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("simdnorm.torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    try:
+        return importlib.import_module("simdnorm.bench.torch_modules")
+    except ImportError:  # an install without it (older), or none: the source tree's
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        return importlib.import_module("bench.torch_modules")
+
+
+TM = _load()
+cli = importlib.import_module(TM.__package__ + ".cli")
+
+
+def _small(case):
+    """The case on a shape of the same rank, small enough for a test (GroupNorm's 32 groups divide
+    its 64 channels; odd sizes for the vector tails)."""
+    if case.tiny:
+        return case
+    return replace(case, shape=(2, 64, 5, 7) if len(case.shape) == 4 else (2, 3, 40))
+
+
+SMALL = [_small(c) for c in TM.CASES]
+QUICK_RUN = ["--torch-modules", "--quick", "--rounds", "1", "--min-sample-ms", "0.1", "--warmup-ms", "0",
+             "--no-progress"]
+
+
+@pytest.mark.parametrize("case", SMALL, ids=[c.name for c in SMALL])
+def test_every_row_verifies(case):
+    torch, _, sntorch = TM.load_torch()
+    gen = torch.Generator().manual_seed(0)
+    m = TM.make_module(torch, case, gen)
+    twin = TM.make_twin(sntorch, m)
+    assert type(twin).__module__.startswith("simdnorm.torch") and isinstance(twin, type(m))
+    data = TM.make_data(torch, case, gen)
+    for measure in case.measures():
+        why, _torch_off, worst = TM.verify(torch, case, measure, m, twin, data)
+        assert why is None, (measure, why)
+        assert worst < 0.05, (measure, worst)
+
+
+def test_quick_end_to_end_json(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(TM, "CASES", SMALL)
+    path = tmp_path / "t.json"
+    rc = cli.main(QUICK_RUN + ["--threads", "1,2", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for title in ("Module forward", "Forward + backward", "In a model, forward", "Per call", "Goal at threads=2"):
+        assert title in out
+    doc = json.loads(path.read_text())
+    assert doc["suite"] == "simdnorm.bench.torch_modules" and doc["config"]["threads"] == [1, 2]
+    want = [(n, c.name, m) for n in (1, 2) for c in TM.select(quick=True) for m in c.measures()]
+    assert [(r["threads"], r["case"], r["measure"]) for r in doc["rows"]] == want
+    for r in doc["rows"]:
+        assert r["status"] == "ok", r
+        assert r["ratio"] == pytest.approx(r["torch.nn"]["median_ns"] / r["simdnorm"]["median_ns"])
+        assert len(r["simdnorm"]["samples_ns"]) == 1
+        if r["measure"].startswith("model"):
+            inside = r["norm_inside"]
+            assert 0 < inside["simdnorm"]["median_ns"] < r["simdnorm"]["median_ns"]
+            assert 0 < inside["torch.nn"]["median_ns"] < r["torch.nn"]["median_ns"]
+
+
+def test_a_mismatch_is_reported_instead_of_a_time(monkeypatch, capsys):
+    make_twin = TM.make_twin
+
+    def off_by_a_bit(sntorch, module):
+        twin = make_twin(sntorch, module)
+        with TM.load_torch()[0].no_grad():
+            twin.bias.add_(1e-2)
+        return twin
+
+    monkeypatch.setattr(TM, "CASES", SMALL)
+    monkeypatch.setattr(TM, "make_twin", off_by_a_bit)
+    rc = cli.main(QUICK_RUN + ["--threads", "1", "--filter", "layer/2x3x40"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "!!! MISMATCH threads=1 layer/2x3x40/f32 fwd: out: max |err|" in out
+    assert "layer/2x3x40/f32  MISMATCH: out: max |err|" in out  # in the table: no time
+
+
+def test_list_and_thread_lists(capsys):
+    assert cli.main(["--torch-modules", "--list", "--filter", "tiny/op"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == [c.name for c in TM.CASES if c.raw_op]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--list", "--threads", "1,2"])  # a list is for --torch-modules only
+    assert e.value.code == 2 and "a list is for --torch-modules" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["--threads", "2,1,2"]).threads == (2, 1)
