@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from . import shapes
 from .impl_base import FLOORS
 from .impls import IMPL_NAMES, all_impls
-from .report import _loadavg, fmt_bytes, format_case, format_summary, json_document, plot
+from .report import _loadavg, fmt_bytes, format_case, format_summary, json_document, json_safe, plot
 from .runner import ERROR, WRONG, run_case
 from .timing import loop_overhead_ns
 
@@ -328,7 +328,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         doc = json_document(results, impls, config)
         try:
             with open(json_path, "w", encoding="utf-8") as f:
-                json.dump(_finite(doc), f, indent=1, allow_nan=False, default=_json_default)
+                json.dump(json_safe(doc), f, indent=1, allow_nan=False, default=_json_default)
                 f.write("\n")
             print(f"wrote {json_path}")
         except OSError as e:
@@ -346,16 +346,6 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return 1
     return rc
 
-
-def _finite(o):
-    """NaN/inf floats (e.g. the error of a NaN output) become strings: the JSON stays strict."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    return o
 
 
 def _json_default(o):

@@ -1,6 +1,7 @@
 """Terminal table, JSON document, machine information and the roofline plot."""
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
@@ -271,3 +272,14 @@ def plot(results: Sequence[CaseResult], path: str, title: str = "", per_panel: i
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig_h))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def json_safe(o):
+    """NaN/inf floats (e.g. the error of a NaN output) become strings: the JSON stays strict."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {k: json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o

@@ -50,6 +50,7 @@ from time import perf_counter_ns
 from typing import Any, Callable, Optional, Sequence
 
 from .cases import TOLERANCE
+from .report import json_safe
 from .timing import Timing, loop_overhead_ns, measure, quartiles
 
 GOAL = 1.5  # torch.nn's time / simdnorm's, on every case of >= 1 MB
@@ -735,7 +736,7 @@ def main(args, parser) -> int:
         }
         try:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(_finite(doc), f, indent=1, allow_nan=False)
+                json.dump(json_safe(doc), f, indent=1, allow_nan=False)
                 f.write("\n")
             print(f"wrote {args.json}")
         except OSError as e:
@@ -748,12 +749,3 @@ def main(args, parser) -> int:
         return 1
     return rc
 
-
-def _finite(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    return o
