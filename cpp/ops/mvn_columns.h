@@ -66,20 +66,21 @@ void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lan
   // The user's statistics step per group.
   if (a_.mean_out && a_.normalize_mean) {
     char* um = user_mean_ + user_offset(user_mean_strides_, ko);
-    for (int64_t c = 0; c < nb; c += k) store_compute(um + (c0 + c) / k * user_mean_strides_[lanes_dim], mean[c]);
+    for (int64_t c = 0; c < nb; c += k) store_user(um + (c0 + c) / k * user_mean_strides_[lanes_dim], mean[c]);
   }
   if (a_.inv_std_out && a_.normalize_variance) {
     char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko);
-    for (int64_t c = 0; c < nb; c += k) store_compute(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim], istd[c]);
+    for (int64_t c = 0; c < nb; c += k) store_user(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim], istd[c]);
     if (a_.var_out) {
       for (int64_t c = 0; c < nb; c += k) {
         double v = var[c];
         for (const ScaledLane& l : scaled)
           if (l.c == c) v /= l.scale * l.scale;
-        store_compute(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim] + var_offset(), v);
+        store_user(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim] + var_offset(), v);
       }
     }
   }
+  if (a_.statistics_only) return;
   NormalizeTask sub = column_normalize_task(ko, c0, nb);
   table.normalize(sub, 0, plan_.group_size * nb);
 }
