@@ -116,12 +116,22 @@ void MvnRunner::column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pi
   int64_t outer = 1;
   for (int d = r0; d < rlast; ++d) outer *= nest.sizes[d];
   const KernelTable& k = kernels();
+  // Statistics only, nothing is kept cached for a normalize pass, and a task takes whole rows: the
+  // kernel's blocks of lanes each sweep the rows, so the rows go in blocks that stay in the L2 for
+  // all of them, the first prefetching whole rows (each block of lanes sweeping all the rows, a run
+  // of each row at a time from memory: 1.7x slower on (16384, 1024) float32). The blocks' sums add up
+  // in order.
+  const int64_t rows = nest.sizes[rlast], row_bytes = nb * itemsize(a_.input.dtype);
+  const int64_t block = a_.statistics_only ? std::max<int64_t>(1, kColumnCachedBytes / 2 / row_bytes) : rows;
+  const int64_t row_stride = nest.strides[kIn][rlast];
   for (int64_t o = 0; o < outer; ++o) {
     const char* p = base;
     for_dim_indices(nest, r0, rlast, o, [&](int d, int64_t i) { p += i * nest.strides[kIn][d]; });
-    ColMomentsArgs args{p, a_.input.dtype, nest.sizes[rlast], nb, nest.strides[kIn][rlast],
-                        nest.strides[kIn][lanes_dim], pivots, scale, s1, s2};
-    k.col_moments(args);
+    for (int64_t r = 0; r < rows; r += block) {
+      ColMomentsArgs args{p + r * row_stride, a_.input.dtype, std::min(block, rows - r), nb, row_stride,
+                          nest.strides[kIn][lanes_dim], pivots, scale, s1, s2, a_.statistics_only};
+      k.col_moments(args);
+    }
   }
 }
 
