@@ -276,3 +276,13 @@ def test_errors_name_the_argument_and_rule():
         m.inv_std(-1.0)
     with pytest.raises(ValueError, match="epsilon_mode"):
         m.inv_std(1e-5, "middle")
+
+
+def test_float64_past_the_range_of_squares(rng):
+    # documented: squared deviations past double's range give an infinite m2 (merging them warns of
+    # nothing); the mean stays exact
+    x = rng.standard_normal((8, 3)) * 1e200
+    parts = [simdnorm.moments(x[:4], 0), simdnorm.moments(x[4:], 0)]
+    merged = simdnorm.merge_moments(parts)
+    assert np.isinf(merged.m2).all()
+    np.testing.assert_allclose(merged.mean, x.mean(axis=0, keepdims=True), rtol=1e-14)

@@ -130,7 +130,7 @@ def _chan(na: np.ndarray, ma: np.ndarray, qa: np.ndarray, nb: np.ndarray, mb: np
           qb: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Chan et al.'s merge of two parts, elementwise; a count-0 part leaves the other as it is."""
     n = na + nb
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # (m2 past double's range: inf)
         wb = nb / n  # the weight of b's mean: delta * nb / n moves a's mean to the whole's
         delta = mb - ma
         m = ma + delta * wb
@@ -211,7 +211,8 @@ def moments(x: Any, axes: Any) -> Moments:
     Moments
         ``count`` (the number of elements per group, as float64), ``mean``, ``m2``. Groups of no
         elements (a reduced dim of size 0) have count 0 (mean and m2 0); an inf or NaN in a group
-        makes its mean and m2 NaN.
+        makes its mean and m2 NaN; float64 data whose squared deviations pass double's range
+        (magnitudes past ~1e154) has an infinite m2.
 
     Examples
     --------
