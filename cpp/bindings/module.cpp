@@ -234,7 +234,9 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
                    activation = args[9], mean_out = args[10], inv_std_out = args[11], var_out = args[14];
   MvnArgs a;
   a.input = view_of(x, "input", false);
-  a.output = view_of(out, "out", true);
+  // out None: the statistics only, in float64 (the planner reads the input's strides for out's)
+  a.statistics_only = out.is_none();
+  a.output = a.statistics_only ? a.input : view_of(out, "out", true);
   if (a.output.dtype != a.input.dtype) throw py::type_error("out: dtype differs from the input's");
   check_same_shape(a.input, a.output, "out", true);
   if (!PyTuple_Check(axes.ptr())) throw py::type_error("axes must be a tuple of ints");
@@ -248,11 +250,13 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
   if (channel_axis < -1 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
   a.scale = optional_param(scale, "scale", a.input, channel_axis);
   a.bias = optional_param(bias, "bias", a.input, channel_axis);
-  const DType stats = a.input.dtype == DType::f64 ? DType::f64 : DType::f32;
+  const DType stats = a.input.dtype == DType::f64 || a.statistics_only ? DType::f64 : DType::f32;
   auto stats_view = [&](py::handle obj, const char* name) -> std::optional<TensorView> {
     if (obj.is_none()) return std::nullopt;
     TensorView v = view_of(obj, name, true);
-    if (v.dtype != stats) throw py::type_error(std::string(name) + ": must be float32 (float64 for float64 input)");
+    if (v.dtype != stats)
+      throw py::type_error(std::string(name) + (a.statistics_only ? ": must be float64 (statistics only)"
+                                                                  : ": must be float32 (float64 for float64 input)"));
     check_same_shape(a.input, v, name, false);
     for (int d = 0; d < v.ndim; ++d)
       if (v.sizes[d] != ((a.reduced >> d) & 1u ? 1 : a.input.sizes[d]))
@@ -272,7 +276,10 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
   a.normalize_variance = bool_of(normalize_variance, "normalize_variance");
   a.epsilon_outside = bool_of(epsilon_outside, "epsilon_outside");
   a.activation = activation_of(activation);
-  if (bool_of(args[13], "check_overlap") && overlaps_an_operand(a.output, a.input, {optional_ptr(a.scale), optional_ptr(a.bias)}))
+  if (a.statistics_only && (a.scale || a.bias || !a.mean_out))
+    throw py::value_error("statistics only (out None): needs mean_out, and no scale or bias");
+  if (!a.statistics_only && bool_of(args[13], "check_overlap") &&
+      overlaps_an_operand(a.output, a.input, {optional_ptr(a.scale), optional_ptr(a.bias)}))
     return false;
   if (explain != nullptr) {
     mean_variance_normalization(a, explain);
@@ -425,7 +432,8 @@ PyMethodDef g_fast_methods[] = {
      "batch_norm(x, mean, variance, scale, bias, out, epsilon, activation, channel_axis, check_overlap) -> ran"},
     {"mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn)), METH_FASTCALL,
      "mvn(x, axes, scale, bias, out, epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, "
-     "mean_out, inv_std_out, channel_axis, check_overlap[, var_out]) -> ran"},
+     "mean_out, inv_std_out, channel_axis, check_overlap[, var_out]) -> ran; out None: the statistics only, "
+     "into float64 mean_out (inv_std_out, var_out)"},
     {"explain_batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_batch_norm)),
      METH_FASTCALL, "explain_batch_norm(<batch_norm's arguments>) -> the plan batch_norm would run, as text"},
     {"explain_mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_mvn)), METH_FASTCALL,
@@ -723,6 +731,16 @@ PYBIND11_MODULE(_core, m) {
         return previous;
       },
       py::arg("n"));
+  m.def(
+      "set_caller_threads",
+      [](int n) {
+        if (n < 0) throw py::value_error("number of threads must be >= 0 (0: none of its own), got " + std::to_string(n));
+        return set_caller_threads(n);
+      },
+      py::arg("n"),
+      "The calling thread's own thread count for its calls (0: none, get_num_threads() applies); returns "
+      "the previous one.");
+  m.def("caller_threads", &caller_threads, "The thread count the calling thread's calls use.");
   m.def(
       "set_bfloat16_dtype", [](const py::dtype& dt) { g_bfloat16_num = dt.num(); }, py::arg("dtype"));
 }

@@ -225,6 +225,10 @@ struct MomentsKernel {
 
   // Lane blocks of at most kLanes, each lane's sums in double down all the rows.
   static constexpr int kLanes = 256;
+  // Rows a lane's sums take in registers between a load and a store of them: one row at a time,
+  // the sums' loads and stores (in memory: too many for registers) cost the loop 4x the time of
+  // the rows' sums. Each lane still adds its rows in order, so the sums are the same bits.
+  static constexpr int kRows = 4;
 
   static void col(const ColMomentsArgs& a) {
     constexpr int kParts = Sums::kParts, WD = Sums::WD, kVecs = kLanes / W;
@@ -246,32 +250,58 @@ struct MomentsKernel {
       // short run of each row, which the hardware prefetcher does not follow far enough.
       const int64_t step = a.row_stride < 0 ? -a.row_stride : a.row_stride;
       const int64_t ahead = step == 0 ? 0 : prefetch_units_ahead(step);
-      const int64_t block_bytes = nb * static_cast<int64_t>(sizeof(T));
-      for (int64_t r = 0; r < a.rows; ++r) {
-        const char* row = a.data + r * a.row_stride + c0 * a.col_stride;
-        if (contiguous && ahead > 0 && r + ahead < a.rows) {
-          const char* later = row + ahead * a.row_stride;
-          for (int64_t b = 0; b < block_bytes; b += kLineBytes) __builtin_prefetch(later + b, 0, 3);
-        }
-        for (int v = 0; v < nv; ++v) {
-          const int m = v == nv - 1 ? last : W;
-          V x;
-          if (contiguous) {
-            const T* px = reinterpret_cast<const T*>(row) + v * W;
-            x = m == W ? L::load(px) : L::load_partial(px, m);
-          } else {
-            T buf[W];
-            for (int k = 0; k < m; ++k) std::memcpy(&buf[k], row + (v * W + k) * a.col_stride, sizeof(T));
-            x = L::load_partial(buf, m);
-          }
+      const int64_t block_bytes = a.rows_cached ? (c0 == 0 ? a.cols * static_cast<int64_t>(sizeof(T)) : 0)
+                                                : nb * static_cast<int64_t>(sizeof(T));
+      // Rows [r, r + R): vector v of each, then each of its parts' sums over those rows.
+      auto rows = [&](int64_t r, auto count) SIMDNORM_INLINE_LAMBDA {
+        constexpr int R = decltype(count)::value;
+        const char* first = a.data + r * a.row_stride + c0 * a.col_stride;
+        if (contiguous && ahead > 0)
+          for (int j = 0; j < R; ++j)
+            if (r + j + ahead < a.rows) {
+              const char* later = first + (j + ahead) * a.row_stride;
+              for (int64_t b = 0; b < block_bytes; b += kLineBytes) __builtin_prefetch(later + b, 0, 3);
+            }
+        // Each part's sums over the R rows, from load(j, part): that row's part of vector v.
+        auto add = [&](int v, auto load) SIMDNORM_INLINE_LAMBDA {
           for_constant<0, kParts>([&](auto p) SIMDNORM_INLINE_LAMBDA {
             const int q = v * kParts + decltype(p)::value;
-            const vd d = Sums::template part<decltype(p)::value>(x) * scale - vp[q];  // lanes past nb: 0 - 0
-            s1[q] += d;
-            s2[q] = vfma(d, d, s2[q]);
+            vd t1 = s1[q], t2 = s2[q];
+            for (int j = 0; j < R; ++j) {
+              const vd d = load(j, p) * scale - vp[q];  // lanes past nb: 0 - 0
+              t1 += d;
+              t2 = vfma(d, d, t2);
+            }
+            s1[q] = t1;
+            s2[q] = t2;
           });
+        };
+        const int whole = contiguous ? (last == W ? nv : nv - 1) : 0;
+        for (int v = 0; v < whole; ++v)  // loaded where they are used (a vector array spilled to the stack)
+          add(v, [&](int j, auto p) SIMDNORM_INLINE_LAMBDA {
+            const T* px = reinterpret_cast<const T*>(first + j * a.row_stride) + v * W;
+            if constexpr (std::is_same<T, float>::value) return vload_widened(px + decltype(p)::value * WD);
+            else return Sums::template part<decltype(p)::value>(L::load(px));
+          });
+        for (int v = whole; v < nv; ++v) {  // a last vector of fewer lanes, or gathered lanes
+          const int m = v == nv - 1 ? last : W;
+          V x[R];
+          for (int j = 0; j < R; ++j) {
+            const char* row = first + j * a.row_stride;
+            if (contiguous) {
+              x[j] = L::load_partial(reinterpret_cast<const T*>(row) + v * W, m);
+            } else {
+              T buf[W];
+              for (int k = 0; k < m; ++k) std::memcpy(&buf[k], row + (v * W + k) * a.col_stride, sizeof(T));
+              x[j] = L::load_partial(buf, m);
+            }
+          }
+          add(v, [&](int j, auto p) SIMDNORM_INLINE_LAMBDA { return Sums::template part<decltype(p)::value>(x[j]); });
         }
-      }
+      };
+      int64_t r = 0;
+      for (; r + kRows <= a.rows; r += kRows) rows(r, std::integral_constant<int, kRows>{});
+      for (; r < a.rows; ++r) rows(r, std::integral_constant<int, 1>{});
       alignas(64) double t1[kLanes], t2[kLanes];
       for (int v = 0; v < nv * kParts; ++v) {
         Lanes<double>::store(t1 + v * WD, s1[v]);

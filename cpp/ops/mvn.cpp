@@ -26,6 +26,10 @@
 // run by run the same way; smaller ones go in batches of about 2 KB. With few groups, statistics
 // are split into blocks over all threads first, then the normalization pass runs over all threads
 // (the input is read twice).
+//
+// With statistics_only (simdnorm.moments) the same sums give float64 statistics and nothing is
+// normalized: groups per thread (run_rows_statistics) or split blocks, and the column tasks, stop
+// after their statistics.
 #include "ops/mvn_runner.h"
 
 namespace simdnorm {
@@ -51,7 +55,8 @@ void MvnRunner::run(std::string* explain) {
   }
   if (!a_.normalize_mean && !a_.normalize_variance) {  // no statistics needed: scale and bias only
     for (int64_t i = 0; i < plan_.groups * plan_.lane_count; ++i) store_stats(i, GroupResult{0.0, 0.0}, nullptr, nullptr);
-    return run_normalize(task_);
+    if (!a_.statistics_only) run_normalize(task_);
+    return;
   }
   if (plan_.lanes) run_columns();
   else run_rows();
@@ -62,6 +67,7 @@ std::string MvnRunner::describe() {
                   " lanes=" + std::to_string(plan_.lane_count) + " group_size=" + std::to_string(plan_.group_size) +
                   (plan_.lane_group > 1 ? " lane_group=" + std::to_string(plan_.lane_group) : std::string());
   const bool statistics = a_.normalize_mean || a_.normalize_variance;
+  if (a_.statistics_only) return d + " statistics-only";
   if (statistics && plan_.lanes) {
     const int64_t lanes = std::min(lanes_per_task(), plan_.lane_count);
     return d + " lanes_per_task=" + std::to_string(lanes_per_task()) + " " +
@@ -190,7 +196,7 @@ void MvnRunner::fill_stats_nan() {
     for (int64_t i = 0; i < count; ++i) {
       char* p = v.data;
       for (int d = 0; d < v.ndim; ++d) p += idx[d] * v.strides[d];
-      store_compute(p, NAN);
+      store_user(p, NAN);
       for (int d = v.ndim - 1; d >= 0; --d) {
         if (++idx[d] < v.sizes[d]) break;
         idx[d] = 0;

@@ -58,6 +58,7 @@ int64_t MvnRunner::groups_per_batch() const {
 void MvnRunner::run_rows() {
   const RowStrategy strategy = row_strategy();
   if (strategy == RowStrategy::split) return run_rows_split();
+  if (a_.statistics_only) return run_rows_statistics();
   const int64_t groups = plan_.groups, per = groups_per_thread(), batch = groups_per_batch();
   const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
   const KernelTable& k = kernels();
@@ -195,7 +196,20 @@ void MvnRunner::run_rows_split() {
     }
   }
   for (int64_t g = 0; g < groups; ++g) finish_group(g, results[g]);
-  run_normalize(task_);
+  if (!a_.statistics_only) run_normalize(task_);
+}
+
+// Statistics only (statistics_only), with whole groups per thread: each group summed as
+// group_stats sums it, with nothing written but the statistics (the input is read once).
+void MvnRunner::run_rows_statistics() {
+  const int64_t groups = plan_.groups, per = groups_per_thread();
+  const int parts = parts_for(groups * plan_.group_size, kMinElementsPerThread);
+  parallel_for(parts, [&](int part) {
+    const int64_t g0 = part * per, g1 = g0 + per < groups ? g0 + per : groups;
+    if (g0 >= g1) return;
+    GroupCursor cursor(*this, g0);
+    for (int64_t g = g0; g < g1; ++g) take_stats(cursor, g);
+  });
 }
 
 // The statistics of group g (its pointers at the cursor), stored; the cursor steps to group g + 1.

@@ -88,6 +88,7 @@ class MvnRunner {
  public:
   explicit MvnRunner(const MvnArgs& a)
       : a_(a), compute_(compute_type(a.input.dtype)), csize_(itemsize(compute_)),
+        user_stats_(a.statistics_only ? DType::f64 : compute_),
         inv_std_rule_{a.normalize_variance, a.epsilon_outside, a.epsilon} {}
 
   // Normalizes; with `explain`, only describes the plan there.
@@ -163,16 +164,18 @@ class MvnRunner {
     const double istd = inv_std(r);
     store_compute(shift, r.mean);
     store_compute(mul, istd);
-    if (a_.mean_out && a_.normalize_mean) store_compute(const_cast<char*>(user_mean), r.mean);
+    if (a_.mean_out && a_.normalize_mean) store_user(const_cast<char*>(user_mean), r.mean);
     if (a_.inv_std_out && a_.normalize_variance) {
-      store_compute(const_cast<char*>(user_inv_std), istd);
-      if (a_.var_out) store_compute(const_cast<char*>(user_inv_std) + var_offset(), r.var / (r.scale * r.scale));
+      store_user(const_cast<char*>(user_inv_std), istd);
+      if (a_.var_out) store_user(const_cast<char*>(user_inv_std) + var_offset(), r.var / (r.scale * r.scale));
     }
   }
   // Bytes from an element of inv_std_out to the same element of var_out.
   int64_t var_offset() const { return a_.var_out->data - a_.inv_std_out->data; }
 
   void store_compute(char* p, double v) const { compute_ == DType::f64 ? store_as<double>(p, v) : store_as<float>(p, v); }
+  // The user's statistics arrays: the compute type, or float64 with statistics_only.
+  void store_user(char* p, double v) const { user_stats_ == DType::f64 ? store_as<double>(p, v) : store_as<float>(p, v); }
 
   // ---- where a group is ---------------------------------------------------------------------------
   // Offset of kept index `g` (flat over the leading kept dims) in one of the user's stats arrays.
@@ -204,6 +207,7 @@ class MvnRunner {
   inline void run_rows_paired(const KernelTable& k, int64_t g0, int64_t g1);
   inline void run_rows_batched(const KernelTable& k, int64_t g0, int64_t g1, int64_t batch);
   inline void run_rows_split();
+  inline void run_rows_statistics();
   // The normalize task of a column task's lanes [c0, c0 + nb) at kept index ko, planned.
   inline NormalizeTask column_normalize_task(int64_t ko, int64_t c0, int64_t nb) const;
   // What run() would do, for explain.
@@ -290,6 +294,7 @@ class MvnRunner {
   const MvnArgs& a_;
   const DType compute_;
   const int64_t csize_;
+  const DType user_stats_;
   std::unique_ptr<FoldedParams> affine_;
   ReductionPlan plan_;
   double inv_group_size_ = 0.0;  // 1 / plan_.group_size: judge's mean is a multiplication

@@ -73,12 +73,14 @@ class Pool {
   // Caller holds region_mutex(). The caller takes parts too, and waits only for the workers that
   // joined the job: a worker that has not woken yet (its core busy with another process's thread,
   // or asleep) joins no job that has already been closed, so its lateness costs nothing here.
-  void run(int nparts, const std::function<void(int)>& fn) {
+  // At most `helpers` workers take parts (a caller's own count below the pool's size).
+  void run(int nparts, const std::function<void(int)>& fn, int helpers) {
     uint64_t generation;
     {
       std::lock_guard<std::mutex> lock(m_);
       job_ = &fn;
       nparts_ = nparts;
+      seats_.store(helpers, std::memory_order_relaxed);
       next_.store(0, std::memory_order_relaxed);
       generation = generation_.load(std::memory_order_relaxed) + 1;
       open_.store(generation, std::memory_order_relaxed);
@@ -127,7 +129,7 @@ class Pool {
       if (stopping_.load(std::memory_order_acquire)) return;
       seen = generation_.load(std::memory_order_acquire);
       active_.fetch_add(1, std::memory_order_seq_cst);
-      if (open_.load(std::memory_order_seq_cst) == seen) drain();
+      if (open_.load(std::memory_order_seq_cst) == seen && seats_.fetch_sub(1, std::memory_order_relaxed) > 0) drain();
       std::lock_guard<std::mutex> lock(m_);  // so that the caller cannot miss the notification
       if (active_.fetch_sub(1, std::memory_order_seq_cst) == 1) done_.notify_one();
     }
@@ -140,6 +142,7 @@ class Pool {
   const std::function<void(int)>* job_ = nullptr;
   int nparts_ = 0;
   std::atomic<int> next_{0};
+  std::atomic<int> seats_{0};  // workers that may still join the open job
   // Written under m_; read without it by the spinning side.
   std::atomic<uint64_t> generation_{0};
   // The generation that workers may still join (0: closed), and how many are inside a job.
@@ -169,8 +172,20 @@ int get_num_threads() { return g_num_threads.load(std::memory_order_relaxed); }
 
 void set_num_threads(int n) { g_num_threads.store(n < 1 ? 1 : n, std::memory_order_relaxed); }
 
+namespace {
+thread_local int t_caller_threads = 0;
+}  // namespace
+
+int set_caller_threads(int n) {
+  const int previous = t_caller_threads;
+  t_caller_threads = n < 0 ? 0 : n;
+  return previous;
+}
+
+int caller_threads() { return t_caller_threads > 0 ? t_caller_threads : get_num_threads(); }
+
 int parts_for(int64_t work, int64_t min_per_part) {
-  const int64_t threads = get_num_threads();
+  const int64_t threads = caller_threads();
   if (threads == 1) return 1;
   int64_t parts = min_per_part > 0 ? work / min_per_part : work;
   if (parts > threads * kPartsPerThread) parts = threads * kPartsPerThread;
@@ -178,13 +193,17 @@ int parts_for(int64_t work, int64_t min_per_part) {
 }
 
 void parallel_for(int nparts, const std::function<void(int)>& fn) {
-  const int threads = get_num_threads();
+  const int threads = caller_threads(), global_threads = get_num_threads();
   auto run_here = [&] {
     for (int p = 0; p < nparts; ++p) fn(p);
   };
   if (nparts <= 1 || threads <= 1) return run_here();
   register_fork_handler();
   std::unique_lock<std::mutex> global(g_pool_mutex);
+  // The pool has get_num_threads() - 1 workers; a caller with its own count uses a pool of at
+  // least its size (rebuilt larger if need be) and keeps the workers past its count out of the job.
+  const bool own = t_caller_threads > 0;
+  const int workers = (own && threads > global_threads ? threads : global_threads) - 1;
   // A pool is only replaced or used by whoever holds its region lock, so a pool in use by another
   // Python thread is never deleted under it; that thread's rival simply runs on its own thread.
   if (g_pool != nullptr) {
@@ -193,10 +212,10 @@ void parallel_for(int nparts, const std::function<void(int)>& fn) {
       global.unlock();
       return run_here();
     }
-    if (g_pool->asked() == threads - 1) {
+    if (own ? g_pool->asked() >= threads - 1 : g_pool->asked() == workers) {
       Pool* pool = g_pool;
       global.unlock();
-      pool->run(nparts, fn);
+      pool->run(nparts, fn, threads - 1);
       return;
     }
     g_pool->stop();
@@ -204,11 +223,11 @@ void parallel_for(int nparts, const std::function<void(int)>& fn) {
     delete g_pool;
     g_pool = nullptr;
   }
-  g_pool = new Pool(threads - 1);
+  g_pool = new Pool(workers);
   Pool* pool = g_pool;
   std::unique_lock<std::mutex> region(pool->region_mutex());
   global.unlock();
-  pool->run(nparts, fn);
+  pool->run(nparts, fn, threads - 1);
 }
 
 }  // namespace simdnorm

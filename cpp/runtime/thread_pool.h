@@ -9,6 +9,12 @@ int get_num_threads();
 // n >= 1. Workers are (re)created lazily at the next parallel call.
 void set_num_threads(int n);
 
+// The calling thread's own count (0: none, get_num_threads() applies), for the calls it makes
+// from now on: a Dask task limits itself without changing what other threads use. Returns the
+// previous value. The pool grows to serve a larger count; a smaller one keeps the rest idle.
+int set_caller_threads(int n);
+int caller_threads();  // the count the calling thread's calls use
+
 // Runs fn(part) for every part in [0, nparts), spread over up to get_num_threads() threads; the
 // caller runs parts too and returns when all are done. If another thread is already running a
 // parallel region, the parts run on the caller alone (results never depend on the split).

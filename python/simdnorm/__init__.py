@@ -6,6 +6,9 @@ Training: :func:`batch_normalization_training` (batch and running statistics) an
 every op (:func:`batch_normalization_backward`, :func:`mean_variance_normalization_backward`,
 :func:`layer_norm_backward`, :func:`rms_norm_backward`, :func:`instance_norm_backward`,
 :func:`group_norm_backward`).
+Mergeable statistics: :func:`moments` gives a part's :class:`Moments`, merged by
+:meth:`Moments.merge` or :func:`merge_moments` (``simdnorm.dask``, imported on its own, runs the
+ops on Dask arrays with them).
 DirectML-style descriptors: :class:`TensorDesc`, :class:`BatchNormalizationDesc`,
 :class:`MeanVarianceNormalizationDesc`, :class:`Activation`, validated by ``desc.validate()`` and
 turned into operators by :func:`compile`. Runtime: :func:`set_num_threads`, :func:`get_num_threads`,
@@ -28,6 +31,7 @@ from ._api import (  # noqa: E402
     rms_norm,
 )
 from ._compile import compile  # noqa: E402,A004
+from ._moments import Moments, merge_moments, moments  # noqa: E402
 from ._training import (  # noqa: E402
     BatchNormalizationGradDesc,
     BatchNormalizationTrainingDesc,
@@ -73,6 +77,10 @@ __all__ = [
     "rms_norm_backward",
     "instance_norm_backward",
     "group_norm_backward",
+    # mergeable statistics
+    "moments",
+    "Moments",
+    "merge_moments",
     # descriptors
     "TensorDesc",
     "BatchNormalizationDesc",

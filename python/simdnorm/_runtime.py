@@ -6,10 +6,11 @@ valid ones, and the best available ISA stays). The C++ extension reads no enviro
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import warnings
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from . import _core
 from ._activation import value_text
@@ -47,6 +48,19 @@ def set_num_threads(n: int) -> int:
     (or above MAX_THREADS), ``TypeError`` for a non-integer. Results are bitwise identical for any
     number of threads."""
     return _core.set_num_threads(_check_threads(n))
+
+
+@contextlib.contextmanager
+def caller_threads(n: int) -> Iterator[None]:
+    """Within the block, calls made from this thread use ``n`` threads (1 to MAX_THREADS), whatever
+    set_num_threads says; other threads are unaffected, and the previous count comes back after.
+    simdnorm.dask runs each task in one (``num_threads=``): Dask's threads and the pool's then do
+    not compete for the cores."""
+    previous = _core.set_caller_threads(_check_threads(n, "num_threads"))
+    try:
+        yield
+    finally:
+        _core.set_caller_threads(previous)
 
 
 def isa() -> str:

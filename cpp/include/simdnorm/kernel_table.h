@@ -42,6 +42,9 @@ struct ColMomentsArgs {
   double scale;
   double* sum;                     // [cols], +=
   double* sum_sq;                  // [cols], +=
+  // The rows fit in the cache: the first block of lanes prefetches whole rows, in order (one
+  // stream from memory), and the other blocks find them there.
+  bool rows_cached = false;
 };
 
 // 1 / std from a variance: 1 / sqrt(var + epsilon), or 1 / (sqrt(var) + epsilon) outside; 1 when

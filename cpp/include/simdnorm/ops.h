@@ -32,7 +32,7 @@ struct BatchNormArgs {
 };
 
 struct MvnArgs {
-  TensorView input, output;
+  TensorView input, output;                    // output unused (never written) with statistics_only
   uint32_t reduced = 0;                        // bit d set: dim d is reduced
   std::optional<TensorView> scale, bias;       // same ndim as input, each dim equal or 1
   double epsilon = 1e-5;
@@ -44,6 +44,9 @@ struct MvnArgs {
   // The variance, beside inv_std_out (which it needs): same dtype, shape and strides, so that it
   // lies at a fixed distance from it.
   std::optional<TensorView> var_out;
+  // Only the statistics, in float64 whatever the input's type (simdnorm.moments: partial statistics
+  // merged later, which float32 rounding of each part's mean would spoil); no normalize pass.
+  bool statistics_only = false;
 };
 
 // The backward of MVN (and of batch norm, MVN over every dim but the channel's): grad_input and the
