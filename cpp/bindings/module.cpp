@@ -457,7 +457,7 @@ std::string type_name(py::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 // The producer's __dlpack__(max_version=(1, 0)), or __dlpack__() for one that predates max_version
 // (a TypeError for the keyword). Whatever it raises (an Exception) becomes a TypeError naming the
 // argument, chained to the producer's own error. (A vectorcall with interned names: a torch
-// tensor's __dlpack__ costs 2 us by itself, the call around it need not add to that.)
+// tensor's __dlpack__ is slow by itself, the call around it need not add to that.)
 py::object call_dlpack(py::handle producer, const char* name) {
   static PyObject* const method = PyUnicode_InternFromString("__dlpack__");
   static PyObject* const kwnames = Py_BuildValue("(s)", "max_version");
