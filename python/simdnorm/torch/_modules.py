@@ -50,14 +50,23 @@ def _takes(x: Tensor, *params: Optional[Tensor]) -> bool:
     """Whether simdnorm computes this call as torch.nn would: a non-empty CPU tensor of 1 to 8 dims
     in one of its dtypes, each parameter of the input's dtype or, for 16-bit data, float32 (the
     mixed precision torch.nn takes too)."""
-    if x.device.type != "cpu" or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
+    if not x.is_cpu or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
         return False
+    xd = x.dtype
     for p in params:
-        if p is not None and p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype in _HALF):
-            return False
-        if p is not None and p.device.type != "cpu":
+        if p is not None and (not p.is_cpu or (p.dtype != xd and not (p.dtype == torch.float32 and xd in _HALF))):
             return False
     return True
+
+
+def _state(m: nn.Module, *names: str) -> tuple:
+    """m's parameters and buffers by name, read from its dicts (nn.Module's __getattr__ is the slow
+    path of a small call) when m is exactly a drop-in; a subclass (a parametrization's, say) may
+    compute them, so it goes through getattr."""
+    if type(m) in _OWN:
+        p, b = m._parameters, m._buffers
+        return tuple(p[n] if n in p else b.get(n) for n in names)
+    return tuple(getattr(m, n) for n in names)
 
 
 def _direct(*tensors: Optional[Tensor]) -> bool:
@@ -91,11 +100,10 @@ class _BatchNormForward(_BatchNorm):
     that it types; BatchNorm1d's MRO puts nn.BatchNorm1d after it: super() is torch.nn's.)"""
 
     def forward(self, input: Tensor) -> Tensor:
-        rm, rv = self.running_mean, self.running_var
-        if (rm is None) != (rv is None) or not _takes(input, self.weight, self.bias, rm, rv):
+        rm, rv, w, b = _state(self, "running_mean", "running_var", "weight", "bias")
+        if (rm is None) != (rv is None) or not _takes(input, w, b, rm, rv):
             return super().forward(input)
         self._check_input_dim(input)
-        w, b = self.weight, self.bias
         direct = _direct(input, w, b)
         if not self.training and rm is not None:
             if direct:
@@ -103,7 +111,7 @@ class _BatchNormForward(_BatchNorm):
             return _bn(input, rm, rv, w, b, epsilon=self.eps)
         if self.training:
             F._verify_batch_size(input.size())  # type: ignore[attr-defined]
-        nbt = self.num_batches_tracked
+        (nbt,) = _state(self, "num_batches_tracked")
         if direct and self.training and self.track_running_stats and rm is not None and _direct(rm, rv, nbt):
             # the plain function updates the running statistics by the same rules, in one call
             if nbt is not None:
@@ -191,9 +199,9 @@ class LayerNorm(nn.LayerNorm):
     """:class:`torch.nn.LayerNorm` computed by simdnorm on the CPU."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if not _trailing(input, self.normalized_shape) or not _takes(input, self.weight, self.bias):
+        w, b = _state(self, "weight", "bias")
+        if not _trailing(input, self.normalized_shape) or not _takes(input, w, b):
             return super().forward(input)
-        w, b = self.weight, self.bias
         if _direct(input, w, b):
             return _plain(_sn.layer_norm, input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)
         return _layer_norm(input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)[0]
@@ -205,12 +213,12 @@ class RMSNorm(nn.RMSNorm):
     float64."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not _trailing(x, self.normalized_shape) or not _takes(x, self.weight):
+        (w,) = _state(self, "weight")
+        if not _trailing(x, self.normalized_shape) or not _takes(x, w):
             return super().forward(x)
         eps = self.eps
         if eps is None:
             eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
-        w = self.weight
         if _direct(x, w):
             return _plain(_sn.rms_norm, x, w, axis=-len(self.normalized_shape), epsilon=eps)
         return _rms_norm(x, w, axis=-len(self.normalized_shape), epsilon=eps)[0]
@@ -220,11 +228,11 @@ class GroupNorm(nn.GroupNorm):
     """:class:`torch.nn.GroupNorm` computed by simdnorm on the CPU."""
 
     def forward(self, input: Tensor) -> Tensor:
+        w, b = _state(self, "weight", "bias")
         if (input.dim() < 2 or input.shape[1] % self.num_groups != 0
                 or (self.affine and input.shape[1] != self.num_channels)
-                or not _takes(input, self.weight, self.bias)):
+                or not _takes(input, w, b)):
             return super().forward(input)
-        w, b = self.weight, self.bias
         if _direct(input, w, b):
             return _plain(_sn.group_norm, input, self.num_groups, w, b, epsilon=self.eps)
         return _group_norm(input, self.num_groups, w, b, epsilon=self.eps)[0]
@@ -241,6 +249,9 @@ _DROP_INS = {
     nn.InstanceNorm2d: InstanceNorm2d,
     nn.InstanceNorm3d: InstanceNorm3d,
 }
+
+
+_OWN = frozenset(_DROP_INS.values())
 
 
 def convert(model: nn.Module) -> nn.Module:
