@@ -499,17 +499,24 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     mean = mean.reshape(sshape)
     var = var.reshape(sshape)
     if running_mean is not None and count > 0:
-        bm, bv = mean.astype(np.float64), var.astype(np.float64)
-        rm, rv = running_mean.astype(np.float64), running_var.astype(np.float64)
-        if momentum_convention == "pytorch":
-            rm = (1.0 - m) * rm + m * bm
-            rv = (1.0 - m) * rv + m * bv * (count / (count - 1))
-        else:
-            rm = m * rm + (1.0 - m) * bm
-            rv = m * rv + (1.0 - m) * bv
-        running_mean[...] = rm
-        running_var[...] = rv
+        update_running(running_mean, running_var, mean, var, count, m, momentum_convention)
     return target, mean, var
+
+
+def update_running(running_mean: np.ndarray, running_var: np.ndarray, mean: np.ndarray, var: np.ndarray,
+                   count: int, m: float, convention: str) -> None:
+    """The running statistics' update in float64, each result rounded once into its buffer:
+    PyTorch's convention (momentum m, the unbiased variance of count > 1 elements) or ONNX's."""
+    bm, bv = mean.astype(np.float64), var.astype(np.float64)
+    rm, rv = running_mean.astype(np.float64), running_var.astype(np.float64)
+    if convention == "pytorch":
+        rm = (1.0 - m) * rm + m * bm
+        rv = (1.0 - m) * rv + m * bv * (count / (count - 1))
+    else:
+        rm = m * rm + (1.0 - m) * bm
+        rv = m * rv + (1.0 - m) * bv
+    running_mean[...] = rm
+    running_var[...] = rv
 
 
 _BACKWARD_DOC = """grad_output : array_like

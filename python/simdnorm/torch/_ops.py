@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from .._training import update_running
 from .. import (
     ACTIVATIONS,
     Activation,
@@ -302,14 +303,8 @@ def update_running_stats_(running_mean, running_var, mean, variance, num_batches
     if count == 0:
         return  # (an empty batch: NaN statistics, running statistics untouched)
     m = 1.0 / float(num_batches_tracked) if momentum is None else float(momentum)
-    rm, rv = _as_numpy(running_mean), _as_numpy(running_var)
-    bm, bv = _as_numpy(mean).astype(np.float64), _as_numpy(variance).astype(np.float64)
-    if momentum_convention == "pytorch":
-        rm[...] = (1.0 - m) * rm.astype(np.float64) + m * bm
-        rv[...] = (1.0 - m) * rv.astype(np.float64) + m * bv * (count / (count - 1))
-    else:
-        rm[...] = m * rm.astype(np.float64) + (1.0 - m) * bm
-        rv[...] = m * rv.astype(np.float64) + (1.0 - m) * bv
+    update_running(_as_numpy(running_mean), _as_numpy(running_var), _as_numpy(mean), _as_numpy(variance), count, m,
+                   momentum_convention)
 
 
 # ----------------------------------------------------------------------------------------------------
