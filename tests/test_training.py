@@ -359,6 +359,100 @@ def test_backward_layouts(rng, op, variant, layout, dtype):
     check_grad(res[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input (new)", context=ctx)
 
 
+# grad_input big enough for streaming stores (input, grad_output and grad_input over half the
+# last-level cache), each array at its own phase against a 64-byte line: a run's first elements up
+# to an aligned vector and its last ones take plain stores, the rest non-temporal ones. Checked
+# against the float64 reference, and bitwise against the same groups in a call too small to stream
+# (the first rows, images or channels; not channels last, whose sums are chunks of the whole).
+STREAMED_BACKWARD = [
+    # (op, shape with a placeholder 0 for the dim sized to pass the threshold, dtype, offsets in
+    # bytes of x, grad_output and grad_input past a line, every ISA)
+    ("layer_norm", (0, 768), F32, (16, 16, 16), True),
+    ("layer_norm", (0, 768), F32, (0, 36, 4), False),
+    ("layer_norm", (0, 777), F16, (6, 2, 10), True),
+    ("layer_norm", (0, 1000), BF16, (16, 16, 16), False),
+    ("layer_norm", (0, 300), F64, (8, 8, 8), False),
+    ("rms_norm", (0, 768), F32, (16, 16, 16), False),
+    ("instance_norm", (0, 16, 20, 20), F32, (16, 16, 48), False),
+    ("group_norm", (0, 32, 14, 14), F32, (16, 0, 16), True),
+    ("batch_norm", (4, 0, 56, 56), F32, (16, 16, 16), False),
+    ("batch_norm", (4, 0, 14, 14), F16, (2, 2, 2), True),
+    ("batch_norm_nhwc", (4, 14, 14, 0), F32, (16, 16, 36), False),
+    ("mvn023", (4, 0, 56, 56), F32, (16, 16, 16), False),
+]
+
+
+@pytest.mark.parametrize("op,shape,dtype,offsets,every_isa", STREAMED_BACKWARD,
+                         ids=[f"{o}-{dtype_id(d)}-{'-'.join(map(str, off))}" for o, _, d, off, _ in STREAMED_BACKWARD])
+def test_backward_streamed_grad_input_at_line_phases(rng, threads, op, shape, dtype, offsets, every_isa):
+    from cases import empty_past_line
+    from simdnorm import _core
+    from training_reference import (bn_backward_ref, group_norm_backward_ref, instance_norm_backward_ref,
+                                    layer_norm_backward_ref, mvn_backward_ref, rms_norm_backward_ref)
+
+    threads(1)
+    grow = shape.index(0)
+    per = int(np.prod([n for n in shape if n]))
+    size = _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * per) + 2
+    shape = shape[:grow] + (size,) + shape[grow + 1:]
+    x, dy, out = (empty_past_line(shape, dtype, o) for o in offsets)
+    x[...] = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(3.0, dtype)
+    dy[...] = rand_values(rng, shape, dtype, scale=1.0)
+    ca = -1 if op == "batch_norm_nhwc" else 1
+    channels = shape[ca]
+    scale = rand_values(rng, (shape[-1] if op in ("layer_norm", "rms_norm") else channels,), dtype, scale=1.0)
+    bias = rand_values(rng, scale.shape, dtype, scale=1.0)
+
+    def run(x, dy, out, sl=slice(None)):
+        """The op's backward over x (statistics of the forward), and its float64 reference."""
+        if op in ("layer_norm", "rms_norm", "instance_norm", "group_norm"):
+            if op == "layer_norm":
+                _, m, s = simdnorm.layer_norm(x, scale, bias, return_stats=True)
+                simdnorm.layer_norm_backward(dy, x, m, s, scale, bias, out=out)
+                return lambda: layer_norm_backward_ref(dy, x, m, s, scale, bias)
+            if op == "rms_norm":
+                _, _, r = simdnorm.rms_norm(x, scale, return_stats=True)
+                simdnorm.rms_norm_backward(dy, x, r, scale, out=out)
+                return lambda: rms_norm_backward_ref(dy, x, r, scale)
+            if op == "instance_norm":
+                _, m, s = simdnorm.instance_norm(x, scale, bias, return_stats=True)
+                simdnorm.instance_norm_backward(dy, x, m, s, scale, bias, out=out)
+                return lambda: instance_norm_backward_ref(dy, x, m, s, scale, bias)
+            _, m, s = simdnorm.group_norm(x, 8, scale, bias, return_stats=True)
+            simdnorm.group_norm_backward(dy, x, 8, m, s, scale, bias, out=out)
+            return lambda: group_norm_backward_ref(dy, x, 8, m, s, scale, bias)
+        if op == "mvn023":
+            _, m, s = simdnorm.mean_variance_normalization(x, (0, 2, 3), return_stats=True)
+            simdnorm.mean_variance_normalization_backward(dy, x, (0, 2, 3), m, s, out=out)
+            return lambda: mvn_backward_ref(dy, x, (0, 2, 3), m, s)
+        sc, b = scale[sl], bias[sl]
+        _, m, v = simdnorm.batch_normalization_training(x, sc, b, channel_axis=ca)
+        simdnorm.batch_normalization_backward(dy, x, m, v, sc, b, channel_axis=ca, out=out)
+        return lambda: bn_backward_ref(dy, x, m, v, sc, b, channel_axis=ca)
+
+    axes = {"layer_norm": (x.ndim - 1,), "rms_norm": (x.ndim - 1,), "instance_norm": (2, 3),
+            "group_norm": (2, 3), "mvn023": (0, 2, 3), "batch_norm": (0, 2, 3), "batch_norm_nhwc": (0, 1, 2)}[op]
+    plan = _core.mvn_backward(x, dy, axes, None, None, None, None, None, out, None, None, 1e-5, True, True, False,
+                              (0, 0.0, 0.0), True, False, 1, True)
+    assert "streaming-stores" in plan, plan
+    # the same groups in a call too small to stream: the first rows or images, or the first channels
+    part = (slice(None),) * (ca % x.ndim if op.startswith(("batch", "mvn")) else 0) + (slice(0, 2),)
+    small = out[part].copy()
+    previous = simdnorm.isa()
+    try:
+        for isa in simdnorm.available_isas() if every_isa else [previous]:
+            simdnorm.set_isa(isa)
+            run(x[part], dy[part], small, part[-1])
+            out[...] = np.nan
+            reference = run(x, dy, out)
+            if op != "batch_norm_nhwc":  # (whose sums go in chunks of the whole tensor: its own bits)
+                np.testing.assert_array_equal(bits(out[part]), bits(small), err_msg=f"isa={isa}")
+        ref = reference()
+        check_grad(out, ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=f"{op} isa={isa}")
+    finally:
+        simdnorm.set_isa(previous)
+
+
 @pytest.mark.parametrize("ndim", range(1, 9))
 @pytest.mark.parametrize("op", ["batch_norm", "mvn", "layer_norm", "rms_norm", "instance_norm", "group_norm"])
 def test_backward_every_rank(rng, op, ndim):

@@ -118,6 +118,15 @@ struct BackwardKernel {
 
   static V zero() { return splat<V>(0.0); }
 
+  // With streaming stores (t.stream_stores), the elements of a run at p before its first
+  // vector-aligned one, at most n; -1 where its elements are not aligned to their size.
+  static int64_t stream_head(const char* p, int64_t n) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (a % sizeof(T) != 0) return -1;
+    const int64_t head = static_cast<int64_t>((L::kVectorBytes - a % L::kVectorBytes) % L::kVectorBytes / sizeof(T));
+    return head < n ? head : n;
+  }
+
   // A vector of m elements of type E at p with byte stride s, gathered in the compute type.
   template <class E>
   static V gather(const char* p, int64_t s, int m) {
@@ -222,8 +231,8 @@ struct BackwardKernel {
     const Element<SStep, PStep, D> el(t, deriv, p, s, kPrefetchAheadBytes);
     const int64_t cs = static_cast<int64_t>(sizeof(C));
     // Grouped, the apply pass writes these elements next: their lines are fetched for writing
-    // while this pass waits on its reads.
-    char* const own_out = t.grouped && SStep != kAny && PStep != kAny ? p[kGradIn] : nullptr;
+    // while this pass waits on its reads (unless they are streamed).
+    char* const own_out = t.grouped && !t.stream_stores && SStep != kAny && PStep != kAny ? p[kGradIn] : nullptr;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     // Element steps of the targets (runtime for kAny: 0 sums in lanes like kConst).
     const int64_t sstep = SStep == kConst ? 0 : SStep == kUnit ? 1 : s[kStats] / cs;
@@ -286,6 +295,8 @@ struct BackwardKernel {
   // k's grad_input while it sums block k + 1 (as the forward's fused rows do): the reads from
   // memory and the writes go out together, block k is read again from the L1, and each parameter
   // slot is read and written once for R rows. Apply: dx = (x - mean) (-u^2 c2) + ga (scale u) - u c1.
+  // Each row's gradient is written in whole vectors from `head` (streamed: its first aligned one;
+  // the arithmetic is the same per element whatever the grid), its edges after.
   struct RowState {
     const char *x, *dy;
     char* dx;
@@ -327,6 +338,12 @@ struct BackwardKernel {
       else return dyv;
     };
     RowsOf<RowState, R> cur, next;
+    using Yes = std::true_type;
+    using No = std::false_type;
+    // Every row streams alike when the rows' step keeps their alignment.
+    int64_t head = t.stream_stores && step[kGradIn] % L::kVectorBytes == 0 ? stream_head(p[kGradIn], n) : -1;
+    const bool stream = head >= 0;
+    if (!stream) head = 0;
     auto open = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
       next.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
         const int64_t row = k * R + j;
@@ -336,8 +353,22 @@ struct BackwardKernel {
         r.a = zero(), r.b = zero();
       });
     };
-    // One vector of each row of `next` summed and/or of `cur` written, at element e (m of them).
-    auto at = [&](auto sum, auto write, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+    // m elements of each row of `cur` written from e.
+    // (full: a whole vector, streamed when asked; else m < W elements.)
+    auto write_cur = [&](auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
+      cur.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+        V d, y;
+        const V ga = grad_at(r, e, m, s, b, d, y);
+        const V dx = vfma(d, r.a, vfma(ga, s * r.u, r.b));
+        T* const q = reinterpret_cast<T*>(r.dx + e * es);
+        if constexpr (decltype(full)::value) L::store_or_stream(q, dx, stream);
+        else L::store_partial(q, dx, m);
+      });
+    };
+    // One vector of each row of `next` summed at element e (m of them), and with `full` one of
+    // `cur` written at e + head where it ends by n (the rest of a row: pass's edges).
+    auto at = [&](auto sum, auto write, auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
       if constexpr (decltype(sum)::value) {
         V p0 = zero(), p1 = zero();
@@ -345,7 +376,7 @@ struct BackwardKernel {
         next.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
           __builtin_prefetch(r.x + ahead_x + e * es, 0, 2);
           __builtin_prefetch(r.dy + ahead_dy + e * es, 0, 2);
-          __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
+          if (!stream) __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
           V d, y;
           V ga = grad_at(r, e, m, s, b, d, y);
           if (m < W) {
@@ -361,14 +392,8 @@ struct BackwardKernel {
           else LC::store_partial(pv0 + e, p0, m), LC::store_partial(pv1 + e, p1, m);
         }
       }
-      if constexpr (decltype(write)::value) {
-        cur.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-          V d, y;
-          const V ga = grad_at(r, e, m, s, b, d, y);
-          const V dx = vfma(d, r.a, vfma(ga, s * r.u, r.b));
-          if (m == W) L::store(reinterpret_cast<T*>(r.dx + e * es), dx);
-          else L::store_partial(reinterpret_cast<T*>(r.dx + e * es), dx, m);
-        });
+      if constexpr (decltype(write)::value && decltype(full)::value) {
+        if (e + head + W <= n) write_cur(full, e + head, W);
       }
     };
     // The loop over the rows, its sums added into their doubles every kSumFlush elements.
@@ -376,8 +401,18 @@ struct BackwardKernel {
       for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
         const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
         int64_t e = e0;
-        for (; e + W <= e1; e += W) at(sum, write, e, W);
-        if (e < e1) at(sum, write, e, static_cast<int>(e1 - e));
+        for (; e + W <= e1; e += W) at(sum, write, Yes{}, e, W);
+        if (e < e1) at(sum, write, No{}, e, static_cast<int>(e1 - e));
+        if constexpr (decltype(write)::value) {
+          if (e1 == n) {  // the rows' edges: [0, head) and the last m < W (one copy of the code)
+            const int64_t end = head + (n - head) / W * W;
+#pragma GCC unroll 1
+            for (int side = 0; side < 2; ++side) {
+              const int m = static_cast<int>(side == 0 ? head : n - end);
+              if (m > 0) write_cur(No{}, side == 0 ? 0 : end, m);
+            }
+          }
+        }
         if constexpr (decltype(sum)::value) {
           next.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
             acc.group[0][r.stat] += static_cast<double>(vreduce_add(r.a));
@@ -387,8 +422,6 @@ struct BackwardKernel {
         }
       }
     };
-    using Yes = std::true_type;
-    using No = std::false_type;
     open(0);
     pass(Yes{}, No{});
     for (int64_t k = 0; k < blocks; ++k) {
@@ -408,7 +441,8 @@ struct BackwardKernel {
     }
   }
 
-  // The apply pass over one run: dx = u * ((g - c1) - y * c2).
+  // The apply pass over one run: dx = u * ((g - c1) - y * c2). Streamed, the first step takes the
+  // elements before the first aligned vector (plain stores, as the last step's).
   template <int SStep, int PStep, class D>
   static void apply_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n) {
     // Grouped, the sums pass has just read the group: its data are in the L1.
@@ -416,11 +450,15 @@ struct BackwardKernel {
     const Element<SStep, PStep, D> el(t, deriv, p, s, (grouped ? 2 : 1) * kPrefetchAheadBytes);
     char* const dx_base = p[kGradIn];
     const int64_t sdx = s[kGradIn];
-    for (int64_t e = 0; e < n; e += W) {
-      const int m = static_cast<int>(n - e < W ? n - e : W);
+    constexpr bool unit = SStep != kAny && PStep != kAny;
+    const int64_t head = unit && t.stream_stores && !write_ga ? stream_head(dx_base, n) : -1;
+    const bool stream = head >= 0;
+    int m = 0;
+    for (int64_t e = 0; e < n; e += m) {
+      m = static_cast<int>(stream && e == 0 && head > 0 ? head : n - e < W ? n - e : W);
       V y, ga, g;
       char* out = dx_base + e * sdx;
-      if (SStep != kAny && PStep != kAny && !grouped) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
+      if (unit && !grouped && !stream) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
       el.at(e, m, y, ga, g);
       if (write_ga) {  // in the compute type, for the caller's sums
         C b[W];
@@ -429,9 +467,9 @@ struct BackwardKernel {
         continue;
       }
       const V dx = el.stat(e, 1, m) * vfma(splat<V>(0.0) - y, el.stat(e, 3, m), g - el.stat(e, 2, m));
-      if (SStep != kAny && PStep != kAny) {
-        if (m == W) L::store(reinterpret_cast<T*>(out), dx);
-        else L::store_partial(reinterpret_cast<T*>(out), dx, m);
+      if (unit) {
+        if (m < W) L::store_partial(reinterpret_cast<T*>(out), dx, m);
+        else L::store_or_stream(reinterpret_cast<T*>(out), dx, stream);
       } else {
         T b[W];
         L::store_partial(b, dx, m);

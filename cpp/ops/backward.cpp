@@ -83,13 +83,19 @@ class BackwardRunner {
     task_.normalize_variance = a_.normalize_variance;
     task_.epsilon_outside = a_.epsilon_outside;
     task_.statistics_terms = want_group_;
+    // As the forward's: non-temporal stores where the operands together pass the caches (not in
+    // place, where the data are cached).
+    const void* dx = a_.grad_input ? a_.grad_input->data : nullptr;
+    task_.stream_stores = dx != nullptr && !a_.write_ga && dx != x.data && dx != a_.grad_output.data &&
+                          3 * total * itemsize(x.dtype) > stream_threshold_bytes();
 
     Problem p = problem();
     const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));
     const bool grouped = want_group_ && !rp.lanes && rp.groups > 1;
     if (explain != nullptr) {
       *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count()) +
-                 " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : elementwise(p));
+                 " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : elementwise(p)) +
+                 (task_.stream_stores ? " streaming-stores" : "");
       return;
     }
     task_.grouped = grouped;
@@ -258,6 +264,7 @@ class BackwardRunner {
         call.count = std::min(g1, (g / nest.sizes[inner] + 1) * nest.sizes[inner]) - g;
         k.backward_groups(task_, call);
       }
+      if (task_.stream_stores) fence_streaming_stores();
     });
     write_param_sums(merged(partials, 0, want_params_ ? 2 * params_->count() : 0));
   }
@@ -320,7 +327,10 @@ class BackwardRunner {
       write_param_sums({});
     }
     if (!a_.grad_input) return;
-    for_element_ranges(total, [&](int64_t begin, int64_t end) { k.backward_apply(task_, nest, begin, end); });
+    for_element_ranges(total, [&](int64_t begin, int64_t end) {
+      k.backward_apply(task_, nest, begin, end);
+      if (task_.stream_stores) fence_streaming_stores();
+    });
   }
 
   const MvnBackwardArgs& a_;

@@ -422,6 +422,13 @@ struct FullLanes {
     stream_vector(p, v0);
     stream_vector(p + W, v1);
   }
+  // One vector, non-temporally (stream: to an address aligned to kVectorBytes; the caller
+  // fences) or not.
+  static constexpr int kVectorBytes = sizeof(Vec);
+  static void store_or_stream(E* p, V v, bool stream) {
+    if (stream) stream_vector(p, v);
+    else store(p, v);
+  }
   static V load_partial(const E* p, int n) {
 #if defined(__AVX512F__)
     return masked_load(p, n);
@@ -576,6 +583,21 @@ struct Lanes16 {
 #else
     store2(p, v0, v1);
 #endif
+  }
+  // One vector, non-temporally (stream: to an address aligned to kVectorBytes; the caller
+  // fences) or not, converted once either way.
+  static constexpr int kVectorBytes = sizeof(vh);
+  static void store_or_stream(Tag* p, V v, bool stream) {
+    vh h = FromFloat(v);
+#if defined(__AVX2__)
+    __asm__("" : "+x"(h));  // (as store's)
+#endif
+#if defined(__AVX512F__)
+    if (stream) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)h);
+#elif defined(__AVX2__)
+    if (stream) return _mm_stream_si128(reinterpret_cast<__m128i*>(p), (__m128i)h);
+#endif
+    std::memcpy(p, &h, sizeof h);
   }
   static V load_partial(const Tag* p, int n) { return ToFloat(raw_load_partial(p, n)); }
   static void store_partial(Tag* p, V v, int n) {
