@@ -119,10 +119,12 @@ struct BackwardKernel {
   static V zero() { return splat<V>(0.0); }
 
   // With streaming stores (t.stream_stores), the elements of a run at p before its first
-  // vector-aligned one, at most n; -1 where its elements are not aligned to their size.
+  // vector-aligned one, at most n; -1 where its elements are not aligned to their size, or where
+  // a vector is not a whole 64-byte line (16-bit data, AVX2): half lines streamed from rows side
+  // by side, or next to a plain store, reach memory as partial writes, slower than plain stores.
   static int64_t stream_head(const char* p, int64_t n) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    if (a % sizeof(T) != 0) return -1;
+    if (L::kVectorBytes != 64 || a % sizeof(T) != 0) return -1;
     const int64_t head = static_cast<int64_t>((L::kVectorBytes - a % L::kVectorBytes) % L::kVectorBytes / sizeof(T));
     return head < n ? head : n;
   }
@@ -363,6 +365,7 @@ struct BackwardKernel {
         const V dx = vfma(d, r.a, vfma(ga, s * r.u, r.b));
         T* const q = reinterpret_cast<T*>(r.dx + e * es);
         if constexpr (decltype(full)::value) L::store_or_stream(q, dx, stream);
+        else if (stream) L::store_partial_stream(q, dx, m);  // (a plain store would read the line)
         else L::store_partial(q, dx, m);
       });
     };
@@ -468,8 +471,9 @@ struct BackwardKernel {
       }
       const V dx = el.stat(e, 1, m) * vfma(splat<V>(0.0) - y, el.stat(e, 3, m), g - el.stat(e, 2, m));
       if (unit) {
-        if (m < W) L::store_partial(reinterpret_cast<T*>(out), dx, m);
-        else L::store_or_stream(reinterpret_cast<T*>(out), dx, stream);
+        if (m == W) L::store_or_stream(reinterpret_cast<T*>(out), dx, stream);
+        else if (stream) L::store_partial_stream(reinterpret_cast<T*>(out), dx, m);  // (as rows_stream's edges)
+        else L::store_partial(reinterpret_cast<T*>(out), dx, m);
       } else {
         T b[W];
         L::store_partial(b, dx, m);

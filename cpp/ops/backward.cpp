@@ -84,10 +84,11 @@ class BackwardRunner {
     task_.epsilon_outside = a_.epsilon_outside;
     task_.statistics_terms = want_group_;
     // As the forward's: non-temporal stores where the operands together pass the caches (not in
-    // place, where the data are cached).
+    // place, where the data are cached); not 16-bit data, whose vectors are half a line (the
+    // kernels store plainly wherever a vector is not a whole line: BackwardKernel::stream_head).
     const void* dx = a_.grad_input ? a_.grad_input->data : nullptr;
     task_.stream_stores = dx != nullptr && !a_.write_ga && dx != x.data && dx != a_.grad_output.data &&
-                          3 * total * itemsize(x.dtype) > stream_threshold_bytes();
+                          itemsize(x.dtype) >= 4 && 3 * total * itemsize(x.dtype) > stream_threshold_bytes();
 
     Problem p = problem();
     const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));
