@@ -35,10 +35,6 @@ void fold_statistics(const double* const* in, double* const* out, int64_t n, con
   std::fill(out[2], out[2] + n, 0.0);
   std::fill(out[3], out[3] + n, 0.0);
 }
-void fold_parameters(const double* const* in, double* const* out, int64_t n, const void*) {
-  std::copy(in[0], in[0] + n, out[0]);
-  std::copy(in[1], in[1] + n, out[1]);
-}
 
 // Blocks of groups (or chunks of elements) hold at most this many bytes of partial sums in all.
 constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;
@@ -116,7 +112,7 @@ class BackwardRunner {
         x.ndim, x.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
                                                    {a_.bias ? &*a_.bias : nullptr, 0.0}},
-        std::initializer_list<int>{kParams, kParams}, compute_, fold_parameters, nullptr);
+        std::initializer_list<int>{kParams, kParams}, compute_, nullptr, nullptr);
     for (const auto& out : a_.param_sums)
       if (out) SIMDNORM_CHECK(out->dtype == DType::f64 && element_count_of(*out) == params_->count());
   }

@@ -79,6 +79,33 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
     heap_.reset(new char[bytes]);
     storage_ = heap_.get();
   }
+  // No fold (each output its input): inputs already compact in the compute type are copied as
+  // they are (per-element layer norm parameters: thousands of elements, each call).
+  if (fold == nullptr) {
+    SIMDNORM_CHECK(nin == outputs);
+    bool compact = true;
+    for (int i = 0; i < nin && compact; ++i) {
+      if (in[i].view == nullptr) continue;
+      compact = in[i].view->dtype == compute;
+      int64_t step = elsize_;
+      for (int d = nd - 1; d >= 0 && compact; --d) {
+        compact = in_strides[i][d] == step;
+        step *= shape[d];
+      }
+    }
+    if (compact) {
+      for (int i = 0; i < nin; ++i) {
+        if (in[i].view != nullptr) {
+          std::memcpy(data(i), in[i].view->data, static_cast<size_t>(pitch_));
+        } else if (compute == DType::f64) {
+          std::fill_n(reinterpret_cast<double*>(data(i)), count_, in[i].absent_value);
+        } else {
+          std::fill_n(reinterpret_cast<float*>(data(i)), count_, static_cast<float>(in[i].absent_value));
+        }
+      }
+      return;
+    }
+  }
   // Chunks of the flat broadcast index: gather each input (its dtype switch outside the loop),
   // fold the chunk, store it; no temporaries beyond the stack.
   double vin[kMaxInputs][kChunk], vout[kMaxInputs][kChunk];
@@ -132,7 +159,9 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
         case DType::bf16: gather([](const char* q) { return load_scalar(DType::bf16, q); }); break;
       }
     }
-    fold(in_rows, out_rows, n, ctx);
+    if (fold != nullptr) fold(in_rows, out_rows, n, ctx);
+    else
+      for (int o = 0; o < outputs; ++o) std::copy(vin[o], vin[o] + n, vout[o]);
     for (int o = 0; o < outputs; ++o) {
       char* dst = data(o) + c0 * elsize_;
       if (compute == DType::f64) {

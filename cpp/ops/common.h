@@ -30,7 +30,8 @@ class FoldedParams {
   };
   // fold(in, out, n, ctx) maps n <= kChunk elements of the broadcast shape, given as one array per
   // input (in[i][k]), to one array per output (out[o][k]); the results are stored in the compute
-  // type. Output o is the kernel's operand operands[o] (kShift...kBias).
+  // type. Output o is the kernel's operand operands[o] (kShift...kBias). A null fold makes each
+  // output its input (as many of each).
   static constexpr int64_t kChunk = 256;
   using Fold = void (*)(const double* const* in, double* const* out, int64_t n, const void* ctx);
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,

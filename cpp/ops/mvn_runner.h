@@ -100,7 +100,6 @@ class MvnRunner {
   // finish_fused_rows, a call per row otherwise).
 
   // ---- setup (mvn.cpp) --------------------------------------------------------------------------
-  static inline void identity2(const double* const* in, double* const* out, int64_t n, const void*);
   inline void fold_affine();
   inline void build_plan();
   inline UnderflowRule underflow_rule() const;
