@@ -239,9 +239,11 @@ struct MomentsKernel {
       alignas(64) double piv[kLanes];
       for (int c = 0; c < nb; ++c) piv[c] = a.pivot[c0 + c] * a.scale;
       for (int c = nb; c < nv * W; ++c) piv[c] = 0.0;
-      vd vp[kVecs * kParts], s1[kVecs * kParts], s2[kVecs * kParts];  // (in memory: too many for registers)
+      // d = fma(x, scale, -pivot * scale): the value of x * scale - pivot * scale (scale is a power
+      // of two: the product is exact), one instruction fewer.
+      vd negp[kVecs * kParts], s1[kVecs * kParts], s2[kVecs * kParts];  // (in memory: too many for registers)
       for (int v = 0; v < nv * kParts; ++v) {
-        vp[v] = Lanes<double>::load(piv + v * WD);
+        negp[v] = vbroadcast_vd(0.0) - Lanes<double>::load(piv + v * WD);
         s1[v] = s2[v] = vbroadcast_vd(0.0);
       }
       const vd scale = vbroadcast_vd(a.scale);
@@ -268,7 +270,7 @@ struct MomentsKernel {
             const int q = v * kParts + decltype(p)::value;
             vd t1 = s1[q], t2 = s2[q];
             for (int j = 0; j < R; ++j) {
-              const vd d = load(j, p) * scale - vp[q];  // lanes past nb: 0 - 0
+              const vd d = vfma(load(j, p), scale, negp[q]);  // lanes past nb: 0 - 0
               t1 += d;
               t2 = vfma(d, d, t2);
             }
