@@ -456,6 +456,26 @@ def test_backward_streamed_grad_input_at_line_phases(rng, threads, op, shape, dt
         simdnorm.set_isa(previous)
 
 
+# Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
+# element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
+# dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same
+# values added again and again) is where float32 sums drift most. (Found by the training fuzzer.)
+@pytest.mark.parametrize("threads_n", [1, 2])
+def test_param_sums_of_parameters_repeating_within_groups(rng, threads, threads_n):
+    from training_reference import layer_norm_backward_ref
+
+    threads(threads_n)
+    shape = (4, 3, 15, 3, 3, 8, 4, 2)
+    x = rand_values(rng, shape, F32, scale=0.01)
+    dy = np.broadcast_to(rand_values(rng, (1, 1, 1, 3, 1, 1, 4, 2), F32, scale=1.0) + np.float32(0.7), shape)
+    scale = rand_values(rng, (4, 2), F32, scale=1.0)
+    bias = rand_values(rng, (4, 2), F32, scale=1.0)
+    _, m, s = simdnorm.layer_norm(x, scale, bias, axis=-6, return_stats=True)
+    res = simdnorm.layer_norm_backward(dy, x, m, s, scale, bias, axis=-6)
+    ref = layer_norm_backward_ref(dy, x, m, s, scale, bias, axis=-6)
+    check_grads(res, ref, x=x, scale=scale, bias=bias, want=("input", "scale", "bias"), context=f"threads={threads_n}")
+
+
 @pytest.mark.parametrize("ndim", range(1, 9))
 @pytest.mark.parametrize("op", ["batch_norm", "mvn", "layer_norm", "rms_norm", "instance_norm", "group_norm"])
 def test_backward_every_rank(rng, op, ndim):

@@ -606,8 +606,17 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
     });
     return;
   }
+  const int64_t chunk = gs.flush_elements > 0 && s.param[0] != nullptr && !scale_per_group ? gs.flush_elements : n;
   for (int64_t k = 0; k < gs.count; ++k) {
-    sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA { K::sums(t, g, 0, n, sums); });
+    sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
+      for (int64_t b = 0; b < n; b += chunk) {
+        K::sums(t, g, b, std::min(n, b + chunk), sums);
+        if (chunk < n) {
+          flush_vary<C>(s.param[0], s.param_vary[0], gs.param_count);
+          flush_vary<C>(s.param[1], s.param_vary[1], gs.param_count);
+        }
+      }
+    });
     if (gs.apply) K::apply(t, g, 0, n);
     finish(k);
   }

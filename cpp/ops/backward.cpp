@@ -240,13 +240,24 @@ class BackwardRunner {
       for (int op = 0; op < kNumOperands; ++op) sub.strides[op][d] = nest.strides[op][rp.kept_dims + d];
     }
     const int inner = rp.kept_dims - 1;  // groups at one step along it go to the kernel in one call
+    // A param slot takes one float add per run that reaches it (parameters varying along runs), so
+    // a group adds group_size / (its distinct parameter elements) to each: the slots are flushed
+    // into their doubles every kFlushRuns of those adds, within a group (every kFlushRuns runs)
+    // where one group adds more.
+    int64_t distinct = 1;
+    for (int d = 0; d < sub.ndim; ++d)
+      if (sub.strides[kParams][d] != 0) distinct *= sub.sizes[d];
+    const int64_t repeats = n_ / distinct;
+    const int64_t flush_every = repeats <= kFlushRuns ? std::max<int64_t>(1, kFlushRuns / repeats) : 1;
+    const int64_t flush_elements = repeats <= kFlushRuns ? 0 : kFlushRuns * sub.sizes[sub.ndim - 1];
     for_parts(blocks, groups * n_, [&](int b) {
       const int64_t g0 = b * per, g1 = std::min(groups, g0 + per);
       BackwardGroups call;
       call.group = sub;
       call.sums = sums_of(partials[static_cast<size_t>(b)], true, want_params_, &group_sums);
       call.param_count = params_->count();
-      call.flush_every = kFlushRuns;
+      call.flush_every = flush_every;
+      call.flush_elements = flush_elements;
       call.apply = a_.grad_input.has_value();
       for (int op = 0; op < kNumOperands; ++op) call.step[op] = nest.data[op] != nullptr ? nest.strides[op][inner] : 0;
       for (int64_t g = g0; g < g1; g += call.count) {

@@ -173,6 +173,9 @@ struct BackwardGroups {
   BackwardSums sums;               // group sums: doubles by statistics element; the block's param sums
   int64_t param_count = 0;         // the param slots to flush every flush_every groups
   int64_t flush_every = 32;
+  // Elements of a group summed between flushes of the param slots (0: the whole group): groups
+  // whose parameters repeat more than a few dozen times within them.
+  int64_t flush_elements = 0;
   bool apply = true;               // write grad_input
 };
 
