@@ -445,7 +445,7 @@ struct BackwardKernel {
   }
 
   // The apply pass over one run: dx = u * ((g - c1) - y * c2). Streamed, the first step takes the
-  // elements before the first aligned vector (plain stores, as the last step's).
+  // elements before the first aligned vector (streamed in pieces, as the last step's).
   template <int SStep, int PStep, class D>
   static void apply_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n) {
     // Grouped, the sums pass has just read the group: its data are in the L1.

@@ -240,16 +240,17 @@ class BackwardRunner {
       for (int op = 0; op < kNumOperands; ++op) sub.strides[op][d] = nest.strides[op][rp.kept_dims + d];
     }
     const int inner = rp.kept_dims - 1;  // groups at one step along it go to the kernel in one call
-    // A param slot takes one float add per run that reaches it (parameters varying along runs), so
-    // a group adds group_size / (its distinct parameter elements) to each: the slots are flushed
-    // into their doubles every kFlushRuns of those adds, within a group (every kFlushRuns runs)
-    // where one group adds more.
+    // Parameters varying along the runs are summed in float slots, one add per run that reaches a
+    // slot, so a group adds group_size / (its distinct parameter elements) to each: the slots are
+    // flushed into their doubles every kFlushRuns of those adds, within a group (every kFlushRuns
+    // runs) where one group adds more. (Parameters constant along the runs sum into doubles.)
     int64_t distinct = 1;
     for (int d = 0; d < sub.ndim; ++d)
       if (sub.strides[kParams][d] != 0) distinct *= sub.sizes[d];
-    const int64_t repeats = n_ / distinct;
+    const int64_t run = sub.ndim > 0 ? sub.sizes[sub.ndim - 1] : 1;
+    const int64_t repeats = sub.ndim > 0 && sub.strides[kParams][sub.ndim - 1] != 0 ? n_ / distinct : 1;
     const int64_t flush_every = repeats <= kFlushRuns ? std::max<int64_t>(1, kFlushRuns / repeats) : 1;
-    const int64_t flush_elements = repeats <= kFlushRuns ? 0 : kFlushRuns * sub.sizes[sub.ndim - 1];
+    const int64_t flush_elements = repeats <= kFlushRuns ? 0 : kFlushRuns * run;
     for_parts(blocks, groups * n_, [&](int b) {
       const int64_t g0 = b * per, g1 = std::min(groups, g0 + per);
       BackwardGroups call;
