@@ -367,13 +367,17 @@ def round_to(a, dtype) -> np.ndarray:
         return np.asarray(a, dtype=np.float64).astype(dtype).astype(np.float64)
 
 
+# Where the activations that are not monotonic take their minimum (no parameters move it).
+ACTIVATION_MINIMA = {"gelu": (-0.7517915485,), "silu": (-1.2784645428,), "hard_swish": (-1.5,)}
+
+
 def allowed_interval(z, zscale, dtype, activation=None, act_params=None, *, extra_rtol=0.0,
                      scale_floor=None):
     """Per element, the interval [lo, hi] a correct result may take.
 
     The pre-activation value may be off by d = COMPUTE_RTOL * zscale; the interval covers the
     activation over [z - d, z + d] (evaluated at both ends and the middle, so jumps and kinks are
-    covered), widened by OUTPUT_RTOL (rounding to the output type) relative to each value, plus an
+    covered, and at the minimum of gelu, silu and hard_swish where it lies inside), widened by OUTPUT_RTOL (rounding to the output type) relative to each value, plus an
     absolute floor OUTPUT_RTOL * max|ref| (the "output scale")."""
     dt = np.dtype(dtype)
     z = np.asarray(z, np.float64)
@@ -385,6 +389,11 @@ def allowed_interval(z, zscale, dtype, activation=None, act_params=None, *, extr
         f_hi = apply_activation(z + d, activation, act_params)
         lo = np.minimum(np.minimum(f_lo, f_hi), ref)
         hi = np.maximum(np.maximum(f_lo, f_hi), ref)
+        # the non-monotonic activations' minima inside [z - d, z + d] (clipped there otherwise)
+        for zc in ACTIVATION_MINIMA.get(activation, ()):
+            f_c = apply_activation(np.clip(zc, z - d, z + d), activation, act_params)
+            lo = np.minimum(lo, f_c)
+            hi = np.maximum(hi, f_c)
     rt = OUTPUT_RTOL[dt]
     if dt != F64 and activation is not None:
         rt += ACT_EXTRA_RTOL_F32.get(activation, 0.0)
