@@ -566,12 +566,14 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
       s.param[1][pi] += own[1];
     }
   };
+  // The parameters' float slots into their doubles (kept where they vary along the runs).
+  const bool slots = s.param[0] != nullptr && !scale_per_group;
+  auto flush_slots = [&] {
+    flush_vary<C>(s.param[0], s.param_vary[0], gs.param_count);
+    flush_vary<C>(s.param[1], s.param_vary[1], gs.param_count);
+  };
   auto finish = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
-    if (s.param[0] != nullptr && !scale_per_group &&
-        (k % gs.flush_every == gs.flush_every - 1 || k == gs.count - 1)) {
-      flush_vary<C>(s.param[0], s.param_vary[0], gs.param_count);
-      flush_vary<C>(s.param[1], s.param_vary[1], gs.param_count);
-    }
+    if (slots && (k % gs.flush_every == gs.flush_every - 1 || k == gs.count - 1)) flush_slots();
     for (int op = 0; op < kNumOperands; ++op) g.data[op] += gs.step[op];
   };
   if (g.ndim == 1) {  // one run a group (layer and RMS norm rows): its loop chosen once for all
@@ -606,15 +608,12 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
     });
     return;
   }
-  const int64_t chunk = gs.flush_elements > 0 && s.param[0] != nullptr && !scale_per_group ? gs.flush_elements : n;
+  const int64_t chunk = slots && gs.flush_elements > 0 ? gs.flush_elements : n;
   for (int64_t k = 0; k < gs.count; ++k) {
     sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
       for (int64_t b = 0; b < n; b += chunk) {
         K::sums(t, g, b, std::min(n, b + chunk), sums);
-        if (chunk < n) {
-          flush_vary<C>(s.param[0], s.param_vary[0], gs.param_count);
-          flush_vary<C>(s.param[1], s.param_vary[1], gs.param_count);
-        }
+        if (chunk < n) flush_slots();
       }
     });
     if (gs.apply) K::apply(t, g, 0, n);
