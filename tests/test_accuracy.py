@@ -313,6 +313,37 @@ def test_columns_lanes_settled_apart(isa, rng, threads, dtype, variant):
               epsilon=1e-3, epsilon_mode="outside" if variant == "outside" else "inside", context=variant)
 
 
+# Tasks of whole rows (columns longer than the L2 holds: channels-last batch norm's statistics) are
+# summed in chunks of rows fixed by the shape, the chunks over all threads, added in order. Rows
+# of a sliced view (the reduced dims do not merge), so the chunks cut through the outer dim; the
+# lanes of _mixed_lanes, the settled-apart ones summed again; statistics only too (moments).
+@pytest.mark.parametrize("dtype", [F32, F16, F64], ids=dtype_id)
+def test_columns_whole_rows_summed_in_chunks(isa, rng, threads, dtype):
+    from simdnorm import _core
+    outer, rows, lanes = 9, 4000, 32
+    x = _mixed_lanes(rng, dtype, outer * (rows + 1), lanes).reshape(outer, rows + 1, lanes)[:, :rows]
+    plan = _core.explain_mvn(x, (0, 1), None, None, np.empty_like(x), 1e-3, True, True, False, (0, 0.0, 0.0),
+                             None, None, -1, False)
+    assert plan.startswith(f"columns groups=1 lanes={lanes} group_size={outer * rows} lanes_per_task={lanes} "), plan
+    results, moments = [], []
+    for n in (1, 2):
+        threads(n)
+        out = np.full_like(x, np.nan)
+        results.append(mvn(x, (0, 1), out=out, return_stats=True, epsilon=1e-3))
+        m = simdnorm.moments(x, (0, 1))
+        moments.append((m.mean, m.m2))
+    _assert_bitwise(results[0], results[1], dtype_id(dtype))
+    _assert_bitwise(moments[0], moments[1], f"moments {dtype_id(dtype)}")
+    y, m, inv = results[1]
+    assert np.isnan(y[..., 11]).all() and np.isnan(m[..., 11]).all() and np.isnan(inv[..., 11]).all()
+    ok = np.arange(lanes) != 11
+    check_mvn(y[..., ok], x[..., ok], (0, 1), stats=(m[..., ok], inv[..., ok]), epsilon=1e-3)
+    ref = x[..., ok].astype(np.float64)
+    np.testing.assert_allclose(moments[1][0][..., ok], ref.mean(axis=(0, 1), keepdims=True), rtol=1e-10)
+    np.testing.assert_allclose(moments[1][1][..., ok] / (outer * rows), ref.var(axis=(0, 1), keepdims=True),
+                               rtol=1e-9)
+
+
 # ----------------------------------------------------------------------------------------------
 # reductions of 10^6 elements and thread-count independence
 # ----------------------------------------------------------------------------------------------

@@ -7,42 +7,105 @@
 namespace simdnorm {
 namespace {
 
-// Tasks of lanes_per_task() lanes at one kept index, split between threads; each task's
-// statistics and then its normalization while its block is cached.
+// Tasks of lanes_per_task() lanes at one kept index. Tasks that fit in cache are split between
+// threads whole: each task's statistics and then its normalization while its block is cached.
+// Tasks of whole rows (nothing stays cached between the passes) are split into chunks of rows
+// (run_columns_chunked).
 void MvnRunner::run_columns() {
   const int64_t lanes_per_task = this->lanes_per_task();
   const int64_t blocks = (plan_.lane_count + lanes_per_task - 1) / lanes_per_task;
   const int64_t tasks = plan_.groups * blocks;
+  if (whole_row_tasks()) return run_columns_chunked(tasks, blocks, lanes_per_task);
   int parts = parts_for(plan_.groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
   if (parts > tasks) parts = static_cast<int>(tasks);
   const int64_t per = (tasks + parts - 1) / parts;
   parallel_for(parts, [&](int part) {
     LaneScratch lane(lanes_per_task);
     for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
-      const int64_t ko = t / blocks, c0 = (t % blocks) * lanes_per_task;
-      const int64_t nb = c0 + lanes_per_task < plan_.lane_count ? lanes_per_task : plan_.lane_count - c0;
-      column_task(ko, c0, nb, lane);
+      const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
+      column_task(c.ko, c.c0, c.nb, lane);
     }
   });
 }
 
+// Whole-row tasks (channels-last batch norm: one task of all the channels down 25088 rows): each
+// task's rows in column_chunks() chunks, fixed by the shape, their sums taken over all threads and
+// added in chunk order (so the same bits for any thread count); then each task's lanes finished,
+// and one normalization pass over all threads.
+void MvnRunner::run_columns_chunked(int64_t tasks, int64_t blocks, int64_t lanes_per_task) {
+  const int64_t chunks = column_chunks(lanes_per_task), rows = plan_.group_size;
+  const int64_t task_sums = chunks * 2 * lanes_per_task;  // a task's chunks: s1 then s2 of each
+  std::vector<double> pivots(static_cast<size_t>(tasks * lanes_per_task));
+  std::vector<double> sums(static_cast<size_t>(tasks * task_sums));
+  for (int64_t t = 0; t < tasks; ++t) {
+    const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
+    load_pivots(c.ko, c.c0, c.nb, pivots.data() + t * lanes_per_task);
+  }
+  const int64_t items = tasks * chunks;
+  int parts = parts_for(plan_.groups * plan_.lane_count * rows, kMinElementsPerThread);
+  if (parts > items) parts = static_cast<int>(items);
+  const int64_t per = (items + parts - 1) / parts;
+  parallel_for(parts, [&](int part) {
+    for (int64_t i = part * per; i < (part + 1) * per && i < items; ++i) {
+      const int64_t t = i / chunks, k = i % chunks;
+      const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
+      double* s1 = sums.data() + t * task_sums + k * 2 * lanes_per_task;
+      column_sums(c.ko, c.c0, c.nb, pivots.data() + t * lanes_per_task, 1.0, k * rows / chunks,
+                  (k + 1) * rows / chunks, s1, s1 + lanes_per_task);
+    }
+  });
+  int tparts = parts_for(tasks * lanes_per_task * 64, kMinElementsPerThread);
+  if (tparts > tasks) tparts = static_cast<int>(tasks);
+  const int64_t tper = (tasks + tparts - 1) / tparts;
+  parallel_for(tparts, [&](int part) {
+    LaneScratch lane(lanes_per_task);
+    for (int64_t t = part * tper; t < (part + 1) * tper && t < tasks; ++t) {
+      const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
+      std::copy_n(pivots.data() + t * lanes_per_task, c.nb, lane.pivot.data());
+      std::fill(lane.s1.begin(), lane.s1.end(), 0.0);
+      std::fill(lane.s2.begin(), lane.s2.end(), 0.0);
+      for (int64_t k = 0; k < chunks; ++k) {
+        const double* s1 = sums.data() + t * task_sums + k * 2 * lanes_per_task;
+        for (int64_t j = 0; j < c.nb; ++j) {
+          lane.s1[j] += s1[j];
+          lane.s2[j] += s1[lanes_per_task + j];
+        }
+      }
+      finish_lanes(c.ko, c.c0, c.nb, lane);
+    }
+  });
+  if (!a_.statistics_only) run_normalize(task_);
+}
+
+// One task: its lanes' statistics, then their normalization while the task's block is cached.
+void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
+  load_pivots(ko, c0, nb, lane.pivot.data());
+  column_sums(ko, c0, nb, lane.pivot.data(), 1.0, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
+  finish_lanes(ko, c0, nb, lane);
+  if (a_.statistics_only) return;
+  NormalizeTask sub = column_normalize_task(ko, c0, nb);
+  kernels().normalize(sub, 0, plan_.group_size * nb);
+}
+
+// Every lane starts unscaled around its first element (first_pass()).
+void MvnRunner::load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) const {
+  const int64_t lane_stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1];
+  if (a_.normalize_mean) load_as_double(a_.input.dtype, group_first_element(ko) + c0 * lane_stride, lane_stride, nb, pivot);
+  else std::fill(pivot, pivot + nb, 0.0);
+}
+
+// The lanes' statistics from their sums (lane.s1, lane.s2 around lane.pivot): the internal shift
+// and mul, and the user's statistics.
 // A task's lanes are finished together by the lane kernels (kernels/lane_stats.h: judge()'s
 // common case, finite sums and the pivot close enough to the mean, for every lane; then the square
 // roots and divisions), vectorized: one lane at a time (judge, inv_std and the stores behind
 // branches) they would cost lanes of few rows as much as their sums. Lanes that fail the common
 // case go through judge() and are summed again.
-void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
-  const LoopNest& nest = plan_.nest;
-  const int lanes_dim = nest.ndim - 1;
-  const int64_t lane_stride = nest.strides[kIn][lanes_dim];
-  const char* first = group_first_element(ko) + c0 * lane_stride;
+void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
+  const int lanes_dim = plan_.nest.ndim - 1;
   double *pivot = lane.pivot.data(), *s1 = lane.s1.data(), *s2 = lane.s2.data(), *mean = lane.mean.data(),
          *var = lane.var.data(), *istd = lane.inv_std.data();
   unsigned char* slow = lane.slow.data();
-  // Every lane starts unscaled around its first element (first_pass()).
-  if (a_.normalize_mean) load_as_double(a_.input.dtype, first, lane_stride, nb, pivot);
-  else std::fill(pivot, pivot + nb, 0.0);
-  column_sums(ko, c0, nb, pivot, 1.0, s1, s2);
   const KernelTable& table = kernels();
   std::vector<ScaledLane> scaled;  // lanes whose var is in scaled units (GroupResult): rarely any
   if (table.lane_stats(LaneStatsArgs{nb, inv_group_size_, a_.normalize_mean, underflow_, pivot, s1, s2, mean, var,
@@ -80,9 +143,6 @@ void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lan
       }
     }
   }
-  if (a_.statistics_only) return;
-  NormalizeTask sub = column_normalize_task(ko, c0, nb);
-  table.normalize(sub, 0, plan_.group_size * nb);
 }
 
 // A nest of [reduced..., nb lanes] at kept index ko, lane c0.
@@ -104,32 +164,32 @@ NormalizeTask MvnRunner::column_normalize_task(int64_t ko, int64_t c0, int64_t n
   return sub;
 }
 
-// Accumulates lanes [c0, c0 + nb) of kept index `ko` down all rows (the reduced dims).
-void MvnRunner::column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, double* s1,
-                            double* s2) const {
+// Accumulates lanes [c0, c0 + nb) of kept index `ko` down rows [f0, f1) of the reduced dims
+// (flat: the innermost reduced dim is the kernel's rows).
+void MvnRunner::column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, int64_t f0,
+                            int64_t f1, double* s1, double* s2) const {
   const LoopNest& nest = plan_.nest;
   const int lanes_dim = nest.ndim - 1, r0 = plan_.kept_dims, rlast = plan_.kept_dims + plan_.reduced_dims - 1;
   const char* base = group_first_element(ko) + c0 * nest.strides[kIn][lanes_dim];
   std::fill(s1, s1 + nb, 0.0);
   std::fill(s2, s2 + nb, 0.0);
-  // Walk the outer reduced dims; the innermost reduced dim is the kernel's rows.
-  int64_t outer = 1;
-  for (int d = r0; d < rlast; ++d) outer *= nest.sizes[d];
   const KernelTable& k = kernels();
-  // Statistics only, nothing is kept cached for a normalize pass, and a task takes whole rows: the
+  // With nothing kept cached for a normalize pass (statistics only, or tasks of whole rows), the
   // kernel's blocks of lanes each sweep the rows, so the rows go in blocks that stay in the L2 for
   // all of them, the first prefetching whole rows (each block of lanes sweeping all the rows, a run
   // of each row at a time from memory: 1.7x slower on (16384, 1024) float32). The blocks' sums add up
   // in order.
+  const bool blocked = a_.statistics_only || whole_row_tasks();
   const int64_t rows = nest.sizes[rlast], row_bytes = nb * itemsize(a_.input.dtype);
-  const int64_t block = a_.statistics_only ? std::max<int64_t>(1, kColumnCachedBytes / 2 / row_bytes) : rows;
+  const int64_t block = blocked ? std::max<int64_t>(1, kColumnCachedBytes / 2 / row_bytes) : rows;
   const int64_t row_stride = nest.strides[kIn][rlast];
-  for (int64_t o = 0; o < outer; ++o) {
+  for (int64_t o = f0 / rows; o * rows < f1; ++o) {
     const char* p = base;
     for_dim_indices(nest, r0, rlast, o, [&](int d, int64_t i) { p += i * nest.strides[kIn][d]; });
-    for (int64_t r = 0; r < rows; r += block) {
-      ColMomentsArgs args{p + r * row_stride, a_.input.dtype, std::min(block, rows - r), nb, row_stride,
-                          nest.strides[kIn][lanes_dim], pivots, scale, s1, s2, a_.statistics_only};
+    const int64_t end = std::min(rows, f1 - o * rows);
+    for (int64_t r = std::max<int64_t>(0, f0 - o * rows); r < end; r += block) {
+      ColMomentsArgs args{p + r * row_stride, a_.input.dtype, std::min(block, end - r), nb, row_stride,
+                          nest.strides[kIn][lanes_dim], pivots, scale, s1, s2, blocked};
       k.col_moments(args);
     }
   }
@@ -168,7 +228,7 @@ void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch
         any |= take;
       }
       if (!any) continue;
-      column_sums(ko, c0, nb, lane.pivot.data(), scale, lane.s1.data(), lane.s2.data());
+      column_sums(ko, c0, nb, lane.pivot.data(), scale, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
       for (Slow& l : lanes) {
         if (l.done || l.pass.scale != scale) continue;
         GroupResult r;

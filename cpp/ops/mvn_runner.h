@@ -38,6 +38,10 @@ constexpr int64_t kColumnBlockBytes = 4 << 20;
 constexpr int64_t kColumnCachedBytes = 1 << 20;
 // The lanes of a task that takes whole rows, at most (its scratch is 49 bytes a lane).
 constexpr int64_t kMaxRowLanes = 8192;
+// A whole-row task's rows are summed in chunks of about this many bytes (of its lanes), at most
+// kMaxColumnChunks of them: their sums (16 bytes a lane each) stay a small part of what they read.
+constexpr int64_t kColumnChunkBytes = 1 << 20;
+constexpr int64_t kMaxColumnChunks = 64;
 // Rounds of passes over the data at most: judge() asks for another pass at most once for a scale
 // (down or up) and once to move the pivot, so every group is settled by its third pass.
 constexpr int kMaxPassRounds = 3;
@@ -270,17 +274,34 @@ class MvnRunner {
   // the passes anyway, and a task takes whole rows: narrow ones, a few lines of every row, read
   // memory at a fraction of its speed (5x slower at 32 of 256 lanes).
   int64_t lanes_per_task() const {
-    const int64_t lane_bytes = plan_.group_size * itemsize(a_.input.dtype) + LaneScratch::kBytesPerLane;
-    const int64_t k = plan_.lane_group, unit = 16 / std::gcd<int64_t>(16, k) * k;
-    if (unit * lane_bytes > kColumnCachedBytes) return std::min(plan_.lane_count, kMaxRowLanes / unit * unit);
-    int64_t lanes = kColumnBlockBytes / lane_bytes;
-    lanes = lanes < unit ? unit : lanes / unit * unit;
+    if (whole_row_tasks()) return std::min(plan_.lane_count, kMaxRowLanes / lane_unit() * lane_unit());
+    int64_t lanes = kColumnBlockBytes / lane_bytes();
+    lanes = lanes < lane_unit() ? lane_unit() : lanes / lane_unit() * lane_unit();
     return lanes > plan_.lane_count ? plan_.lane_count : lanes;
   }
+  int64_t lane_bytes() const { return plan_.group_size * itemsize(a_.input.dtype) + LaneScratch::kBytesPerLane; }
+  int64_t lane_unit() const { return 16 / std::gcd<int64_t>(16, plan_.lane_group) * plan_.lane_group; }
+  bool whole_row_tasks() const { return lane_unit() * lane_bytes() > kColumnCachedBytes; }
+  // The chunks of a whole-row task's rows: about kColumnChunkBytes each, at most kMaxColumnChunks.
+  int64_t column_chunks(int64_t lanes_per_task) const {
+    const int64_t bytes = plan_.group_size * lanes_per_task * itemsize(a_.input.dtype);
+    return std::clamp<int64_t>(bytes / kColumnChunkBytes, 1, std::min(kMaxColumnChunks, plan_.group_size));
+  }
 
-  inline void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, double* s1,
-                          double* s2) const;
+  struct ColumnTask {
+    int64_t ko, c0, nb;  // kept index, first lane, lanes
+  };
+  ColumnTask column_task_at(int64_t t, int64_t blocks, int64_t lanes_per_task) const {
+    const int64_t c0 = (t % blocks) * lanes_per_task;
+    return {t / blocks, c0, std::min(lanes_per_task, plan_.lane_count - c0)};
+  }
+
+  void run_columns_chunked(int64_t tasks, int64_t blocks, int64_t lanes_per_task);
+  inline void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, int64_t f0,
+                          int64_t f1, double* s1, double* s2) const;
   inline void column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
+  inline void load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) const;
+  inline void finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
   inline void judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
                                std::vector<ScaledLane>& scaled);
   inline void combine_lane_groups(double* mean, double* var, int64_t nb, std::vector<ScaledLane>& scaled) const;
