@@ -55,6 +55,7 @@ FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
 # (0, 2, 3), all float32 unless said. Tagged "training" (the backward ones also "backward").
 TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nchw", "float32"),
+    ("batch_norm_training", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
     ("batch_norm_backward", RESNET50_BN_SHAPES[1], "nchw", "float32"),
     ("batch_norm_backward", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
     ("layer_norm_backward", SEQUENCE_NORM_SHAPES[0], "contig", "float32"),
