@@ -305,6 +305,7 @@ def test_float64_tolerance_catches_float32_work(name):
 # ---------------------------------------------------------------------------- training cases
 TRAINING_CASES = {  # name: (op, shape, layout, dtype): the speed goals' shapes, after all the others
     "bn-train/8x256x56x56/nchw/f32": ("batch_norm_training", (8, 256, 56, 56), "nchw", "float32"),
+    "bn-train/8x256x56x56/nhwc/f32": ("batch_norm_training", (8, 256, 56, 56), "nhwc", "float32"),
     "bn-bwd/8x256x56x56/nchw/f32": ("batch_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
     "bn-bwd/8x256x56x56/nhwc/f32": ("batch_norm_backward", (8, 256, 56, 56), "nhwc", "float32"),
     "layer-bwd/8x512x768/f32": ("layer_norm_backward", (8, 512, 768), "contig", "float32"),
@@ -1038,7 +1039,7 @@ def test_list(capsys):
     assert B.main(["--list", "--filter", "train", "--filter", "bwd"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines] == list(TRAINING_CASES)
-    assert "(51.4 MB moved)" in lines[0] and "(77.1 MB moved)" in lines[1]  # 2 x, 3 x 8x256x56x56x4
+    assert "(51.4 MB moved)" in lines[0] and "(77.1 MB moved)" in lines[2]  # 2 x, 3 x 8x256x56x56x4
     assert cli._wanted_impls("torch") == {"torch", "copy", "add"} and cli._wanted_impls("") is None
 
 
