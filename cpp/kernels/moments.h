@@ -267,9 +267,11 @@ struct MomentsKernel {
           const int64_t b0 = v * lines_per_vector;
           if (b0 >= block_lines) return;
           const int64_t n = std::min(lines_per_vector, block_lines - b0);
-          const char* line = later + b0 * kLineBytes;
-          for (int j = 0; j < rows_ahead; ++j, line += a.row_stride)
-            for (int64_t b = 0; b < n; ++b) __builtin_prefetch(line + b * kLineBytes, 0, 3);
+          for (int j = 0; j < R && j < rows_ahead; ++j) {  // (one line a row, the common case, unrolled)
+            const char* line = later + j * a.row_stride + b0 * kLineBytes;
+            __builtin_prefetch(line, 0, 3);
+            for (int64_t b = 1; b < n; ++b) __builtin_prefetch(line + b * kLineBytes, 0, 3);
+          }
         };
         // Each part's sums over the R rows, from load(j, part): that row's part of vector v.
         auto add = [&](int v, auto load) SIMDNORM_INLINE_LAMBDA {
