@@ -7,24 +7,18 @@
 namespace simdnorm {
 namespace {
 
-// Tasks of lanes_per_task() lanes at one kept index. Tasks that fit in cache are split between
-// threads whole: each task's statistics and then its normalization while its block is cached.
-// Tasks of whole rows (nothing stays cached between the passes) are split into chunks of rows
-// (run_columns_chunked).
+// When the lanes at a kept index stay in cache together (!whole_row_tasks()), they are one task, the
+// tasks split between threads: each task's statistics, then its normalization while its block is
+// cached. Else tasks of whole rows, summed in chunks (run_columns_chunked).
 void MvnRunner::run_columns() {
-  const int64_t lanes_per_task = this->lanes_per_task();
-  const int64_t blocks = (plan_.lane_count + lanes_per_task - 1) / lanes_per_task;
-  const int64_t tasks = plan_.groups * blocks;
-  if (whole_row_tasks()) return run_columns_chunked(tasks, blocks, lanes_per_task);
-  int parts = parts_for(plan_.groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
-  if (parts > tasks) parts = static_cast<int>(tasks);
-  const int64_t per = (tasks + parts - 1) / parts;
+  if (whole_row_tasks()) return run_columns_chunked();
+  const int64_t groups = plan_.groups;
+  int parts = parts_for(groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
+  if (parts > groups) parts = static_cast<int>(groups);
+  const int64_t per = (groups + parts - 1) / parts;
   parallel_for(parts, [&](int part) {
-    LaneScratch lane(lanes_per_task);
-    for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
-      const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
-      column_task(c.ko, c.c0, c.nb, lane);
-    }
+    LaneScratch lane(plan_.lane_count);
+    for (int64_t ko = part * per; ko < (part + 1) * per && ko < groups; ++ko) column_task(ko, 0, plan_.lane_count, lane);
   });
 }
 
@@ -32,7 +26,10 @@ void MvnRunner::run_columns() {
 // task's rows in column_chunks() chunks, fixed by the shape, their sums taken over all threads and
 // added in chunk order (so the same bits for any thread count); then each task's lanes finished,
 // and one normalization pass over all threads.
-void MvnRunner::run_columns_chunked(int64_t tasks, int64_t blocks, int64_t lanes_per_task) {
+void MvnRunner::run_columns_chunked() {
+  const int64_t lanes_per_task = this->lanes_per_task();
+  const int64_t blocks = (plan_.lane_count + lanes_per_task - 1) / lanes_per_task;
+  const int64_t tasks = plan_.groups * blocks;
   const int64_t chunks = column_chunks(lanes_per_task), rows = plan_.group_size;
   const int64_t task_sums = chunks * 2 * lanes_per_task;  // a task's chunks: s1 then s2 of each
   std::vector<double> pivots(static_cast<size_t>(tasks * lanes_per_task));

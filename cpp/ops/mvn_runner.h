@@ -31,8 +31,8 @@ constexpr int64_t kBlock = 1 << 15;
 // it is in L1; their reads and writes then interleave finely enough to run at the speed of a copy,
 // which batches of them do not.
 constexpr int64_t kFusedBatchBytes = 2 << 10;
-// Columns: a task's lanes are chosen so that its rows x lanes block stays in cache (L2, or the large
-// shared L3) between the statistics and the normalize pass, while rows stay long enough for SIMD.
+// Columns: the lanes at a kept index up to this many bytes are one task, its rows x lanes block kept
+// in cache (L2, or the large shared L3) between the statistics and the normalize pass.
 constexpr int64_t kColumnBlockBytes = 4 << 20;
 // A block of columns past this (the L2 of the cores tuned for) is read from memory by both passes.
 constexpr int64_t kColumnCachedBytes = 1 << 20;
@@ -268,20 +268,19 @@ class MvnRunner {
     double scale;
   };
 
-  // Lanes per task: a multiple of 16 (and of the lane group: a task takes whole groups), so that
-  // its rows x lanes block stays in cache. When even the narrowest block outgrows the L2 (batch
-  // norm's statistics over channels-last data: columns of 25088 rows), nothing stays cached between
-  // the passes anyway, and a task takes whole rows: narrow ones, a few lines of every row, read
-  // memory at a fraction of its speed (5x slower at 32 of 256 lanes).
+  // Column tasks: all the lanes at a kept index, when their block stays in cache between the passes;
+  // else tasks of whole rows (at most kMaxRowLanes lanes, whole lane groups), summed in chunks of
+  // rows (run_columns_chunked). Tasks of a stripe of lanes, a few lines of every row, read memory at
+  // a fraction of its speed (5x slower at 32 of 256 lanes; 2.6x slower than the chunks at 160 of
+  // 512, NHWC batch norm on 8x512x28x28).
+  bool whole_row_tasks() const {
+    return lane_unit() * lane_bytes() > kColumnCachedBytes || plan_.lane_count * lane_bytes() > kColumnBlockBytes;
+  }
   int64_t lanes_per_task() const {
-    if (whole_row_tasks()) return std::min(plan_.lane_count, kMaxRowLanes / lane_unit() * lane_unit());
-    int64_t lanes = kColumnBlockBytes / lane_bytes();
-    lanes = lanes < lane_unit() ? lane_unit() : lanes / lane_unit() * lane_unit();
-    return lanes > plan_.lane_count ? plan_.lane_count : lanes;
+    return whole_row_tasks() ? std::min(plan_.lane_count, kMaxRowLanes / lane_unit() * lane_unit()) : plan_.lane_count;
   }
   int64_t lane_bytes() const { return plan_.group_size * itemsize(a_.input.dtype) + LaneScratch::kBytesPerLane; }
   int64_t lane_unit() const { return 16 / std::gcd<int64_t>(16, plan_.lane_group) * plan_.lane_group; }
-  bool whole_row_tasks() const { return lane_unit() * lane_bytes() > kColumnCachedBytes; }
   // The chunks of a whole-row task's rows: about kColumnChunkBytes each, at most kMaxColumnChunks.
   int64_t column_chunks(int64_t lanes_per_task) const {
     const int64_t bytes = plan_.group_size * lanes_per_task * itemsize(a_.input.dtype);
@@ -296,7 +295,7 @@ class MvnRunner {
     return {t / blocks, c0, std::min(lanes_per_task, plan_.lane_count - c0)};
   }
 
-  void run_columns_chunked(int64_t tasks, int64_t blocks, int64_t lanes_per_task);
+  void run_columns_chunked();
   inline void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, int64_t f0,
                           int64_t f1, double* s1, double* s2) const;
   inline void column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
