@@ -262,12 +262,13 @@ struct MomentsKernel {
         constexpr int R = decltype(count)::value;
         const char* first = a.data + r * a.row_stride + c0 * a.col_stride;
         const char* later = first + ahead * a.row_stride;
-        const int rows_ahead = ahead == 0 ? 0 : static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(a.rows - r - ahead, R)));
+        const int64_t left = ahead == 0 ? 0 : std::max<int64_t>(0, a.rows - r - ahead);  // rows to prefetch
+        const int rows_ahead = static_cast<int>(std::min<int64_t>(left, R));
         auto prefetch_share = [&](int v) SIMDNORM_INLINE_LAMBDA {
           const int64_t b0 = v * lines_per_vector;
           if (b0 >= block_lines) return;
           const int64_t n = std::min(lines_per_vector, block_lines - b0);
-          for (int j = 0; j < R && j < rows_ahead; ++j) {  // (one line a row, the common case, unrolled)
+          for (int j = 0; j < R && j < rows_ahead; ++j) {  // (the first line peeled: one a row is the common case)
             const char* line = later + j * a.row_stride + b0 * kLineBytes;
             __builtin_prefetch(line, 0, 3);
             for (int64_t b = 1; b < n; ++b) __builtin_prefetch(line + b * kLineBytes, 0, 3);

@@ -18,7 +18,8 @@ void MvnRunner::run_columns() {
   const int64_t per = (groups + parts - 1) / parts;
   parallel_for(parts, [&](int part) {
     LaneScratch lane(plan_.lane_count);
-    for (int64_t ko = part * per; ko < (part + 1) * per && ko < groups; ++ko) column_task(ko, 0, plan_.lane_count, lane);
+    for (int64_t ko = part * per; ko < (part + 1) * per && ko < groups; ++ko)
+      column_task(ko, 0, plan_.lane_count, lane);
   });
 }
 
@@ -87,7 +88,8 @@ void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lan
 // Every lane starts unscaled around its first element (first_pass()).
 void MvnRunner::load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) const {
   const int64_t lane_stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1];
-  if (a_.normalize_mean) load_as_double(a_.input.dtype, group_first_element(ko) + c0 * lane_stride, lane_stride, nb, pivot);
+  const char* first = group_first_element(ko) + c0 * lane_stride;
+  if (a_.normalize_mean) load_as_double(a_.input.dtype, first, lane_stride, nb, pivot);
   else std::fill(pivot, pivot + nb, 0.0);
 }
 

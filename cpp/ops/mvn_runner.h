@@ -271,9 +271,9 @@ class MvnRunner {
   // Column tasks: all the lanes at a kept index, when their block stays in cache between the passes
   // and there are other kept indices for other threads; else tasks of whole rows (at most
   // kMaxRowLanes lanes, whole lane groups), summed in chunks of rows (run_columns_chunked): a single
-  // task (batch norm's statistics) would leave the other threads idle. Tasks of a stripe of lanes, a few lines of every row, read memory at
-  // a fraction of its speed (5x slower at 32 of 256 lanes; 2.6x slower than the chunks at 160 of
-  // 512, NHWC batch norm on 8x512x28x28).
+  // task (batch norm's statistics) would leave the other threads idle. Tasks of a stripe of lanes,
+  // a few lines of every row, read memory at a fraction of its speed (5x slower at 32 of 256 lanes;
+  // 2.6x slower than the chunks at 160 of 512, NHWC batch norm on 8x512x28x28).
   bool whole_row_tasks() const {
     return lane_unit() * lane_bytes() > kColumnCachedBytes || plan_.lane_count * lane_bytes() > kColumnBlockBytes ||
            (plan_.groups == 1 && plan_.lane_count * plan_.group_size >= 2 * kMinElementsPerThread);
