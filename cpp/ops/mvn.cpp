@@ -69,8 +69,8 @@ std::string MvnRunner::describe() {
   const bool statistics = a_.normalize_mean || a_.normalize_variance;
   if (a_.statistics_only) return d + " statistics-only";
   if (statistics && plan_.lanes) {
-    const int64_t lanes = std::min(lanes_per_task(), plan_.lane_count);
-    return d + " lanes_per_task=" + std::to_string(lanes_per_task()) + " " +
+    const int64_t lanes = lanes_per_task();
+    return d + " lanes_per_task=" + std::to_string(lanes) + " " +
            describe_normalize(column_normalize_task(0, 0, lanes));
   }
   if (!statistics || plan_.lanes) return d + " " + describe_normalize(task_);

@@ -18,8 +18,7 @@ void MvnRunner::run_columns() {
   const int64_t per = (groups + parts - 1) / parts;
   parallel_for(parts, [&](int part) {
     LaneScratch lane(plan_.lane_count);
-    for (int64_t ko = part * per; ko < (part + 1) * per && ko < groups; ++ko)
-      column_task(ko, 0, plan_.lane_count, lane);
+    for (int64_t ko = part * per; ko < (part + 1) * per && ko < groups; ++ko) column_task(ko, lane);
   });
 }
 
@@ -75,13 +74,15 @@ void MvnRunner::run_columns_chunked() {
   if (!a_.statistics_only) run_normalize(task_);
 }
 
-// One task: its lanes' statistics, then their normalization while the task's block is cached.
-void MvnRunner::column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
-  load_pivots(ko, c0, nb, lane.pivot.data());
-  column_sums(ko, c0, nb, lane.pivot.data(), 1.0, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
-  finish_lanes(ko, c0, nb, lane);
+// One task, all the lanes at kept index ko: their statistics, then their normalization while the
+// task's block is cached.
+void MvnRunner::column_task(int64_t ko, LaneScratch& lane) {
+  const int64_t nb = plan_.lane_count;
+  load_pivots(ko, 0, nb, lane.pivot.data());
+  column_sums(ko, 0, nb, lane.pivot.data(), 1.0, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
+  finish_lanes(ko, 0, nb, lane);
   if (a_.statistics_only) return;
-  NormalizeTask sub = column_normalize_task(ko, c0, nb);
+  NormalizeTask sub = column_normalize_task(ko, 0, nb);
   kernels().normalize(sub, 0, plan_.group_size * nb);
 }
 

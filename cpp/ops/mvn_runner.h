@@ -300,7 +300,7 @@ class MvnRunner {
   void run_columns_chunked();
   inline void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, int64_t f0,
                           int64_t f1, double* s1, double* s2) const;
-  inline void column_task(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
+  inline void column_task(int64_t ko, LaneScratch& lane);
   inline void load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) const;
   inline void finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
   inline void judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
