@@ -12,10 +12,10 @@
 // over two sweeps of double bit patterns (all of them with a stride, and |x| <= 1024 densely, both
 // signs) plus 4096 consecutive patterns on each side of every edge, of both signs, and NaN payloads.
 //
-// Build and run, from the repository root (one binary per ISA):
-//   g++ -O2 -std=c++17 -pthread -I cpp/include -I cpp -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_avx512 && /tmp/vmacc_avx512
-//   g++ -O2 -std=c++17 -pthread -I cpp/include -I cpp -mavx2 -mfma -mf16c tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_avx2 && /tmp/vmacc_avx2
-//   g++ -O2 -std=c++17 -pthread -I cpp/include -I cpp tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_baseline && /tmp/vmacc_baseline
+// Build and run, from the repository root (one binary per ISA; -ffp-contract=off as the kernels):
+//   g++ -O2 -ffp-contract=off -std=c++17 -pthread -I cpp/include -I cpp -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_avx512 && /tmp/vmacc_avx512
+//   g++ -O2 -ffp-contract=off -std=c++17 -pthread -I cpp/include -I cpp -mavx2 -mfma -mf16c tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_avx2 && /tmp/vmacc_avx2
+//   g++ -O2 -ffp-contract=off -std=c++17 -pthread -I cpp/include -I cpp tests/cpp/vmath_accuracy.cpp -o /tmp/vmacc_baseline && /tmp/vmacc_baseline
 // Options: --math-stride N  sweep every N-th bit pattern for the vmath functions (default 97)
 //          --act-stride N   the same for the activations (default 997)
 //          --stride N       both; N = 1 is exhaustive (all 2^32 inputs; ~4 min per function on 2 cores)
