@@ -456,6 +456,58 @@ def test_backward_streamed_grad_input_at_line_phases(rng, threads, op, shape, dt
         simdnorm.set_isa(previous)
 
 
+# Batch, instance and group norm (and MVN over (0, 2, 3)) of NCHW data write group k's grad_input
+# in the loop that sums group k + 1 (BackwardKernel::pair_run); a group alone takes the two passes
+# apart. Their bits must be the same, on runs that end inside a vector, groups longer than one flush
+# of the vector sums (1024 elements), and arrays off their 64-byte lines. (With an activation no
+# group is paired: the batched call must still agree.)
+PAIRED_GROUPS = [(op, shape, act) for op, shape in [("instance_norm", (2, 3, 40, 30)), ("group_norm", (2, 8, 5, 7)),
+                                                    ("batch_norm", (3, 5, 6, 11)), ("batch_norm", (2, 3, 30, 40))]
+                 for act in (None, "relu")] + [("mvn023", (3, 5, 6, 11), None)]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op,shape,act", PAIRED_GROUPS,
+                         ids=[f"{o}-{'x'.join(map(str, s))}-{a}" for o, s, a in PAIRED_GROUPS])
+def test_backward_groups_in_pairs_as_alone(rng, op, shape, act, dtype):
+    from cases import empty_past_line
+
+    x, dy = (empty_past_line(shape, dtype, o) for o in (4 * np.dtype(dtype).itemsize, 2 * np.dtype(dtype).itemsize))
+    x[...] = rand_values(rng, shape, dtype, scale=2.0)
+    dy[...] = rand_values(rng, shape, dtype, scale=1.0)
+    c = shape[1]
+    scale, bias = rand_values(rng, (c,), dtype, scale=1.0), rand_values(rng, (c,), dtype, scale=1.0)
+    groups = 4
+
+    def backward(x, dy, sc, b):
+        """grad_input of op over x, with the statistics of its forward op, into a poisoned array."""
+        out = np.full(x.shape, np.nan, x.dtype)
+        if op == "instance_norm":
+            _, m, s = simdnorm.instance_norm(x, sc, b, return_stats=True)
+            simdnorm.instance_norm_backward(dy, x, m, s, sc, b, activation=act, out=out)
+        elif op == "group_norm":
+            g = groups * x.shape[1] // c
+            _, m, s = simdnorm.group_norm(x, g, sc, b, return_stats=True)
+            simdnorm.group_norm_backward(dy, x, g, m, s, sc, b, activation=act, out=out)
+        elif op == "batch_norm":
+            _, m, v = simdnorm.batch_normalization_training(x, sc, b)
+            simdnorm.batch_normalization_backward(dy, x, m, v, sc, b, activation=act, out=out)
+        else:
+            _, m, s = simdnorm.mean_variance_normalization(x, (0, 2, 3), return_stats=True)
+            simdnorm.mean_variance_normalization_backward(dy, x, (0, 2, 3), m, s, out=out)
+        return out
+
+    whole = backward(x, dy, scale, bias)
+    if op in ("instance_norm", "group_norm"):  # a group: one image's channel, or its channels of a group
+        per = 1 if op == "instance_norm" else c // groups
+        parts = [(slice(n, n + 1), slice(k, k + per)) for n in range(shape[0]) for k in range(0, c, per)]
+    else:  # a channel over the batch
+        parts = [(slice(None), slice(k, k + 1)) for k in range(c)]
+    for part in parts:
+        alone = backward(x[part], dy[part], scale[part[1]], bias[part[1]])
+        np.testing.assert_array_equal(bits(whole[part]), bits(alone), err_msg=f"{op} group {part}")
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

@@ -184,11 +184,13 @@ struct BackwardKernel {
       const int64_t cs = static_cast<int64_t>(sizeof(C));
       return load<PStep, C>(params + e * (PStep == kUnit ? cs : sp) + array * params_pitch, sp, m);
     }
-    // At element e of the run, m of them (m = W but at the end).
+    // At element e of the run, m of them (m = W but at the end). (Without Prefetch: the caller
+    // prefetches, as pair_run does.)
+    template <bool Prefetch = true>
     SIMDNORM_CURSOR_METHOD void at(int64_t e, int m, V& y, V& ga, V& g) const {
       const char* px = x + e * sx;
       const char* pdy = dy + e * sdy;
-      if (DStep == kUnit) {
+      if (DStep == kUnit && Prefetch) {
         // Rows follow each other in memory (layer norm) or runs are long: what the next rows need
         // arrives while these are computed. Grouped, the apply pass reads its group from the L1
         // and prefetches twice as far as the sums pass, so that requests keep going out.
@@ -482,6 +484,98 @@ struct BackwardKernel {
     }
   }
 
+  // Grouped, statistics and parameters constant along the runs, data contiguous (batch, instance
+  // and group norm of NCHW data): a run of group k (pa) written in the loop that sums the same run
+  // of group k + 1 (ps), so that the reads from memory and the writes overlap as in np.add; group
+  // k is read again from the L2. Per element the arithmetic is apply_run's and sums_run's, and the
+  // sums reach their targets in sums_run's order: the bits are those of the two passes apart. The
+  // summed lines are fetched kPrefetchAheadBytes ahead into the L2 only (prefetcht1): fetched into
+  // the L1, they pushed out group k's lines and the pair ran slower than the two passes.
+  template <class D>
+  static void pair_run(const BackwardTask& t, const D& deriv, char* const* pa, char* const* ps, const int64_t* s,
+                       int64_t n, const BackwardSums& acc) {
+    constexpr int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));
+    const Element<kConst, kConst, D> wr(t, deriv, pa, s, 0), su(t, deriv, ps, s, 0);
+    char* const dx = pa[kGradIn];
+    char* const own_out = t.stream_stores ? nullptr : ps[kGradIn];  // (as sums_run's)
+    int64_t head = t.stream_stores ? stream_head(dx, n) : -1;
+    const bool stream = head >= 0;
+    if (!stream) head = 0;
+    const V u = wr.u_c, c1 = wr.c1_c, c2 = wr.c2_c;
+    const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
+    const int64_t gi = (ps[kStats] - acc.stats_base) / cs, pi = (ps[kParams] - acc.params_base) / cs;
+    for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
+      const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
+      V sg = zero(), sgy = zero(), sgay = zero(), sga = zero();
+      for (int64_t e = e0; e < e1; e += W) {
+        const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
+        __builtin_prefetch(ps[kX] + e * es + kPrefetchAheadBytes, 0, 2);
+        __builtin_prefetch(ps[kGradOut] + e * es + kPrefetchAheadBytes, 0, 2);
+        if (own_out != nullptr) __builtin_prefetch(own_out + e * es, 1);
+        V y, ga, g;
+        su.template at<false>(e, m, y, ga, g);
+        if (m < W) {
+          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+          y = vselect(own, y, zero()), ga = vselect(own, ga, zero()), g = vselect(own, g, zero());
+        }
+        sg = sg + g, sgy = vfma(g, y, sgy);
+        sgay = vfma(ga, y, sgay), sga = sga + ga;
+        if (e + head + W <= n) {  // (apply_run's arithmetic)
+          wr.template at<false>(e + head, W, y, ga, g);
+          L::store_or_stream(reinterpret_cast<T*>(dx + (e + head) * es), u * vfma(splat<V>(0.0) - y, c2, g - c1), stream);
+        }
+      }
+      if (want_group) {
+        acc.group[0][gi] += static_cast<double>(vreduce_add(sg));
+        acc.group[1][gi] += static_cast<double>(vreduce_add(sgy));
+      }
+      if (want_param) {
+        acc.param[0][pi] += static_cast<double>(vreduce_add(sgay));
+        acc.param[1][pi] += static_cast<double>(vreduce_add(sga));
+      }
+    }
+    // The written run's edges, [0, head) and what is left after its last whole vector, by apply_run.
+    const int64_t end = head + (n - head) / W * W;
+    if (head > 0) apply_run<kConst, kConst>(t, deriv, pa, s, head);
+    if (end < n) {
+      char* q[kNumOperands];
+      for (int op = 0; op < kNumOperands; ++op) q[op] = pa[op] + end * s[op];
+      apply_run<kConst, kConst>(t, deriv, q, s, n - end);
+    }
+  }
+
+  // Whether pair_run takes the runs of `group`: pair_run's layout, no fused_add, grad_input written,
+  // no activation (the module has a size budget: .ci/run; an activation's derivative is a call a
+  // vector anyway).
+  static bool pairs(const BackwardTask& t, const LoopNest& group) {
+    const int in = group.ndim - 1;
+    const int64_t es = static_cast<int64_t>(sizeof(T));
+    return t.act.kind == ActKind::identity && !t.write_ga && !t.has_fused_add && group.strides[kX][in] == es &&
+           group.strides[kGradOut][in] == es && group.strides[kGradIn][in] == es && group.strides[kStats][in] == 0 &&
+           group.strides[kParams][in] == 0;
+  }
+
+  // Group `written` (its coefficients set) written while group `summed` is summed into acc, run by
+  // run.
+  static void pair_groups(const BackwardTask& t, const LoopNest& written, const LoopNest& summed,
+                          const BackwardSums& acc) {
+    const int in = written.ndim - 1;
+    int64_t runs = 1;
+    for (int d = 0; d < in; ++d) runs *= written.sizes[d];
+    int64_t steps[kNumOperands];
+    for (int op = 0; op < kNumOperands; ++op) steps[op] = written.strides[op][in];
+    RunOdometer at(written, 0, in);
+    const DerivIdentity<V> deriv(t.act);
+    for (int64_t j = 0; j < runs; ++j, at.advance()) {
+      char *pa[kNumOperands], *ps[kNumOperands];
+      for (int op = 0; op < kNumOperands; ++op) {
+        pa[op] = written.data[op] + at.off[op];
+        ps[op] = summed.data[op] + at.off[op];
+      }
+      pair_run(t, deriv, pa, ps, steps, written.sizes[in], acc);
+    }
+  }
+
   // Calls fn(integral_constant SStep, integral_constant PStep) for the run's layout.
   template <class Fn>
   static void visit_layout(const BackwardTask& t, const int64_t* s, bool writes, Fn&& fn) {
@@ -544,28 +638,29 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
   BackwardSums per_group;
   per_group.param[0] = &own[0], per_group.param[1] = &own[1];
   per_group.param_vary[0] = &own_vary[0], per_group.param_vary[1] = &own_vary[1];
-  // Sums the group at g by `sum`, then sets its coefficients.
-  auto sum_group = [&](auto&& sum) SIMDNORM_INLINE_LAMBDA {
-    const int64_t i = (g.data[kStats] - stats0) / cs;
+  // Sums the group at `at` by `sum`, then sets its coefficients.
+  auto sum_group_at = [&](const LoopNest& at, auto&& sum) SIMDNORM_INLINE_LAMBDA {
+    const int64_t i = (at.data[kStats] - stats0) / cs;
     if (!scale_per_group) {
       sum(s);
       set_coefficients<C>(t, const_cast<char*>(stats0), i, s.group[0][i], s.group[1][i]);
       return;
     }
     own[0] = own[1] = 0.0;
-    per_group.stats_base = g.data[kStats];
-    per_group.params_base = g.data[kParams];  // (the one element the group reads)
+    per_group.stats_base = at.data[kStats];
+    per_group.params_base = at.data[kParams];  // (the one element the group reads)
     sum(per_group);
     C scale;
-    std::memcpy(&scale, g.data[kParams], sizeof scale);
+    std::memcpy(&scale, at.data[kParams], sizeof scale);
     set_coefficients<C>(t, const_cast<char*>(stats0), i, static_cast<double>(scale) * own[1],
                         static_cast<double>(scale) * own[0]);
     if (s.param[0] != nullptr) {
-      const int64_t pi = (g.data[kParams] - s.params_base) / cs;
+      const int64_t pi = (at.data[kParams] - s.params_base) / cs;
       s.param[0][pi] += own[0];
       s.param[1][pi] += own[1];
     }
   };
+  auto sum_group = [&](auto&& sum) SIMDNORM_INLINE_LAMBDA { sum_group_at(g, sum); };
   // The parameters' float slots into their doubles (kept where they vary along the runs).
   const bool slots = s.param[0] != nullptr && !scale_per_group;
   auto flush_slots = [&] {
@@ -576,6 +671,20 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
     if (slots && (k % gs.flush_every == gs.flush_every - 1 || k == gs.count - 1)) flush_slots();
     for (int op = 0; op < kNumOperands; ++op) g.data[op] += gs.step[op];
   };
+  if (gs.apply && gs.count > 1 && K::pairs(t, g)) {
+    // Group k written while group k + 1 is summed. Everything is summed into doubles (constant
+    // along the runs): the float slots stay empty, and are not flushed.
+    LoopNest next = g;
+    for (int op = 0; op < kNumOperands; ++op) next.data[op] += gs.step[op];
+    sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA { K::sums(t, g, 0, n, sums); });
+    for (int64_t k = 0; k + 1 < gs.count; ++k) {
+      sum_group_at(next, [&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA { K::pair_groups(t, g, next, sums); });
+      g = next;
+      for (int op = 0; op < kNumOperands; ++op) next.data[op] += gs.step[op];
+    }
+    K::apply(t, g, 0, n);
+    return;
+  }
   if (g.ndim == 1) {  // one run a group (layer and RMS norm rows): its loop chosen once for all
     int64_t steps[kNumOperands];
     for (int op = 0; op < kNumOperands; ++op) steps[op] = g.strides[op][0];
