@@ -29,7 +29,9 @@ struct FusedRowsKernel {
   static constexpr int kPairSumsLead = 2;  // steps the sums of paired rows start ahead (interleave)
   // Runs `run` and takes the first-pass sums of next[r] (their scale must be 1) into out[r], for
   // Rows runs at one phase. ahead[r]: where a run after next[r] probably starts, prefetched ahead
-  // of its sums so that it arrives in time.
+  // of its sums so that it arrives in time, into the L2 only: with prefetcht0, NCHW batch norm
+  // training, MVN over (0, 2, 3), instance and group norm and layer norm of 4096 ran 1.15-1.4x
+  // slower at 1 thread.
   template <bool Keep, int Rows, class Run>
   static void interleave(Run run, const RowMomentsArgs* next, const char* const* ahead, float* const* keep,
                          Totals* out) {
@@ -43,12 +45,12 @@ struct FusedRowsKernel {
     // the lockstep: they do not wait so.
     if constexpr (Rows == 2) {
       for (int s = 0; s < kPairSumsLead && sums.can_step(); ++s) {
-        prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<3>(p, sums.i); });
+        prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<2>(p, sums.i); });
         sums.step();
       }
     }
     while (run.can_step() && sums.can_step()) {
-      prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<3>(p, sums.i); });
+      prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<2>(p, sums.i); });
       run.step();
       sums.step();
     }
