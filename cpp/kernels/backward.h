@@ -493,7 +493,7 @@ struct BackwardKernel {
   // k is read again from the L2. Per element the arithmetic is apply_run's and sums_run's, and the
   // sums reach their targets in sums_run's order: the bits are those of the two passes apart. The
   // summed lines are fetched kPrefetchAheadBytes ahead into the L2 only (prefetcht1): fetched into
-  // the L1, they pushed out group k's lines and the pair ran slower than the two passes.
+  // the L1 (prefetcht0), the pair ran slower than the two passes apart.
   template <class D>
   static void pair_run(const BackwardTask& t, const D& deriv, char* const* pa, char* const* ps, const int64_t* s,
                        int64_t n, const BackwardSums& acc) {
