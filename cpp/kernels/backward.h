@@ -449,6 +449,11 @@ struct BackwardKernel {
     }
   }
 
+  // dx = u * ((g - c1) - y * c2): apply_run's and pair_run's one formula.
+  SIMDNORM_CURSOR_METHOD static V grad_input(V u, V y, V g, V c1, V c2) {
+    return u * vfma(splat<V>(0.0) - y, c2, g - c1);
+  }
+
   // The apply pass over one run: dx = u * ((g - c1) - y * c2). Streamed, the first step takes the
   // elements before the first aligned vector (streamed in pieces, as the last step's).
   template <int SStep, int PStep, class D>
@@ -474,7 +479,7 @@ struct BackwardKernel {
         for (int k = 0; k < m; ++k) std::memcpy(out + k * sdx, &b[k], sizeof(C));
         continue;
       }
-      const V dx = el.stat(e, 1, m) * vfma(splat<V>(0.0) - y, el.stat(e, 3, m), g - el.stat(e, 2, m));
+      const V dx = grad_input(el.stat(e, 1, m), y, g, el.stat(e, 2, m), el.stat(e, 3, m));
       if (unit) {
         if (m == W) L::store_or_stream(reinterpret_cast<T*>(out), dx, stream);
         else if (stream) L::store_partial_stream(reinterpret_cast<T*>(out), dx, m);  // (as rows_stream's edges)
@@ -523,9 +528,9 @@ struct BackwardKernel {
         }
         sg = sg + g, sgy = vfma(g, y, sgy);
         sgay = vfma(ga, y, sgay), sga = sga + ga;
-        if (e + head + W <= n) {  // (apply_run's arithmetic)
+        if (e + head + W <= n) {
           wr.template at<false>(e + head, W, y, ga, g);
-          L::store_or_stream(reinterpret_cast<T*>(dx + (e + head) * es), u * vfma(splat<V>(0.0) - y, c2, g - c1), stream);
+          L::store_or_stream(reinterpret_cast<T*>(dx + (e + head) * es), grad_input(u, y, g, c1, c2), stream);
         }
       }
       if (want_group) {
