@@ -265,10 +265,13 @@ struct FusedRowsKernel {
   // from L2 each time, and paired they are read once for two rows (under kPairFootprint pairs lose).
   // The rows must sit at one phase to a 64-byte line (their steps whole lines, as with the usual
   // hidden sizes), and share their scale and bias (a pair reads its first row's).
+  // With AVX-512 only: on a Zen 3 core (AVX2) pairs ran slower than single rows wherever the output
+  // sat from the input (mod 4 KB), 3-10x slower where it sat 16-128 bytes past it.
   static constexpr int64_t kPairFootprint = 48 << 10;  // two rows and the scale and bias, bytes
+  static constexpr bool kPairsPay = N::W * sizeof(typename N::C) >= 64;
   static bool rows_pair_up(const FusedRowsArgs& a, bool affine_vary) {
     const int64_t per_element = 2 * static_cast<int64_t>(sizeof(T) + sizeof(typename N::C));
-    return N::W > 1 && affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 &&
+    return kPairsPay && affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 &&
            a.len * per_element >= kPairFootprint && a.rows >= 2 * kPairRows && a.step[kIn] % kLineBytes == 0 &&
            a.step[kOut] % kLineBytes == 0;
   }
@@ -277,7 +280,7 @@ struct FusedRowsKernel {
   template <bool Keep, class Runs, class KeptRow>
   static void pipeline_rows(const NormalizeTask& task, const FusedRowsArgs& a, bool paired_up, int k,
                             int64_t rows_ahead, const Runs& runs, KeptRow kept_row) {
-    if constexpr (!Keep) {
+    if constexpr (!Keep && kPairsPay) {
       if (paired_up) {
         const int64_t paired = a.rows / kPairRows * kPairRows;
         // Each of a pair's sums prefetches the rows a pair after it (not its neighbour's).
