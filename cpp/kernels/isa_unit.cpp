@@ -1,5 +1,8 @@
 // One kernel source, compiled once per instruction set (CMake builds this file with
-// -DSIMDNORM_ISA_NS=<isa> and that ISA's flags). Everything it includes lands in an anonymous
+// -DSIMDNORM_ISA_NS=<isa> and that ISA's flags), in two parts: the backward kernels
+// (-DSIMDNORM_BACKWARD_PART) and the rest with the table, which points at the backward part's
+// entries. The two compile side by side: one unit was most of the build's time on two cores.
+// Everything each part includes lands in an anonymous
 // namespace inside simdnorm::<isa>, so no inline or template code compiled here can be merged by the
 // linker with a copy compiled for another ISA; only the constant-initialized table is exported
 // (no static initializer runs ISA-specific code before the dispatcher has checked the CPU).
@@ -17,21 +20,40 @@
 
 namespace simdnorm {
 namespace SIMDNORM_ISA_NS {
+// The backward part's entries (not in a unit that delegates them, SIMDNORM_DELEGATE_NS).
+void backward_sums_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s);
+void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e);
+void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g);
+void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n);
+
 namespace {
 #include "simd/vec.h"
 #include "simd/vmath.h"
 #include "kernels/activations.h"
 #include "kernels/iterate.h"
+#if defined(SIMDNORM_BACKWARD_PART)
+#include "kernels/backward.h"
+#else
 #include "kernels/normalize.h"
 #include "kernels/moments.h"
 #include "kernels/lane_stats.h"
 #include "kernels/fused_rows.h"
 #include "kernels/row_stream.h"
-#if !defined(SIMDNORM_DELEGATE_NS)
-#include "kernels/backward.h"
 #endif
 }  // namespace
 
+#if defined(SIMDNORM_BACKWARD_PART)
+void backward_sums_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s) {
+  backward_sums_entry(t, n, b, e, s);
+}
+void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e) {
+  backward_apply_entry(t, n, b, e);
+}
+void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g) { backward_groups_entry(t, g); }
+void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n) {
+  backward_coefficients_entry(t, st, g, gy, n);
+}
+#else
 extern const KernelTable kernel_table;
 #if defined(SIMDNORM_DELEGATE_NS)
 // A unit whose flags change only bfloat16's output conversion (avx512bf16) holds only bfloat16's
@@ -90,9 +112,10 @@ const KernelTable kernel_table = {kIsaName,          kWidth,           normalize
 const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_entry,
                                    row_moments_entry, col_moments_entry, normalize_group_and_sum_entry,
                                    normalize_rows_fused_entry, rows_loop_entry, lane_stats_entry,
-                                   inv_std_lanes_entry, scale_over_std_lanes_entry, backward_sums_entry,
-                                   backward_apply_entry, backward_groups_entry, backward_coefficients_entry};
+                                   inv_std_lanes_entry, scale_over_std_lanes_entry, backward_sums_kernel,
+                                   backward_apply_kernel, backward_groups_kernel, backward_coefficients_kernel};
 #endif
+#endif  // SIMDNORM_BACKWARD_PART
 
 }  // namespace SIMDNORM_ISA_NS
 }  // namespace simdnorm
