@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The sanitizer run: build simdnorm with -fsanitize=address,undefined (CMake option SIMDNORM_SANITIZE,
-# its own build dir build/sanitize) into its own fresh virtual environment, then run the test suite
-# (all of tests/ but the benchmark harness and the slow tests) with the ASan runtime preloaded into
+# its own build dir build/sanitize; only the ISA units this CPU runs) into its own fresh virtual
+# environment, then run the test suite (all of tests/ but the benchmark harness and the slow tests)
+# with the ASan runtime preloaded into
 # Python. Fails on any sanitizer report (ASan reports are written to one file per process, so one in a
 # subprocess that a test starts counts too; UBSan's go to stderr, which is scanned), on any test
 # failure, and when the self-test (tests/sanitize/asan_canary.py) is NOT caught. See
@@ -33,13 +34,25 @@ python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install --quiet --upgrade pip
 
-stamp "building the sanitized package (build dir build/sanitize)"
+# Only the ISA units this CPU runs (the dispatcher's conditions, from /proc/cpuinfo's flags): the
+# suite could run no other unit's kernels here, and instrumented they are most of the build's time.
+# Without /proc/cpuinfo, every unit.
+isas=""
+if [[ -r /proc/cpuinfo ]]; then
+  flags=" $(grep -m1 -E '^(flags|Features)' /proc/cpuinfo | cut -d: -f2) "
+  has() { local f; for f in "$@"; do [[ "$flags" == *" $f "* ]] || return 1; done; }
+  isas="baseline"
+  if has avx2 fma f16c; then isas+=";avx2"; fi
+  if has avx512f avx512bw avx512dq avx512vl; then isas+=";avx512"; fi
+  if has avx512f avx512bw avx512dq avx512vl avx512_bf16; then isas+=";avx512bf16"; fi
+fi
+stamp "building the sanitized package (build dir build/sanitize; ISA units: ${isas:-all})"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 # RelWithDebInfo and no install strip: pybind11 strips Release modules, and reports need symbols
 # (the SIMDNORM_SANITIZE flags come after the build type's and set -O1 -g1)
 "$py" -m pip install --quiet ".[test]" \
   -Ccmake.define.SIMDNORM_SANITIZE=ON -Cbuild-dir=build/sanitize -Ccmake.build-type=RelWithDebInfo \
-  -Cinstall.strip=false
+  -Cinstall.strip=false -Ccmake.define.SIMDNORM_ONLY_ISAS="$isas"
 stamp "built"
 
 reports="$work/reports"
