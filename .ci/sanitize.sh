@@ -10,6 +10,7 @@
 #
 # Environment: SIMDNORM_SANITIZE_TESTS  test files to run instead of all tests/test_*.py but the
 #                                       benchmark harness (space-separated; slow tests never run)
+#              SIMDNORM_SANITIZE_JOBS   test files run at once (default: the number of cores)
 #              SIMDNORM_SANITIZE_KEEP=1 keep the work directory (venv, reports) for inspection
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -93,8 +94,8 @@ for which in read write; do
 done
 stamp "self-test: ASan caught the canary read and write"
 
-# 2. the suite under the sanitizers, one pytest process per test file: a report aborts its process
-# (halt_on_error), and the other files still run and report.
+# 2. the suite under the sanitizers, one pytest process per test file, as many at once as there are
+# cores: a report aborts its process (halt_on_error), and the other files still run and report.
 # --capture=sys: the runtime writes a report to file descriptor 2; with pytest's default fd-level
 # capture it would vanish with the aborted test. stderr goes to a file that is scanned afterwards.
 if [[ -n "${SIMDNORM_SANITIZE_TESTS:-}" ]]; then
@@ -105,19 +106,33 @@ else
     [[ "$f" == tests/test_bench_harness.py ]] || groups+=("$f")
   done
 fi
+mkdir -p "$work/files"
+run_file() {  # run_file INDEX FILE: its stdout, stderr and exit status into $work/files/INDEX.*
+  local i="$1" g="$2" r
+  set +e
+  run_sanitized "$reports" "$py" -m pytest -p no:cacheprovider -q --capture=sys -m "not slow" "$g" \
+    >"$work/files/$i.out" 2>"$work/files/$i.err"
+  r=$?
+  set -e
+  echo "$r" >"$work/files/$i.rc"
+  stamp "pytest $g: exit $r"
+}
+jobs_at_once="${SIMDNORM_SANITIZE_JOBS:-$(nproc)}"
+for i in "${!groups[@]}"; do
+  while (( $(jobs -rp | wc -l) >= jobs_at_once )); do wait -n || true; done
+  run_file "$i" "${groups[$i]}" &
+done
+wait
 rc=0
 failed=()
 : >"$work/stderr.log"
-for g in "${groups[@]}"; do
-  stamp "pytest $g"
-  set +e
-  run_sanitized "$reports" "$py" -m pytest -p no:cacheprovider -q --capture=sys -m "not slow" "$g" \
-    2>>"$work/stderr.log"
-  r=$?
-  set -e
-  if [[ $r -ne 0 && $r -ne 5 ]]; then  # 5: nothing collected (a file of slow tests only)
+for i in "${!groups[@]}"; do
+  cat "$work/files/$i.out"
+  cat "$work/files/$i.err" >>"$work/stderr.log"
+  r="$(cat "$work/files/$i.rc" 2>/dev/null || echo missing)"
+  if [[ "$r" != 0 && "$r" != 5 ]]; then  # 5: nothing collected (a file of slow tests only)
     rc=1
-    failed+=("$g (exit $r)")
+    failed+=("${groups[$i]} (exit $r)")
   fi
 done
 cat "$work/stderr.log" >&2
