@@ -20,11 +20,13 @@
 
 namespace simdnorm {
 namespace SIMDNORM_ISA_NS {
-// The backward part's entries (not in a unit that delegates them, SIMDNORM_DELEGATE_NS).
+#if !defined(SIMDNORM_DELEGATE_NS)
+// The backward part's entries (a unit that delegates, SIMDNORM_DELEGATE_NS, takes its base's).
 void backward_sums_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s);
 void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e);
 void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g);
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n);
+#endif
 
 namespace {
 #include "simd/vec.h"
