@@ -53,6 +53,25 @@ def test_channels_last_batch_norm_runs_coefficients_along_the_run(dtype):
     assert "inner=column_blocks(stats=vary,affine=vary) block_columns=" in bn_plan(x, (1, 4096, 1, 1))
 
 
+@pytest.mark.parametrize("kind, inline", [(2, True), (3, True), (17, True), (8, False), (16, False), (19, False)])
+def test_out_of_line_activations_take_each_run_on_its_own(kind, inline):
+    # relu, leaky_relu, clip inline; sigmoid, gelu, hard_swish a call a vector: no periodic stream
+    # and no fused rows loops, which are compiled for the inline ones only; the row stream for all
+    act = (kind, 0.1, 0.5)
+    x = np.zeros((2, 16, 16, 64), np.float32).transpose(0, 3, 1, 2)
+    p = np.ones((1, 64, 1, 1), np.float32)
+    plan = _core.explain_batch_norm(x, p, p, p, p, np.empty_like(x), 1e-5, act, 0, False)
+    assert ("inner=periodic_stream(" if inline else "inner=contiguous(stats=vary,affine=vary)") in plan, plan
+    x = np.zeros((2, 8, 5, 7), np.float16)
+    p = np.ones((1, 8, 1, 1), np.float32)
+    plan = _core.explain_batch_norm(x, p, p, p, p, np.empty_like(x), 1e-5, act, 0, False)
+    assert "inner=row_stream(" in plan, plan
+    x = np.zeros((64, 768), np.float32)
+    plan = _core.explain_mvn(x, (1,), None, None, np.empty_like(x), 1e-5, True, True, False, act, None, None, -1,
+                             False)
+    assert (" rows_loop=pipeline " if inline else " rows_loop=separate ") in plan, plan
+
+
 def test_channels_last_runs_are_lengthened_by_a_divisor_of_the_pixel_count():
     x = np.zeros((1, 2, 131, 8), np.float32).transpose(0, 3, 1, 2)  # 262 pixels = 2 x 131
     plan = bn_plan(x, (1, 8, 1, 1))

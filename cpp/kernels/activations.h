@@ -165,7 +165,7 @@ template <class V> struct ActPiecewiseLinear {
     }
     a = splat<V>(pa), b = splat<V>(pb), s = splat<V>(ps), lo = splat<V>(plo), hi = splat<V>(phi);
   }
-  static bool covers(ActKind kind) {
+  static constexpr bool covers(ActKind kind) {
     return kind == ActKind::linear || kind == ActKind::leaky_relu || kind == ActKind::hard_sigmoid ||
            kind == ActKind::clip;
   }
@@ -193,6 +193,19 @@ template <class V> struct ActOutOfLine {
 template <class Act, class V> __attribute__((noinline)) V apply_activation(const void* act, V x) {
   return (*static_cast<const Act*>(act))(x);
 }
+
+// Whether a functor type is the out-of-line call (the kinds kActInline leaves out).
+template <class Act> constexpr bool kRunsOutOfLine = false;
+template <class V> constexpr bool kRunsOutOfLine<ActOutOfLine<V>> = true;
+constexpr bool inline_kinds_match_table() {
+  for (int k = 0; k < kNumActs; ++k) {
+    const ActKind kind = static_cast<ActKind>(k);
+    const bool inline_functor = kind == ActKind::identity || kind == ActKind::relu || ActPiecewiseLinear<vf>::covers(kind);
+    if (inline_functor != kActInline[k]) return false;
+  }
+  return true;
+}
+static_assert(inline_kinds_match_table(), "visit_activation takes inline exactly the kinds kActInline lists");
 
 // Calls fn(functor): ActIdentity, ActRelu, ActPiecewiseLinear or ActOutOfLine.
 template <class V, class Fn> void visit_activation(const Activation& act, Fn&& fn) {

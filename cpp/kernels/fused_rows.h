@@ -74,7 +74,8 @@ struct FusedRowsKernel {
   };
 
   // The layouts the fused loops take: contiguous data, one mean and 1/std per run, scale and bias
-  // constant or read beside the data (anything else runs the two loops one after the other).
+  // constant or read beside the data, an activation applied inline (kActInline; anything else runs
+  // the two loops one after the other).
   struct InnerRun {
     bool fusable, affine_vary;
     explicit InnerRun(const NormalizeTask& task) {
@@ -84,9 +85,9 @@ struct FusedRowsKernel {
       const bool affine_const = stride(kScale) == 0 && stride(kBias) == 0;
       affine_vary = stride(kScale) == cs && stride(kBias) == cs;
       fusable = stride(kIn) == ts && stride(kOut) == ts && stride(kShift) == 0 && stride(kMul) == 0 &&
-                (affine_const || affine_vary);
+                (affine_const || affine_vary) && kActInline[static_cast<int>(task.act.kind)];
     }
-    // Calls fn(runs) with the RunMaker of the task's activation and layout.
+    // Calls fn(runs) with the RunMaker of the task's activation and layout (fusable only).
     // Float16 rows read from their float32 copy fold the shift into the multiply (Formula): the
     // conversions leave the loop short of FP issue slots, and the fold takes an operation a vector
     // off it. It rounds -(shift * mul) once more, by at most 2^-24 |mean| / std in normalized
@@ -103,16 +104,20 @@ struct FusedRowsKernel {
       constexpr auto fold = shift_folded ? N::Fold::shift : N::Fold::none;
       visit_activation<typename N::V>(task.act, [&](const auto& act) {
         using Act = std::decay_t<decltype(act)>;
-        if constexpr (!shift_folded && std::is_same<Act, ActIdentity<typename N::V>>::value) {
-          if (task.scale_folded) {
-            using FS = typename N::template Formula<Act, N::Fold::scale>;
-            return fn(RunMaker<false, FS, In>{FS{act}, task.stream_stores});
+        if constexpr (kRunsOutOfLine<Act>) {
+          check_failed("an out-of-line activation reached the fused rows loops", __FILE__, __LINE__);
+        } else {
+          if constexpr (!shift_folded && std::is_same<Act, ActIdentity<typename N::V>>::value) {
+            if (task.scale_folded) {
+              using FS = typename N::template Formula<Act, N::Fold::scale>;
+              return fn(RunMaker<false, FS, In>{FS{act}, task.stream_stores});
+            }
           }
+          using F = typename N::template Formula<Act, fold>;
+          const F f{act};
+          if (affine_vary) fn(RunMaker<true, F, In>{f, task.stream_stores});
+          else fn(RunMaker<false, F, In>{f, task.stream_stores});
         }
-        using F = typename N::template Formula<Act, fold>;
-        const F f{act};
-        if (affine_vary) fn(RunMaker<true, F, In>{f, task.stream_stores});
-        else fn(RunMaker<false, F, In>{f, task.stream_stores});
       });
     }
   };

@@ -27,6 +27,8 @@ struct NormalizeKernel {
   struct Formula {
     static constexpr bool kScaleFolded = Folded == Fold::scale;
     static constexpr bool kShiftFolded = Folded == Fold::shift;
+    // The streams across runs and the fused rows loops are compiled for inline activations only.
+    static constexpr bool kInline = !kRunsOutOfLine<Act>;
     Act act;
     V operator()(V x, V shift, V mul, V scale, V bias) const {
       if constexpr (kScaleFolded) {
@@ -392,7 +394,10 @@ struct NormalizeKernel {
 
   // `rows` runs of n elements, run r at p + r * rs, by the task's plan (InnerPlan, chosen by
   // ops/common.cpp). A lone run (a piece at either end of a thread's range, or execute_run's) takes
-  // the contiguous loop: the streams and the blocks are loops over many runs.
+  // the contiguous loop: the streams and the blocks are loops over many runs. An out-of-line
+  // activation has no periodic stream (plan_inner_loop does not choose it for it): its runs go one
+  // by one. (It keeps the row stream, whose short runs would each end in a partial vector, and so in
+  // a call for a few elements.)
   template <class F>
   static void run_rows(const F& f, const InnerPlan& plan, int64_t rows, int64_t n, char* const* p, const int64_t* s,
                        const int64_t* rs, bool stream) {
@@ -409,7 +414,7 @@ struct NormalizeKernel {
     if (loop == InnerLoop::row_stream) return run_row_stream(f, rows, n, p, rs, stream);
     visit_pairs(plan, [&](auto stats_vary, auto affine_vary) {
       constexpr bool kStats = decltype(stats_vary)::value, kAffine = decltype(affine_vary)::value;
-      if constexpr (kStats || kAffine) {
+      if constexpr ((kStats || kAffine) && F::kInline) {
         if (loop == InnerLoop::periodic_stream) return run_periodic_stream<kStats, kAffine>(f, rows, n, p, stream);
       }
       if (loop == InnerLoop::column_blocks) {

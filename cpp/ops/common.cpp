@@ -328,7 +328,9 @@ void plan_inner_loop(NormalizeTask& task) {
   }
   bool shared = true;  // every run reads the same coefficients
   for (int op = kShift; op <= kBias; ++op) shared = shared && rs(op) == 0;
-  if (back_to_back && shared && n >= 2 * lanes && n <= kPeriodicMaxRun) plan.loop = InnerLoop::periodic_stream;
+  // (Not for out-of-line activations, a call a vector: the stream is not compiled for them.)
+  if (back_to_back && shared && n >= 2 * lanes && n <= kPeriodicMaxRun && kActInline[static_cast<int>(task.act.kind)])
+    plan.loop = InnerLoop::periodic_stream;
 }
 
 void fence_streaming_stores() {
