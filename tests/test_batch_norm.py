@@ -212,6 +212,33 @@ def test_param_dtypes_each_independent(rng, dtype):
         check_bn(y, x, p["mean"], p["variance"], p["scale"], p["bias"])
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_bfloat16_output_rounds_to_nearest_even(isa, rng, layout):
+    # mul exactly 1 (var + epsilon == 1): out = float32(x + bias), rounded once more to bfloat16;
+    # numpy adds float32 correctly rounded and ml_dtypes rounds to nearest even. The bias's low 16
+    # bits are drawn at random and as exact ties (0x8000, with x = 0), both parities of the kept bit.
+    shape = (3, 5, 37, 11)
+    x = rng.standard_normal(shape).astype(np.float32) * np.float32(2.0) ** rng.integers(-20, 20, shape)
+    x[rng.random(shape) < 0.2] = 0
+    x = x.astype(BF16)
+    x.reshape(-1)[:4] = [np.inf, -np.inf, np.nan, BF16.type(3.3895e38)]
+    bias_bits = rng.integers(0x3E000000, 0x42000000, 5, dtype=np.uint64).astype(np.uint32)
+    bias_bits[:2] = (bias_bits[:2] & 0xFFFF0000) | 0x8000
+    bias_bits[0] |= 0x10000  # an odd kept bit: the tie rounds up; bias 1 keeps an even one (down)
+    bias_bits[1] &= ~np.uint32(0x10000)
+    bias = bias_bits.view(np.float32)
+    epsilon = 2.0**-20
+    mean = np.zeros(5, np.float32)
+    var = np.full(5, 1 - epsilon, np.float32)
+    if layout == "nhwc":
+        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    y = bn(x, mean, var, None, bias, epsilon=epsilon)
+    expect = (x.astype(np.float32) + bias.reshape(1, 5, 1, 1)).astype(BF16)
+    nan = np.isnan(expect.astype(np.float32))
+    assert np.array_equal(np.isnan(y.astype(np.float32)), nan)
+    assert np.array_equal(y.view(np.uint16)[~nan], expect.view(np.uint16)[~nan])
+
+
 def test_float32_params_keep_their_precision(rng):
     # float32 parameters with a float16 input must not be rounded to float16 first: a mean that
     # float16 cannot represent gives a visibly different result

@@ -455,6 +455,16 @@ template <> struct Lanes<double> : FullLanes<double, vd> {};
 
 // Packs the low 16 bits of each lane.
 static inline vh narrow16(vu a) { return __builtin_convertvector(a, vh); }
+// The same for lanes already under 2^16: on AVX2 a saturating pack keeps them as they are, with no
+// mask to clear their high halves first (the generic conversion's vpand).
+static inline vh narrow16_fits(vu a) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  const __m256i packed = _mm256_packus_epi32((__m256i)a, (__m256i)a);  // lanes 0-3 twice, 4-7 twice
+  return (vh)_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+#else
+  return narrow16(a);
+#endif
+}
 // Zero-extends each 16-bit lane. (GCC turns the generic conversion of 16 lanes into two 8-lane
 // ones, an extract and an insert, where one instruction does.)
 static inline vu widen16(vh a) {
@@ -500,6 +510,14 @@ static inline vh f16_from_vf(vf v) {
 #endif
 }
 static inline vf vf_from_bf16(vh h) { return (vf)(widen16(h) << 16); }
+// Each lane's bfloat16 bits, in its low 16: rounded to nearest even, a NaN quieted with its sign
+// and payload kept.
+static inline vu bf16_lanes_from_vf(vf v) {
+  const vu x = (vu)v;
+  const vu rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const vu quiet_nan = (x >> 16) | 0x40u;
+  return v != v ? quiet_nan : rounded;
+}
 static inline vh bf16_from_vf(vf v) {
 #if defined(__AVX512BF16__)
   // One instruction rounds to nearest even and quiets NaN as the integer code below does, but it
@@ -507,12 +525,15 @@ static inline vh bf16_from_vf(vf v) {
   // ISA writes the same bits.
   if (_mm512_fpclass_ps_mask((__m512)v, 0x20) == 0) return (vh)_mm512_cvtneps_pbh((__m512)v);
 #endif
-  const vu x = (vu)v;
-  const vu rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const vu quiet_nan = (x >> 16) | 0x40u;
-  const vi is_nan = (vi)(x & 0x7fffffffu) > 0x7f800000;
-  return narrow16(is_nan ? quiet_nan : rounded);
+  return narrow16_fits(bf16_lanes_from_vf(v));
 }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Two vectors' bfloat16 bits as one 32-byte vector, lo's lanes first: one pack for both.
+static inline __m256i bf16_pair_from_vf(vf lo, vf hi) {
+  const __m256i packed = _mm256_packus_epi32((__m256i)bf16_lanes_from_vf(lo), (__m256i)bf16_lanes_from_vf(hi));
+  return _mm256_permute4x64_epi64(packed, 0xd8);  // lo 0-3, lo 4-7, hi 0-3, hi 4-7
+}
+#endif
 #if defined(__AVX512BF16__)
 // Two vectors at once, lo's lanes first: the same bits as bf16_from_vf of each, with one
 // instruction and one test for subnormals for both.
@@ -560,12 +581,18 @@ struct Lanes16 {
     return _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)FromFloat(v0)), (__m256i)FromFloat(v1), 1);
   }
 #endif
-  // Two consecutive vectors: one store where one instruction converts both (bfloat16), else two
-  // (float16's conversion makes one vector's worth; joining two would take an insert more).
+  // Two consecutive vectors: one store where one instruction converts both (bfloat16), or one
+  // pack joins both (bfloat16 on AVX2), else two (float16's conversion makes one vector's worth;
+  // joining two would take an insert more).
   static void store2(Tag* p, V v0, V v1) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same<Tag, bf16_t>::value) {
       _mm512_storeu_si512(p, from_float2(v0, v1));
+      return;
+    }
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (std::is_same<Tag, bf16_t>::value) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_pair_from_vf(v0, v1));
       return;
     }
 #endif
@@ -577,6 +604,10 @@ struct Lanes16 {
 #if defined(__AVX512F__)
     _mm512_stream_si512(reinterpret_cast<__m512i*>(p), from_float2(v0, v1));
 #elif defined(__AVX2__)
+    if constexpr (std::is_same<Tag, bf16_t>::value) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_pair_from_vf(v0, v1));
+      return;
+    }
     const vh h0 = FromFloat(v0), h1 = FromFloat(v1);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
                         _mm256_inserti128_si256(_mm256_castsi128_si256((__m128i)h0), (__m128i)h1, 1));
