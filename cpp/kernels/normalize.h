@@ -27,7 +27,7 @@ struct NormalizeKernel {
   struct Formula {
     static constexpr bool kScaleFolded = Folded == Fold::scale;
     static constexpr bool kShiftFolded = Folded == Fold::shift;
-    // The streams across runs and the fused rows loops are compiled for inline activations only.
+    // The periodic stream and the fused rows loops are compiled for inline activations only.
     static constexpr bool kInline = !kRunsOutOfLine<Act>;
     Act act;
     V operator()(V x, V shift, V mul, V scale, V bias) const {
