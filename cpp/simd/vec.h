@@ -455,12 +455,18 @@ template <> struct Lanes<double> : FullLanes<double, vd> {};
 
 // Packs the low 16 bits of each lane.
 static inline vh narrow16(vu a) { return __builtin_convertvector(a, vh); }
-// The same for lanes already under 2^16: on AVX2 a saturating pack keeps them as they are, with no
-// mask to clear their high halves first (the generic conversion's vpand).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Two vectors of lanes already under 2^16 as one 32-byte vector of 16-bit lanes, lo's first: a
+// saturating pack keeps them as they are, with no mask to clear their high halves first (the
+// generic conversion's vpand).
+static inline __m256i narrow16_pair_fits(vu lo, vu hi) {
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32((__m256i)lo, (__m256i)hi), 0xd8);
+}
+#endif
+// narrow16 for lanes already under 2^16.
 static inline vh narrow16_fits(vu a) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-  const __m256i packed = _mm256_packus_epi32((__m256i)a, (__m256i)a);  // lanes 0-3 twice, 4-7 twice
-  return (vh)_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+  return (vh)_mm256_castsi256_si128(narrow16_pair_fits(a, a));
 #else
   return narrow16(a);
 #endif
@@ -530,8 +536,7 @@ static inline vh bf16_from_vf(vf v) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // Two vectors' bfloat16 bits as one 32-byte vector, lo's lanes first: one pack for both.
 static inline __m256i bf16_pair_from_vf(vf lo, vf hi) {
-  const __m256i packed = _mm256_packus_epi32((__m256i)bf16_lanes_from_vf(lo), (__m256i)bf16_lanes_from_vf(hi));
-  return _mm256_permute4x64_epi64(packed, 0xd8);  // lo 0-3, lo 4-7, hi 0-3, hi 4-7
+  return narrow16_pair_fits(bf16_lanes_from_vf(lo), bf16_lanes_from_vf(hi));
 }
 #endif
 #if defined(__AVX512BF16__)
