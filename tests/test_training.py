@@ -508,6 +508,42 @@ def test_backward_groups_in_pairs_as_alone(rng, op, shape, act, dtype):
         np.testing.assert_array_equal(bits(whole[part]), bits(alone), err_msg=f"{op} group {part}")
 
 
+# Channels-last batch norm's rows of contiguous channels take loops of their own (BackwardKernel::
+# lanes_sums, lanes_apply); a grad_output or grad_input whose channels lie apart in memory sends the
+# call to the general loops, over the same plan. The bits must be the same: channel counts that end
+# inside a vector, thread ranges that start and end inside a row, global statistics (training=False)
+# and the parameters' gradients.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("channels", [3, 13, 64, 100])
+def test_channels_last_rows_as_general_loops(rng, isa, threads, dtype, channels):
+    shape = (3, 7, 9, channels)
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(1.5, dtype)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    scale, bias = (rand_values(rng, (channels,), dtype, scale=1.0) for _ in range(2))
+
+    def apart():
+        """An array of shape whose channels are two elements apart."""
+        return np.empty(shape[:-1] + (2 * channels,), dtype)[..., ::2]
+
+    dy_apart = apart()
+    dy_apart[...] = dy
+    _, m, v = simdnorm.batch_normalization_training(x, scale, bias, channel_axis=-1)
+    for n in (1, 2):
+        threads(n)
+        for training in (True, False):
+            res = {}
+            for name, dys, out in (("rows", dy, np.empty(shape, dtype)), ("general", dy_apart, np.empty(shape, dtype)),
+                                   ("general apply", dy, apart())):
+                out[...] = np.nan
+                gs, gb = simdnorm.batch_normalization_backward(dys, x, m, v, scale, bias, channel_axis=-1,
+                                                               training=training, out=out)[1:]
+                res[name] = (out, gs, gb)
+            assert not np.isnan(res["rows"][0]).any()
+            for other in ("general", "general apply"):
+                for what, a, b in zip(("grad_input", "grad_scale", "grad_bias"), res["rows"], res[other]):
+                    np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{what} {other} threads={n} {training=}")
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same
