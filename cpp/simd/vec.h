@@ -27,6 +27,11 @@ constexpr const char* kIsaName = "avx2";
 constexpr int kWidth = 4;
 constexpr const char* kIsaName = "baseline";
 #endif
+#if defined(__AVX512F__)
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kVectorRegisters = 16;  // (AVX2, SSE2; NEON has 32, counted low)
+#endif
 
 typedef float vf __attribute__((vector_size(kWidth * 4)));
 typedef int32_t vi __attribute__((vector_size(kWidth * 4)));
