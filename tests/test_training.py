@@ -544,6 +544,55 @@ def test_channels_last_rows_as_general_loops(rng, isa, threads, dtype, channels)
                     np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{what} {other} threads={n} {training=}")
 
 
+# out= for grad_input where it shares memory with an operand: the result is as if it did not
+# (a temporary where the memory overlaps: the kernels decide by byte ranges, numpy exactly), out = the
+# grad_output itself is in place, and out over the input is refused (the backward reads it to the end).
+BACKWARD_CALLS = {
+    "batch_norm": lambda dy, x, sc, b, **kw: simdnorm.batch_normalization_backward(
+        dy, x, *simdnorm.batch_normalization_training(x, sc, b)[1:], sc, b, **kw),
+    "layer_norm": lambda dy, x, sc, b, **kw: simdnorm.layer_norm_backward(
+        dy, x, *simdnorm.layer_norm(x, np.tile(sc, 2), np.tile(b, 2), return_stats=True)[1:], np.tile(sc, 2),
+        np.tile(b, 2), **kw),
+    "instance_norm": lambda dy, x, sc, b, **kw: simdnorm.instance_norm_backward(
+        dy, x, *simdnorm.instance_norm(x, sc, b, return_stats=True)[1:], sc, b, **kw),
+    "group_norm": lambda dy, x, sc, b, **kw: simdnorm.group_norm_backward(
+        dy, x, 2, *simdnorm.group_norm(x, 2, sc, b, return_stats=True)[1:], sc, b, **kw),
+}
+
+
+@pytest.mark.parametrize("op", list(BACKWARD_CALLS))
+def test_backward_out_sharing_memory_as_if_apart(rng, op):
+    call = BACKWARD_CALLS[op]
+    x = rand_values(rng, (3, 4, 5, 8), F32, scale=2.0)
+    sc, b = rand_values(rng, (4,), F32, scale=1.0), rand_values(rng, (4,), F32, scale=1.0)
+    # grad_output and out as views of one buffer (along its last dim); where they overlap, grad_input
+    # is computed into a temporary laid out as the input (so are its bits), else straight into out
+    cases = {
+        "shifted": (10, lambda a: a[..., :8], lambda a: a[..., 2:], True),
+        "reversed": (10, lambda a: a[..., :8], lambda a: a[..., ::-1][..., 2:], True),
+        "in place": (8, lambda a: a, lambda a: a, False),
+        "interleaved": (16, lambda a: a[..., 1::2], lambda a: a[..., ::2], False),  # byte ranges meet, elements not
+    }
+    for name, (width, dy_of, out_of, temporary) in cases.items():
+        base = rand_values(rng, (3, 4, 5, width), F32, scale=1.0)
+        # the same call with out apart: a new array like the input, or out's layout in a buffer of its own
+        want = call(dy_of(base.copy()), x, sc, b, out=None if temporary else out_of(np.full_like(base, np.nan)))
+        buf = base.copy()
+        res = call(dy_of(buf), x, sc, b, out=out_of(buf))
+        assert res[0].base is buf or res[0] is buf, name
+        for got, ref in zip(res, want):
+            np.testing.assert_array_equal(bits(got), bits(ref), err_msg=name)
+    dy = rand_values(rng, x.shape, F32, scale=1.0)
+    want = call(dy, x, sc, b, out=np.empty_like(x))
+    out = np.zeros_like(x)  # the scale is read from memory grad_input overwrites
+    out.ravel()[:4] = sc
+    res = call(dy, x, out.ravel()[:4], b, out=out)
+    for got, ref in zip(res, want):
+        np.testing.assert_array_equal(bits(got), bits(ref))
+    with pytest.raises(simdnorm.DescriptorError, match="shares memory with the input"):
+        call(dy, x, sc, b, out=x)
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

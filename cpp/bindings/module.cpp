@@ -136,22 +136,29 @@ std::optional<TensorView> optional_param(py::handle obj, const char* name, const
   return param_view(obj, name, x, channel_axis);
 }
 
+// The bytes [lo, hi) that an array of ndim sizes and byte strides addresses from data; false when
+// it has no elements. (The spans fit: the array's extent was checked, by check_extent or numpy.)
+template <class I>
+bool byte_range(const void* data, int ndim, const I* sizes, const I* strides, int64_t item, uintptr_t& lo,
+                uintptr_t& hi) {
+  int64_t below = 0, above = 0;
+  for (int d = 0; d < ndim; ++d) {
+    if (sizes[d] == 0) return false;
+    const int64_t span = static_cast<int64_t>(sizes[d] - 1) * static_cast<int64_t>(strides[d]);
+    (span < 0 ? below : above) += span;
+  }
+  lo = reinterpret_cast<uintptr_t>(data) + below;
+  hi = reinterpret_cast<uintptr_t>(data) + above + item;
+  return true;
+}
+
 // Could out share memory with `other`? Compares the byte ranges the two address, so it may say
 // yes where numpy's exact test (np.shares_memory) says no: the caller then asks numpy.
 bool may_overlap(const TensorView& out, const TensorView& other) {
-  auto range = [](const TensorView& v, uintptr_t& lo, uintptr_t& hi) {
-    int64_t below = 0, above = 0;
-    for (int d = 0; d < v.ndim; ++d) {
-      if (v.sizes[d] == 0) return false;
-      const int64_t span = (v.sizes[d] - 1) * v.strides[d];  // fits: check_extent passed
-      (span < 0 ? below : above) += span;
-    }
-    lo = reinterpret_cast<uintptr_t>(v.data) + below;
-    hi = reinterpret_cast<uintptr_t>(v.data) + above + itemsize(v.dtype);
-    return true;
-  };
   uintptr_t lo0, hi0, lo1, hi1;
-  if (!range(out, lo0, hi0) || !range(other, lo1, hi1)) return false;
+  if (!byte_range(out.data, out.ndim, out.sizes, out.strides, itemsize(out.dtype), lo0, hi0) ||
+      !byte_range(other.data, other.ndim, other.sizes, other.strides, itemsize(other.dtype), lo1, hi1))
+    return false;
   return lo0 < hi1 && lo1 < hi0;
 }
 
@@ -293,8 +300,11 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
 //              epsilon, normalize_mean, normalize_variance, epsilon_outside, activation,
 //              statistics_terms, write_ga, channel_axis, explain) -> None, or the plan with explain
 // The Python layer has validated the call and keeps grad_input off every operand's memory.
-py::object py_mvn_backward(py::args args) {
-  if (args.size() != 20) throw py::type_error("mvn_backward() takes 20 positional arguments");
+constexpr size_t kMvnBackwardArgs = 20;
+
+py::object py_mvn_backward(PyObject* const* raw) {
+  py::handle args[kMvnBackwardArgs];
+  std::copy(raw, raw + kMvnBackwardArgs, args);
   MvnBackwardArgs a;
   a.input = view_of(args[0], "input", false);
   a.grad_output = view_of(args[1], "grad_output", false);
@@ -364,7 +374,7 @@ py::object py_mvn_backward(py::args args) {
   return py::none();
 }
 
-// The two hot entry points are plain METH_FASTCALL functions: pybind11's general dispatcher costs
+// The hot entry points are plain METH_FASTCALL functions: pybind11's general dispatcher costs
 // more than the rest of a small call put together.
 // f returns a bool (returned as True/False), a string (returned as str) or an object.
 template <size_t N, class F>
@@ -411,6 +421,10 @@ PyObject* fast_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return mvn_call(args, nargs, "mvn", [](PyObject* const* a) { return py_mvn(a, nullptr); });
 }
 
+PyObject* fast_mvn_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall<kMvnBackwardArgs>(args, nargs, "mvn_backward", py_mvn_backward);
+}
+
 // The explain hooks run the same checks, then describe the plan instead of running it (or say
 // "overlap" when the call would have declined).
 template <bool (*Op)(PyObject* const*, std::string*)>
@@ -427,13 +441,42 @@ PyObject* explain_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return mvn_call(args, nargs, "explain_mvn", explain<py_mvn>);
 }
 
+// may_overlap(out, *arrays): whether out's bytes meet those of any of the arrays (None skipped), by
+// byte ranges: False is certain, True leaves it to numpy's exact test. The backward ops' out= check
+// (np.may_share_memory a pair costs more than this call for all of them).
+PyObject* fast_may_overlap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const auto& api = py::detail::npy_api::get();
+  auto range = [&](PyObject* obj, uintptr_t& lo, uintptr_t& hi) {
+    const auto* a = py::detail::array_proxy(obj);
+    const int64_t item = py::reinterpret_borrow<py::array>(obj).itemsize();
+    return byte_range(a->data, a->nd, a->dimensions, a->strides, item, lo, hi);
+  };
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    if (args[i] != Py_None && !api.PyArray_Check_(args[i])) {
+      PyErr_SetString(PyExc_TypeError, "may_overlap: arguments must be numpy arrays or None");
+      return nullptr;
+    }
+  }
+  uintptr_t lo0, hi0, lo1, hi1;
+  if (nargs < 1 || args[0] == Py_None || !range(args[0], lo0, hi0)) Py_RETURN_FALSE;
+  for (Py_ssize_t i = 1; i < nargs; ++i)
+    if (args[i] != Py_None && range(args[i], lo1, hi1) && lo0 < hi1 && lo1 < hi0) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
 PyMethodDef g_fast_methods[] = {
+    {"may_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_may_overlap)), METH_FASTCALL,
+     "may_overlap(out, *arrays) -> whether out's byte range meets any array's (None skipped): False is certain"},
     {"batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_batch_norm)), METH_FASTCALL,
      "batch_norm(x, mean, variance, scale, bias, out, epsilon, activation, channel_axis, check_overlap) -> ran"},
     {"mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn)), METH_FASTCALL,
      "mvn(x, axes, scale, bias, out, epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, "
      "mean_out, inv_std_out, channel_axis, check_overlap[, var_out]) -> ran; out None: the statistics only, "
      "into float64 mean_out (inv_std_out, var_out)"},
+    {"mvn_backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn_backward)), METH_FASTCALL,
+     "mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g, "
+     "epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, statistics_terms, write_ga, "
+     "channel_axis, explain) -> None (explain: the plan, as text)"},
     {"explain_batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_batch_norm)),
      METH_FASTCALL, "explain_batch_norm(<batch_norm's arguments>) -> the plan batch_norm would run, as text"},
     {"explain_mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_mvn)), METH_FASTCALL,
@@ -702,10 +745,6 @@ PYBIND11_MODULE(_core, m) {
   m.attr("__version__") = SIMDNORM_VERSION;
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0 || PyModule_AddFunctions(m.ptr(), g_dlpack_methods) != 0)
     throw py::error_already_set();
-  m.def("mvn_backward", &py_mvn_backward,
-        "mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g, "
-        "epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, statistics_terms, write_ga, "
-        "channel_axis, explain)");
   m.def("isa", &active_isa, "The active instruction set.");
   m.def("available_isas", &available_isas, "Instruction sets this CPU and OS run, best first.");
   m.def(
