@@ -600,7 +600,7 @@ struct BackwardKernel {
 
   // Channels-last rows (batch norm's rows of C channels): rows of the nest that share their
   // statistics and parameters, every operand contiguous along the run, no activation. Here the
-  // general loops' setup per run and their tests per vector cost 1.4-1.8x (8 x 56 x 56 x 256 and
+  // general loops' setup per run and their tests per vector cost 1.3-1.9x (8 x 56 x 56 x 256 and
   // x 64, Zen 3), so these rows take lanes_sums and lanes_apply: per element the arithmetic and the
   // order of the adds are sums_run's and apply_run's, and so are the bits.
   static bool lanes_rows(const BackwardTask& t, const LoopNest& nest, bool writes) {
@@ -614,11 +614,11 @@ struct BackwardKernel {
 
   // sums_run over a block of such rows when only the parameters' sums are asked for (sum(ga y),
   // sum(ga): the statistics' are derived from them, ops/backward.cpp).
-  static void lanes_sums(char* const* p, const int64_t* rs, int64_t rows, int64_t n, const BackwardSums& acc,
-                         int64_t stats_pitch) {
+  static void lanes_sums(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n,
+                         const BackwardSums& acc) {
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
     const C* const mean = reinterpret_cast<const C*>(p[kStats]);
-    const C* const u = reinterpret_cast<const C*>(p[kStats] + stats_pitch);
+    const C* const u = reinterpret_cast<const C*>(p[kStats] + t.stats_pitch);
     const int64_t pi = (p[kParams] - acc.params_base) / cs;
     C* const sum_gay = static_cast<C*>(acc.param_vary[0]) + pi;
     C* const sum_ga = static_cast<C*>(acc.param_vary[1]) + pi;
@@ -687,7 +687,7 @@ struct BackwardKernel {
   static void sums(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end, const BackwardSums& acc) {
     if (acc.group[0] == nullptr && acc.param[0] != nullptr && lanes_rows(t, nest, false)) {
       for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
-        lanes_sums(p, rs, rows, n, acc, t.stats_pitch);
+        lanes_sums(t, p, rs, rows, n, acc);
       });
       return;
     }
@@ -806,7 +806,7 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
         if constexpr (SS == kConst && PS == kUnit) {
           if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
             // Two rows' state (mean, u and two sums, summed and written) fill 16 registers: with
-            // four, AVX2 spilled them through the stack, 1.3-1.6x slower (8x512x768, Zen 3).
+            // four, AVX2 kept it on the stack, 1.10-1.17x the time in float32 (rows of 768, Zen 3).
             constexpr int R = kVectorRegisters >= 32 ? 4 : 2;
             const int64_t blocks = gs.count / R, rest = gs.count - blocks * R;
             K::template rows_stream<R>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
