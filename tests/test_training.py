@@ -1146,13 +1146,18 @@ THREAD_CASES = [("batch_norm", dict(shape=(8, 16, 40, 40), fused_add=True)),
                 ("rms_norm", dict(shape=(512, 384))),
                 ("instance_norm", dict(shape=(4, 16, 60, 60))),
                 ("group_norm", dict(shape=(4, 32, 40, 40), num_groups=8)),
-                ("group_norm", dict(shape=(2, 40, 40, 32), num_groups=4, channel_axis=-1))]
+                ("group_norm", dict(shape=(2, 40, 40, 32), num_groups=4, channel_axis=-1)),
+                # no activation: channels-last rows' own loops (lanes_sums, lanes_apply), layer norm's
+                # rows_stream without a derivative call
+                ("batch_norm", dict(shape=(8, 40, 40, 24), channel_axis=-1, activation=None)),
+                ("layer_norm", dict(shape=(512, 388), activation=None))]
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
 @pytest.mark.parametrize("op,kw", THREAD_CASES, ids=[f"{o}-{i}" for i, (o, _) in enumerate(THREAD_CASES)])
 def test_backward_one_vs_two_threads_bitwise(rng, threads, op, kw, dtype):
-    p = random_problem(rng, op, activation="gelu", dtype=dtype, **kw)
+    kw = {"activation": "gelu", **kw}
+    p = random_problem(rng, op, dtype=dtype, **kw)
     if p.eval_stats is not None:
         p.eval_stats = tuple(a.astype(F32) for a in p.eval_stats)
     dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
