@@ -617,17 +617,22 @@ def split_view(a: np.ndarray, ca: int, g: int, k: int) -> np.ndarray:
     return v
 
 
-def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
+def group_split(x: Any, num_groups: Any, channel_axis: Any) -> tuple:
+    """Group norm's (..., G, C/G, ...) view of x, its rules checked: (the channel axis, C, G, C/G,
+    scale and bias's shape in the view, the view's reduced dims). Forward and backward share it."""
     ca = channel_axis_rule(x, channel_axis, "group_norm")
     c = x.shape[ca]
     g = num_groups_rule(num_groups, c)
-    per_channel_rule("scale", scale, c, "group_norm")
-    per_channel_rule("bias", bias, c, "group_norm")
     k = c // g
     vnd = x.ndim + 1
+    return ca, c, g, k, (1,) * ca + (g, k) + (1,) * (vnd - ca - 2), tuple(d for d in range(1, vnd) if d != ca)
+
+
+def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
+    ca, c, g, k, pshape, reduced = group_split(x, num_groups, channel_axis)
+    per_channel_rule("scale", scale, c, "group_norm")
+    per_channel_rule("bias", bias, c, "group_norm")
     vshape = x.shape[:ca] + (g, k) + x.shape[ca + 1:]
-    reduced = tuple(d for d in range(1, vnd) if d != ca)
-    pshape = (1,) * ca + (g, k) + (1,) * (vnd - ca - 2)
     desc = MeanVarianceNormalizationDesc(TensorDesc(x.dtype, vshape), reduced,
                                          None if scale is None else TensorDesc(scale.dtype, pshape),
                                          None if bias is None else TensorDesc(bias.dtype, pshape),

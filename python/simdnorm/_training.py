@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _core
 from ._activation import ActivationLike, core_tuple
-from ._api import documented, split_view
+from ._api import documented, group_split, split_view
 from ._compile import (as_input, as_param, check_arg, check_out, dlpack_array, follow_input, is_foreign_out,
                        is_tensor, needs_temporary)
 from ._descriptors import (
@@ -38,7 +38,6 @@ from ._descriptors import (
     mvn_param_rule,
     normalize_axes,
     normalize_axis,
-    num_groups_rule,
     per_channel_rule,
     spatial_axes_rule,
     stats_dtype,
@@ -846,15 +845,12 @@ def _plan_group_backward(x: Any, dy: Any, num_groups: Any, mean: Any, inv_std: A
                          channel_axis: Any, epsilon: Any, activation: Any, grad_input: Any, grad_scale: Any,
                          grad_bias: Any) -> tuple:
     """group norm through (..., G, C/G, ...) views: statistics (N, G) viewed at the split rank."""
-    ca = channel_axis_rule(x, channel_axis, "group_norm")
-    c = x.shape[ca]
-    g = num_groups_rule(num_groups, c)
+    ca, c, g, k, pshape, axes = group_split(x, num_groups, channel_axis)
     _grad_output(dy, x)
     _param(scale, "scale", x)
     _param(bias, "bias", x)
     per_channel_rule("scale", scale, c, "group_norm")
     per_channel_rule("bias", bias, c, "group_norm")
-    k = c // g
     n = x.shape[0]
     vnd = x.ndim + 1
     if vnd > MAX_DIMS + 1:  # pragma: no cover - the input's own rule caps it first
@@ -867,8 +863,6 @@ def _plan_group_backward(x: Any, dy: Any, num_groups: Any, mean: Any, inv_std: A
         if st.shape != (n, g):
             raise DescriptorError(f"{name}: shape {st.shape}; group_norm's statistics have shape (N, num_groups) = "
                                   f"({n}, {g})")
-    pshape = (1,) * ca + (g, k) + (1,) * (vnd - ca - 2)
-    axes = tuple(d for d in range(1, vnd) if d != ca)
     return (ca, c, g, k, sshape, pshape, axes, check_epsilon(epsilon, x.dtype), _backward_activation(activation),
             check_bool("grad_input", grad_input), _wanted(grad_scale, "grad_scale", scale is not None),
             _wanted(grad_bias, "grad_bias", bias is not None))
