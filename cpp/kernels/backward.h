@@ -297,12 +297,14 @@ struct BackwardKernel {
   }
 
   // Layer and RMS norm rows: one run each, contiguous, the statistics constant along a row, the
-  // parameters contiguous and shared by all rows. R rows make a block, and one loop writes block
-  // k's grad_input while it sums block k + 1 (as the forward's fused rows do): the reads from
-  // memory and the writes go out together, block k is read again from the L1, and each parameter
-  // slot is read and written once for R rows. Apply: dx = (x - mean) (-u^2 c2) + ga (scale u) - u c1.
-  // Each row's gradient is written in whole vectors from `head` (streamed: its first aligned one;
-  // the arithmetic is the same per element whatever the grid), its edges after.
+  // parameters contiguous and shared by all rows. R rows make a block: one loop sums the block
+  // (each parameter slot read and written once for R rows, the rows ahead fetched into the L2),
+  // then one writes its grad_input, reading the block again from the L1. (One loop that wrote
+  // block k while it summed block k + 1 held both blocks' state and spilled it on AVX2: these two
+  // take 0.83-0.93x its time on rows in the L3, the same from memory.)
+  // Apply: dx = (x - mean) (-u^2 c2) + ga (scale u) - u c1. Each row's gradient
+  // is written in whole vectors from `head` (streamed: its first aligned one; the arithmetic is
+  // the same per element whatever the grid), its edges after.
   struct RowState {
     const char *x, *dy;
     char* dx;
@@ -343,7 +345,7 @@ struct BackwardKernel {
       if constexpr (D::kUsesPre) return deriv(vfma(y, s, b), dyv);
       else return dyv;
     };
-    RowsOf<RowState, R> cur, next;
+    RowsOf<RowState, R> rows;
     using Yes = std::true_type;
     using No = std::false_type;
     // Every row streams alike when the rows' step keeps their alignment.
@@ -351,7 +353,7 @@ struct BackwardKernel {
     const bool stream = head >= 0;
     if (!stream) head = 0;
     auto open = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
-      next.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
+      rows.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
         const int64_t row = k * R + j;
         r.x = p[kX] + row * step[kX], r.dy = p[kGradOut] + row * step[kGradOut], r.dx = p[kGradIn] + row * step[kGradIn];
         r.stat = (p[kStats] + row * step[kStats] - acc.stats_base) / cs;
@@ -359,11 +361,34 @@ struct BackwardKernel {
         r.a = zero(), r.b = zero();
       });
     };
-    // m elements of each row of `cur` written from e.
-    // (full: a whole vector, streamed when asked; else m < W elements.)
-    auto write_cur = [&](auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+    // One vector of each row summed at element e (m of them).
+    auto sum_at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
-      cur.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+      V p0 = zero(), p1 = zero();
+      if (want_param) p0 = load_c(pv0 + e, m), p1 = load_c(pv1 + e, m);
+      rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+        __builtin_prefetch(r.x + ahead_x + e * es, 0, 2);
+        __builtin_prefetch(r.dy + ahead_dy + e * es, 0, 2);
+        if (!stream) __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
+        V d, y;
+        V ga = grad_at(r, e, m, s, b, d, y);
+        if (m < W) {
+          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+          y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
+        }
+        const V g = ga * s;
+        r.a = r.a + g, r.b = vfma(g, y, r.b);
+        p0 = vfma(ga, y, p0), p1 = p1 + ga;
+      });
+      if (want_param) {
+        if (m == W) LC::store(pv0 + e, p0), LC::store(pv1 + e, p1);
+        else LC::store_partial(pv0 + e, p0, m), LC::store_partial(pv1 + e, p1, m);
+      }
+    };
+    // m elements of each row written from e (full: a whole vector, streamed when asked; else m < W).
+    auto write_at = [&](auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
+      rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
         V d, y;
         const V ga = grad_at(r, e, m, s, b, d, y);
         const V dx = vfma(d, r.a, vfma(ga, s * r.u, r.b));
@@ -373,77 +398,39 @@ struct BackwardKernel {
         else L::store_partial(q, dx, m);
       });
     };
-    // One vector of each row of `next` summed at element e (m of them), and with `full` one of
-    // `cur` written at e + head where it ends by n (the rest of a row: pass's edges).
-    auto at = [&](auto sum, auto write, auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-      const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
-      if constexpr (decltype(sum)::value) {
-        V p0 = zero(), p1 = zero();
-        if (want_param) p0 = load_c(pv0 + e, m), p1 = load_c(pv1 + e, m);
-        next.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-          __builtin_prefetch(r.x + ahead_x + e * es, 0, 2);
-          __builtin_prefetch(r.dy + ahead_dy + e * es, 0, 2);
-          if (!stream) __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
-          V d, y;
-          V ga = grad_at(r, e, m, s, b, d, y);
-          if (m < W) {
-            const auto own = lanes_mask(static_cast<V*>(nullptr), m);
-            y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
-          }
-          const V g = ga * s;
-          r.a = r.a + g, r.b = vfma(g, y, r.b);
-          p0 = vfma(ga, y, p0), p1 = p1 + ga;
-        });
-        if (want_param) {
-          if (m == W) LC::store(pv0 + e, p0), LC::store(pv1 + e, p1);
-          else LC::store_partial(pv0 + e, p0, m), LC::store_partial(pv1 + e, p1, m);
-        }
-      }
-      if constexpr (decltype(write)::value && decltype(full)::value) {
-        if (e + head + W <= n) write_cur(full, e + head, W);
-      }
-    };
-    // The loop over the rows, its sums added into their doubles every kSumFlush elements.
-    auto pass = [&](auto sum, auto write) SIMDNORM_INLINE_LAMBDA {
+    // The block's sums, added into their doubles every kSumFlush elements.
+    auto sum_block = [&]() SIMDNORM_INLINE_LAMBDA {
       for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
         const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
         int64_t e = e0;
-        for (; e + W <= e1; e += W) at(sum, write, Yes{}, e, W);
-        if (e < e1) at(sum, write, No{}, e, static_cast<int>(e1 - e));
-        if constexpr (decltype(write)::value) {
-          if (e1 == n) {  // the rows' edges: [0, head) and the last m < W (one copy of the code)
-            const int64_t end = head + (n - head) / W * W;
-#pragma GCC unroll 1
-            for (int side = 0; side < 2; ++side) {
-              const int m = static_cast<int>(side == 0 ? head : n - end);
-              if (m > 0) write_cur(No{}, side == 0 ? 0 : end, m);
-            }
-          }
-        }
-        if constexpr (decltype(sum)::value) {
-          next.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-            acc.group[0][r.stat] += static_cast<double>(vreduce_add(r.a));
-            acc.group[1][r.stat] += static_cast<double>(vreduce_add(r.b));
-            r.a = zero(), r.b = zero();
-          });
-        }
+        for (; e + W <= e1; e += W) sum_at(e, W);
+        if (e < e1) sum_at(e, static_cast<int>(e1 - e));
+        rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+          acc.group[0][r.stat] += static_cast<double>(vreduce_add(r.a));
+          acc.group[1][r.stat] += static_cast<double>(vreduce_add(r.b));
+          r.a = zero(), r.b = zero();
+        });
       }
     };
-    open(0);
-    pass(Yes{}, No{});
+    // The block's gradients: whole vectors from head, then the edges [0, head) and the last m < W.
+    auto write_block = [&]() SIMDNORM_INLINE_LAMBDA {
+      int64_t e = head;
+      for (; e + W <= n; e += W) write_at(Yes{}, e, W);
+#pragma GCC unroll 1
+      for (int side = 0; side < 2; ++side) {  // (one copy of the edges' code)
+        const int m = static_cast<int>(side == 0 ? head : n - e);
+        if (m > 0) write_at(No{}, side == 0 ? 0 : e, m);
+      }
+    };
     for (int64_t k = 0; k < blocks; ++k) {
-      cur = next;
-      cur.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+      open(k);
+      sum_block();
+      rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
         set_coefficients<C>(t, stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
         const C u = stat_of(r.stat, 1);
         r.a = splat<V>(-(u * u) * stat_of(r.stat, 3)), r.b = splat<V>(-u * stat_of(r.stat, 2));
       });
-      if (k + 1 < blocks) {
-        open(k + 1);
-        pass(Yes{}, Yes{});
-      } else {
-        pass(No{}, Yes{});
-      }
+      write_block();
       after_block(k);
     }
   }
@@ -805,8 +792,8 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
         };
         if constexpr (SS == kConst && PS == kUnit) {
           if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
-            // Two rows' state (mean, u and two sums, summed and written) fill 16 registers: with
-            // four, AVX2 kept it on the stack, 1.10-1.17x the time in float32 (rows of 768, Zen 3).
+            // A row's state is 4 vectors (mean, u, two sums): with four rows AVX2's 16 registers
+            // spill, 1.03-1.11x the time of two (rows of 768, Zen 3).
             constexpr int R = kVectorRegisters >= 32 ? 4 : 2;
             const int64_t blocks = gs.count / R, rest = gs.count - blocks * R;
             K::template rows_stream<R>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
