@@ -153,6 +153,12 @@ def _wanted(flag: Any, name: str, present: bool) -> bool:
     return want
 
 
+def _gradients_wanted(grad_input: Any, grad_scale: Any, grad_bias: Any, scale: Any, bias: Any) -> tuple:
+    """(grad_input, grad_scale, grad_bias): which gradients a backward call returns, its flags checked."""
+    return (check_bool("grad_input", grad_input), _wanted(grad_scale, "grad_scale", scale is not None),
+            _wanted(grad_bias, "grad_bias", bias is not None))
+
+
 def _full_shape(shape: Tuple[int, ...], nd: int, ca: int) -> Tuple[int, ...]:
     """A parameter's shape at the input's rank, as the kernels place it: a 1-D one at ca (ca >= 0),
     otherwise aligned right."""
@@ -379,8 +385,7 @@ def _plan_bn_backward(x: Any, dy: Any, mean: Any, variance: Any, scale: Any, bia
     for name, st in (("mean", mean), ("variance", variance)):
         if st.shape != sshape and not (st.shape == (1,) * len(sshape)):
             raise DescriptorError(f"{name}: shape {st.shape}; the statistics have shape {sshape}")
-    return (eps, act, terms, axes, ca, check_bool("grad_input", grad_input),
-            _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
+    return (eps, act, terms, axes, ca) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
 
 
 def _plan_mvn_backward(x: Any, dy: Any, axes: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
@@ -400,8 +405,7 @@ def _plan_mvn_backward(x: Any, dy: Any, axes: Any, mean: Any, inv_std: Any, scal
     if nv:
         _stats(inv_std, "inv_std", x, axes_t)
     return (axes_t, nm, nv, check_epsilon(epsilon, x.dtype), check_epsilon_mode(epsilon_mode),
-            _backward_activation(activation), check_bool("grad_input", grad_input),
-            _wanted(grad_scale, "grad_scale", scale is not None), _wanted(grad_bias, "grad_bias", bias is not None))
+            _backward_activation(activation)) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
 
 
 
@@ -795,9 +799,8 @@ def _plan_instance_backward(x: Any, dy: Any, mean: Any, inv_std: Any, scale: Any
     per_channel_rule("bias", bias, c, "instance_norm")
     _stats(mean, "mean", x, axes)
     _stats(inv_std, "inv_std", x, axes)
-    return (axes, ca, check_epsilon(epsilon, x.dtype), _backward_activation(activation),
-            check_bool("grad_input", grad_input), _wanted(grad_scale, "grad_scale", scale is not None),
-            _wanted(grad_bias, "grad_bias", bias is not None))
+    return (axes, ca, check_epsilon(epsilon, x.dtype),
+            _backward_activation(activation)) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
 
 
 @_documented_backward
@@ -863,9 +866,8 @@ def _plan_group_backward(x: Any, dy: Any, num_groups: Any, mean: Any, inv_std: A
         if st.shape != (n, g):
             raise DescriptorError(f"{name}: shape {st.shape}; group_norm's statistics have shape (N, num_groups) = "
                                   f"({n}, {g})")
-    return (ca, c, g, k, sshape, pshape, axes, check_epsilon(epsilon, x.dtype), _backward_activation(activation),
-            check_bool("grad_input", grad_input), _wanted(grad_scale, "grad_scale", scale is not None),
-            _wanted(grad_bias, "grad_bias", bias is not None))
+    return (ca, c, g, k, sshape, pshape, axes, check_epsilon(epsilon, x.dtype),
+            _backward_activation(activation)) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
 
 
 @_documented_backward
