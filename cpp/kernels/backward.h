@@ -140,7 +140,7 @@ struct BackwardKernel {
   static V load(const char* p, int64_t s, int m) {
     if constexpr (Step == kConst) return splat<V>(Lanes<E>::load_one(reinterpret_cast<const E*>(p)));
     else if constexpr (Step == kUnit) {
-      return m == W ? Lanes<E>::load(reinterpret_cast<const E*>(p)) : Lanes<E>::load_partial(reinterpret_cast<const E*>(p), m);
+      return load_up_to<Lanes<E>>(reinterpret_cast<const E*>(p), m);
     } else {
       return s == 0 ? splat<V>(Lanes<E>::load_one(reinterpret_cast<const E*>(p))) : gather<E>(p, s, m);
     }
@@ -333,10 +333,8 @@ struct BackwardKernel {
     // The rows summed are fetched into the L2 this many rows ahead (whole blocks).
     const int64_t ahead = R * ((2 * prefetch_units_ahead(n * es) + R - 1) / R);
     const int64_t ahead_x = ahead * step[kX], ahead_dy = ahead * step[kGradOut];
-    auto load_t = [](const char* q, int m) SIMDNORM_INLINE_LAMBDA {
-      return m == W ? L::load(reinterpret_cast<const T*>(q)) : L::load_partial(reinterpret_cast<const T*>(q), m);
-    };
-    auto load_c = [](const C* q, int m) SIMDNORM_INLINE_LAMBDA { return m == W ? LC::load(q) : LC::load_partial(q, m); };
+    auto load_t = [](const char* q, int m) SIMDNORM_INLINE_LAMBDA { return load_up_to<L>(reinterpret_cast<const T*>(q), m); };
+    auto load_c = [](const C* q, int m) SIMDNORM_INLINE_LAMBDA { return load_up_to<LC>(q, m); };
     // ga at element e of row r; d = x - mean, y = d u.
     auto grad_at = [&](const RowState& r, int64_t e, int m, V s, V b, V& d, V& y) SIMDNORM_INLINE_LAMBDA {
       d = load_t(r.x + e * es, m) - r.mean;
@@ -611,24 +609,22 @@ struct BackwardKernel {
     C* const sum_ga = static_cast<C*>(acc.param_vary[1]) + pi;
     const T* x = reinterpret_cast<const T*>(p[kX]);
     const T* dy = reinterpret_cast<const T*>(p[kGradOut]);
-    const int64_t whole = n / W * W;
     constexpr int64_t ahead = kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T));
+    // m elements from e (a whole vector, or the row's last m < W).
+    auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      const V y = (load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m)) * load_up_to<LC>(u + e, m);
+      const V ga = load_up_to<L>(dy + e, m);
+      store_up_to<LC>(sum_gay + e, load_up_to<LC>(sum_gay + e, m) + ga * y, m);
+      store_up_to<LC>(sum_ga + e, load_up_to<LC>(sum_ga + e, m) + ga, m);
+    };
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t e = 0; e < whole; e += W) {
+      int64_t e = 0;
+      for (; e + W <= n; e += W) {
         __builtin_prefetch(x + e + ahead, 0, 2);  // (as Element::at)
         __builtin_prefetch(dy + e + ahead, 0, 2);
-        const V y = (L::load(x + e) - LC::load(mean + e)) * LC::load(u + e), ga = L::load(dy + e);
-        LC::store(sum_gay + e, LC::load(sum_gay + e) + ga * y);
-        LC::store(sum_ga + e, LC::load(sum_ga + e) + ga);
+        at(e, W);
       }
-      if (whole < n) {
-        const int m = static_cast<int>(n - whole);
-        const int64_t e = whole;
-        const V y = (L::load_partial(x + e, m) - LC::load_partial(mean + e, m)) * LC::load_partial(u + e, m);
-        const V ga = L::load_partial(dy + e, m);
-        LC::store_partial(sum_gay + e, LC::load_partial(sum_gay + e, m) + ga * y, m);
-        LC::store_partial(sum_ga + e, LC::load_partial(sum_ga + e, m) + ga, m);
-      }
+      if (e < n) at(e, static_cast<int>(n - e));
       x = reinterpret_cast<const T*>(reinterpret_cast<const char*>(x) + rs[kX]);
       dy = reinterpret_cast<const T*>(reinterpret_cast<const char*>(dy) + rs[kGradOut]);
     }
@@ -646,25 +642,25 @@ struct BackwardKernel {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t head = t.stream_stores ? stream_head(reinterpret_cast<const char*>(dx), n) : -1;
       const bool stream = head >= 0;
-      auto edge = [&](int64_t e, int m) {
-        const V uv = LC::load_partial(u + e, m);
-        const V y = (L::load_partial(x + e, m) - LC::load_partial(mean + e, m)) * uv;
-        const V g = L::load_partial(dy + e, m) * LC::load_partial(scale + e, m);
-        const V v = grad_input(uv, y, g, LC::load_partial(c1 + e, m), LC::load_partial(c2 + e, m));
-        if (stream) L::store_partial_stream(dx + e, v, m);  // (as apply_run's)
+      // m elements from e: a whole vector (streamed when asked), or an edge of m < W.
+      auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+        const V uv = load_up_to<LC>(u + e, m);
+        const V y = (load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m)) * uv;
+        const V g = load_up_to<L>(dy + e, m) * load_up_to<LC>(scale + e, m);
+        const V v = grad_input(uv, y, g, load_up_to<LC>(c1 + e, m), load_up_to<LC>(c2 + e, m));
+        if (m == W) L::store_or_stream(dx + e, v, stream);
+        else if (stream) L::store_partial_stream(dx + e, v, m);  // (as apply_run's)
         else L::store_partial(dx + e, v, m);
       };
       int64_t e = stream ? head : 0;
-      if (e > 0) edge(0, static_cast<int>(e));
+      if (e > 0) at(0, static_cast<int>(e));
       for (; e + W <= n; e += W) {
         __builtin_prefetch(x + e + ahead, 0, 2);  // (as apply_run's)
         __builtin_prefetch(dy + e + ahead, 0, 2);
         if (!stream) __builtin_prefetch(dx + e + ahead, 1);
-        const V uv = LC::load(u + e);
-        const V y = (L::load(x + e) - LC::load(mean + e)) * uv, g = L::load(dy + e) * LC::load(scale + e);
-        L::store_or_stream(dx + e, grad_input(uv, y, g, LC::load(c1 + e), LC::load(c2 + e)), stream);
+        at(e, W);
       }
-      if (e < n) edge(e, static_cast<int>(n - e));
+      if (e < n) at(e, static_cast<int>(n - e));
       x = reinterpret_cast<const T*>(reinterpret_cast<const char*>(x) + rs[kX]);
       dy = reinterpret_cast<const T*>(reinterpret_cast<const char*>(dy) + rs[kGradOut]);
       dx = reinterpret_cast<T*>(reinterpret_cast<char*>(dx) + rs[kGradIn]);

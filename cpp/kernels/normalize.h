@@ -264,10 +264,6 @@ struct NormalizeKernel {
       pairs(std::false_type{});
     vectors_until(total);
   }
-  // The m <= W elements at x (a whole vector with a plain load).
-  SIMDNORM_CURSOR_METHOD static V load_up_to(const T* x, int m) {
-    return m == W ? L::load(x) : L::load_partial(x, m);
-  }
 
   // Rows of n >= W contiguous elements that follow each other in memory (NCHW batch norm over
   // small images, per-group MVN over short rows), coefficients constant along each row and
@@ -296,7 +292,7 @@ struct NormalizeKernel {
     int64_t row_end = n;
     // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
     auto vector_at = [&](int64_t at, int m) SIMDNORM_INLINE_LAMBDA {
-      const V in = load_up_to(x + at, m);
+      const V in = load_up_to<L>(x + at, m);
       if (at + m <= row_end) return f(in, cur.shift, cur.mul, cur.scale, cur.bias);
       shift_at += shift_step;
       mul_at += mul_step;
@@ -352,7 +348,7 @@ struct NormalizeKernel {
     const Pair<AffineVary, !F::kScaleFolded> af(q[kScale], q[kBias]);
     int64_t k = 0;  // the vector's first element's index in its row (m <= W <= n: one wrap at most)
     store_stream(y, rows * n, stream, [&](int64_t i, int m) SIMDNORM_INLINE_LAMBDA {
-      const V r = f(load_up_to(x + i, m), st.first(k), st.second(k), af.first(k), af.second(k));
+      const V r = f(load_up_to<L>(x + i, m), st.first(k), st.second(k), af.first(k), af.second(k));
       k += m;
       if (k >= n) k -= n;
       return r;

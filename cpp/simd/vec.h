@@ -686,6 +686,18 @@ template <> struct Lanes<bf16_t>
 // registers, which it does only when every method is inlined into the loop that drives them.
 #define SIMDNORM_CURSOR_METHOD inline __attribute__((always_inline))
 
+// The m <= W elements at p through Lanes L: a whole vector with a plain load or store, fewer with
+// a partial one (m is a constant where the caller's loop is inlined: one branch folds away).
+template <class L, class E>
+SIMDNORM_CURSOR_METHOD typename L::V load_up_to(const E* p, int m) {
+  return m == L::W ? L::load(p) : L::load_partial(p, m);
+}
+template <class L, class E>
+SIMDNORM_CURSOR_METHOD void store_up_to(E* p, typename L::V v, int m) {
+  if (m == L::W) L::store(p, v);
+  else L::store_partial(p, v, m);
+}
+
 // For a lambda called inside a hot loop (after its parameter list): GCC inlines lambdas by its
 // size heuristics, which change as the unit grows; an outlined per-vector lambda (run_row_stream's
 // vector_at) costs a call per vector.
