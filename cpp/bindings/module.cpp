@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <dlfcn.h>
+
 #include <climits>
 #include <cstdint>
 #include <initializer_list>
@@ -779,6 +781,28 @@ PYBIND11_MODULE(_core, m) {
       py::arg("n"),
       "The calling thread's own thread count for its calls (0: none, get_num_threads() applies); returns "
       "the previous one.");
+  m.def(
+      "share_openmp_team",
+      [](const std::string& library) {
+        // Only a library the process has already loaded (RTLD_NOLOAD); its handle is kept, so the
+        // entries stay valid for the process's life.
+        void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_NOLOAD);
+        if (handle == nullptr) return false;
+        OpenMpTeam team{};
+        team.parallel = reinterpret_cast<decltype(team.parallel)>(dlsym(handle, "GOMP_parallel"));
+        team.max_threads = reinterpret_cast<decltype(team.max_threads)>(dlsym(handle, "omp_get_max_threads"));
+        if (team.parallel == nullptr || team.max_threads == nullptr || !share_openmp_team(team)) {
+          dlclose(handle);
+          return false;
+        }
+        return true;
+      },
+      py::arg("library"),
+      "Run parallel calls on the team of the loaded OpenMP runtime `library`; False, nothing changed, "
+      "where it is not loaded, lacks GOMP_parallel or omp_get_max_threads, or in a fork()ed child of a "
+      "process that shared a team.");
+  m.def("use_own_threads", &use_own_threads, "Parallel calls on simdnorm's own pool again.");
+  m.def("sharing_openmp_team", &sharing_openmp_team);
   m.def("caller_threads", &caller_threads, "The thread count the calling thread's calls use.");
   m.def(
       "set_bfloat16_dtype", [](const py::dtype& dt) { g_bfloat16_num = dt.num(); }, py::arg("dtype"));

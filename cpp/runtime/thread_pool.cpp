@@ -156,15 +156,37 @@ class Pool {
 std::mutex g_pool_mutex;
 Pool* g_pool = nullptr;
 
+// The shared team (never freed: a call may still be reading it), the lock its one region at a
+// time holds, and whether this process is a fork()ed child of one that shared a team.
+std::atomic<const OpenMpTeam*> g_team{nullptr};
+std::mutex g_team_mutex;
+bool g_forked_child = false;
+
 void forget_pool_in_child() {
   g_pool = nullptr;  // leaked on purpose: its mutexes may be held by threads that are gone
   new (&g_pool_mutex) std::mutex();
+  // An OpenMP runtime used before fork() waits in the child for threads that are not there.
+  g_team.store(nullptr, std::memory_order_relaxed);
+  g_forked_child = true;
+  new (&g_team_mutex) std::mutex();
 }
 
 void register_fork_handler() {
   static const int registered = pthread_atfork(nullptr, nullptr, forget_pool_in_child);
   (void)registered;
 }
+
+// One parallel_for on the shared team: every team thread claims parts until none is left.
+struct TeamJob {
+  const std::function<void(int)>* fn;
+  int nparts;
+  std::atomic<int> next{0};
+
+  static void run(void* self) {
+    TeamJob& job = *static_cast<TeamJob*>(self);
+    for (int part; (part = job.next.fetch_add(1, std::memory_order_relaxed)) < job.nparts;) (*job.fn)(part);
+  }
+};
 
 }  // namespace
 
@@ -199,6 +221,15 @@ void parallel_for(int nparts, const std::function<void(int)>& fn) {
   };
   if (nparts <= 1 || threads <= 1) return run_here();
   register_fork_handler();
+  const OpenMpTeam* team = g_team.load(std::memory_order_acquire);
+  if (team != nullptr && team->max_threads() >= threads) {
+    // As with the pool: while one Python thread's call holds the team, a rival runs on its own.
+    std::unique_lock<std::mutex> busy(g_team_mutex, std::try_to_lock);
+    if (!busy.owns_lock()) return run_here();
+    TeamJob job{&fn, nparts};
+    team->parallel(&TeamJob::run, &job, static_cast<unsigned>(threads), 0);
+    return;
+  }
   std::unique_lock<std::mutex> global(g_pool_mutex);
   // The pool has get_num_threads() - 1 workers; a caller with its own count uses a pool of at
   // least its size (rebuilt larger if need be) and keeps the workers past its count out of the job.
@@ -229,5 +260,16 @@ void parallel_for(int nparts, const std::function<void(int)>& fn) {
   global.unlock();
   pool->run(nparts, fn, threads - 1);
 }
+
+bool share_openmp_team(const OpenMpTeam& team) {
+  register_fork_handler();
+  if (g_forked_child) return false;
+  g_team.store(new OpenMpTeam(team), std::memory_order_release);
+  return true;
+}
+
+void use_own_threads() { g_team.store(nullptr, std::memory_order_release); }
+
+bool sharing_openmp_team() { return g_team.load(std::memory_order_acquire) != nullptr; }
 
 }  // namespace simdnorm

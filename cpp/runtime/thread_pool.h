@@ -24,4 +24,20 @@ void parallel_for(int nparts, const std::function<void(int)>& fn);
 // (small work stays on one thread), and a few parts per thread (thread_pool.cpp: kPartsPerThread).
 int parts_for(int64_t work, int64_t min_per_part);
 
+// An OpenMP runtime's entries: GOMP_parallel (libgomp's fork-join ABI, which Intel's and LLVM's
+// runtimes export too) and omp_get_max_threads.
+struct OpenMpTeam {
+  void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+  int (*max_threads)();
+};
+// Runs parallel_for's parts on that runtime's team (simdnorm.torch shares torch's): the threads
+// torch's parallel ops use, and leave spinning between ops, instead of simdnorm's own workers
+// competing with them for the cores. A call uses the team only while the runtime's own count
+// (omp_get_max_threads: torch.set_num_threads) is at least the call's, else the pool. Refused
+// (false) in a fork()ed child of a process that shared one, where the team's threads are gone
+// (a child falls back to the pool).
+bool share_openmp_team(const OpenMpTeam& team);
+void use_own_threads();
+bool sharing_openmp_team();
+
 }  // namespace simdnorm

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _core
+from ._runtime import share_torch_threads_once
 from ._activation import core_tuple, value_text
 from ._descriptors import (
     BatchNormalizationDesc,
@@ -162,6 +163,7 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
 
         return call_differentiable(fn.__name__, kw)
     if torch is not None:
+        share_torch_threads_once()
         kw["x"] = dlpack_array(x, "input")
     out = result = kw.get("out")  # result: what the call returns for the array it writes
     if out is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import sys
 import warnings
 from typing import Iterator, List, Optional
 
@@ -22,6 +23,53 @@ KNOWN_ISAS = ("avx512bf16", "avx512", "avx2", "baseline")
 
 #: The most threads set_num_threads accepts (the pool starts that many OS threads).
 MAX_THREADS = 1 << 16
+
+
+_OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")
+_torch_threads_decided = False
+
+
+def _loaded_openmp_runtimes() -> List[str]:
+    """The OpenMP runtime libraries this process has loaded (Linux: /proc/self/maps), those in
+    torch's own directory first."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
+    except (OSError, IndexError):
+        return []
+    found = sorted(p for p in paths if os.path.basename(p).startswith(_OPENMP_RUNTIMES) and ".so" in p)
+    torch = sys.modules.get("torch")
+    torch_dir = os.path.dirname(os.path.realpath(getattr(torch, "__file__", None) or os.sep)) + os.sep
+    return sorted(found, key=lambda p: not os.path.realpath(p).startswith(torch_dir))
+
+
+def share_torch_threads(enabled: bool = True) -> bool:
+    """Run simdnorm's parallel calls on the OpenMP threads that torch's parallel ops use, or, with
+    ``enabled=False``, on simdnorm's own thread pool. Returns whether the calls now share torch's
+    threads: False where the process runs no OpenMP runtime that simdnorm can use (then nothing
+    changes). Done once by itself when ``simdnorm.torch`` is imported or a torch tensor first
+    goes through a plain function, unless decided here before (``simdnorm.torch.share_threads``).
+
+    Why: after each parallel op, an OpenMP runtime keeps its threads spinning for a while, waiting
+    for the next one. simdnorm's own workers would then compete with them for the same cores and
+    lose time slices; on torch's threads a simdnorm call takes the cores they hold. The number of
+    threads stays simdnorm's (:func:`set_num_threads`); a call wanting more threads than torch's
+    (``torch.set_num_threads``) runs on simdnorm's pool instead. Results are bitwise the same
+    either way. A process forked from one that shared torch's threads uses simdnorm's own pool
+    (the OpenMP runtime's threads do not exist there).
+    """
+    global _torch_threads_decided
+    _torch_threads_decided = True
+    if not enabled:
+        _core.use_own_threads()
+        return False
+    return _core.sharing_openmp_team() or any(_core.share_openmp_team(p) for p in _loaded_openmp_runtimes())
+
+
+def share_torch_threads_once() -> None:
+    """share_torch_threads() unless it was called before (the user's choice stands)."""
+    if not _torch_threads_decided:
+        share_torch_threads()
 
 
 def get_num_threads() -> int:

@@ -7,6 +7,9 @@ torch.compile and torch.export, and autograd through simdnorm's backward ops; pl
 torch.nn's and compute with those operators; :func:`convert` swaps them into a model in place.
 The user guide's page docs/torch.rst lists the schemas.
 
+Once imported, simdnorm's parallel calls run on the OpenMP threads torch's own ops use (see
+:func:`share_threads`), so that the two do not compete for the cores.
+
 PyTorch stays optional: ``import simdnorm`` never imports it; this module needs it.
 """
 try:
@@ -27,6 +30,9 @@ from ._modules import (  # noqa: E402
     convert,
 )
 from ._ops import SCHEMAS  # noqa: E402
+from .._runtime import share_torch_threads as share_threads, share_torch_threads_once  # noqa: E402
+
+share_torch_threads_once()
 
 __all__ = [
     "BatchNorm1d",
@@ -40,4 +46,5 @@ __all__ = [
     "InstanceNorm3d",
     "convert",
     "SCHEMAS",
+    "share_threads",
 ]
