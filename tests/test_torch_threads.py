@@ -50,7 +50,7 @@ def test_shared_on_import_and_on_first_torch_tensor():
         import torch, simdnorm
         from simdnorm import _core
         print(_core.sharing_openmp_team())
-        simdnorm.layer_norm(simdnorm.layer_norm(torch.randn(4, 8)))  # a torch tensor: shared from now on
+        simdnorm.layer_norm(torch.randn(4, 8))  # a torch tensor: shared from now on
         print(_core.sharing_openmp_team())
     """)
     assert out.split() == ["False", "True"]

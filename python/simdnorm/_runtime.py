@@ -34,9 +34,12 @@ def _loaded_openmp_runtimes() -> List[str]:
     torch's own directory first."""
     try:
         with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
-    except (OSError, IndexError):
+            lines = f.read().splitlines()
+    except OSError:
         return []
+    # (address, permissions, offset, device, inode, then the path of a file mapping)
+    paths = {fields[5] for fields in (line.split(None, 5) for line in lines)
+             if len(fields) == 6 and fields[5].startswith("/")}
     found = sorted(p for p in paths if os.path.basename(p).startswith(_OPENMP_RUNTIMES) and ".so" in p)
     torch = sys.modules.get("torch")
     torch_dir = os.path.dirname(os.path.realpath(getattr(torch, "__file__", None) or os.sep)) + os.sep
