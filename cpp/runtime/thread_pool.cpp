@@ -50,6 +50,12 @@ bool spin_until(Ready ready) {
   }
 }
 
+// Runs fn on parts claimed from `next` until none of [0, nparts) is left: every thread of a job,
+// the pool's and an OpenMP team's alike.
+inline void run_claimed(std::atomic<int>& next, int nparts, const std::function<void(int)>& fn) {
+  for (int part; (part = next.fetch_add(1, std::memory_order_relaxed)) < nparts;) fn(part);
+}
+
 // Parts a thread takes at most. More than one: a thread whose core is taken (another runtime's
 // workers spinning after their own parallel region, as OpenMP's do) takes fewer parts, and the
 // threads that run take the rest, instead of everyone waiting on its one part.
@@ -112,9 +118,7 @@ class Pool {
   std::mutex& region_mutex() { return region_; }
 
  private:
-  void drain() {
-    for (int part; (part = next_.fetch_add(1, std::memory_order_relaxed)) < nparts_;) (*job_)(part);
-  }
+  void drain() { run_claimed(next_, nparts_, *job_); }
 
   void work() {
     uint64_t seen = 0;
@@ -184,7 +188,7 @@ struct TeamJob {
 
   static void run(void* self) {
     TeamJob& job = *static_cast<TeamJob*>(self);
-    for (int part; (part = job.next.fetch_add(1, std::memory_order_relaxed)) < job.nparts;) (*job.fn)(part);
+    run_claimed(job.next, job.nparts, *job.fn);
   }
 };
 

@@ -1,4 +1,5 @@
-// A small persistent thread pool (no OpenMP runtime in the wheel): N-1 workers plus the caller.
+// A small persistent thread pool (no OpenMP runtime in the wheel): N-1 workers plus the caller;
+// or, shared, the team of an OpenMP runtime the process has loaded (torch's).
 #pragma once
 #include <cstdint>
 #include <functional>
