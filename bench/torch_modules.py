@@ -678,7 +678,10 @@ def main(args, parser) -> int:
           f"simdnorm {getattr(simdnorm, '__version__', '?')} ({simdnorm.isa()})"
           + (f", load average {load[0]:.2f} on {os.cpu_count()} CPUs" if load else ""))
     print("ratio = torch.nn's median / simdnorm's (over 1: simdnorm is faster); medians of the rounds' "
-          "samples, in ms (per call: us); C heap: " + (malloc or "glibc's defaults (mallopt not available)") + "\n")
+          "samples, in ms (per call: us); C heap: " + (malloc or "glibc's defaults (mallopt not available)")
+          # (share_threads() keeps the default simdnorm.torch's import chose, and says what it is)
+          + "; simdnorm's threads: " + ("torch's OpenMP team (simdnorm.torch.share_threads)"
+                                        if sntorch.share_threads() else "its own pool") + "\n")
     saved = (torch.get_num_threads(), simdnorm.get_num_threads())
     all_rows: list[Row] = []
     t0 = time.monotonic()
