@@ -400,11 +400,29 @@ static inline void stream_vector(double* p, vd v) {
   std::memcpy(p, &v, sizeof v);
 #endif
 }
+// Partial vectors (heads, tails) by masked loads and stores, except under ASan, which does not see
+// those: there element copies, which it checks, keep its bounds checks on every head and tail.
+// (tests/test_guard_pages.py covers the masked instructions, every array flush against a page
+// that faults.)
+#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(__SANITIZE_ADDRESS__)
+#define SIMDNORM_MASKED_PARTIALS 1
+#else
+#define SIMDNORM_MASKED_PARTIALS 0
+#endif
 #if defined(__AVX512F__)
 static inline vf masked_load(const float* p, int n) { return (vf)_mm512_maskz_loadu_ps(tail_mask(n), p); }
 static inline vd masked_load(const double* p, int n) { return (vd)_mm512_maskz_loadu_pd(tail_mask_d(n), p); }
 static inline void masked_store(float* p, vf v, int n) { _mm512_mask_storeu_ps(p, tail_mask(n), (__m512)v); }
 static inline void masked_store(double* p, vd v, int n) { _mm512_mask_storeu_pd(p, tail_mask_d(n), (__m512d)v); }
+#elif defined(__AVX2__)
+// vmaskmov touches only lanes [0, n) (no fault past them): a memcpy of a variable length would
+// call the library and send the vector through the stack, a stalled store-to-load forward each.
+static inline vf masked_load(const float* p, int n) { return (vf)_mm256_maskload_ps(p, (__m256i)vlanes_below(n)); }
+static inline vd masked_load(const double* p, int n) { return (vd)_mm256_maskload_pd(p, (__m256i)vlanes_below_d(n)); }
+static inline void masked_store(float* p, vf v, int n) { _mm256_maskstore_ps(p, (__m256i)vlanes_below(n), (__m256)v); }
+static inline void masked_store(double* p, vd v, int n) {
+  _mm256_maskstore_pd(p, (__m256i)vlanes_below_d(n), (__m256d)v);
+}
 #endif
 
 template <class E, class Vec>
@@ -435,7 +453,7 @@ struct FullLanes {
     else store(p, v);
   }
   static V load_partial(const E* p, int n) {
-#if defined(__AVX512F__)
+#if SIMDNORM_MASKED_PARTIALS
     return masked_load(p, n);
 #else
     V v = {};
@@ -444,7 +462,7 @@ struct FullLanes {
 #endif
   }
   static void store_partial(E* p, V v, int n) {
-#if defined(__AVX512F__)
+#if SIMDNORM_MASKED_PARTIALS
     masked_store(p, v, n);
 #else
     std::memcpy(p, &v, sizeof(E) * n);
@@ -559,9 +577,22 @@ template <class Tag, vf (*ToFloat)(vh), vh (*FromFloat)(vf), float (*OneToFloat)
 struct Lanes16 {
   using V = vf;
   static constexpr int W = kWidth;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // The lanes [0, n) as n / 2 pairs (vpmaskmovd, as FullLanes' partial vectors) and an odd last one.
+  static __m128i whole_pairs(int n) { return _mm_cmpgt_epi32(_mm_set1_epi32(n >> 1), _mm_setr_epi32(0, 1, 2, 3)); }
+#endif
   static vh raw_load_partial(const Tag* p, int n) {
-#if defined(__AVX512F__)
+#if SIMDNORM_MASKED_PARTIALS && defined(__AVX512F__)
     return (vh)_mm256_maskz_loadu_epi16(tail_mask(n), p);
+#elif SIMDNORM_MASKED_PARTIALS
+    __m128i h = _mm_maskload_epi32(reinterpret_cast<const int*>(p), whole_pairs(n));
+    if (n & 1) {
+      uint16_t last;
+      std::memcpy(&last, p + n - 1, 2);
+      const __m128i at = _mm_cmpeq_epi16(_mm_set1_epi16(static_cast<short>(n - 1)), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+      h = _mm_blendv_epi8(h, _mm_set1_epi16(static_cast<short>(last)), at);
+    }
+    return (vh)h;
 #else
     vh h = {};
     std::memcpy(&h, p, 2 * n);
@@ -643,8 +674,14 @@ struct Lanes16 {
   static V load_partial(const Tag* p, int n) { return ToFloat(raw_load_partial(p, n)); }
   static void store_partial(Tag* p, V v, int n) {
     const vh h = FromFloat(v);
-#if defined(__AVX512F__)
+#if SIMDNORM_MASKED_PARTIALS && defined(__AVX512F__)
     _mm256_mask_storeu_epi16(p, tail_mask(n), (__m256i)h);
+#elif SIMDNORM_MASKED_PARTIALS
+    _mm_maskstore_epi32(reinterpret_cast<int*>(p), whole_pairs(n), (__m128i)h);
+    if (n & 1) {
+      const uint16_t last = h[n - 1];
+      std::memcpy(p + n - 1, &last, 2);
+    }
 #else
     std::memcpy(p, &h, 2 * n);
 #endif
@@ -653,7 +690,7 @@ struct Lanes16 {
   // touched): the first and last vectors of a stream of rows (fused_rows.h), which start before
   // its first element and end past its last.
   static V load_span(const Tag* p, int lo, int hi) {
-#if defined(__AVX512F__)
+#if SIMDNORM_MASKED_PARTIALS && defined(__AVX512F__)
     return ToFloat((vh)_mm256_maskz_loadu_epi16(span_mask(lo, hi), p));
 #else
     vh h = {};
@@ -663,7 +700,7 @@ struct Lanes16 {
   }
   static void store_span(Tag* p, V v, int lo, int hi) {
     const vh h = FromFloat(v);
-#if defined(__AVX512F__)
+#if SIMDNORM_MASKED_PARTIALS && defined(__AVX512F__)
     _mm256_mask_storeu_epi16(p, span_mask(lo, hi), (__m256i)h);
 #else
     if (hi > lo) std::memcpy(p + lo, reinterpret_cast<const char*>(&h) + 2 * lo, 2 * (hi - lo));
