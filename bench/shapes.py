@@ -33,11 +33,15 @@ RESNET50_BN_SHAPES: tuple[tuple[int, int, int, int], ...] = (
     (8, 2048, 7, 7),
     (8, 512, 7, 7),
 )
-# Instance norm, group norm (32 groups) and MVN over (0, 2, 3).
-SPATIAL_NORM_SHAPES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 56, 56),)
+# Instance norm, group norm (32 groups) and MVN over (0, 2, 3): a ResNet stage's planes, and its
+# last stage's 7x7 ones (runs of 49 elements: every plane's head and tail a partial vector).
+SPATIAL_NORM_SHAPES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 56, 56), (8, 512, 7, 7))
 # Layer norm and RMS norm over the last axis: (batch, tokens, hidden). Hidden 768 and 1024 (BERT),
-# and 4096 (LLaMA-7B), whose rows with their scale and bias outgrow the L1.
-SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024), (4, 512, 4096))
+# and 4096 (LLaMA-7B), whose rows with their scale and bias outgrow the L1; and rows of 64, a head's
+# queries or keys normalized on their own (QK-norm: 8 sequences x 12 heads, head_dim 64), where the
+# cost of each row's ends and statistics, not the memory, sets the pace.
+SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024), (4, 512, 4096),
+                                                          (96, 512, 64))
 # Per-call overhead: a tiny batch norm, called functionally and through simdnorm.compile(desc).
 TINY_SHAPE: tuple[int, int, int, int] = (1, 16, 8, 8)
 # float64 (float64 data with float64 statistics), one case of each kind of loop: layer norm
@@ -52,7 +56,8 @@ FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
 # Training ops: (op, shape, layout, dtype). The shapes and dtypes of the speed goals of the training
 # issue: forward-training batch norm (NCHW); the backward of batch norm (NCHW and channels-last), of
 # layer norm (float32 and bfloat16), RMS norm, group norm (32 groups), instance norm and MVN over
-# (0, 2, 3), all float32 unless said. Tagged "training" (the backward ones also "backward").
+# (0, 2, 3), all float32 unless said; then batch norm and group norm on 7x7 planes. Tagged
+# "training" (the backward ones also "backward").
 TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nchw", "float32"),
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
@@ -64,6 +69,9 @@ TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("group_norm_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
     ("instance_norm_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
     ("mvn_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
+    ("batch_norm_training", RESNET50_BN_SHAPES[-1], "nchw", "float32"),
+    ("batch_norm_backward", RESNET50_BN_SHAPES[-1], "nchw", "float32"),
+    ("group_norm_backward", SPATIAL_NORM_SHAPES[1], "nchw", "float32"),
 )
 # PyTorch's running-statistics momentum (ONNX's is 1 - this: 0.9) and torch.nn's initial running
 # statistics, for the forward-training case.

@@ -116,12 +116,12 @@ def test_named_shape_lists():
         for d in ("float32", "float16", "bfloat16")}
     for op in ("instance_norm", "group_norm", "mvn"):
         cs = [c for c in shapes.CASES if c.op == op]
-        assert cs and all(c.shape == (8, 256, 56, 56) for c in cs)
+        assert cs and {c.shape for c in cs} == {(8, 256, 56, 56), (8, 512, 7, 7)}
     assert all(c.groups == 32 for c in shapes.CASES if c.op == "group_norm")
     assert all(c.axes == (0, 2, 3) for c in shapes.CASES if c.op == "mvn")
     for op in ("layer_norm", "rms_norm"):
         got = {(c.shape, c.dtype) for c in shapes.CASES if c.op == op and c.dtype != "float64"}
-        assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024), (4, 512, 4096))
+        assert got == {(s, d) for s in ((8, 512, 768), (32, 128, 1024), (4, 512, 4096), (96, 512, 64))
                        for d in ("float32", "float16", "bfloat16")}
     tiny = [c for c in shapes.CASES if "tiny" in c.tags]
     assert {c.compiled for c in tiny} == {False, True}
@@ -132,14 +132,14 @@ def test_named_shape_lists():
     assert [c.name for c in shapes.select(quick=True, filters=["tiny"])] == [c.name for c in tiny]
 
 
-# The 80 cases before the float64 ones, by name: adding cases must not rename or drop any.
+# The 92 cases before the float64 ones, by name: adding cases must not rename or drop any.
 CASES_BEFORE_FLOAT64 = (
     [f"bn/{shapes.shape_str(s)}/{lay}/{d}" for s in shapes.RESNET50_BN_SHAPES for lay in ("nchw", "nhwc")
      for d in ("f32", "f16", "bf16")]
-    + [n for d in ("f32", "f16")
-       for n in (f"instance/8x256x56x56/{d}", f"group32/8x256x56x56/{d}", f"mvn023/8x256x56x56/{d}")]
-    + [f"{op}/{s}/{d}" for s in ("8x512x768", "32x128x1024", "4x512x4096") for d in ("f32", "f16", "bf16")
-       for op in ("layer", "rms")]
+    + [n for s in ("8x256x56x56", "8x512x7x7") for d in ("f32", "f16")
+       for n in (f"instance/{s}/{d}", f"group32/{s}/{d}", f"mvn023/{s}/{d}")]
+    + [f"{op}/{s}/{d}" for s in ("8x512x768", "32x128x1024", "4x512x4096", "96x512x64")
+       for d in ("f32", "f16", "bf16") for op in ("layer", "rms")]
     + ["tiny/bn/1x16x8x8/f32", "tiny/bn-compiled/1x16x8x8/f32"])
 FLOAT64_CASES = {  # name: (op, shape, layout, axes, tags)
     "layer/8x512x768/f64": ("layer_norm", (8, 512, 768), "contig", (2,), {"sequence", "float64"}),
@@ -151,7 +151,7 @@ FLOAT64_CASES = {  # name: (op, shape, layout, axes, tags)
 
 def test_float64_cases_are_added_beside_the_others():
     names = [c.name for c in shapes.CASES]
-    assert len(CASES_BEFORE_FLOAT64) == 80
+    assert len(CASES_BEFORE_FLOAT64) == 92
     assert [n for n in names if not n.endswith("/f64") and not shapes.get_case(n).is_training] \
         == CASES_BEFORE_FLOAT64
     f64 = [c for c in shapes.CASES if c.dtype == "float64"]
@@ -314,6 +314,9 @@ TRAINING_CASES = {  # name: (op, shape, layout, dtype): the speed goals' shapes,
     "group32-bwd/8x256x56x56/f32": ("group_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
     "instance-bwd/8x256x56x56/f32": ("instance_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
     "mvn023-bwd/8x256x56x56/f32": ("mvn_backward", (8, 256, 56, 56), "nchw", "float32"),
+    "bn-train/8x512x7x7/nchw/f32": ("batch_norm_training", (8, 512, 7, 7), "nchw", "float32"),
+    "bn-bwd/8x512x7x7/nchw/f32": ("batch_norm_backward", (8, 512, 7, 7), "nchw", "float32"),
+    "group32-bwd/8x512x7x7/f32": ("group_norm_backward", (8, 512, 7, 7), "nchw", "float32"),
 }
 TRAINING_KINDS = [c for c in KINDS if c.is_training]
 BACKWARD_KINDS = [c for c in TRAINING_KINDS if c.is_backward]
