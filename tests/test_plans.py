@@ -228,6 +228,23 @@ def test_mvn_over_batch_and_space_groups_each_channel():
     assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=8 lanes=1 group_size=140")
 
 
+def test_nchw_group_norm_with_affine_on_small_planes_runs_a_group_as_one_row():
+    # (N, G, C/G, H, W) with (G, C/G, 1, 1) scale and bias: copied along the 7x7 planes, they vary
+    # as the data do, and the group's channels and planes merge into one run, as without them
+    x = np.zeros((2, 4, 8, 7, 7), np.float32)
+    affine = np.ones((4, 8, 1, 1), np.float32)
+    plan = mvn_plan(x, (2, 3, 4), affine)
+    assert plan.startswith("rows groups=8 lanes=1 group_size=392 fused pipeline")
+    assert "sizes=(2,4,392)" in plan and "scale=(0,1568,4)" in plan and "affine=vary" in plan
+    assert mvn_plan(x, (2, 3, 4)).startswith("rows groups=8 lanes=1 group_size=392 fused pipeline")
+    # planes of 256 elements or more keep a run each (the copies would not pay), as do outputs that
+    # could not merge the dims anyway
+    big = np.zeros((2, 4, 8, 16, 16), np.float32)
+    assert "sizes=(2,4,8,256)" in mvn_plan(big, (2, 3, 4), affine)
+    strided_out = np.zeros((2, 4, 8, 7, 14), np.float32)[..., ::2]
+    assert "sizes=(2,4,8,49)" in mvn_plan(x, (2, 3, 4), affine, out=strided_out)
+
+
 def test_channels_last_group_norm_takes_lane_groups():
     # (N, H, W, G, C/G): the runs of a group's channels merge with the groups into lanes
     x = np.zeros((2, 6, 5, 4, 8), np.float32)

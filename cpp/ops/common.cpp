@@ -188,6 +188,38 @@ void FoldedParams::repeat(int64_t copies) {
   pitch_ = count_ * elsize_;
 }
 
+void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
+  int64_t copies = 1;
+  for (int d = first; d < ndim; ++d) {
+    SIMDNORM_CHECK(strides_[d] == 0);
+    copies *= sizes[d];
+  }
+  int64_t step = elsize_;
+  for (int d = ndim - 1; d >= first; --d) {
+    strides_[d] = sizes[d] == 1 ? 0 : step;
+    step *= sizes[d];
+  }
+  for (int d = 0; d < first; ++d) strides_[d] *= copies;
+  const int64_t count = count_ * copies;
+  std::unique_ptr<char[]> grown(new char[static_cast<size_t>(count * elsize_ * outputs_)]);
+  char* to = grown.get();
+  for (int o = 0; o < outputs_; ++o) {
+    const char* from = data(o);
+    char* dst = to + o * count * elsize_;
+    if (elsize_ == 8) {
+      for (int64_t e = 0; e < count_; ++e)
+        std::fill_n(reinterpret_cast<double*>(dst) + e * copies, copies, reinterpret_cast<const double*>(from)[e]);
+    } else {
+      for (int64_t e = 0; e < count_; ++e)
+        std::fill_n(reinterpret_cast<float*>(dst) + e * copies, copies, reinterpret_cast<const float*>(from)[e]);
+    }
+  }
+  heap_ = std::move(grown);
+  storage_ = to;
+  count_ = count;
+  pitch_ = count_ * elsize_;
+}
+
 void FoldedParams::realign(int64_t phase) {
   const int64_t array_bytes = count_ * elsize_, pitch = (array_bytes + 63) / 64 * 64;
   std::unique_ptr<char[]> moved(new char[static_cast<size_t>(pitch * outputs_ + 128)]);

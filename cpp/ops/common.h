@@ -48,6 +48,9 @@ class FoldedParams {
   void repeat(int64_t copies);
   // Moves the arrays so that each starts `phase` bytes past a 64-byte boundary (0 <= phase < 64).
   void realign(int64_t phase);
+  // Makes the outputs vary along dims [first, ndim) of `sizes` too, along which they are constant:
+  // each element repeated for every index there (count() grows by their product), row-major.
+  void spread_inner(int first, int ndim, const int64_t* sizes);
 
  private:
   // Per-channel parameters (the common case) fit here, so a small call does not allocate.

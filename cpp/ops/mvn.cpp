@@ -103,6 +103,38 @@ void MvnRunner::fold_affine() {
       std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
                                                  {a_.bias ? &*a_.bias : nullptr, 0.0}},
       std::initializer_list<int>{kScale, kBias}, compute_, nullptr, nullptr);
+  spread_affine_over_short_runs();
+}
+
+// Group norm on small NCHW planes: scale and bias vary along a reduced dim (the group's channels)
+// and are constant along the reduced dims inside it (a 7x7 plane), so the plan cannot merge those:
+// each plane is a run of its own, and pays the kernels' per-run costs (a partial head and tail,
+// its sums' tree) every few vectors (8x512x7x7: 7x the time without scale and bias). Copied along
+// the plane, they vary as the data do, and each group is one run, as without them.
+void MvnRunner::spread_affine_over_short_runs() {
+  const TensorView& x = a_.input;
+  const int nd = x.ndim;
+  const int64_t* strides = affine_->strides();
+  int varies = nd - 1;  // the innermost dim the affine varies along
+  while (varies >= 0 && strides[varies] == 0) --varies;
+  if (varies < 0 || varies == nd - 1 || !((a_.reduced >> varies) & 1u)) return;
+  int64_t run = 1;
+  for (int d = varies + 1; d < nd; ++d) {
+    if (!((a_.reduced >> d) & 1u)) return;
+    run *= x.sizes[d];
+  }
+  if (run <= 1 || run >= kSpreadRunsBelow ||
+      affine_->count() * run * affine_->outputs() * csize_ > kSpreadAffineBytes)
+    return;
+  // Only where the planner can then merge the dims: input and output contiguous over them.
+  for (const TensorView* t : {&x, &a_.output}) {
+    int64_t step = itemsize(x.dtype);
+    for (int d = nd - 1; d >= varies; --d) {
+      if (t->sizes[d] != 1 && t->strides[d] != step) return;
+      step *= t->sizes[d];
+    }
+  }
+  affine_->spread_inner(varies + 1, nd, x.sizes);
 }
 
 void MvnRunner::build_plan() {
