@@ -203,16 +203,13 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
   const int64_t count = count_ * copies;
   std::unique_ptr<char[]> grown(new char[static_cast<size_t>(count * elsize_ * outputs_)]);
   char* to = grown.get();
+  auto spread = [&](auto* dst, const auto* from) {
+    for (int64_t e = 0; e < count_; ++e) std::fill_n(dst + e * copies, copies, from[e]);
+  };
   for (int o = 0; o < outputs_; ++o) {
-    const char* from = data(o);
     char* dst = to + o * count * elsize_;
-    if (elsize_ == 8) {
-      for (int64_t e = 0; e < count_; ++e)
-        std::fill_n(reinterpret_cast<double*>(dst) + e * copies, copies, reinterpret_cast<const double*>(from)[e]);
-    } else {
-      for (int64_t e = 0; e < count_; ++e)
-        std::fill_n(reinterpret_cast<float*>(dst) + e * copies, copies, reinterpret_cast<const float*>(from)[e]);
-    }
+    if (elsize_ == 8) spread(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(data(o)));
+    else spread(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(data(o)));
   }
   heap_ = std::move(grown);
   storage_ = to;
