@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
@@ -201,8 +202,14 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
   }
   for (int d = 0; d < first; ++d) strides_[d] *= copies;
   const int64_t count = count_ * copies;
-  std::unique_ptr<char[]> grown(new char[static_cast<size_t>(count * elsize_ * outputs_)]);
-  char* to = grown.get();
+  // The copies go to a buffer the calling thread keeps from call to call (grown, never shrunk):
+  // allocated each call, past glibc's mmap threshold, they were fresh pages that faulted on every
+  // call (group norm of 1x512x7x7: 5x its time). One FoldedParams a thread spreads at a time (an
+  // MVN call's scale and bias).
+  static thread_local std::vector<char> kept;
+  const size_t bytes = static_cast<size_t>(count * elsize_ * outputs_ + kLineBytes);
+  if (kept.size() < bytes) kept.resize(bytes);
+  char* to = kept.data() + (kLineBytes - reinterpret_cast<uintptr_t>(kept.data()) % kLineBytes) % kLineBytes;
   auto spread = [&](auto* dst, const auto* from) {
     for (int64_t e = 0; e < count_; ++e) std::fill_n(dst + e * copies, copies, from[e]);
   };
@@ -211,8 +218,9 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
     if (elsize_ == 8) spread(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(data(o)));
     else spread(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(data(o)));
   }
-  heap_ = std::move(grown);
+  heap_.reset();
   storage_ = to;
+  spread_ = true;
   count_ = count;
   pitch_ = count_ * elsize_;
 }
@@ -232,6 +240,7 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype) {
   const int inner = nest.ndim - 1;
   const int64_t ts = itemsize(dtype), cs = itemsize(compute_type(dtype));
   if (inner < 0 || nest.sizes[inner] * cs < 256) return;  // short runs: the copy would cost more
+  if (folded.spread()) return;  // (moving spread arrays measured nothing, and would allocate again)
   const uintptr_t out = reinterpret_cast<uintptr_t>(nest.data[kOut]);
   if (nest.strides[kOut][inner] != ts || out % ts != 0) return;
   int64_t offset[FoldedParams::kMaxInputs];

@@ -51,6 +51,7 @@ class FoldedParams {
   // Makes the outputs vary along dims [first, ndim) of `sizes` too, along which they are constant:
   // each element repeated for every index there (count() grows by their product), row-major.
   void spread_inner(int first, int ndim, const int64_t* sizes);
+  bool spread() const { return spread_; }
 
  private:
   // Per-channel parameters (the common case) fit here, so a small call does not allocate.
@@ -63,6 +64,7 @@ class FoldedParams {
   int64_t pitch_ = 0;  // bytes from one output array to the next
   int outputs_ = 0;
   int operands_[kMaxInputs] = {};
+  bool spread_ = false;  // the arrays are spread_inner's, in its thread's kept buffer
 };
 
 // Channels-last layouts with few channels: the nest's inner run is one pixel's channels, with

@@ -123,8 +123,13 @@ void MvnRunner::spread_affine_over_short_runs() {
     if (!((a_.reduced >> d) & 1u)) return;
     run *= x.sizes[d];
   }
-  if (run <= 1 || run >= kSpreadRunsBelow ||
-      affine_->count() * run * affine_->outputs() * csize_ > kSpreadAffineBytes)
+  // The copies pay where each is read for several samples (with a batch of 1 they cost what
+  // they save).
+  const int64_t copies = affine_->count() * run;
+  int64_t elements = 1;
+  for (int d = 0; d < nd; ++d) elements *= x.sizes[d];
+  if (run <= 1 || run >= kSpreadRunsBelow || copies * affine_->outputs() * csize_ > kSpreadAffineBytes ||
+      elements < 2 * copies)
     return;
   // Only where the planner can then merge the dims: input and output contiguous over them.
   for (const TensorView* t : {&x, &a_.output}) {
