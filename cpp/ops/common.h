@@ -64,7 +64,7 @@ class FoldedParams {
   int64_t pitch_ = 0;  // bytes from one output array to the next
   int outputs_ = 0;
   int operands_[kMaxInputs] = {};
-  bool spread_ = false;  // the arrays are spread_inner's, in its thread's kept buffer
+  bool spread_ = false;  // the arrays are spread_inner's (in its thread's kept buffer when small)
 };
 
 // Channels-last layouts with few channels: the nest's inner run is one pixel's channels, with

@@ -123,14 +123,10 @@ void MvnRunner::spread_affine_over_short_runs() {
     if (!((a_.reduced >> d) & 1u)) return;
     run *= x.sizes[d];
   }
-  // The copies pay where each is read for several samples (with a batch of 1 they cost what
-  // they save).
-  const int64_t copies = affine_->count() * run;
-  int64_t elements = 1;
-  for (int d = 0; d < nd; ++d) elements *= x.sizes[d];
-  if (run <= 1 || run >= kSpreadRunsBelow || copies * affine_->outputs() * csize_ > kSpreadAffineBytes ||
-      elements < 2 * copies)
-    return;
+  // The rule looks at a group's own layout only (never at the batch or the channel count), so
+  // that a group's statistics are the same bits alone as in any batch (tests/test_training.py:
+  // test_backward_groups_in_pairs_as_alone).
+  if (run <= 1 || run >= kSpreadRunsBelow) return;
   // Only where the planner can then merge the dims: input and output contiguous over them.
   for (const TensorView* t : {&x, &a_.output}) {
     int64_t step = itemsize(x.dtype);

@@ -45,10 +45,9 @@ constexpr int64_t kMaxColumnChunks = 64;
 // Rounds of passes over the data at most: judge() asks for another pass at most once for a scale
 // (down or up) and once to move the pivot, so every group is settled by its third pass.
 constexpr int kMaxPassRounds = 3;
-// Scale and bias constant along a group's runs shorter than this are copied along them (at most
-// kSpreadAffineBytes of copies), so that each group is one run (MvnRunner::spread_affine_over_short_runs).
+// Scale and bias constant along a group's runs shorter than this are copied along them, so that
+// each group is one run (MvnRunner::spread_affine_over_short_runs).
 constexpr int64_t kSpreadRunsBelow = 256;
-constexpr int64_t kSpreadAffineBytes = 256 << 10;
 
 // The scales of float64 data's passes after the first (float data, whose |x - pivot| is below 2^129
 // and whose squares are 0 or above 2^-298, never needs them). Powers of two, so that scaling is exact.
