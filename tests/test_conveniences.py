@@ -27,6 +27,7 @@ from reference import (
     channel_param,
     check_close,
     check_mvn,
+    check_stats,
     compute_dtype,
     dtype_id,
     group_norm_ref,
@@ -309,6 +310,64 @@ def test_group_norm_channels_last_lane_groups(isa, rng, threads, dtype, num_grou
 
 def test_group_norm_channels_last_lane_groups_summed_in_chunks(isa, rng, threads):
     _check_lane_groups(isa, rng, threads, F32, (2, 70, 70, 384), 32)  # 7.5 MB a sample: chunks of rows
+
+
+# Small NCHW planes reduced over (0, 2, 3) (MVN, and batch norm training, whose scale and bias are
+# copied along the planes for it): channels x planes as lanes, each lane summed around its
+# channel's first element and the channel's sums its lanes' added (ops/mvn_columns.h). Channels of
+# every kind the sums judge: ordinary, a mean 1e4 std from 0, the first element 1e4 std off the
+# mean (the channel summed again around its mean), constant, a NaN; float64 also one near 1e200
+# (summed again scaled down). Against the reference (poisoned output), 1 vs 2 threads bitwise.
+@DT
+@pytest.mark.parametrize("op", ["mvn", "bn_training"])
+def test_small_planes_over_the_batch_take_lane_groups(isa, rng, threads, dtype, op):
+    from simdnorm import _core
+
+    shape = (9, 6, 5, 7)
+    x = rng.normal(size=shape)
+    x[:, 1] += 1e4
+    x[0, 2, 0, 0] = 1e4
+    x[:, 3] = 0.75
+    x[4, 4, 2, 3] = np.nan
+    if dtype == F64:
+        x[:, 5] *= 1e200
+    x = x.astype(dtype)
+    c = shape[1]
+    scale = scale_bias_values(rng, (c,), dtype)
+    bias = scale_bias_values(rng, (c,), dtype, "bias")
+    if op == "mvn":
+        scale4 = bias4 = None
+    else:
+        scale4, bias4 = (np.asarray(p).reshape(1, c, 1, 1).astype(compute_dtype(dtype)) for p in (scale, bias))
+    plan = _core.explain_mvn(x, (0, 2, 3), scale4, bias4, np.empty_like(x), 1e-5, True, True, False, (0, 0.0, 0.0),
+                             None, None, -1, False)
+    assert plan.startswith(f"columns groups=1 lanes={c * 35} group_size=9 lane_group=35 "), plan
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = make_out(shape, dtype)
+        if op == "mvn":
+            y, m, inv = simdnorm.mean_variance_normalization(x, axes=(0, 2, 3), out=out, return_stats=True)
+            stats = (m, inv)
+        else:
+            y, m, var = simdnorm.batch_normalization_training(x, scale, bias, out=out)
+            inv = 1.0 / np.sqrt(var.astype(np.float64).reshape(1, c, 1, 1) + 1e-5)
+            stats = (m.reshape(1, c, 1, 1), inv.astype(var.dtype))
+        assert y is out
+        ordinary = [k for k in range(c) if k != 5 or dtype != F64]  # (the reference's squares overflow at 1e200)
+        with np.errstate(all="ignore"):
+            check_mvn(y[:, ordinary], x[:, ordinary], (0, 2, 3), *(None if p is None else p[:, ordinary] for p in (scale4, bias4)),
+                      context=f"isa={isa} threads={n}")
+        if dtype == F64:  # against the reference of x / 1e200 (epsilon weighs nothing next to a variance of 1e400)
+            check_mvn(y[:, 5:], x[:, 5:] / 1e200, (0, 2, 3), *(None if p is None else p[:, 5:] for p in (scale4, bias4)),
+                      epsilon=0.0, context=f"isa={isa} threads={n} 1e200")
+        finite = [k for k in ordinary if k != 4]  # (the NaN channel: its output checked NaN above)
+        check_stats(tuple(s[:, finite] for s in stats), x[:, finite], (0, 2, 3), *mvn_ref(x[:, finite], (0, 2, 3))[1:],
+                    context=f"isa={isa} threads={n}")
+        assert np.isnan(np.asarray(m, np.float64).ravel()[4])
+        results.append((y, m))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(bits(a), bits(b))
 
 
 # Eight dims: the channel dim viewed as (G, C/G) makes nine, which the engine takes. Channels

@@ -252,9 +252,14 @@ def test_channels_last_group_norm_takes_lane_groups():
     # a short run with more rows than its length outside it: MVN over (0, 2, 3) of 7x7 planes
     x = np.zeros((64, 16, 7, 7), np.float32)
     assert mvn_plan(x, (0, 2, 3)).startswith("columns groups=1 lanes=784 group_size=64 lane_group=49")
-    # fewer rows than the run's length: each lane's statistics would cost more than the runs
+    # a run of a few vectors with 8 rows or more: its runs' fixed costs would outweigh the lanes'
+    x = np.zeros((8, 16, 7, 7), np.float32)
+    assert mvn_plan(x, (0, 2, 3)).startswith("columns groups=1 lanes=784 group_size=8 lane_group=49")
+    # fewer rows than the run's length otherwise: each lane's sums would cost more than the runs
     x = np.zeros((8, 16, 14, 14), np.float32)
     assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=16 lanes=1 group_size=1568")
+    x = np.zeros((4, 16, 7, 7), np.float32)
+    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=16 lanes=1 group_size=196")
 
 
 def test_a_single_huge_group_is_split_over_blocks():

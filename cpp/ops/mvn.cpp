@@ -106,18 +106,22 @@ void MvnRunner::fold_affine() {
   spread_affine_over_short_runs();
 }
 
-// Group norm on small NCHW planes: scale and bias vary along a reduced dim (the group's channels)
-// and are constant along the reduced dims inside it (a 7x7 plane), so the plan cannot merge those:
-// each plane is a run of its own, and pays the kernels' per-run costs (a partial head and tail,
-// its sums' tree) every few vectors (8x512x7x7: 7x the time without scale and bias). Copied along
-// the plane, they vary as the data do, and each group is one run, as without them.
+// Scale and bias constant along short reduced dims inside the innermost dim they vary along (a 7x7
+// plane), so that the plan cannot merge those: copied along the plane, they vary as the data do.
+//   Group norm on small NCHW planes (the affine varies along a reduced dim, the group's channels):
+//   each plane would be a run of its own, paying the kernels' per-run costs (a partial head and
+//   tail, its sums' tree) every few vectors (8x512x7x7: 7x the time without scale and bias); spread,
+//   each group is one run, as without them.
+//   Batch norm training on small NCHW planes (the affine varies along a kept dim, the channels):
+//   spread, the channels and planes merge into lane groups (plan/plan.cpp), where the plan takes
+//   them (lane_groups_pay).
 void MvnRunner::spread_affine_over_short_runs() {
   const TensorView& x = a_.input;
   const int nd = x.ndim;
   const int64_t* strides = affine_->strides();
   int varies = nd - 1;  // the innermost dim the affine varies along
   while (varies >= 0 && strides[varies] == 0) --varies;
-  if (varies < 0 || varies == nd - 1 || !((a_.reduced >> varies) & 1u)) return;
+  if (varies < 0 || varies == nd - 1) return;
   int64_t run = 1;
   for (int d = varies + 1; d < nd; ++d) {
     if (!((a_.reduced >> d) & 1u)) return;
@@ -127,6 +131,12 @@ void MvnRunner::spread_affine_over_short_runs() {
   // that a group's statistics are the same bits alone as in any batch (tests/test_training.py:
   // test_backward_groups_in_pairs_as_alone).
   if (run <= 1 || run >= kSpreadRunsBelow) return;
+  if (!((a_.reduced >> varies) & 1u)) {
+    int64_t rows = 1;  // a kept dim: the rows of its lanes (the reduced dims outside it)
+    for (int d = 0; d < varies; ++d)
+      if ((a_.reduced >> d) & 1u) rows *= x.sizes[d];
+    if (!lane_groups_pay(rows, run, itemsize(x.dtype))) return;
+  }
   // Only where the planner can then merge the dims: input and output contiguous over them.
   for (const TensorView* t : {&x, &a_.output}) {
     int64_t step = itemsize(x.dtype);
@@ -165,7 +175,7 @@ void MvnRunner::build_plan() {
     p.data[kBias] = reinterpret_cast<char*>(compute_ == DType::f64 ? (void*)&zero_d_ : (void*)&zero_f_);
   }
   plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype));
-  inv_group_size_ = 1.0 / static_cast<double>(plan_.group_size);
+  inv_group_size_ = 1.0 / static_cast<double>(elements_per_group());
   underflow_ = underflow_rule();
   LoopNest& nest = plan_.nest;
   if (affine_) align_coefficients(nest, *affine_, x.dtype);
@@ -177,8 +187,8 @@ void MvnRunner::build_plan() {
   }
   // Internal per-group statistics, contiguous over [kept..., lanes], broadcast over reduced dims.
   const int64_t count = plan_.groups * plan_.lane_count;
-  shift_.assign(static_cast<size_t>(count * csize_), 0);
-  mul_.assign(static_cast<size_t>(count * csize_), 0);
+  shift_ = stats_scratch_.reserve(static_cast<size_t>(2 * count * csize_));
+  mul_ = shift_ + count * csize_;
   int64_t step = csize_;
   if (plan_.lanes) {
     nest.strides[kShift][nest.ndim - 1] = nest.strides[kMul][nest.ndim - 1] = step;
@@ -189,8 +199,8 @@ void MvnRunner::build_plan() {
     nest.strides[kShift][d] = nest.strides[kMul][d] = kept ? step : 0;
     if (kept) step *= nest.sizes[d];
   }
-  nest.data[kShift] = shift_.data();
-  nest.data[kMul] = mul_.data();
+  nest.data[kShift] = shift_;
+  nest.data[kMul] = mul_;
   task_.loop = nest;
   task_.dtype = x.dtype;
   task_.act = a_.activation;
@@ -210,7 +220,7 @@ UnderflowRule MvnRunner::underflow_rule() const {
   const Scaling& k = kDoubleScaling;
   const double outweighing = a_.epsilon_outside ? std::sqrt(k.tiny) / k.margin : k.tiny / k.margin;
   const bool off = !a_.normalize_variance || compute_ != DType::f64 || a_.epsilon >= outweighing;
-  return {off ? 0.0 : k.tiny * static_cast<double>(plan_.group_size), k.max_pivot};
+  return {off ? 0.0 : k.tiny * static_cast<double>(elements_per_group()), k.max_pivot};
 }
 
 // ---- empty reductions ---------------------------------------------------------------------------

@@ -32,8 +32,11 @@ void MvnRunner::run_columns_chunked() {
   const int64_t tasks = plan_.groups * blocks;
   const int64_t chunks = column_chunks(lanes_per_task), rows = plan_.group_size;
   const int64_t task_sums = chunks * 2 * lanes_per_task;  // a task's chunks: s1 then s2 of each
-  std::vector<double> pivots(static_cast<size_t>(tasks * lanes_per_task));
-  std::vector<double> sums(static_cast<size_t>(tasks * task_sums));
+  KeptScratch<kChunkSlot> scratch;
+  const Span<double> pivots{reinterpret_cast<double*>(scratch.reserve(
+                                static_cast<size_t>(tasks * (lanes_per_task + task_sums)) * sizeof(double))),
+                            tasks * lanes_per_task};
+  const Span<double> sums{pivots.end(), tasks * task_sums};
   for (int64_t t = 0; t < tasks; ++t) {
     const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
     load_pivots(c.ko, c.c0, c.nb, pivots.data() + t * lanes_per_task);
@@ -86,12 +89,15 @@ void MvnRunner::column_task(int64_t ko, LaneScratch& lane) {
   kernels().normalize(sub, 0, plan_.group_size * nb);
 }
 
-// Every lane starts unscaled around its first element (first_pass()).
+// Every lane starts unscaled around its first element (first_pass()); with lane groups, around its
+// group's first element (tasks start at a group's first lane), so that a group's sums are its
+// lanes' sums added.
 void MvnRunner::load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) const {
-  const int64_t lane_stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1];
+  const int64_t lane_stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1], k = plan_.lane_group;
   const char* first = group_first_element(ko) + c0 * lane_stride;
-  if (a_.normalize_mean) load_as_double(a_.input.dtype, first, lane_stride, nb, pivot);
-  else std::fill(pivot, pivot + nb, 0.0);
+  if (!a_.normalize_mean) return std::fill(pivot, pivot + nb, 0.0);
+  load_as_double(a_.input.dtype, first, lane_stride * k, nb / k, pivot);
+  for (int64_t g = nb / k - 1; k > 1 && g >= 0; --g) std::fill_n(pivot + g * k, k, pivot[g]);  // (g * k >= g)
 }
 
 // The lanes' statistics from their sums (lane.s1, lane.s2 around lane.pivot): the internal shift
@@ -108,22 +114,28 @@ void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& la
   unsigned char* slow = lane.slow.data();
   const KernelTable& table = kernels();
   std::vector<ScaledLane> scaled;  // lanes whose var is in scaled units (GroupResult): rarely any
-  if (table.lane_stats(LaneStatsArgs{nb, inv_group_size_, a_.normalize_mean, underflow_, pivot, s1, s2, mean, var,
-                                     slow}) > 0)
+  // With lane groups, each group's sums are its lanes' added: the groups are judged, at the front
+  // of the arrays (the pivots in inv_std's, until it takes the 1/std), as lanes are.
+  const int64_t k = plan_.lane_group, judged = nb / k;
+  if (k > 1) add_lane_groups(nb, k, lane);
+  if (table.lane_stats(LaneStatsArgs{judged, inv_group_size_, a_.normalize_mean, underflow_, k > 1 ? istd : pivot, s1,
+                                     s2, mean, var, slow}) > 0)
     judge_slow_lanes(ko, c0, nb, lane, scaled);
-  const int64_t k = plan_.lane_group;
-  if (k > 1) combine_lane_groups(mean, var, nb, scaled);  // each group's statistics in its first lane
+  for (int64_t g = judged - 1; k > 1 && g >= 0; --g) {  // each group's statistics to its first lane (g * k >= g)
+    mean[g * k] = mean[g];
+    var[g * k] = var[g];
+  }
   table.inv_std_lanes(var, istd, nb, k, inv_std_rule_);
   for (const ScaledLane& l : scaled) istd[l.c] = inv_std_scaled(var[l.c], l.scale, inv_std_rule_);
   // The internal shift and mul: each lane its group's (k > 1) or its own.
   const int64_t base = ko * plan_.lane_count + c0;
   if (compute_ == DType::f64) {
-    double* shift = reinterpret_cast<double*>(shift_.data()) + base;
-    double* mul = reinterpret_cast<double*>(mul_.data()) + base;
+    double* shift = reinterpret_cast<double*>(shift_) + base;
+    double* mul = reinterpret_cast<double*>(mul_) + base;
     spread_lanes(mean, istd, nb, k, shift, mul);
   } else {
-    float* shift = reinterpret_cast<float*>(shift_.data()) + base;
-    float* mul = reinterpret_cast<float*>(mul_.data()) + base;
+    float* shift = reinterpret_cast<float*>(shift_) + base;
+    float* mul = reinterpret_cast<float*>(mul_) + base;
     spread_lanes(mean, istd, nb, k, shift, mul);
   }
   // The user's statistics step per group.
@@ -195,11 +207,24 @@ void MvnRunner::column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pi
   }
 }
 
-// The lanes marked slow: judged one by one, summed again (the kernel takes one scale per call, so
-// lanes needing another scale get a pass of their own: applied to ordinary lanes, the scale down
-// would underflow their squares), at most three passes of each scale (kMaxPassRounds). Their mean
-// and var replace the first pass's; a lane still unsettled after that gets NaN. Lanes whose var
-// comes in scaled units are added to `scaled`, in order.
+// Group g's sums (lanes [g k, g k + k), added in order) in s1[g] and s2[g], its pivot in inv_std[g].
+void MvnRunner::add_lane_groups(int64_t nb, int64_t k, LaneScratch& lane) {
+  double *s1 = lane.s1.data(), *s2 = lane.s2.data();
+  for (int64_t g = 0; g < nb / k; ++g) {  // (reads lanes from g k on: past every slot written before)
+    double t1 = 0.0, t2 = 0.0;
+    for (int64_t j = g * k; j < g * k + k; ++j) t1 += s1[j], t2 += s2[j];
+    s1[g] = t1;
+    s2[g] = t2;
+    lane.inv_std[g] = lane.pivot[g * k];
+  }
+}
+
+// The lanes (with lane groups, the groups, at the front of the arrays) marked slow: judged one by
+// one, summed again (the kernel takes one scale per call, so lanes needing another scale get a pass
+// of their own: applied to ordinary lanes, the scale down would underflow their squares), at most
+// three passes of each scale (kMaxPassRounds). Their mean and var replace the first pass's; a lane
+// still unsettled after that gets NaN. Lanes whose var comes in scaled units are added to `scaled`,
+// in order.
 void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
                                  std::vector<ScaledLane>& scaled) {
   struct Slow {
@@ -208,10 +233,11 @@ void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch
     bool done;
     double result_scale;
   };
+  const int64_t k = plan_.lane_group;
   std::vector<Slow> lanes;
-  for (int64_t c = 0; c < nb; ++c) {
+  for (int64_t c = 0; c < nb / k; ++c) {
     if (!lane.slow[c]) continue;
-    Slow l{c, Pass{lane.pivot[c], 1.0, false}, false, 1.0};
+    Slow l{c, Pass{lane.pivot[c * k], 1.0, false}, false, 1.0};
     GroupResult r{NAN, NAN};
     l.done = judge(Sums{lane.s1[c], lane.s2[c]}, l.pass, r);
     lane.mean[c] = r.mean;
@@ -224,72 +250,23 @@ void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch
       bool any = false;
       for (Slow& l : lanes) {
         const bool take = !l.done && l.pass.scale == scale;
-        if (take) lane.pivot[l.c] = l.pass.pivot;  // other lanes' sums are taken and dropped
+        if (take) std::fill_n(lane.pivot.data() + l.c * k, k, l.pass.pivot);  // others' sums are taken and dropped
         any |= take;
       }
       if (!any) continue;
       column_sums(ko, c0, nb, lane.pivot.data(), scale, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
       for (Slow& l : lanes) {
         if (l.done || l.pass.scale != scale) continue;
+        Sums sums;
+        for (int64_t j = l.c * k; j < l.c * k + k; ++j) sums.s1 += lane.s1[j], sums.s2 += lane.s2[j];
         GroupResult r;
-        l.done = judge(Sums{lane.s1[l.c], lane.s2[l.c]}, l.pass, r);
+        l.done = judge(sums, l.pass, r);
         if (l.done) lane.mean[l.c] = r.mean, lane.var[l.c] = r.var, l.result_scale = r.scale;
       }
     }
   }
   for (const Slow& l : lanes)
-    if (l.done && l.result_scale != 1.0) scaled.push_back({l.c, l.result_scale});
-}
-
-// Each lane's mean and variance, over the same count, combined lane_group lanes at a time into
-// their group's (Chan et al.: the mean of the means; the mean of the variances plus the variance
-// of the means), left in the group's first lane. In double, from each lane's judged statistics.
-// `scaled` (lanes whose var is in scaled units) becomes the groups whose var is.
-void MvnRunner::combine_lane_groups(double* mean, double* var, int64_t nb, std::vector<ScaledLane>& scaled) const {
-  const int64_t k = plan_.lane_group;
-  std::vector<ScaledLane> lanes;
-  lanes.swap(scaled);
-  size_t next = 0;  // the first of `lanes` at or past c0
-  for (int64_t c0 = 0; c0 < nb; c0 += k) {
-    double m = 0.0, v = 0.0, spread = 0.0;
-    for (int64_t j = 0; j < k; ++j) m += mean[c0 + j];
-    m /= static_cast<double>(k);
-    const size_t first = next;
-    while (next < lanes.size() && lanes[next].c < c0 + k) ++next;
-    if (first == next) {
-      for (int64_t j = 0; j < k; ++j) {
-        const double d = mean[c0 + j] - m;
-        v += var[c0 + j];
-        spread += d * d;
-      }
-      const double group_var = (v + spread) / static_cast<double>(k);
-      if (!std::isinf(group_var) || !std::isfinite(m)) {  // (inf: float64 means +-1e200 apart)
-        mean[c0] = m;
-        var[c0] = group_var;
-        continue;
-      }
-    }
-    // Past double's range: in units of the largest standard deviation or distance between means.
-    auto lane_std = [&, first](int64_t c) {
-      for (size_t i = first; i < next; ++i)
-        if (lanes[i].c == c) return std::sqrt(var[c]) / lanes[i].scale;
-      return std::sqrt(var[c]);
-    };
-    double largest = 0.0;
-    for (int64_t j = 0; j < k; ++j)
-      largest = std::max({largest, lane_std(c0 + j), std::fabs(mean[c0 + j] - m)});
-    int exponent = 0;
-    std::frexp(largest, &exponent);
-    const double scale = std::ldexp(1.0, -exponent);
-    v = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-      const double sd = lane_std(c0 + j) * scale, d = (mean[c0 + j] - m) * scale;
-      v += sd * sd + d * d;
-    }
-    mean[c0] = m;
-    var[c0] = v / static_cast<double>(k);
-    if (scale != 1.0) scaled.push_back({c0, scale});
-  }
+    if (l.done && l.result_scale != 1.0) scaled.push_back({l.c * k, l.result_scale});
 }
 
 // shift[c], mul[c] (compute type E) from the first lane of c's group of k.

@@ -64,6 +64,41 @@ struct Scaling {
 };
 constexpr Scaling kDoubleScaling{0x1p-600, 0x1p600, 0x1p-900, 0x1p300, 0x1p-60};
 
+// Scratch that the calling thread keeps from call to call, one buffer a Slot: allocated per call,
+// blocks past glibc's mmap threshold are fresh pages that fault on every call (the columns of
+// MVN over (0, 2, 3) of 2x256x14x14 spent most of their time there). Up to kKeptScratchBytes a
+// slot; larger requests get a block of their own. Never zeroed. One object a slot alive on a
+// thread at a time.
+constexpr size_t kKeptScratchBytes = 1 << 20;
+template <int Slot>
+class KeptScratch {
+ public:
+  char* reserve(size_t bytes) {
+    static thread_local std::vector<char> kept;
+    own_.reset();
+    if (bytes > kKeptScratchBytes) own_.reset(new char[bytes]);
+    else if (kept.size() < bytes) kept.resize(bytes);
+    return data_ = own_ ? own_.get() : kept.data();
+  }
+  char* data() const { return data_; }
+
+ private:
+  std::unique_ptr<char[]> own_;
+  char* data_ = nullptr;
+};
+enum ScratchSlot { kLaneSlot, kStatsSlot, kChunkSlot };
+
+// n elements at p, indexed like the vectors they replace.
+template <class T>
+struct Span {
+  T* p = nullptr;
+  int64_t n = 0;
+  T* data() const { return p; }
+  T& operator[](int64_t i) const { return p[i]; }
+  T* begin() const { return p; }
+  T* end() const { return p + n; }
+};
+
 struct Pass {
   double pivot = 0.0;
   double scale = 1.0;
@@ -164,7 +199,7 @@ class MvnRunner {
 
   // Stores a group's (or lane's) statistics: internal shift/mul at `index`, and the user's arrays.
   void store_stats(int64_t index, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
-    store_stats(shift_.data() + index * csize_, mul_.data() + index * csize_, r, user_mean, user_inv_std);
+    store_stats(shift_ + index * csize_, mul_ + index * csize_, r, user_mean, user_inv_std);
   }
 
   void store_stats(char* shift, char* mul, const GroupResult& r, const char* user_mean, const char* user_inv_std) {
@@ -220,6 +255,8 @@ class MvnRunner {
   // What run() would do, for explain.
   std::string describe();
 
+  // A group's elements: its rows, times its lanes with lane groups.
+  int64_t elements_per_group() const { return plan_.group_size * plan_.lane_group; }
   int64_t blocks_per_group() const { return (plan_.group_size + kBlock - 1) / kBlock; }
 
   // Enough groups to give every thread whole groups (the statistics and normalization of a group
@@ -256,14 +293,16 @@ class MvnRunner {
   // ---- columns (mvn_columns.cpp) ------------------------------------------------------------------
   void run_columns();
 
-  // One column task's per-lane arrays, allocated once per thread part and reused by its tasks.
+  // One column task's per-lane arrays, taken once per thread part and reused by its tasks.
   struct LaneScratch {
     static constexpr int64_t kBytesPerLane = 6 * sizeof(double) + 1;
-    std::vector<double> pivot, s1, s2, mean, var, inv_std;
-    std::vector<unsigned char> slow;
+    KeptScratch<kLaneSlot> storage;
+    Span<double> pivot, s1, s2, mean, var, inv_std;
+    Span<unsigned char> slow;
     explicit LaneScratch(int64_t lanes) {
-      for (std::vector<double>* v : {&pivot, &s1, &s2, &mean, &var, &inv_std}) v->resize(static_cast<size_t>(lanes));
-      slow.resize(static_cast<size_t>(lanes));
+      double* p = reinterpret_cast<double*>(storage.reserve(static_cast<size_t>(lanes * kBytesPerLane)));
+      for (Span<double>* v : {&pivot, &s1, &s2, &mean, &var, &inv_std}) *v = {p, lanes}, p += lanes;
+      slow = {reinterpret_cast<unsigned char*>(p), lanes};
     }
   };
 
@@ -309,7 +348,7 @@ class MvnRunner {
   inline void finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
   inline void judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
                                std::vector<ScaledLane>& scaled);
-  inline void combine_lane_groups(double* mean, double* var, int64_t nb, std::vector<ScaledLane>& scaled) const;
+  static inline void add_lane_groups(int64_t nb, int64_t k, LaneScratch& lane);
   template <class E>
   static inline void spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, E* shift, E* mul);
 
@@ -322,11 +361,13 @@ class MvnRunner {
   const DType user_stats_;
   std::unique_ptr<FoldedParams> affine_;
   ReductionPlan plan_;
-  double inv_group_size_ = 0.0;  // 1 / plan_.group_size: judge's mean is a multiplication
+  double inv_group_size_ = 0.0;  // 1 / elements_per_group(): judge's mean is a multiplication
   const InvStdRule inv_std_rule_;
   UnderflowRule underflow_{};  // (set with the plan: it bounds a sum over the group)
   NormalizeTask task_;
-  std::vector<char> shift_, mul_;
+  KeptScratch<kStatsSlot> stats_scratch_;
+  char* shift_ = nullptr;  // internal per-group statistics (compute type), in stats_scratch_
+  char* mul_ = nullptr;
   char* user_mean_ = nullptr;
   char* user_inv_std_ = nullptr;
   int64_t user_mean_strides_[kMaxNestDims] = {};

@@ -31,10 +31,14 @@ struct ReductionPlan {
   int64_t group_size = 1; // product of the reduced dims
   // Lanes per statistics group: 1, or the size of a short contiguous innermost reduced dim merged
   // into the lanes with the kept dim around it (group norm on channels-last data: the channels of
-  // each group). The lanes' statistics are then combined lane_group lanes at a time; the stats
-  // operands' lanes stride is per group.
+  // each group). Every lane is summed around its group's first element, and a group's sums are
+  // its lanes' added; the stats operands' lanes stride is per group.
   int64_t lane_group = 1;
 };
+
+// Whether `rows` rows of a contiguous run of `run` elements (of itemsize bytes) are worth taking
+// as lanes (see plan.cpp); ops/mvn.cpp asks it before copying scale and bias along such runs.
+bool lane_groups_pay(int64_t rows, int64_t run, int64_t itemsize);
 
 // Rows (the input's innermost dim is reduced): nest = [kept..., reduced...].
 // Columns (the innermost dim is kept and contiguous): nest = [kept..., reduced..., lanes].
