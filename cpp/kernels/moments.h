@@ -230,7 +230,62 @@ struct MomentsKernel {
   // the rows' sums. Each lane still adds its rows in order, so the sums are the same bits.
   static constexpr int kRows = 4;
 
+  // Few rows (a lane group's batch: batch norm training of 8x512x7x7), contiguous lanes: a step of
+  // Vecs vectors of lanes summed down all the rows in registers, then added to the lanes' totals.
+  // Blocks of lanes would set up and store their sums for those few rows at a cost of the rows'
+  // own. The same sums: each lane adds its rows in order, from 0, then that to its total.
+  static constexpr int64_t kFewRows = 16;
+  template <int Vecs>
+  SIMDNORM_CURSOR_METHOD static void col_few_rows_step(const ColMomentsArgs& a, int64_t c, int m) {
+    constexpr int kParts = Sums::kParts, WD = Sums::WD, Q = Vecs * kParts;
+    const vd scale = vbroadcast_vd(a.scale), zero = vbroadcast_vd(0.0);
+    constexpr int kWhole = Vecs * W;
+    vd negp[Q], t1[Q], t2[Q];
+    alignas(64) double piv[kWhole];  // the pivots times the scale, 0 past m (as col's)
+    if (m < kWhole)
+      for (int j = 0; j < kWhole; ++j) piv[j] = j < m ? a.pivot[c + j] * a.scale : 0.0;
+    for (int q = 0; q < Q; ++q) {
+      negp[q] = zero - (m < kWhole ? Lanes<double>::load(piv + q * WD) : Lanes<double>::load(a.pivot + c + q * WD) * scale);
+      t1[q] = t2[q] = zero;
+    }
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const T* px = reinterpret_cast<const T*>(a.data + r * a.row_stride) + c;
+      for_constant<0, Vecs>([&](auto vi) SIMDNORM_INLINE_LAMBDA {
+        constexpr int v = decltype(vi)::value;
+        const V x = m >= (v + 1) * W ? L::load(px + v * W) : L::load_partial(px + v * W, m - v * W);
+        for_constant<0, kParts>([&](auto pi) SIMDNORM_INLINE_LAMBDA {
+          constexpr int q = v * kParts + decltype(pi)::value;
+          const vd d = vfma(Sums::template part<decltype(pi)::value>(x), scale, negp[q]);
+          t1[q] += d;
+          t2[q] = vfma(d, d, t2[q]);
+        });
+      });
+    }
+    if (m == kWhole) {
+      for (int q = 0; q < Q; ++q) {
+        Lanes<double>::store(a.sum + c + q * WD, Lanes<double>::load(a.sum + c + q * WD) + t1[q]);
+        Lanes<double>::store(a.sum_sq + c + q * WD, Lanes<double>::load(a.sum_sq + c + q * WD) + t2[q]);
+      }
+      return;
+    }
+    alignas(64) double s1[kWhole], s2[kWhole];
+    for (int q = 0; q < Q; ++q) {
+      Lanes<double>::store(s1 + q * WD, t1[q]);
+      Lanes<double>::store(s2 + q * WD, t2[q]);
+    }
+    for (int j = 0; j < m; ++j) {
+      a.sum[c + j] += s1[j];
+      a.sum_sq[c + j] += s2[j];
+    }
+  }
+  static void col_few_rows(const ColMomentsArgs& a) {
+    int64_t c = 0;
+    for (; c + 2 * W <= a.cols; c += 2 * W) col_few_rows_step<2>(a, c, 2 * W);  // (two vectors: twice the chains)
+    if (c < a.cols) col_few_rows_step<2>(a, c, static_cast<int>(a.cols - c));
+  }
+
   static void col(const ColMomentsArgs& a) {
+    if (a.rows <= kFewRows && a.col_stride == static_cast<int64_t>(sizeof(T))) return col_few_rows(a);
     constexpr int kParts = Sums::kParts, WD = Sums::WD, kVecs = kLanes / W;
     for (int64_t c0 = 0; c0 < a.cols; c0 += kLanes) {
       const int nb = static_cast<int>(a.cols - c0 < kLanes ? a.cols - c0 : kLanes);

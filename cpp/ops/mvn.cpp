@@ -106,22 +106,18 @@ void MvnRunner::fold_affine() {
   spread_affine_over_short_runs();
 }
 
-// Scale and bias constant along short reduced dims inside the innermost dim they vary along (a 7x7
-// plane), so that the plan cannot merge those: copied along the plane, they vary as the data do.
-//   Group norm on small NCHW planes (the affine varies along a reduced dim, the group's channels):
-//   each plane would be a run of its own, paying the kernels' per-run costs (a partial head and
-//   tail, its sums' tree) every few vectors (8x512x7x7: 7x the time without scale and bias); spread,
-//   each group is one run, as without them.
-//   Batch norm training on small NCHW planes (the affine varies along a kept dim, the channels):
-//   spread, the channels and planes merge into lane groups (plan/plan.cpp), where the plan takes
-//   them (lane_groups_pay).
+// Group norm on small NCHW planes: scale and bias vary along a reduced dim (the group's channels)
+// and are constant along the reduced dims inside it (a 7x7 plane), so the plan cannot merge those:
+// each plane is a run of its own, and pays the kernels' per-run costs (a partial head and tail,
+// its sums' tree) every few vectors (8x512x7x7: 7x the time without scale and bias). Copied along
+// the plane, they vary as the data do, and each group is one run, as without them.
 void MvnRunner::spread_affine_over_short_runs() {
   const TensorView& x = a_.input;
   const int nd = x.ndim;
   const int64_t* strides = affine_->strides();
   int varies = nd - 1;  // the innermost dim the affine varies along
   while (varies >= 0 && strides[varies] == 0) --varies;
-  if (varies < 0 || varies == nd - 1) return;
+  if (varies < 0 || varies == nd - 1 || !((a_.reduced >> varies) & 1u)) return;
   int64_t run = 1;
   for (int d = varies + 1; d < nd; ++d) {
     if (!((a_.reduced >> d) & 1u)) return;
@@ -131,12 +127,6 @@ void MvnRunner::spread_affine_over_short_runs() {
   // that a group's statistics are the same bits alone as in any batch (tests/test_training.py:
   // test_backward_groups_in_pairs_as_alone).
   if (run <= 1 || run >= kSpreadRunsBelow) return;
-  if (!((a_.reduced >> varies) & 1u)) {
-    int64_t rows = 1;  // a kept dim: the rows of its lanes (the reduced dims outside it)
-    for (int d = 0; d < varies; ++d)
-      if ((a_.reduced >> d) & 1u) rows *= x.sizes[d];
-    if (!lane_groups_pay(rows, run, itemsize(x.dtype))) return;
-  }
   // Only where the planner can then merge the dims: input and output contiguous over them.
   for (const TensorView* t : {&x, &a_.output}) {
     int64_t step = itemsize(x.dtype);
@@ -202,12 +192,30 @@ void MvnRunner::build_plan() {
   nest.data[kShift] = shift_;
   nest.data[kMul] = mul_;
   task_.loop = nest;
+  if (plan_.split_lanes) split_lanes(task_.loop);
   task_.dtype = x.dtype;
   task_.act = a_.activation;
   // Without scale and bias, fma(x - mean, 1/std, 0): the values of fma((x - mean) / std, 1, 0)
   // (a zero is +0 in both; only a product that underflows to zero keeps its sign here) with one
   // multiply fewer a vector, which float16 and bfloat16, bound by the vector pipes, feel.
   task_.scale_folded = !affine_;
+}
+
+// The nest's last dim, the lanes, as (lane_count / lane_group) x lane_group: the outer dim steps as
+// the kept dim the lanes took in (plan.lane_group_strides), the internal statistics by a group
+// (their first lane's), the inner one as the lanes did, but for the statistics, constant.
+void MvnRunner::split_lanes(LoopNest& nest) const {
+  SIMDNORM_CHECK(nest.ndim < kMaxNestDims);
+  const int last = nest.ndim - 1;
+  const int64_t k = plan_.lane_group;
+  nest.sizes[last + 1] = k;
+  nest.sizes[last] = plan_.lane_count / k;
+  for (int op = 0; op < kNumOperands; ++op) {
+    const bool stats = op == kShift || op == kMul;
+    nest.strides[op][last + 1] = stats ? 0 : nest.strides[op][last];
+    nest.strides[op][last] = stats ? k * nest.strides[op][last] : plan_.lane_group_strides[op];
+  }
+  nest.ndim += 1;
 }
 
 // Scaling::up is needed only for float64 data, and only where the variance matters next to

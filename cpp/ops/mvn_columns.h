@@ -61,16 +61,19 @@ void MvnRunner::run_columns_chunked() {
     LaneScratch lane(lanes_per_task);
     for (int64_t t = part * tper; t < (part + 1) * tper && t < tasks; ++t) {
       const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
-      std::copy_n(pivots.data() + t * lanes_per_task, c.nb, lane.pivot.data());
-      std::fill(lane.s1.begin(), lane.s1.end(), 0.0);
-      std::fill(lane.s2.begin(), lane.s2.end(), 0.0);
-      for (int64_t k = 0; k < chunks; ++k) {
-        const double* s1 = sums.data() + t * task_sums + k * 2 * lanes_per_task;
+      // The chunks' sums added in chunk order into the first chunk's, where the lanes read them,
+      // as they read their pivots, in place.
+      double* s1 = sums.data() + t * task_sums;
+      for (int64_t k = 1; k < chunks; ++k) {
+        const double* more = s1 + k * 2 * lanes_per_task;
         for (int64_t j = 0; j < c.nb; ++j) {
-          lane.s1[j] += s1[j];
-          lane.s2[j] += s1[lanes_per_task + j];
+          s1[j] += more[j];
+          s1[lanes_per_task + j] += more[lanes_per_task + j];
         }
       }
+      lane.pivot = {pivots.data() + t * lanes_per_task, c.nb};
+      lane.s1 = {s1, c.nb};
+      lane.s2 = {s1 + lanes_per_task, c.nb};
       finish_lanes(c.ko, c.c0, c.nb, lane);
     }
   });
@@ -132,11 +135,11 @@ void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& la
   if (compute_ == DType::f64) {
     double* shift = reinterpret_cast<double*>(shift_) + base;
     double* mul = reinterpret_cast<double*>(mul_) + base;
-    spread_lanes(mean, istd, nb, k, shift, mul);
+    spread_lanes(mean, istd, nb, k, plan_.split_lanes ? 1 : k, shift, mul);
   } else {
     float* shift = reinterpret_cast<float*>(shift_) + base;
     float* mul = reinterpret_cast<float*>(mul_) + base;
-    spread_lanes(mean, istd, nb, k, shift, mul);
+    spread_lanes(mean, istd, nb, k, plan_.split_lanes ? 1 : k, shift, mul);
   }
   // The user's statistics step per group.
   if (a_.mean_out && a_.normalize_mean) {
@@ -157,21 +160,23 @@ void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& la
   }
 }
 
-// A nest of [reduced..., nb lanes] at kept index ko, lane c0.
+// A nest of [reduced..., nb lanes] (split: [reduced..., nb / lane_group, lane_group]) at kept index
+// ko, lane c0 (a group's first lane).
 NormalizeTask MvnRunner::column_normalize_task(int64_t ko, int64_t c0, int64_t nb) const {
-  const LoopNest& nest = plan_.nest;
-  const int lanes_dim = nest.ndim - 1;
+  const LoopNest& nest = task_.loop;
+  const int lane_dims = plan_.split_lanes ? 2 : 1, first_lane_dim = nest.ndim - lane_dims;
+  const int64_t outer = plan_.split_lanes ? plan_.lane_group : 1;  // lanes a step of the first lane dim
   NormalizeTask sub = task_;
   LoopNest& sn = sub.loop;
-  sn.ndim = plan_.reduced_dims + 1;
+  sn.ndim = plan_.reduced_dims + lane_dims;
   for (int op = 0; op < kNumOperands; ++op) {
     char* p = nest.data[op];
     for_dim_indices(nest, 0, plan_.kept_dims, ko, [&](int d, int64_t i) { p += i * nest.strides[op][d]; });
-    sn.data[op] = p + c0 * nest.strides[op][lanes_dim];
-    for (int d = 0; d <= plan_.reduced_dims; ++d) sn.strides[op][d] = nest.strides[op][plan_.kept_dims + d];
+    sn.data[op] = p + c0 / outer * nest.strides[op][first_lane_dim];
+    for (int d = 0; d < sn.ndim; ++d) sn.strides[op][d] = nest.strides[op][plan_.kept_dims + d];
   }
-  for (int d = 0; d < plan_.reduced_dims; ++d) sn.sizes[d] = nest.sizes[plan_.kept_dims + d];
-  sn.sizes[plan_.reduced_dims] = nb;
+  for (int d = 0; d < sn.ndim; ++d) sn.sizes[d] = nest.sizes[plan_.kept_dims + d];
+  sn.sizes[plan_.reduced_dims] = nb / outer;
   plan_inner_loop(sub);
   return sub;
 }
@@ -208,14 +213,22 @@ void MvnRunner::column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pi
 }
 
 // Group g's sums (lanes [g k, g k + k), added in order) in s1[g] and s2[g], its pivot in inv_std[g].
+// Four groups at a time, their additions interleaved: one group's are a chain of dependent adds.
 void MvnRunner::add_lane_groups(int64_t nb, int64_t k, LaneScratch& lane) {
   double *s1 = lane.s1.data(), *s2 = lane.s2.data();
-  for (int64_t g = 0; g < nb / k; ++g) {  // (reads lanes from g k on: past every slot written before)
-    double t1 = 0.0, t2 = 0.0;
-    for (int64_t j = g * k; j < g * k + k; ++j) t1 += s1[j], t2 += s2[j];
-    s1[g] = t1;
-    s2[g] = t2;
-    lane.inv_std[g] = lane.pivot[g * k];
+  constexpr int kAtOnce = 4;
+  const int64_t groups = nb / k;
+  for (int64_t g0 = 0; g0 < groups; g0 += kAtOnce) {  // (reads lanes from g0 k on: past every slot written)
+    const int n = static_cast<int>(std::min<int64_t>(kAtOnce, groups - g0));
+    double t1[kAtOnce] = {}, t2[kAtOnce] = {};
+    for (int64_t j = 0; j < k; ++j)
+      for (int i = 0; i < kAtOnce; ++i)
+        if (i < n) t1[i] += s1[(g0 + i) * k + j], t2[i] += s2[(g0 + i) * k + j];
+    for (int i = 0; i < n; ++i) {
+      s1[g0 + i] = t1[i];
+      s2[g0 + i] = t2[i];
+      lane.inv_std[g0 + i] = lane.pivot[(g0 + i) * k];
+    }
   }
 }
 
@@ -269,9 +282,11 @@ void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch
     if (l.done && l.result_scale != 1.0) scaled.push_back({l.c * k, l.result_scale});
 }
 
-// shift[c], mul[c] (compute type E) from the first lane of c's group of k.
+// shift[c], mul[c] (compute type E) from the first lane of c's group of k, for its first `lanes`
+// lanes (1 where the normalize pass reads a group's first lane only: split_lanes).
 template <class E>
-void MvnRunner::spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, E* shift, E* mul) {
+void MvnRunner::spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, int64_t lanes, E* shift,
+                             E* mul) {
   if (k == 1) {
     for (int64_t c = 0; c < n; ++c) {
       shift[c] = static_cast<E>(mean[c]);
@@ -281,7 +296,7 @@ void MvnRunner::spread_lanes(const double* mean, const double* istd, int64_t n, 
   }
   for (int64_t c0 = 0; c0 < n; c0 += k) {
     const E m = static_cast<E>(mean[c0]), i = static_cast<E>(istd[c0]);
-    for (int64_t j = 0; j < k; ++j) {
+    for (int64_t j = 0; j < lanes; ++j) {
       shift[c0 + j] = m;
       mul[c0 + j] = i;
     }

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "ops/common.h"
+#include "simdnorm/check.h"
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
 
@@ -145,6 +146,7 @@ class MvnRunner {
   inline void fold_affine();
   inline void spread_affine_over_short_runs();
   inline void build_plan();
+  inline void split_lanes(LoopNest& nest) const;
   inline UnderflowRule underflow_rule() const;
 
   // ---- statistics of one group ------------------------------------------------------------------
@@ -350,7 +352,8 @@ class MvnRunner {
                                std::vector<ScaledLane>& scaled);
   static inline void add_lane_groups(int64_t nb, int64_t k, LaneScratch& lane);
   template <class E>
-  static inline void spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, E* shift, E* mul);
+  static inline void spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, int64_t lanes,
+                                  E* shift, E* mul);
 
   // ---- empty reductions (mvn.cpp) ---------------------------------------------------------------
   inline void fill_stats_nan();

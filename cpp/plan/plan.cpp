@@ -121,8 +121,8 @@ bool lane_groups_fit(const DimList& kept, const DimList& reduced, int64_t itemsi
   const Dim& r = reduced.back();
   const Dim& k = kept.back();
   if (r.stride[kIn] != itemsize) return false;
-  for (Operand op : {kOut, kIn, kScale, kBias})
-    if (k.stride[op] != r.size * r.stride[op]) return false;
+  for (Operand op : {kOut, kIn, kScale, kBias})  // (scale and bias may also be constant along r: split_lanes)
+    if (k.stride[op] != r.size * r.stride[op] && !(op >= kScale && r.stride[op] == 0)) return false;
   int64_t rows = 1;
   for (int d = 0; d + 1 < reduced.n; ++d) rows *= reduced.items[d].size;
   return lane_groups_pay(rows, r.size, itemsize);
@@ -183,6 +183,8 @@ ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t it
     lanes_dim.stride[kMul] = k.stride[kMul];
     plan.lanes = true;
     plan.lane_group = r.size;
+    for (Operand op : {kScale, kBias}) plan.split_lanes |= k.stride[op] != r.size * r.stride[op];
+    for (int op = 0; op < kNumOperands; ++op) plan.lane_group_strides[op] = k.stride[op];
   }
   if (kept.empty()) kept.push_back(unit_dim(false));
   if (reduced.empty()) reduced.push_back(unit_dim(true));

@@ -34,6 +34,11 @@ struct ReductionPlan {
   // each group). Every lane is summed around its group's first element, and a group's sums are
   // its lanes' added; the stats operands' lanes stride is per group.
   int64_t lane_group = 1;
+  // Scale or bias constant along a group's lanes and not across groups (batch norm training of
+  // NCHW planes: per channel): the normalize pass takes the lanes as (lane_count / lane_group) x
+  // lane_group, the outer dim's strides these (the kept dim's).
+  bool split_lanes = false;
+  int64_t lane_group_strides[kNumOperands] = {};
 };
 
 // Whether `rows` rows of a contiguous run of `run` elements (of itemsize bytes) are worth taking
