@@ -306,3 +306,14 @@ def test_lengthened_channels_last_runs_match_the_reference(isa, rng, dtype, chan
     out = np.full((2, 6, 10, channels), np.nan, dtype).transpose(0, 3, 1, 2)
     simdnorm.batch_normalization(x, mean, var, scale, bias, activation="elu", out=out)
     check_bn(out, x, mean, var, scale, bias, activation="elu")
+
+
+def test_backward_of_small_planes_keeps_its_groups():
+    # the forward's short lane groups (MVN over (0, 2, 3) of 7x7 planes) are not the backward's:
+    # batch norm's backward on small NCHW planes sums a channel's runs as a group
+    x = np.zeros((8, 16, 7, 7), np.float32)
+    c = np.ones(16, np.float32)
+    sums = [np.zeros(16, np.float64) for _ in range(2)]
+    plan = _core.mvn_backward(x, x, (0, 2, 3), c, c, c, c, None, np.empty_like(x), *sums, 1e-5, True, True, False,
+                              IDENTITY, True, False, 1, True)
+    assert plan.startswith("groups groups=16 group_size=392"), plan

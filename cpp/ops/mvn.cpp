@@ -164,7 +164,7 @@ void MvnRunner::build_plan() {
     p.data[kScale] = reinterpret_cast<char*>(compute_ == DType::f64 ? (void*)&one_d_ : (void*)&one_f_);
     p.data[kBias] = reinterpret_cast<char*>(compute_ == DType::f64 ? (void*)&zero_d_ : (void*)&zero_f_);
   }
-  plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype));
+  plan_ = plan_reduction(p, a_.reduced, itemsize(x.dtype), /*short_lane_groups=*/true);
   inv_group_size_ = 1.0 / static_cast<double>(elements_per_group());
   underflow_ = underflow_rule();
   LoopNest& nest = plan_.nest;

@@ -116,24 +116,19 @@ int64_t product(const DimList& dims) {
 // 16x256x7x7 1.7-1.8x faster than the runs; 4x512x7x7, 8x256x10x10 0.8x).
 constexpr int64_t kLaneGroupMaxBytes = 1024;
 constexpr int64_t kShortLaneGroup = 64, kShortLaneGroupRows = 8;
-bool lane_groups_fit(const DimList& kept, const DimList& reduced, int64_t itemsize) {
+bool lane_groups_fit(const DimList& kept, const DimList& reduced, int64_t itemsize, bool short_groups) {
   if (kept.empty() || reduced.n < 2) return false;
   const Dim& r = reduced.back();
   const Dim& k = kept.back();
-  if (r.stride[kIn] != itemsize) return false;
-  for (Operand op : {kOut, kIn, kScale, kBias})  // (scale and bias may also be constant along r: split_lanes)
-    if (k.stride[op] != r.size * r.stride[op] && !(op >= kScale && r.stride[op] == 0)) return false;
+  if (r.stride[kIn] != itemsize || r.size * itemsize > kLaneGroupMaxBytes) return false;
+  for (Operand op : {kOut, kIn, kScale, kBias})  // (scale and bias may be constant along r: split_lanes)
+    if (k.stride[op] != r.size * r.stride[op] && !(short_groups && op >= kScale && r.stride[op] == 0)) return false;
   int64_t rows = 1;
   for (int d = 0; d + 1 < reduced.n; ++d) rows *= reduced.items[d].size;
-  return lane_groups_pay(rows, r.size, itemsize);
+  return rows >= r.size || (short_groups && r.size <= kShortLaneGroup && rows >= kShortLaneGroupRows);
 }
 
 }  // namespace
-
-bool lane_groups_pay(int64_t rows, int64_t run, int64_t itemsize) {
-  if (run * itemsize > kLaneGroupMaxBytes) return false;
-  return rows >= run || (run <= kShortLaneGroup && rows >= kShortLaneGroupRows);
-}
 
 void plan_elementwise(const Problem& p, LoopNest& nest) {
   char* data[kNumOperands];
@@ -147,7 +142,7 @@ void plan_elementwise(const Problem& p, LoopNest& nest) {
   to_nest(dims, data, nest);
 }
 
-ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t itemsize) {
+ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t itemsize, bool short_lane_groups) {
   char* data[kNumOperands];
   std::copy(p.data, p.data + kNumOperands, data);
   DimList dims = collect(p, reduced_mask);
@@ -172,7 +167,7 @@ ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t it
   }
   kept = merge(kept);
   reduced = merge(reduced);
-  if (!plan.lanes && lane_groups_fit(kept, reduced, itemsize)) {
+  if (!plan.lanes && lane_groups_fit(kept, reduced, itemsize, short_lane_groups)) {
     const Dim r = reduced.back(), k = kept.back();
     reduced.pop_back();
     kept.pop_back();

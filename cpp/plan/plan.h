@@ -41,15 +41,15 @@ struct ReductionPlan {
   int64_t lane_group_strides[kNumOperands] = {};
 };
 
-// Whether `rows` rows of a contiguous run of `run` elements (of itemsize bytes) are worth taking
-// as lanes (see plan.cpp); ops/mvn.cpp asks it before copying scale and bias along such runs.
-bool lane_groups_pay(int64_t rows, int64_t run, int64_t itemsize);
 
 // Rows (the input's innermost dim is reduced): nest = [kept..., reduced...].
 // Columns (the innermost dim is kept and contiguous): nest = [kept..., reduced..., lanes].
 // Columns of lane groups (the innermost dim is a short reduced run right inside a kept dim):
 // nest = [kept..., reduced..., kept x run].
-ReductionPlan plan_reduction(const Problem& problem, uint32_t reduced, int64_t itemsize);
+// short_lane_groups (the forward's column strategy takes them): lane groups also where the run is
+// a few vectors with a batch of rows outside it, and with scale and bias constant along the run
+// (split_lanes). The backward's strategies take neither.
+ReductionPlan plan_reduction(const Problem& problem, uint32_t reduced, int64_t itemsize, bool short_lane_groups = false);
 
 int64_t element_count(const LoopNest& nest);
 std::string describe(const LoopNest& nest);
