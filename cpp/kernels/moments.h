@@ -252,7 +252,7 @@ struct MomentsKernel {
       const T* px = reinterpret_cast<const T*>(a.data + r * a.row_stride) + c;
       for_constant<0, Vecs>([&](auto vi) SIMDNORM_INLINE_LAMBDA {
         constexpr int v = decltype(vi)::value;
-        const V x = m >= (v + 1) * W ? L::load(px + v * W) : L::load_partial(px + v * W, m - v * W);
+        const V x = m >= (v + 1) * W ? L::load(px + v * W) : m > v * W ? L::load_partial(px + v * W, m - v * W) : V{};
         for_constant<0, kParts>([&](auto pi) SIMDNORM_INLINE_LAMBDA {
           constexpr int q = v * kParts + decltype(pi)::value;
           const vd d = vfma(Sums::template part<decltype(pi)::value>(x), scale, negp[q]);
