@@ -268,14 +268,19 @@ struct MomentsKernel {
       }
       return;
     }
-    alignas(64) double s1[kWhole], s2[kWhole];
-    for (int q = 0; q < Q; ++q) {
-      Lanes<double>::store(s1 + q * WD, t1[q]);
-      Lanes<double>::store(s2 + q * WD, t2[q]);
+    add_to_totals<kWhole>(t1, t2, Q, m, a.sum + c, a.sum_sq + c);
+  }
+  // Adds lanes [0, n) of the q vectors s1 and s2 to sum[0, n) and sum_sq[0, n).
+  template <int MaxLanes>
+  SIMDNORM_CURSOR_METHOD static void add_to_totals(const vd* s1, const vd* s2, int q, int n, double* sum, double* sum_sq) {
+    alignas(64) double t1[MaxLanes], t2[MaxLanes];
+    for (int v = 0; v < q; ++v) {
+      Lanes<double>::store(t1 + v * Sums::WD, s1[v]);
+      Lanes<double>::store(t2 + v * Sums::WD, s2[v]);
     }
-    for (int j = 0; j < m; ++j) {
-      a.sum[c + j] += s1[j];
-      a.sum_sq[c + j] += s2[j];
+    for (int c = 0; c < n; ++c) {
+      sum[c] += t1[c];
+      sum_sq[c] += t2[c];
     }
   }
   static void col_few_rows(const ColMomentsArgs& a) {
@@ -372,15 +377,7 @@ struct MomentsKernel {
       int64_t r = 0;
       for (; r + kRows <= a.rows; r += kRows) rows(r, std::integral_constant<int, kRows>{});
       for (; r < a.rows; ++r) rows(r, std::integral_constant<int, 1>{});
-      alignas(64) double t1[kLanes], t2[kLanes];
-      for (int v = 0; v < nv * kParts; ++v) {
-        Lanes<double>::store(t1 + v * WD, s1[v]);
-        Lanes<double>::store(t2 + v * WD, s2[v]);
-      }
-      for (int c = 0; c < nb; ++c) {
-        a.sum[c0 + c] += t1[c];
-        a.sum_sq[c0 + c] += t2[c];
-      }
+      add_to_totals<kLanes>(s1, s2, nv * kParts, nb, a.sum + c0, a.sum_sq + c0);
     }
   }
 };
