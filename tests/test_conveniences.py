@@ -370,6 +370,35 @@ def test_small_planes_over_the_batch_take_lane_groups(isa, rng, threads, dtype, 
         np.testing.assert_array_equal(bits(a), bits(b))
 
 
+# The same plans over random shapes around their rule (batches of 8-12, planes of 1-64 elements and
+# past), outputs plain, reversed and strided, with and without scale and bias: against the
+# reference, 1 vs 2 threads bitwise.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", ["mvn", "mvn_affine", "bn_training"])
+def test_small_planes_over_the_batch_random(rng, threads, dtype, op):
+    for _ in range(12):
+        shape = (int(rng.integers(6, 13)), int(rng.integers(1, 20)), int(rng.integers(1, 10)), int(rng.integers(1, 10)))
+        n, c, h, w = shape
+        x = (rng.normal(size=shape) * rng.choice([1.0, 100.0]) + rng.choice([0.0, 1e3])).astype(dtype)
+        scale = (rng.normal(size=c) + 1.5).astype(compute_dtype(dtype))
+        bias = rng.normal(size=c).astype(compute_dtype(dtype))
+        s4, b4 = (None, None) if op == "mvn" else (scale.reshape(1, c, 1, 1), bias.reshape(1, c, 1, 1))
+        for layout in ("plain", "reversed", "strided"):
+            results = []
+            for t in (1, 2):
+                threads(t)
+                out = {"plain": np.full(shape, np.nan, dtype), "reversed": np.full(shape, np.nan, dtype)[::-1, :, ::-1],
+                       "strided": np.full((n, c, h, 2 * w), np.nan, dtype)[..., ::2]}[layout]
+                if op == "bn_training":
+                    y = simdnorm.batch_normalization_training(x, scale, bias, out=out)[0]
+                else:
+                    y = simdnorm.mean_variance_normalization(x, axes=(0, 2, 3), scale=s4, bias=b4, out=out)
+                assert y is out
+                check_mvn(y, x, (0, 2, 3), s4, b4, context=f"{shape} {layout} threads={t}")
+                results.append(y)
+            np.testing.assert_array_equal(bits(results[0]), bits(results[1]), err_msg=f"{shape} {layout}")
+
+
 # Eight dims: the channel dim viewed as (G, C/G) makes nine, which the engine takes. Channels
 # first, last and in the middle; contiguous; every dim strided apart but one of size 1; every dim
 # strided apart (no two dims merge: an earlier version refused these); sliced and reversed dims; an
