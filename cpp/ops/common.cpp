@@ -202,17 +202,8 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
   }
   for (int d = 0; d < first; ++d) strides_[d] *= copies;
   const int64_t count = count_ * copies;
-  // Copies up to kKeptBytes go to a buffer the calling thread keeps from call to call: allocated
-  // each call, past glibc's mmap threshold, they were fresh pages that faulted on every call
-  // (group norm of 1x512x7x7: 5x its time). One FoldedParams a thread spreads at a time (an MVN
-  // call's scale and bias). Larger ones are allocated per call, not kept.
-  constexpr size_t kKeptBytes = 512 << 10;
-  static thread_local std::vector<char> kept;
-  const size_t bytes = static_cast<size_t>(count * elsize_ * outputs_ + kLineBytes);
-  std::unique_ptr<char[]> fresh;
-  if (bytes <= kKeptBytes && kept.size() < bytes) kept.resize(bytes);
-  if (bytes > kKeptBytes) fresh.reset(new char[bytes]);
-  char* const base = fresh ? fresh.get() : kept.data();
+  // (One FoldedParams a thread spreads at a time: an MVN call's scale and bias.)
+  char* const base = spread_scratch_.reserve(static_cast<size_t>(count * elsize_ * outputs_ + kLineBytes));
   char* to = base + (kLineBytes - reinterpret_cast<uintptr_t>(base) % kLineBytes) % kLineBytes;
   auto spread = [&](auto* dst, const auto* from) {
     for (int64_t e = 0; e < count_; ++e) std::fill_n(dst + e * copies, copies, from[e]);
@@ -222,7 +213,7 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
     if (elsize_ == 8) spread(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(data(o)));
     else spread(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(data(o)));
   }
-  heap_ = std::move(fresh);  // (null when kept: the old storage is no longer read)
+  heap_.reset();  // (the old storage is no longer read)
   storage_ = to;
   spread_ = true;
   count_ = count;

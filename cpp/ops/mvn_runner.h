@@ -65,30 +65,6 @@ struct Scaling {
 };
 constexpr Scaling kDoubleScaling{0x1p-600, 0x1p600, 0x1p-900, 0x1p300, 0x1p-60};
 
-// Scratch that the calling thread keeps from call to call, one buffer a Slot: allocated per call,
-// blocks past glibc's mmap threshold are fresh pages that fault on every call (the columns of
-// MVN over (0, 2, 3) of 2x256x14x14 spent most of their time there). Up to kKeptScratchBytes a
-// slot; larger requests get a block of their own. Never zeroed. One object a slot alive on a
-// thread at a time.
-constexpr size_t kKeptScratchBytes = 1 << 20;
-template <int Slot>
-class KeptScratch {
- public:
-  char* reserve(size_t bytes) {
-    static thread_local std::vector<char> kept;
-    own_.reset();
-    if (bytes > kKeptScratchBytes) own_.reset(new char[bytes]);
-    else if (kept.size() < bytes) kept.resize(bytes);
-    return data_ = own_ ? own_.get() : kept.data();
-  }
-  char* data() const { return data_; }
-
- private:
-  std::unique_ptr<char[]> own_;
-  char* data_ = nullptr;
-};
-enum ScratchSlot { kLaneSlot, kStatsSlot, kChunkSlot };
-
 // n elements at p, indexed like the vectors they replace.
 template <class T>
 struct Span {
