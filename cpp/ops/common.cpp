@@ -215,7 +215,6 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
   }
   heap_.reset();  // (the old storage is no longer read)
   storage_ = to;
-  spread_ = true;
   count_ = count;
   pitch_ = count_ * elsize_;
 }

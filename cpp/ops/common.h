@@ -76,7 +76,7 @@ class FoldedParams {
   // Makes the outputs vary along dims [first, ndim) of `sizes` too, along which they are constant:
   // each element repeated for every index there (count() grows by their product), row-major.
   void spread_inner(int first, int ndim, const int64_t* sizes);
-  bool spread() const { return spread_; }
+  bool spread() const { return spread_scratch_.data() != nullptr; }
 
  private:
   // Per-channel parameters (the common case) fit here, so a small call does not allocate.
@@ -89,8 +89,7 @@ class FoldedParams {
   int64_t pitch_ = 0;  // bytes from one output array to the next
   int outputs_ = 0;
   int operands_[kMaxInputs] = {};
-  KeptScratch<kSpreadSlot> spread_scratch_;  // spread_inner's arrays
-  bool spread_ = false;  // the arrays are spread_inner's (in spread_scratch_)
+  KeptScratch<kSpreadSlot> spread_scratch_;  // spread_inner's arrays (reserved only by it)
 };
 
 // Channels-last layouts with few channels: the nest's inner run is one pixel's channels, with
