@@ -593,6 +593,26 @@ def test_backward_out_sharing_memory_as_if_apart(rng, op):
         call(dy, x, sc, b, out=x)
 
 
+# Groups of short runs (small planes of NCHW data) are written run by run, the last few elements of
+# a run as part of its last whole vector, written again: not where grad_input is grad_output (in
+# place), whose elements there are already overwritten. Planes that end inside a vector, every dtype.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", ["batch_norm", "group_norm"])
+@pytest.mark.parametrize("plane", [(7, 7), (3, 5), (1, 3), (2, 9)])
+def test_backward_in_place_on_short_runs(rng, op, plane, dtype):
+    call = BACKWARD_CALLS[op]
+    shape = (3, 4) + plane
+    x = rand_values(rng, shape, dtype, scale=2.0)
+    sc, b = rand_values(rng, (4,), dtype, scale=1.0), rand_values(rng, (4,), dtype, scale=1.0)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    want = call(dy, x, sc, b, out=np.full_like(x, np.nan))
+    buf = dy.copy()
+    res = call(buf, x, sc, b, out=buf)
+    assert res[0] is buf
+    for got, ref in zip(res, want):
+        np.testing.assert_array_equal(bits(got), bits(ref))
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

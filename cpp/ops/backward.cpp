@@ -83,8 +83,9 @@ class BackwardRunner {
     // place, where the data are cached); not 16-bit data, whose vectors are half a line (the
     // kernels store plainly wherever a vector is not a whole line: BackwardKernel::stream_head).
     const void* dx = a_.grad_input ? a_.grad_input->data : nullptr;
+    task_.from_memory = 3 * total * itemsize(x.dtype) > stream_threshold_bytes();
     task_.stream_stores = dx != nullptr && !a_.write_ga && dx != x.data && dx != a_.grad_output.data &&
-                          itemsize(x.dtype) >= 4 && 3 * total * itemsize(x.dtype) > stream_threshold_bytes();
+                          itemsize(x.dtype) >= 4 && task_.from_memory;
 
     Problem p = problem();
     const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));
