@@ -230,6 +230,22 @@ struct BackwardKernel {
     }
   }
 
+  // A flush of one run's sums of ga y and ga (as vectors) into their doubles: the parameters', and,
+  // where the group's target and the parameters are both constant along the run (group != null),
+  // the group's: sum(g) = scale sum(ga), sum(g y) = scale sum(ga y), in double (g = ga scale).
+  // Every path over such runs takes the group's sums so, whatever else it sums: a group's bits do
+  // not depend on the path (alone or in a batch, two passes or grouped).
+  SIMDNORM_CURSOR_METHOD static void add_run_sums(V sgay, V sga, double* param0, double* param1, double* group0,
+                                                  double* group1, const char* scale) {
+    const double a = static_cast<double>(vreduce_add(sgay)), b = static_cast<double>(vreduce_add(sga));
+    if (param0 != nullptr) *param0 += a, *param1 += b;
+    if (group0 != nullptr) {
+      C sc;
+      std::memcpy(&sc, scale, sizeof sc);
+      *group0 += static_cast<double>(sc) * b, *group1 += static_cast<double>(sc) * a;
+    }
+  }
+
   // The sums pass over one run of n elements.
   template <int SStep, int PStep, class D>
   static void sums_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n,
@@ -252,6 +268,8 @@ struct BackwardKernel {
     C* const gv1 = want_group ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
     C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
     C* const pv1 = want_param ? static_cast<C*>(acc.param_vary[1]) + pi : nullptr;
+    // The group's sums from the parameters' (add_run_sums) where both are constant along the run.
+    const bool derive = want_group && sstep == 0 && pstep == 0;
     for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
       const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
       V sg = zero(), sgy = zero(), sgay = zero(), sga = zero();
@@ -266,7 +284,7 @@ struct BackwardKernel {
           ga = vselect(own, ga, zero());
           g = vselect(own, g, zero());
         }
-        if (want_group) {
+        if (want_group && !derive) {
           if (SStep == kConst || (SStep == kAny && sstep == 0)) {
             sg = sg + g;
             sgy = vfma(g, y, sgy);
@@ -275,7 +293,7 @@ struct BackwardKernel {
             add_varying<SStep>(gv1 + e * sstep, sstep, g * y, m);
           }
         }
-        if (want_param) {
+        if (want_param || derive) {
           if (PStep == kConst || (PStep == kAny && pstep == 0)) {
             sgay = vfma(ga, y, sgay);
             sga = sga + ga;
@@ -285,14 +303,12 @@ struct BackwardKernel {
           }
         }
       }
-      if (want_group && sstep == 0) {
+      if (want_group && sstep == 0 && !derive) {
         *ga0 += static_cast<double>(vreduce_add(sg));
         *ga1 += static_cast<double>(vreduce_add(sgy));
       }
-      if (want_param && pstep == 0) {
-        *pa0 += static_cast<double>(vreduce_add(sgay));
-        *pa1 += static_cast<double>(vreduce_add(sga));
-      }
+      if ((want_param || derive) && pstep == 0)
+        add_run_sums(sgay, sga, pa0, pa1, derive ? ga0 : nullptr, ga1, p[kParams]);
     }
   }
 
@@ -498,7 +514,7 @@ struct BackwardKernel {
     const int64_t gi = (ps[kStats] - acc.stats_base) / cs, pi = (ps[kParams] - acc.params_base) / cs;
     for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
       const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
-      V sg = zero(), sgy = zero(), sgay = zero(), sga = zero();
+      V sgay = zero(), sga = zero();
       for (int64_t e = e0; e < e1; e += W) {
         const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
         __builtin_prefetch(ps[kX] + e * es + kPrefetchAheadBytes, 0, 2);
@@ -508,23 +524,16 @@ struct BackwardKernel {
         su.template at<false>(e, m, y, ga, g);
         if (m < W) {
           const auto own = lanes_mask(static_cast<V*>(nullptr), m);
-          y = vselect(own, y, zero()), ga = vselect(own, ga, zero()), g = vselect(own, g, zero());
+          y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
         }
-        sg = sg + g, sgy = vfma(g, y, sgy);
         sgay = vfma(ga, y, sgay), sga = sga + ga;
         if (e + head + W <= n) {
           wr.template at<false>(e + head, W, y, ga, g);
           L::store_or_stream(reinterpret_cast<T*>(dx + (e + head) * es), grad_input(u, y, g, c1, c2), stream);
         }
       }
-      if (want_group) {
-        acc.group[0][gi] += static_cast<double>(vreduce_add(sg));
-        acc.group[1][gi] += static_cast<double>(vreduce_add(sgy));
-      }
-      if (want_param) {
-        acc.param[0][pi] += static_cast<double>(vreduce_add(sgay));
-        acc.param[1][pi] += static_cast<double>(vreduce_add(sga));
-      }
+      add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
+                   want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, ps[kParams]);
     }
     // The written run's edges, [0, head) and what is left after its last whole vector, by apply_run.
     const int64_t end = head + (n - head) / W * W;
@@ -612,46 +621,30 @@ struct BackwardKernel {
     const int64_t n = g.sizes[g.ndim - 1];
     const int64_t gi = (g.data[kStats] - acc.stats_base) / cs;
     const V mean = splat<V>(load_c(g.data[kStats], 0, t.stats_pitch)), u = splat<V>(load_c(g.data[kStats], 1, t.stats_pitch));
-    auto sum = [&](auto want_group, auto want_param) SIMDNORM_INLINE_LAMBDA {
-      for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
-        const T* const x = reinterpret_cast<const T*>(p[kX]);
-        const T* const dy = reinterpret_cast<const T*>(p[kGradOut]);
-        const V scale = splat<V>(load_c(p[kParams], 0, t.params_pitch));
-        V sg = zero(), sgy = zero(), sgay = zero(), sga = zero();
-        auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-          __builtin_prefetch(x + e + kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T)), 0, 2);  // (as Element::at)
-          __builtin_prefetch(dy + e + kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T)), 0, 2);
-          if (prefetch_out) __builtin_prefetch(p[kGradIn] + e * static_cast<int64_t>(sizeof(T)), 1);
-          V y = (load_up_to<L>(x + e, m) - mean) * u, ga = load_up_to<L>(dy + e, m);
-          if (m < W) {
-            const auto own = lanes_mask(static_cast<V*>(nullptr), m);
-            y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
-          }
-          if constexpr (decltype(want_group)::value) {
-            const V gv = ga * scale;
-            sg = sg + gv, sgy = vfma(gv, y, sgy);
-          }
-          if constexpr (decltype(want_param)::value) sgay = vfma(ga, y, sgay), sga = sga + ga;
-        };
-        int64_t e = 0;
-        for (; e + W <= n; e += W) at(e, W);
-        if (e < n) at(e, static_cast<int>(n - e));
-        if constexpr (decltype(want_group)::value) {
-          acc.group[0][gi] += static_cast<double>(vreduce_add(sg));
-          acc.group[1][gi] += static_cast<double>(vreduce_add(sgy));
-        }
-        if constexpr (decltype(want_param)::value) {
-          const int64_t pi = (p[kParams] - acc.params_base) / cs;
-          acc.param[0][pi] += static_cast<double>(vreduce_add(sgay));
-          acc.param[1][pi] += static_cast<double>(vreduce_add(sga));
-        }
-      });
-    };
-    using Yes = std::true_type;
-    using No = std::false_type;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
-    if (want_group) want_param ? sum(Yes{}, Yes{}) : sum(Yes{}, No{});
-    else if (want_param) sum(No{}, Yes{});
+    if (!want_group && !want_param) return;
+    for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
+      const T* const x = reinterpret_cast<const T*>(p[kX]);
+      const T* const dy = reinterpret_cast<const T*>(p[kGradOut]);
+      V sgay = zero(), sga = zero();
+      auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+        __builtin_prefetch(x + e + kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T)), 0, 2);  // (as Element::at)
+        __builtin_prefetch(dy + e + kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T)), 0, 2);
+        if (prefetch_out) __builtin_prefetch(p[kGradIn] + e * static_cast<int64_t>(sizeof(T)), 1);
+        V y = (load_up_to<L>(x + e, m) - mean) * u, ga = load_up_to<L>(dy + e, m);
+        if (m < W) {
+          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+          y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
+        }
+        sgay = vfma(ga, y, sgay), sga = sga + ga;
+      };
+      int64_t e = 0;
+      for (; e + W <= n; e += W) at(e, W);
+      if (e < n) at(e, static_cast<int>(n - e));
+      const int64_t pi = (p[kParams] - acc.params_base) / cs;
+      add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
+                   want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, p[kParams]);
+    });
   }
 
   // grad_input of such a group, its coefficients set: dx = u * ((g - c1) - y * c2).
