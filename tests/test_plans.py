@@ -315,5 +315,5 @@ def test_backward_of_small_planes_keeps_its_groups():
     c = np.ones(16, np.float32)
     sums = [np.zeros(16, np.float64) for _ in range(2)]
     plan = _core.mvn_backward(x, x, (0, 2, 3), c, c, c, c, None, np.empty_like(x), *sums, 1e-5, True, True, False,
-                              IDENTITY, True, False, 1, True)
+                              IDENTITY, True, False, 1, True, False)
     assert plan.startswith("groups groups=16 group_size=392"), plan

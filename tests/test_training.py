@@ -436,7 +436,7 @@ def test_backward_streamed_grad_input_at_line_phases(rng, threads, op, shape, dt
     axes = {"layer_norm": (x.ndim - 1,), "rms_norm": (x.ndim - 1,), "instance_norm": (2, 3),
             "group_norm": (2, 3), "mvn023": (0, 2, 3), "batch_norm": (0, 2, 3), "batch_norm_nhwc": (0, 1, 2)}[op]
     plan = _core.mvn_backward(x, dy, axes, None, None, None, None, None, out, None, None, 1e-5, True, True, False,
-                              (0, 0.0, 0.0), True, False, 1, True)
+                              (0, 0.0, 0.0), True, False, 1, True, False)
     assert ("streaming-stores" in plan) == (np.dtype(dtype).itemsize >= 4), plan  # (16-bit: half-line vectors)
     # the same groups in a call too small to stream: the first rows or images, or the first channels
     part = (slice(None),) * (ca % x.ndim if op.startswith(("batch", "mvn")) else 0) + (slice(0, 2),)

@@ -300,9 +300,11 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
 
 // mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g,
 //              epsilon, normalize_mean, normalize_variance, epsilon_outside, activation,
-//              statistics_terms, write_ga, channel_axis, explain) -> None, or the plan with explain
-// The Python layer has validated the call and keeps grad_input off every operand's memory.
-constexpr size_t kMvnBackwardArgs = 20;
+//              statistics_terms, write_ga, channel_axis, explain, variance_given) -> None, or the plan
+// with explain. With variance_given, inv_std is batch norm's variance (1 / sqrt(it + epsilon) is
+// taken in double). The Python layer has validated the call and keeps grad_input off every
+// operand's memory.
+constexpr size_t kMvnBackwardArgs = 21;
 
 py::object py_mvn_backward(PyObject* const* raw) {
   py::handle args[kMvnBackwardArgs];
@@ -340,16 +342,14 @@ py::object py_mvn_backward(PyObject* const* raw) {
   for (int o = 0; o < 2; ++o) {
     if (args[9 + o].is_none()) continue;
     TensorView v = view_of(args[9 + o], "parameter sums", true);
-    if (v.dtype != DType::f64) throw py::type_error("parameter sums: must be float64");
-    int64_t step = 8;
+    if (v.dtype != DType::f64 && v.dtype != DType::f32) throw py::type_error("parameter sums: must be float64 or float32");
+    int64_t step = itemsize(v.dtype);
     for (int d = v.ndim - 1; d >= 0; --d) {
       if (v.sizes[d] != 1 && v.strides[d] != step) throw py::value_error("parameter sums: must be C-contiguous");
       step *= v.sizes[d];
     }
     a.param_sums[o] = v;
   }
-  if (a.param_sums[0].has_value() != a.param_sums[1].has_value())
-    throw py::value_error("parameter sums: both or neither");
   a.epsilon = double_of(args[11], "epsilon");
   a.normalize_mean = bool_of(args[12], "normalize_mean");
   a.normalize_variance = bool_of(args[13], "normalize_variance");
@@ -357,16 +357,17 @@ py::object py_mvn_backward(PyObject* const* raw) {
   a.activation = activation_of(args[15]);
   a.statistics_terms = bool_of(args[16], "statistics_terms");
   a.write_ga = bool_of(args[17], "write_ga");
-  if (a.param_sums[0]) {
-    // Their count must be that of scale and bias's broadcast shape (what the op folds them into).
-    int64_t count = 1;
-    for (int d = 0; d < a.input.ndim; ++d) {
-      const bool varies = (a.scale && a.scale->sizes[d] != 1) || (a.bias && a.bias->sizes[d] != 1);
-      if (varies) count *= a.input.sizes[d];
-    }
-    if (element_count(*a.param_sums[0]) != count || element_count(*a.param_sums[1]) != count)
-      throw py::value_error("parameter sums: must have scale and bias's broadcast shape");
+  a.variance_given = bool_of(args[20], "variance_given");
+  if (a.variance_given && !a.inv_std) throw py::value_error("variance_given: no variance given");
+  // Their count must be that of scale and bias's broadcast shape (what the op folds them into).
+  int64_t count = 1;
+  for (int d = 0; d < a.input.ndim; ++d) {
+    const bool varies = (a.scale && a.scale->sizes[d] != 1) || (a.bias && a.bias->sizes[d] != 1);
+    if (varies) count *= a.input.sizes[d];
   }
+  for (const auto& sums : a.param_sums)
+    if (sums && element_count(*sums) != count)
+      throw py::value_error("parameter sums: must have scale and bias's broadcast shape");
   if (bool_of(args[19], "explain")) {
     std::string plan;
     mvn_backward(a, &plan);

@@ -29,9 +29,15 @@ namespace simdnorm {
 namespace {
 
 // Statistics: mean (absent 0) and u = 1 / std (absent 1) in, (mean, u, c1, c2) out (c1, c2 set later).
-void fold_statistics(const double* const* in, double* const* out, int64_t n, const void*) {
+// With a variance in place of u (ctx: the epsilon), u = 1 / sqrt(variance + epsilon).
+void fold_statistics(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   std::copy(in[0], in[0] + n, out[0]);
-  std::copy(in[1], in[1] + n, out[1]);
+  if (ctx != nullptr) {
+    const double eps = *static_cast<const double*>(ctx);
+    for (int64_t i = 0; i < n; ++i) out[1][i] = 1.0 / std::sqrt(in[1][i] + eps);
+  } else {
+    std::copy(in[1], in[1] + n, out[1]);
+  }
   std::fill(out[2], out[2] + n, 0.0);
   std::fill(out[3], out[3] + n, 0.0);
 }
@@ -57,7 +63,7 @@ class BackwardRunner {
       if ((a_.reduced >> d) & 1u) group_size *= x.sizes[d];
     }
     fold();
-    want_params_ = a_.param_sums[0].has_value();
+    want_params_ = a_.param_sums[0].has_value() || a_.param_sums[1].has_value();
     want_group_ = a_.statistics_terms && (a_.normalize_mean || a_.normalize_variance) && a_.grad_input &&
                   !a_.write_ga;
     n_ = group_size;
@@ -108,14 +114,16 @@ class BackwardRunner {
         x.ndim, x.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.mean ? &*a_.mean : nullptr, 0.0},
                                                    {a_.inv_std ? &*a_.inv_std : nullptr, 1.0}},
-        std::initializer_list<int>{kStats, kStats, kStats, kStats}, compute_, fold_statistics, nullptr);
+        std::initializer_list<int>{kStats, kStats, kStats, kStats}, compute_, fold_statistics,
+        a_.variance_given ? &a_.epsilon : nullptr);
     params_ = std::make_unique<FoldedParams>(
         x.ndim, x.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
                                                    {a_.bias ? &*a_.bias : nullptr, 0.0}},
         std::initializer_list<int>{kParams, kParams}, compute_, nullptr, nullptr);
     for (const auto& out : a_.param_sums)
-      if (out) SIMDNORM_CHECK(out->dtype == DType::f64 && element_count_of(*out) == params_->count());
+      if (out) SIMDNORM_CHECK((out->dtype == DType::f64 || out->dtype == DType::f32) &&
+                              element_count_of(*out) == params_->count());
   }
 
   static int64_t element_count_of(const TensorView& v) {
@@ -198,13 +206,19 @@ class BackwardRunner {
 
 
 
-  // The parameters' sums (sum(ga y) then sum(ga), merged), or zeros when empty, into the user's.
+  // The parameters' sums (sum(ga y) then sum(ga), merged), or zeros when empty, into the caller's
+  // (float32 ones rounded once, to inf past their range).
   void write_param_sums(const std::vector<double>& sums) {
-    if (!want_params_) return;
     const int64_t np = params_->count();
     for (int o = 0; o < 2; ++o) {
-      double* out = reinterpret_cast<double*>(a_.param_sums[o]->data);
-      for (int64_t i = 0; i < np; ++i) out[i] = sums.empty() ? 0.0 : sums[static_cast<size_t>(o * np + i)];
+      if (!a_.param_sums[o]) continue;
+      const double* from = sums.empty() ? nullptr : sums.data() + o * np;
+      auto write = [&](auto* out) {
+        using E = std::remove_pointer_t<decltype(out)>;
+        for (int64_t i = 0; i < np; ++i) out[i] = static_cast<E>(from == nullptr ? 0.0 : from[i]);
+      };
+      if (a_.param_sums[o]->dtype == DType::f32) write(reinterpret_cast<float*>(a_.param_sums[o]->data));
+      else write(reinterpret_cast<double*>(a_.param_sums[o]->data));
     }
   }
 

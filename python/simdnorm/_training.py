@@ -60,6 +60,7 @@ __all__ = [
 
 BACKWARD_ACTIVATIONS = ("relu", "leaky_relu", "silu", "gelu")
 _IDENTITY = (0, 0.0, 0.0)
+_DIRECT_SUMS = (np.dtype(np.float32), np.dtype(np.float64))  # parameter dtypes the kernel writes gradients in
 _nd = np.ndarray
 
 # Plans (the validated attributes and shapes a call needs), keyed like the forward ops' by the
@@ -227,22 +228,37 @@ def _backward(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Option
               inv_std: Optional[np.ndarray], scale: Optional[np.ndarray], bias: Optional[np.ndarray],
               fused_add: Optional[np.ndarray], target: Optional[np.ndarray], want_scale: bool, want_bias: bool,
               eps: float, nm: bool, nv: bool, eo: bool, act: Tuple[int, float, float], terms: bool,
-              ca: int) -> tuple:
-    """(grad_input written into target (or None), grad_scale, grad_bias[, grad_fused_add])."""
+              ca: int, variance_given: bool = False) -> tuple:
+    """(grad_input written into target (or None), grad_scale, grad_bias[, grad_fused_add]); with
+    variance_given, inv_std is batch norm's variance (the kernel takes 1 / sqrt(variance + eps))."""
     nd = x.ndim
     sums: Any = (None, None)
+    gs = gb = None
+    direct = False
     if want_scale or want_bias:
         shape, to_scale, to_bias = _sums_layout(x.shape, None if scale is None else scale.shape,
                                                 None if bias is None else bias.shape, ca, want_scale, want_bias)
-        sums = np.zeros(shape, np.float64)
+        # Nothing left to add up and a float32 or float64 parameter: the kernel writes the gradients
+        direct = ((to_scale is None or (not to_scale[0] and scale.dtype in _DIRECT_SUMS))
+                  and (to_bias is None or (not to_bias[0] and bias.dtype in _DIRECT_SUMS)))
+        if direct:
+            new = np.zeros if x.size == 0 else np.empty
+            gs = new(to_scale[1], scale.dtype) if want_scale else None
+            gb = new(to_bias[1], bias.dtype) if want_bias else None
+            sums = (gs, gb)
+        else:
+            sums = np.zeros(shape, np.float64)
     if x.size == 0:
         pass  # nothing to write; the sums of nothing are 0
-    elif target is not None or sums[0] is not None:
+    elif target is not None or sums[0] is not None or sums[1] is not None:
         _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, target, sums[0], sums[1], eps, nm,
-                           nv, eo, act, terms, False, ca, False)
+                           nv, eo, act, terms, False, ca, False, variance_given)
+    if direct and fused_add is None:
+        return target, gs, gb
     with np.errstate(over="ignore", invalid="ignore"):  # a sum past the parameter's range is inf, as numpy's
-        gs = _reduce_to(sums[0], to_scale, scale.dtype) if want_scale else None
-        gb = _reduce_to(sums[1], to_bias, bias.dtype) if want_bias else None
+        if not direct:
+            gs = _reduce_to(sums[0], to_scale, scale.dtype) if want_scale else None
+            gb = _reduce_to(sums[1], to_bias, bias.dtype) if want_bias else None
         if fused_add is None:
             return target, gs, gb
         # grad_fused_add: dy * act'(pre) (in the compute type) summed to fused_add's shape, rounded once
@@ -251,7 +267,7 @@ def _backward(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Option
         else:
             ga = np.empty(x.shape, stats_dtype(x.dtype))
             _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, ga, None, None, eps, nm, nv, eo,
-                               act, terms, True, ca, False)
+                               act, terms, True, ca, False, variance_given)
         full = (1,) * (nd - fused_add.ndim) + fused_add.shape
         red = tuple(d for d in range(nd) if full[d] == 1 and x.shape[d] != 1)
         gf = ga.astype(np.float64).sum(axis=red, keepdims=True) if red else ga
@@ -617,10 +633,9 @@ def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: 
     eps, act, training, axes, ca, want_input, ws, wb = _planned(key, lambda: _plan_bn_backward(
         x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training, activation, grad_input, grad_scale,
         grad_bias))
-    inv_std = (1.0 / np.sqrt(variance.astype(np.float64) + eps)).astype(stats_dtype(x.dtype))
     target, copy_to = _targets(out, want_input, x, dy, mean, variance, scale, bias, fa)
-    return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, fa, target, ws, wb, eps, True, True, False, act,
-                             training, ca), copy_to)
+    return _finish(_backward(dy, x, axes, mean, variance, scale, bias, fa, target, ws, wb, eps, True, True, False, act,
+                             training, ca, variance_given=True), copy_to)
 
 
 @_documented_backward

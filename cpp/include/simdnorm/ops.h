@@ -58,6 +58,7 @@ struct MvnBackwardArgs {
   std::optional<TensorView> grad_input;        // written: dx, or dy * act'(pre) with write_ga
   uint32_t reduced = 0;                        // the dims the statistics were taken over
   std::optional<TensorView> mean, inv_std;     // absent: 0 and 1
+  bool variance_given = false;                 // inv_std holds the variance: u = 1 / sqrt(it + epsilon)
   std::optional<TensorView> scale, bias, fused_add;
   double epsilon = 1e-5;
   bool normalize_mean = true, normalize_variance = true, epsilon_outside = false;
@@ -65,7 +66,8 @@ struct MvnBackwardArgs {
   bool statistics_terms = true;
   bool write_ga = false;
   Activation activation;
-  // float64, C-contiguous over the broadcast shape of scale and bias: sum(ga y) and sum(ga).
+  // sum(ga y) and sum(ga), each when given: C-contiguous over the broadcast shape of scale and bias,
+  // float64 (summed further by the caller) or float32 (rounded once from the double sums).
   std::optional<TensorView> param_sums[2];
 };
 
