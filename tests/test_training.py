@@ -1011,6 +1011,27 @@ def test_running_stats_formula(rng, convention, momentum, dtype, rdtype):
             # the next step starts from what is stored
 
 
+# Contiguous float32/float64 running buffers are updated by one kernel call, any others by numpy:
+# the same float64 arithmetic in the same order, so the same bits (buffers alike but for their strides).
+@pytest.mark.parametrize("rdtype", [F32, F64], ids=dtype_id)
+@pytest.mark.parametrize("convention,momentum", [("pytorch", 0.1), ("pytorch", "cumulative"), ("onnx", 0.8)])
+def test_running_stats_contiguous_as_strided(rng, convention, momentum, rdtype):
+    x = rand_values(rng, (6, 33, 5), F32, loc=1.0, scale=2.0)
+    start = [rand_values(rng, (33,), rdtype, loc=loc, scale=0.3) for loc in (0.0, 2.0)]
+    kw = dict(momentum_convention=convention, momentum=momentum)
+    if momentum == "cumulative":
+        kw["num_batches_tracked"] = 3
+    dense = [a.copy() for a in start]
+    strided = [np.empty((33, 2), rdtype)[:, 1] for _ in start]
+    for a, b in zip(strided, start):
+        a[...] = b
+    simdnorm.batch_normalization_training(x, running_mean=dense[0], running_var=dense[1], **kw)
+    simdnorm.batch_normalization_training(x, running_mean=strided[0], running_var=strided[1], **kw)
+    for a, b in zip(dense, strided):
+        assert not np.array_equal(a, start[0]) and not np.array_equal(a, start[1])
+        np.testing.assert_array_equal(bits(a), bits(np.ascontiguousarray(b)))
+
+
 def test_running_stats_same_rank_shape(rng):
     # running statistics take the statistics' shape: with same-rank scale/bias, that shape
     x = rand_values(rng, (5, 3, 4), F32)

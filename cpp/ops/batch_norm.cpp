@@ -110,4 +110,23 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
   run_normalize(task);
 }
 
+void update_running_statistics(const TensorView& running_mean, const TensorView& running_var,
+                               const TensorView& mean, const TensorView& var, int64_t count, double m, bool pytorch) {
+  int64_t n = 1;
+  for (int d = 0; d < mean.ndim; ++d) n *= mean.sizes[d];
+  const double unbias = pytorch && count > 1 ? static_cast<double>(count) / static_cast<double>(count - 1) : 1.0;
+  auto store = [](const TensorView& v, int64_t i, double value) {
+    if (v.dtype == DType::f32) reinterpret_cast<float*>(v.data)[i] = static_cast<float>(value);
+    else reinterpret_cast<double*>(v.data)[i] = value;
+  };
+  auto at = [](const TensorView& v, int64_t i) { return load_scalar(v.dtype, v.data + i * itemsize(v.dtype)); };
+  for (int64_t i = 0; i < n; ++i) {
+    // (both read before either is written: the two buffers may be one)
+    const double rm = at(running_mean, i), rv = at(running_var, i), bm = at(mean, i), bv = at(var, i);
+    // (the products and sums in numpy's order, without contraction: -ffp-contract=off)
+    store(running_mean, i, pytorch ? (1.0 - m) * rm + m * bm : m * rm + (1.0 - m) * bm);
+    store(running_var, i, pytorch ? (1.0 - m) * rv + (m * bv) * unbias : m * rv + (1.0 - m) * bv);
+  }
+}
+
 }  // namespace simdnorm

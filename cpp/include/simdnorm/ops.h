@@ -77,4 +77,13 @@ void batch_norm(const BatchNormArgs& args, std::string* explain = nullptr);
 void mean_variance_normalization(const MvnArgs& args, std::string* explain = nullptr);
 void mvn_backward(const MvnBackwardArgs& args, std::string* explain = nullptr);
 
+// Batch norm training's running statistics, updated in place from the batch's mean and (population)
+// variance over `count` elements, in double, each result rounded once into its buffer: PyTorch's
+// convention (r = (1 - m) r + m b, the variance unbiased by count / (count - 1)) or ONNX's (r = m r
+// + (1 - m) b). Every array C-contiguous with one element count; the running ones float32 or
+// float64, the batch's float32 or float64.
+void update_running_statistics(const TensorView& running_mean, const TensorView& running_var,
+                               const TensorView& mean, const TensorView& var, int64_t count, double momentum,
+                               bool pytorch);
+
 }  // namespace simdnorm
