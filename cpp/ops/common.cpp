@@ -287,7 +287,8 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype) 
 }
 
 void plan_normalize(NormalizeTask& task) {
-  task.stream_stores = task.loop.data[kOut] != task.loop.data[kIn] &&
+  const int64_t run_bytes = task.loop.ndim > 0 ? task.loop.sizes[task.loop.ndim - 1] * itemsize(task.dtype) : 0;
+  task.stream_stores = task.loop.data[kOut] != task.loop.data[kIn] && run_bytes >= kMinStreamRunBytes &&
                        2 * element_count(task.loop) * itemsize(task.dtype) > stream_threshold_bytes();
   task.l1_bytes = l1_data_cache_bytes();
   plan_inner_loop(task);

@@ -28,5 +28,8 @@ int64_t l1_data_cache_bytes();
 // last-level cache (it is shared with other cores and tenants), at most kStreamCapBytes.
 constexpr int64_t kStreamCapBytes = int64_t(16) << 20;
 int64_t stream_threshold_bytes();
+// Inner runs shorter than this are not streamed (the forward's normalize pass): their edges are
+// partial lines, which non-temporal stores write to memory piece by piece.
+constexpr int64_t kMinStreamRunBytes = 1024;
 
 }  // namespace simdnorm
