@@ -593,11 +593,12 @@ def test_backward_out_sharing_memory_as_if_apart(rng, op):
         call(dy, x, sc, b, out=x)
 
 
-# Groups of short runs (small planes of NCHW data) are written run by run, the last few elements of
-# a run as part of its last whole vector, written again: not where grad_input is grad_output (in
-# place), whose elements there are already overwritten. Planes that end inside a vector, every dtype.
+# Groups of short runs (small planes of NCHW data; instance norm's a run each) are written run by
+# run, the last few elements of a run as part of its last whole vector, written again: not where
+# grad_input is grad_output (in place), whose elements there are already overwritten. Planes that
+# end inside a vector, every dtype.
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
-@pytest.mark.parametrize("op", ["batch_norm", "group_norm"])
+@pytest.mark.parametrize("op", ["batch_norm", "group_norm", "instance_norm"])
 @pytest.mark.parametrize("plane", [(7, 7), (3, 5), (1, 3), (2, 9)])
 def test_backward_in_place_on_short_runs(rng, op, plane, dtype):
     call = BACKWARD_CALLS[op]
@@ -1021,7 +1022,10 @@ def test_running_stats_contiguous_as_strided(rng, convention, momentum, rdtype):
     kw = dict(momentum_convention=convention, momentum=momentum)
     if momentum == "cumulative":
         kw["num_batches_tracked"] = 3
-    dense = [a.copy() for a in start]
+    # (the contiguous buffers a byte past their dtype's alignment: the sanitizer build checks the stores)
+    dense = [np.empty(33 * a.itemsize + 1, np.uint8)[1:].view(rdtype) for a in start]
+    for a, b in zip(dense, start):
+        a[...] = b
     strided = [np.empty((33, 2), rdtype)[:, 1] for _ in start]
     for a, b in zip(strided, start):
         a[...] = b

@@ -5,6 +5,7 @@
 // in == mean give exactly bias, and keeps the error of a large mean out of the result.
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <optional>
 
 #include "ops/common.h"
@@ -115,9 +116,13 @@ void update_running_statistics(const TensorView& running_mean, const TensorView&
   int64_t n = 1;
   for (int d = 0; d < mean.ndim; ++d) n *= mean.sizes[d];
   const double unbias = pytorch && count > 1 ? static_cast<double>(count) / static_cast<double>(count - 1) : 1.0;
-  auto store = [](const TensorView& v, int64_t i, double value) {
-    if (v.dtype == DType::f32) reinterpret_cast<float*>(v.data)[i] = static_cast<float>(value);
-    else reinterpret_cast<double*>(v.data)[i] = value;
+  auto store = [](const TensorView& v, int64_t i, double value) {  // (memcpy: the buffers may be misaligned)
+    if (v.dtype == DType::f32) {
+      const float f = static_cast<float>(value);
+      std::memcpy(v.data + i * 4, &f, 4);
+    } else {
+      std::memcpy(v.data + i * 8, &value, 8);
+    }
   };
   auto at = [](const TensorView& v, int64_t i) { return load_scalar(v.dtype, v.data + i * itemsize(v.dtype)); };
   for (int64_t i = 0; i < n; ++i) {
