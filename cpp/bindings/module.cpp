@@ -467,20 +467,20 @@ PyObject* fast_may_overlap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_FALSE;
 }
 
-// update_running(running_mean, running_var, mean, var, count, momentum, pytorch) -> None: batch norm
-// training's running statistics (ops.h); the Python layer passes C-contiguous arrays of one count.
+// update_running(running_mean, running_var, mean, var, count, momentum, pytorch) -> whether it ran:
+// batch norm training's running statistics (ops.h), for C-contiguous float32/float64 arrays of one
+// element count; False for any other dtype or layout (the caller takes numpy's same arithmetic).
 PyObject* fast_update_running(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall<7>(args, nargs, "update_running", [](PyObject* const* a) {
     TensorView v[4];
     const char* names[4] = {"running_mean", "running_var", "mean", "var"};
     for (int k = 0; k < 4; ++k) {
       v[k] = view_of(a[k], names[k], k < 2);
-      if (v[k].dtype != DType::f32 && v[k].dtype != DType::f64)
-        throw py::type_error(std::string(names[k]) + ": must be float32 or float64");
+      if (v[k].dtype != DType::f32 && v[k].dtype != DType::f64) return false;
       if (element_count(v[k]) != element_count(v[0])) throw py::value_error("update_running: element counts differ");
       int64_t step = itemsize(v[k].dtype);
       for (int d = v[k].ndim - 1; d >= 0 && element_count(v[k]) > 0; --d) {  // (numpy's rule: empty is contiguous)
-        if (v[k].sizes[d] != 1 && v[k].strides[d] != step) throw py::value_error(std::string(names[k]) + ": must be C-contiguous");
+        if (v[k].sizes[d] != 1 && v[k].strides[d] != step) return false;
         step *= v[k].sizes[d];
       }
     }
@@ -493,8 +493,8 @@ PyObject* fast_update_running(PyObject*, PyObject* const* args, Py_ssize_t nargs
 
 PyMethodDef g_fast_methods[] = {
     {"update_running", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_update_running)), METH_FASTCALL,
-     "update_running(running_mean, running_var, mean, var, count, momentum, pytorch) -> True: batch norm training's "
-     "running statistics, in place"},
+     "update_running(running_mean, running_var, mean, var, count, momentum, pytorch) -> whether it ran: batch norm "
+     "training's running statistics, in place (C-contiguous float32/float64 arrays only)"},
     {"may_overlap", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_may_overlap)), METH_FASTCALL,
      "may_overlap(out, *arrays) -> whether out's byte range meets any array's (None skipped): False is certain"},
     {"batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_batch_norm)), METH_FASTCALL,

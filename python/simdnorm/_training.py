@@ -60,7 +60,7 @@ __all__ = [
 
 BACKWARD_ACTIVATIONS = ("relu", "leaky_relu", "silu", "gelu")
 _IDENTITY = (0, 0.0, 0.0)
-_DIRECT_SUMS = (np.dtype(np.float32), np.dtype(np.float64))  # dtypes the kernels write results in themselves
+_DIRECT_SUMS = (np.dtype(np.float32), np.dtype(np.float64))  # parameter dtypes the kernel writes gradients in
 _nd = np.ndarray
 
 # Plans (the validated attributes and shapes a call needs), keyed like the forward ops' by the
@@ -546,11 +546,8 @@ def update_running(running_mean: np.ndarray, running_var: np.ndarray, mean: np.n
                    count: int, m: float, convention: str) -> None:
     """The running statistics' update in float64, each result rounded once into its buffer:
     PyTorch's convention (momentum m, the unbiased variance of count > 1 elements) or ONNX's."""
-    if (running_mean.dtype in _DIRECT_SUMS and running_var.dtype in _DIRECT_SUMS and mean.dtype in _DIRECT_SUMS
-            and var.dtype in _DIRECT_SUMS
-            and running_mean.flags.c_contiguous and running_var.flags.c_contiguous and mean.flags.c_contiguous
-            and var.flags.c_contiguous):  # (the same arithmetic in one call: numpy's takes a dozen)
-        _core.update_running(running_mean, running_var, mean, var, count, m, convention == "pytorch")
+    # C-contiguous float32/float64 buffers: the same arithmetic in one call (numpy's takes a dozen)
+    if _core.update_running(running_mean, running_var, mean, var, count, m, convention == "pytorch"):
         return
     bm, bv = mean.astype(np.float64), var.astype(np.float64)
     rm, rv = running_mean.astype(np.float64), running_var.astype(np.float64)
