@@ -142,8 +142,7 @@ def test_streaming_stores_only_for_large_out_of_place_outputs():
 
 
 # Inner runs under 1 KB are written plainly however large the call: each run's edges are partial
-# lines, which non-temporal stores send to memory in pieces (rows of 64 and 128 float32 ran 1.1-1.2x
-# faster plainly, NCHW batch norm of 7x7 planes 2.4x).
+# lines, which non-temporal stores send to memory in pieces.
 def test_short_runs_are_not_streamed():
     threshold = _core.stream_threshold_bytes()
     rows = np.zeros((threshold // 256 + 16, 64), np.float32)  # past the threshold, rows of 256 bytes

@@ -583,9 +583,8 @@ struct BackwardKernel {
   // runs and one writes them from the L1, the coefficients loaded once a group. Per run the
   // arithmetic and the order of the adds are sums_run's and apply_run's (each run one tree added
   // into the doubles: a run of kSumFlush or fewer is one flush of sums_run's): the bits are theirs.
-  // Against pair_run: 1.2-1.5x faster on planes of 7 x 7 to 28 x 28 in the caches, and on 7 x 7
-  // from memory; 1.05-1.13x slower on 32 x 32 from memory, where pair_run's overlap of reads and
-  // writes pays (such runs stay with it).
+  // From memory, runs longer than kShortRun stay with pair_run, whose overlap of the reads of one
+  // group with the writes of the last pays there once its per-run setup is small beside the run.
   static constexpr int64_t kShortRun = 64;
   static bool short_runs(const BackwardTask& t, const LoopNest& group) {
     const int in = group.ndim - 1;

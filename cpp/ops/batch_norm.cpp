@@ -124,7 +124,7 @@ void update_running_statistics(const TensorView& running_mean, const TensorView&
       std::memcpy(v.data + i * 8, &value, 8);
     }
   };
-  auto at = [](const TensorView& v, int64_t i) {  // (not load_scalar: a converter call per element cost ~10 us for 512)
+  auto at = [](const TensorView& v, int64_t i) {  // (typed: load_scalar is a converter call an element)
     if (v.dtype == DType::f32) {
       float f;
       std::memcpy(&f, v.data + i * 4, 4);
