@@ -168,11 +168,7 @@ struct BackwardKernel {
       }
       if constexpr (PStep == kConst) scale_c = splat_at(params, 0), bias_c = splat_at(params + params_pitch, 0);
     }
-    V splat_at(const char* q, int array) const {
-      C v;
-      std::memcpy(&v, q + array * stats_pitch, sizeof v);
-      return splat<V>(v);
-    }
+    V splat_at(const char* q, int array) const { return splat<V>(load_c(q, array, stats_pitch)); }
     // Statistics array `array` (0 mean, 1 u, 2 c1, 3 c2) at element e.
     SIMDNORM_CURSOR_METHOD V stat(int64_t e, int array, int m) const {
       if constexpr (SStep == kConst) return array == 0 ? mean_c : array == 1 ? u_c : array == 2 ? c1_c : c2_c;
@@ -335,11 +331,7 @@ struct BackwardKernel {
     char* p[kNumOperands];  // (the caller moves its own pointers on after each block)
     for (int op = 0; op < kNumOperands; ++op) p[op] = first[op];
     char* const stats = const_cast<char*>(acc.stats_base);
-    auto stat_of = [&](int64_t i, int array) {
-      C v;
-      std::memcpy(&v, stats + array * t.stats_pitch + i * cs, sizeof v);
-      return v;
-    };
+    auto stat_of = [&](int64_t i, int array) { return load_c(stats + i * cs, array, t.stats_pitch); };
     const C* const scale = reinterpret_cast<const C*>(p[kParams]);
     const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
     const bool want_param = acc.param[0] != nullptr;
