@@ -319,12 +319,23 @@ def test_lengthened_channels_last_runs_match_the_reference(isa, rng, dtype, chan
     check_bn(out, x, mean, var, scale, bias, activation="elu")
 
 
-def test_backward_of_small_planes_keeps_its_groups():
-    # the forward's short lane groups (MVN over (0, 2, 3) of 7x7 planes) are not the backward's:
-    # batch norm's backward on small NCHW planes sums a channel's runs as a group
-    x = np.zeros((8, 16, 7, 7), np.float32)
-    c = np.ones(16, np.float32)
-    sums = [np.zeros(16, np.float64) for _ in range(2)]
+@pytest.mark.parametrize("shape, dtype, strategy", [
+    ((8, 16, 7, 7), np.float32, "two-pass"),  # runs of 196 bytes: memory order
+    ((2, 16, 16, 16), np.float32, "two-pass"),  # 1 KB
+    ((2, 16, 17, 17), np.float32, "groups"),  # over 1 KB, in the caches: a channel at a time
+    ((2, 16, 32, 32), np.float16, "groups"),
+    ((32, 128, 28, 28), np.float32, "two-pass"),  # from memory: runs up to 4 KB
+    ((32, 128, 28, 28), np.float64, "groups"),
+])
+def test_backward_of_small_planes_walks_memory_order(shape, dtype, strategy):
+    # batch norm's backward on small NCHW planes: a channel's runs lie a sample apart, too short
+    # for the prefetchers, and the two passes walk the data in memory order instead (and never
+    # the forward's short lane groups, as MVN over (0, 2, 3) of 7x7 planes takes)
+    x = np.zeros(shape, dtype)
+    c = np.ones(shape[1], dtype)
+    sums = [np.zeros(shape[1], np.float64) for _ in range(2)]
     plan = _core.mvn_backward(x, x, (0, 2, 3), c, c, c, c, None, np.empty_like(x), *sums, 1e-5, True, True, False,
                               IDENTITY, True, False, 1, True, False)
-    assert plan.startswith("groups groups=16 group_size=392"), plan
+    assert plan.startswith(strategy + " groups=" + str(shape[1])), plan
+    if strategy == "two-pass":
+        assert "nest=sizes=(%d,%d,%d)" % (shape[0], shape[1], shape[2] * shape[3]) in plan, plan

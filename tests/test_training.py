@@ -614,6 +614,31 @@ def test_backward_in_place_on_short_runs(rng, op, plane, dtype):
         np.testing.assert_array_equal(bits(got), bits(ref))
 
 
+# Batch norm's backward on small NCHW planes runs two passes in memory order, in chunks of the
+# elements whose ends fall inside planes (9 x 301 x 49: two chunks, the split inside a plane): the
+# reference's values, the same bits at 1 and 2 threads and in place (grad_output as out).
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=dtype_id)
+def test_batch_norm_backward_of_small_planes_split_in_chunks(rng, threads, dtype):
+    from training_reference import bn_backward_ref
+
+    shape = (9, 301, 7, 7)
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(3.0, dtype)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    sc, b = rand_values(rng, (301,), F32, scale=1.0), rand_values(rng, (301,), F32, scale=1.0)
+    _, mean, var = simdnorm.batch_normalization_training(x, sc, b)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(simdnorm.batch_normalization_backward(dy, x, mean, var, sc, b, out=np.full_like(x, np.nan)))
+    buf = dy.copy()
+    results.append(simdnorm.batch_normalization_backward(buf, x, mean, var, sc, b, out=buf))
+    for res in results[1:]:
+        for got, want in zip(res, results[0]):
+            np.testing.assert_array_equal(bits(got), bits(want))
+    ref = bn_backward_ref(dy, x, mean, var, sc, b)
+    check_grads(results[0], ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

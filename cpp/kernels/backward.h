@@ -606,6 +606,45 @@ struct BackwardKernel {
     }
   }
 
+  // One run's sum(ga y) and sum(ga) as vectors, its statistics and scale constant along it and no
+  // activation: sums_run's arithmetic and lanes. `out` (or null): the run's grad_input, fetched for
+  // writing while the reads wait.
+  SIMDNORM_CURSOR_METHOD static void const_run_sums(const T* x, const T* dy, int64_t n, V mean, V u, const char* out,
+                                                    V& sgay, V& sga) {
+    sgay = zero(), sga = zero();
+    auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      if (out != nullptr) __builtin_prefetch(out + e * static_cast<int64_t>(sizeof(T)), 1);
+      V y = (load_up_to<L>(x + e, m) - mean) * u, ga = load_up_to<L>(dy + e, m);
+      if (m < W) {
+        const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+        y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
+      }
+      sgay = vfma(ga, y, sgay), sga = sga + ga;
+    };
+    int64_t e = 0;
+    for (; e + W <= n; e += W) at(e, W);
+    if (e < n) at(e, static_cast<int>(n - e));
+  }
+
+  // grad_input of such a run: dx = u * ((g - c1) - y * c2), apply_run's arithmetic.
+  SIMDNORM_CURSOR_METHOD static void const_run_apply(const T* x, const T* dy, T* dx, int64_t n, V mean, V u, V scale,
+                                                     V c1, V c2) {
+    auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      const V y = (load_up_to<L>(x + e, m) - mean) * u;
+      const V v = grad_input(u, y, load_up_to<L>(dy + e, m) * scale, c1, c2);
+      if (m == W) L::store(dx + e, v);
+      else L::store_partial(dx + e, v, m);
+    };
+    int64_t e = 0;
+    for (; e + W <= n; e += W) at(e, W);
+    // The last m < W: the run's last whole vector written again where grad_output is not being
+    // overwritten (its elements get the same values; a masked store costs several plain ones).
+    if (e < n) {
+      if (n >= W && static_cast<const void*>(dx) != static_cast<const void*>(dy)) at(n - W, W);
+      else at(e, static_cast<int>(n - e));
+    }
+  }
+
   // The sums of such a group into acc.
   static void short_runs_sums(const BackwardTask& t, const LoopNest& g, const BackwardSums& acc, bool prefetch_out) {
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
@@ -615,55 +654,64 @@ struct BackwardKernel {
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     if (!want_group && !want_param) return;
     for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
-      const T* const x = reinterpret_cast<const T*>(p[kX]);
-      const T* const dy = reinterpret_cast<const T*>(p[kGradOut]);
-      V sgay = zero(), sga = zero();
-      auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-        __builtin_prefetch(x + e + kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T)), 0, 2);  // (as Element::at)
-        __builtin_prefetch(dy + e + kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T)), 0, 2);
-        if (prefetch_out) __builtin_prefetch(p[kGradIn] + e * static_cast<int64_t>(sizeof(T)), 1);
-        V y = (load_up_to<L>(x + e, m) - mean) * u, ga = load_up_to<L>(dy + e, m);
-        if (m < W) {
-          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
-          y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
-        }
-        sgay = vfma(ga, y, sgay), sga = sga + ga;
-      };
-      int64_t e = 0;
-      for (; e + W <= n; e += W) at(e, W);
-      if (e < n) at(e, static_cast<int>(n - e));
+      V sgay, sga;
+      const_run_sums(reinterpret_cast<const T*>(p[kX]), reinterpret_cast<const T*>(p[kGradOut]), n, mean, u,
+                     prefetch_out ? p[kGradIn] : nullptr, sgay, sga);
       const int64_t pi = (p[kParams] - acc.params_base) / cs;
       add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
                    want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, p[kParams]);
     });
   }
 
-  // grad_input of such a group, its coefficients set: dx = u * ((g - c1) - y * c2).
+  // grad_input of such a group, its coefficients set.
   static void short_runs_apply(const BackwardTask& t, const LoopNest& g) {
     const int64_t n = g.sizes[g.ndim - 1];
     const char* const stats = g.data[kStats];
     const V mean = splat<V>(load_c(stats, 0, t.stats_pitch)), u = splat<V>(load_c(stats, 1, t.stats_pitch));
     const V c1 = splat<V>(load_c(stats, 2, t.stats_pitch)), c2 = splat<V>(load_c(stats, 3, t.stats_pitch));
     for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
-      const T* const x = reinterpret_cast<const T*>(p[kX]);
-      const T* const dy = reinterpret_cast<const T*>(p[kGradOut]);
-      T* const dx = reinterpret_cast<T*>(p[kGradIn]);
-      const V scale = splat<V>(load_c(p[kParams], 0, t.params_pitch));
-      auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-        const V y = (load_up_to<L>(x + e, m) - mean) * u;
-        const V v = grad_input(u, y, load_up_to<L>(dy + e, m) * scale, c1, c2);
-        if (m == W) L::store(dx + e, v);
-        else L::store_partial(dx + e, v, m);
-      };
-      int64_t e = 0;
-      for (; e + W <= n; e += W) at(e, W);
-      // The last m < W: the run's last whole vector written again where grad_output is not being
-      // overwritten (its elements get the same values; a masked store costs several plain ones).
-      if (e < n) {
-        if (n >= W && p[kGradIn] != p[kGradOut]) at(n - W, W);
-        else at(e, static_cast<int>(n - e));
-      }
+      const_run_apply(reinterpret_cast<const T*>(p[kX]), reinterpret_cast<const T*>(p[kGradOut]),
+                      reinterpret_cast<T*>(p[kGradIn]), n, mean, u, splat<V>(load_c(p[kParams], 0, t.params_pitch)),
+                      c1, c2);
     });
+  }
+
+  // The two passes' rows of runs whose statistics and parameters are constant along them, no
+  // activation, data contiguous (batch norm's small NCHW planes, in memory order): sums_run's and
+  // apply_run's arithmetic per run, the same bits, in one loop a block without their cursors.
+  static bool const_rows(const BackwardTask& t, const LoopNest& nest, bool writes) {
+    const int in = nest.ndim - 1;
+    const int64_t es = static_cast<int64_t>(sizeof(T));
+    return in >= 0 && t.act.kind == ActKind::identity && !t.write_ga && nest.sizes[in] <= kSumFlush &&
+           nest.strides[kX][in] == es && nest.strides[kGradOut][in] == es && (!writes || nest.strides[kGradIn][in] == es) &&
+           nest.strides[kStats][in] == 0 && nest.strides[kParams][in] == 0;
+  }
+  static void const_rows_sums(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n,
+                              const BackwardSums& acc) {
+    constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
+    const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
+    if (!want_group && !want_param) return;
+    const char *x = first[kX], *dy = first[kGradOut], *stats = first[kStats], *params = first[kParams];
+    for (int64_t r = 0; r < rows; ++r, x += rs[kX], dy += rs[kGradOut], stats += rs[kStats], params += rs[kParams]) {
+      V sgay, sga;
+      const_run_sums(reinterpret_cast<const T*>(x), reinterpret_cast<const T*>(dy), n,
+                     splat<V>(load_c(stats, 0, t.stats_pitch)), splat<V>(load_c(stats, 1, t.stats_pitch)),
+                     t.grouped && !t.stream_stores ? first[kGradIn] + r * rs[kGradIn] : nullptr, sgay, sga);
+      const int64_t pi = (params - acc.params_base) / cs, gi = (stats - acc.stats_base) / cs;
+      add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
+                   want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, params);
+    }
+  }
+  static void const_rows_apply(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n) {
+    const char *x = first[kX], *dy = first[kGradOut], *stats = first[kStats], *params = first[kParams];
+    char* dx = first[kGradIn];
+    for (int64_t r = 0; r < rows; ++r, x += rs[kX], dy += rs[kGradOut], dx += rs[kGradIn], stats += rs[kStats],
+                 params += rs[kParams]) {
+      const V u = splat<V>(load_c(stats, 1, t.stats_pitch));
+      const_run_apply(reinterpret_cast<const T*>(x), reinterpret_cast<const T*>(dy), reinterpret_cast<T*>(dx), n,
+                      splat<V>(load_c(stats, 0, t.stats_pitch)), u, splat<V>(load_c(params, 0, t.params_pitch)),
+                      splat<V>(load_c(stats, 2, t.stats_pitch)), splat<V>(load_c(stats, 3, t.stats_pitch)));
+    }
   }
 
   // Array `array` of a folded operand's compute-type arrays (`pitch` bytes apart) at q.
@@ -773,6 +821,12 @@ struct BackwardKernel {
   }
 
   static void sums(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end, const BackwardSums& acc) {
+    if (const_rows(t, nest, false)) {
+      for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
+        const_rows_sums(t, p, rs, rows, n, acc);
+      });
+      return;
+    }
     if (acc.group[0] == nullptr && acc.param[0] != nullptr && lanes_rows(t, nest, false)) {
       for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
         lanes_sums(t, p, rs, rows, n, acc);
@@ -789,6 +843,12 @@ struct BackwardKernel {
   }
 
   static void apply(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end) {
+    if (const_rows(t, nest, true) && !t.stream_stores) {
+      for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
+        const_rows_apply(t, p, rs, rows, n);
+      });
+      return;
+    }
     if (lanes_rows(t, nest, true)) {
       for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
         lanes_apply(t, p, rs, rows, n);

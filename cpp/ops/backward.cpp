@@ -47,6 +47,8 @@ constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;
 constexpr int64_t kMaxBlocks = 64;
 // Elements per chunk of the two-pass strategy's sums, at least.
 constexpr int64_t kMinChunkElements = int64_t(1) << 16;
+// Runs of a group at most this long, scattered (scattered_short_runs), take the two passes.
+constexpr int64_t kScatteredRunBytes = 1024, kScatteredRunBytesFromMemory = 4096;
 // Runs (groups) a compute-type slot sums before it is added into its double.
 constexpr int64_t kFlushRuns = 32;
 
@@ -95,16 +97,17 @@ class BackwardRunner {
 
     Problem p = problem();
     const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));
-    const bool grouped = want_group_ && !rp.lanes && rp.groups > 1;
+    const LoopNest ew = elementwise(p);
+    const bool grouped = want_group_ && !rp.lanes && rp.groups > 1 && !scattered_short_runs(rp, ew);
     if (explain != nullptr) {
       *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count()) +
-                 " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : elementwise(p)) +
+                 " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : ew) +
                  (task_.stream_stores ? " streaming-stores" : "");
       return;
     }
     task_.grouped = grouped;
     if (grouped) run_groups(rp);
-    else run_two_pass(elementwise(p), total);
+    else run_two_pass(ew, total);
   }
 
  private:
@@ -293,6 +296,22 @@ class BackwardRunner {
     write_param_sums(merged(partials, 0, want_params_ ? 2 * params_->count() : 0));
   }
 
+  // A group of several short runs apart, statistics and parameters constant along each, no
+  // activation (batch norm of NCHW data with small planes: a channel's runs a sample apart): a few
+  // lines here and there, which the hardware prefetchers do not follow, where the two passes walk
+  // the data in memory order (BackwardKernel::const_rows), reading it twice but as streams. In the
+  // caches, where a second thread hides the scattered reads' latency, only the shortest runs.
+  // (`ew`: the two passes' nest, whose runs must be these.)
+  bool scattered_short_runs(const ReductionPlan& rp, const LoopNest& ew) const {
+    const int in = ew.ndim - 1;
+    const int64_t es = itemsize(a_.input.dtype);
+    const bool contiguous = ew.strides[kX][in] == es && ew.strides[kGradOut][in] == es &&
+                            (!a_.grad_input || ew.strides[kGradIn][in] == es);
+    return shared_layout() && rp.reduced_dims >= 2 && a_.activation.kind == ActKind::identity && !a_.write_ga &&
+           contiguous && ew.strides[kStats][in] == 0 &&
+           ew.sizes[in] * es <= (task_.from_memory ? kScatteredRunBytesFromMemory : kScatteredRunBytes);
+  }
+
   // The statistics and the parameters share one compact layout (batch norm: both per channel):
   // sum(g) and sum(g y) are then the scale times the parameters' sum(ga) and sum(ga y), and only
   // those are summed.
@@ -320,8 +339,11 @@ class BackwardRunner {
       const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
       const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
       const int64_t per = (total + chunks - 1) / chunks;
-      // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest.
-      const int64_t flush_every = kFlushRuns * nest.sizes[nest.ndim - 1];
+      // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest; where
+      // no target varies along the runs, the slots stay empty and are flushed once.
+      const int in = nest.ndim - 1;
+      const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
+      const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
       std::vector<Partial> partials;
       for (int64_t c = 0; c < chunks; ++c) partials.push_back(partial(group_sums, param_sums));
       for_parts(chunks, total, [&](int c) {
