@@ -69,7 +69,7 @@ struct FusedRowsKernel {
     using Run = typename N::template ContiguousRun<false, AffineVary, F, In, true, Rows>;
     template <int Rows>
     SIMDNORM_CURSOR_METHOD Run<Rows> rows(char* const* const* p, int64_t n) const {
-      return {f, n, p, stream, N::peels(n, AffineVary)};
+      return {f, n, p, stream, N::peels(n)};
     }
   };
 

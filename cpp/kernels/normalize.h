@@ -175,13 +175,23 @@ struct NormalizeKernel {
         while (i < n) partial(static_cast<int>(n - i < W ? n - i : W));
         return;
       }
-      for (; i + W <= n; i += W) {
-        const V s = af.first(i), b = af.second(i);
-        rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
-          L::store(row.y + i, f(LI::load(row.x + i), row.st.first(i), row.st.second(i), s, b));
-        });
-      }
-      if (i < n) partial(static_cast<int>(n - i));
+      for (; i + W <= n; i += W) whole(i);
+      if (i == n) return;
+      // The last m < W elements as the run's last whole vector written again (the same values: a
+      // masked store costs several plain ones), unless the output is the input, whose elements
+      // there are already written, or streamed, whose line must not take a plain store too.
+      bool again = n >= W && !stream;
+      rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
+        again = again && static_cast<const void*>(row.y) != static_cast<const void*>(row.x);
+      });
+      if (again) whole(n - W), i = n;
+      else partial(static_cast<int>(n - i));
+    }
+    SIMDNORM_CURSOR_METHOD void whole(int64_t at) const {
+      const V s = af.first(at), b = af.second(at);
+      rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
+        L::store(row.y + at, f(LI::load(row.x + at), row.st.first(at), row.st.second(at), s, b));
+      });
     }
     SIMDNORM_CURSOR_METHOD void partial(int m) {
       const V s = af.first(i, m), b = af.second(i, m);
@@ -202,12 +212,11 @@ struct NormalizeKernel {
     return static_cast<int64_t>(((kLineBytes - addr % kLineBytes) % kLineBytes) / sizeof(T));
   }
 
-  // Whether a contiguous run peels its head to a 64-byte boundary. Short rows with constant
-  // coefficients do not: the peel makes each row's loop counts depend on where it starts
-  // (mispredicted branches); without it every row runs the same loop.
-  static bool peels(int64_t n, bool coefficients_vary) {
-    return coefficients_vary || n * static_cast<int64_t>(sizeof(T)) >= kPeelMinBytes;
-  }
+  // Whether a contiguous run peels its head to a 64-byte boundary. Short rows do not: the peel
+  // makes each row's loop counts depend on where it starts (mispredicted branches) and takes masked
+  // stores, which cost more than whole vectors across a line; without it every row runs the same
+  // loop.
+  static bool peels(int64_t n) { return n * static_cast<int64_t>(sizeof(T)) >= kPeelMinBytes; }
 
   template <bool StatsVary, bool AffineVary, class F>
   static void run_contiguous(const F& f, int64_t n, char* const* p, bool stream, bool peel = true) {
@@ -425,7 +434,7 @@ struct NormalizeKernel {
         }
         return;
       }
-      const bool peel = peels(n, kStats || kAffine);
+      const bool peel = peels(n);
       each_row([&](char* const* r) { run_contiguous<kStats, kAffine>(f, n, r, stream, peel); });
     });
   }
