@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import simdnorm
-from cases import LAYOUTS, WRITABLE_LAYOUTS, act_arg, bits, layout_empty, make_out, rand_values
+from cases import LAYOUTS, WRITABLE_LAYOUTS, act_arg, bits, empty_past_line, layout_empty, make_out, rand_values
 from reference import (
     BF16,
     apply_activation,
@@ -388,7 +388,6 @@ STREAMED_BACKWARD = [
 @pytest.mark.parametrize("op,shape,dtype,offsets,every_isa", STREAMED_BACKWARD,
                          ids=[f"{o}-{dtype_id(d)}-{'-'.join(map(str, off))}" for o, _, d, off, _ in STREAMED_BACKWARD])
 def test_backward_streamed_grad_input_at_line_phases(rng, threads, op, shape, dtype, offsets, every_isa):
-    from cases import empty_past_line
     from simdnorm import _core
     from training_reference import (bn_backward_ref, group_norm_backward_ref, instance_norm_backward_ref,
                                     layer_norm_backward_ref, mvn_backward_ref, rms_norm_backward_ref)
@@ -470,8 +469,6 @@ PAIRED_GROUPS = [(op, shape, act) for op, shape in [("instance_norm", (2, 3, 40,
 @pytest.mark.parametrize("op,shape,act", PAIRED_GROUPS,
                          ids=[f"{o}-{'x'.join(map(str, s))}-{a}" for o, s, a in PAIRED_GROUPS])
 def test_backward_groups_in_pairs_as_alone(rng, op, shape, act, dtype):
-    from cases import empty_past_line
-
     x, dy = (empty_past_line(shape, dtype, o) for o in (4 * np.dtype(dtype).itemsize, 2 * np.dtype(dtype).itemsize))
     x[...] = rand_values(rng, shape, dtype, scale=2.0)
     dy[...] = rand_values(rng, shape, dtype, scale=1.0)
@@ -612,6 +609,34 @@ def test_backward_in_place_on_short_runs(rng, op, plane, dtype):
     assert res[0] is buf
     for got, ref in zip(res, want):
         np.testing.assert_array_equal(bits(got), bits(ref))
+
+
+# The backward's bits do not depend on where the arrays lie (a run's sums in lanes counted from its
+# first element; a tail written as its last whole vector or masked alike): x, grad_output and out
+# past a 64-byte line by any multiple of the itemsize, against the aligned call. Planes of 56 (batch
+# norm's two passes, group and instance norm's short runs), layer norm rows of 8.
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", list(BACKWARD_CALLS))
+def test_backward_bits_do_not_depend_on_the_address(rng, op, dtype):
+    call = BACKWARD_CALLS[op]
+    shape = (6, 4, 7, 8)
+    isz = np.dtype(dtype).itemsize
+    xv, dv = rand_values(rng, shape, dtype, scale=2.0), rand_values(rng, shape, dtype, scale=1.0)
+    sc, b = rand_values(rng, (4,), dtype, scale=1.0), rand_values(rng, (4,), dtype, scale=1.0)
+
+    def placed(values, offset):
+        a = empty_past_line(shape, dtype, offset)
+        a[...] = values
+        return a
+
+    def run(kx, kd, ko):
+        return call(placed(dv, kd), placed(xv, kx), sc, b, out=placed(np.full(shape, np.nan, dtype), ko))
+
+    want = run(0, 0, 0)
+    for k in range(isz, 64, 3 * isz):
+        for kx, kd, ko in ((k, 0, 0), (0, k, 0), (0, 0, k), (k, k, k)):
+            for name, got, ref in zip(("grad_input", "grad_scale", "grad_bias"), run(kx, kd, ko), want):
+                np.testing.assert_array_equal(bits(got), bits(ref), err_msg=f"{name}: x, dy, out at {kx, kd, ko}")
 
 
 # Batch norm's backward on small NCHW planes runs two passes in memory order, in chunks of the
