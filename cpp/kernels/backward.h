@@ -242,15 +242,19 @@ struct BackwardKernel {
     }
   }
 
+  // A summed run's grad_input where the apply pass writes it next (grouped, not streamed): its lines
+  // are fetched for writing while the sums wait on their reads. Else null.
+  SIMDNORM_CURSOR_METHOD static char* written_next(const BackwardTask& t, char* dx) {
+    return t.grouped && !t.stream_stores ? dx : nullptr;
+  }
+
   // The sums pass over one run of n elements.
   template <int SStep, int PStep, class D>
   static void sums_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n,
                        const BackwardSums& acc) {
     const Element<SStep, PStep, D> el(t, deriv, p, s, kPrefetchAheadBytes);
     const int64_t cs = static_cast<int64_t>(sizeof(C));
-    // Grouped, the apply pass writes these elements next: their lines are fetched for writing
-    // while this pass waits on its reads (unless they are streamed).
-    char* const own_out = t.grouped && !t.stream_stores && SStep != kAny && PStep != kAny ? p[kGradIn] : nullptr;
+    char* const own_out = SStep != kAny && PStep != kAny ? written_next(t, p[kGradIn]) : nullptr;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     // Element steps of the targets (runtime for kAny: 0 sums in lanes like kConst).
     const int64_t sstep = SStep == kConst ? 0 : SStep == kUnit ? 1 : s[kStats] / cs;
@@ -497,7 +501,7 @@ struct BackwardKernel {
     constexpr int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));
     const Element<kConst, kConst, D> wr(t, deriv, pa, s, 0), su(t, deriv, ps, s, 0);
     char* const dx = pa[kGradIn];
-    char* const own_out = t.stream_stores ? nullptr : ps[kGradIn];  // (as sums_run's)
+    char* const own_out = written_next(t, ps[kGradIn]);  // (pair_run runs grouped)
     int64_t head = t.stream_stores ? stream_head(dx, n) : -1;
     const bool stream = head >= 0;
     if (!stream) head = 0;
@@ -696,7 +700,7 @@ struct BackwardKernel {
       V sgay, sga;
       const_run_sums(reinterpret_cast<const T*>(x), reinterpret_cast<const T*>(dy), n,
                      splat<V>(load_c(stats, 0, t.stats_pitch)), splat<V>(load_c(stats, 1, t.stats_pitch)),
-                     t.grouped && !t.stream_stores ? first[kGradIn] + r * rs[kGradIn] : nullptr, sgay, sga);
+                     written_next(t, first[kGradIn] + r * rs[kGradIn]), sgay, sga);
       const int64_t pi = (params - acc.params_base) / cs, gi = (stats - acc.stats_base) / cs;
       add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
                    want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, params);
