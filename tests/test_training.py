@@ -974,6 +974,49 @@ def test_batch_normalization_training_in_place(rng):
     check_batch_stats(m, v, x0, r, "in place")
 
 
+
+# out= sharing memory with an operand of the forward-training call: the result is as if it did not.
+# The kernel declines byte ranges that meet and numpy decides exactly; fused_add, read after out is
+# written, is tested before the call. Each case against the same call with out apart, bitwise.
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_add"])
+def test_batch_normalization_training_out_sharing_memory_as_if_apart(rng, fused):
+    shape = (3, 4, 5, 8)
+    sc, b = rand_values(rng, (4,), F32), rand_values(rng, (4,), F32)
+
+    def call(x, out, scale=sc, bias=b, fa=None):
+        return simdnorm.batch_normalization_training(x, scale, bias, fused_add=fa, activation="relu", out=out)
+
+    fa_ref = rand_values(rng, shape, F32) if fused else None
+    cases = {  # the buffer's shape, x's view, out's view: x and out share the buffer
+        "shifted": ((3, 4, 5, 10), lambda a: a[..., :8], lambda a: a[..., 2:]),
+        "reversed": ((3, 4, 5, 10), lambda a: a[..., :8], lambda a: a[..., ::-1][..., 2:]),
+        "next sample": ((4, 4, 5, 8), lambda a: a[:3], lambda a: a[1:]),
+        "next channel": ((3, 5, 5, 8), lambda a: a[:, :4], lambda a: a[:, 1:]),
+        "interleaved": ((3, 4, 5, 16), lambda a: a[..., 1::2], lambda a: a[..., ::2]),  # bytes meet, elements not
+        "in place": (shape, lambda a: a, lambda a: a),
+    }
+    for name, (buffer, x_of, out_of) in cases.items():
+        base = rand_values(rng, buffer, F32)
+        want = call(x_of(base.copy()), None, fa=fa_ref)
+        buf = base.copy()
+        got = call(x_of(buf), out_of(buf), fa=fa_ref)
+        assert got[0].base is buf or got[0] is buf, name
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(bits(g), bits(w), err_msg=name)
+    x = rand_values(rng, shape, F32)
+    want = call(x, None, fa=fa_ref)
+    out = np.zeros_like(x)  # scale and bias read from memory the output overwrites
+    out.ravel()[:4], out.ravel()[-4:] = sc, b
+    got = call(x, out, out.ravel()[:4], out.ravel()[-4:], fa=fa_ref)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(bits(g), bits(w), err_msg="scale and bias in out")
+    if fused:  # fused_add read from out's memory
+        fa = np.zeros((2,) + shape, F32)
+        fa[1] = fa_ref
+        got = call(x, fa[1, ::-1][::-1], fa=fa[1])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(bits(g), bits(w), err_msg="fused_add is out")
+
 def test_batch_normalization_training_count_one_and_zero(rng):
     # a count of 1 without running statistics: variance 0, the output is bias
     x = rand_values(rng, (1, 4), F32)

@@ -357,6 +357,9 @@ def _momentum(momentum: Any, convention: Any, num_batches_tracked: Any) -> float
     return m
 
 
+_RUNNING_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _running(r: Any, name: str, shape: Tuple[int, ...], x: np.ndarray) -> np.ndarray:
     if not isinstance(r, np.ndarray) and hasattr(r, "__dlpack__"):  # a torch buffer: updated through a view
         r = dlpack_array(r, name, writeable=True)
@@ -364,7 +367,7 @@ def _running(r: Any, name: str, shape: Tuple[int, ...], x: np.ndarray) -> np.nda
         raise DescriptorTypeError(f"{name}: expected a numpy.ndarray (updated in place), got {type(r).__name__}")
     if r.shape != shape:
         raise DescriptorError(f"{name}: shape {r.shape}; the running statistics have the statistics' shape {shape}")
-    if r.dtype not in (np.dtype(np.float32), np.dtype(np.float64), x.dtype):
+    if r.dtype not in _RUNNING_DTYPES and r.dtype != x.dtype:
         raise DescriptorTypeError(f"{name}: dtype {dtype_name(r.dtype)}; float32, float64 or the input's")
     if not r.flags.writeable:
         raise DescriptorError(f"{name}: read-only; the running statistics are updated in place")
@@ -382,6 +385,16 @@ def _plan_bn_training(x: Any, scale: Any, bias: Any, fa: Any, epsilon: Any, acti
     _fused_add(fa, x)
     return (check_epsilon(epsilon, x.dtype), core_tuple(check_activation(activation)))\
         + _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+
+
+def _bn_training_plan(x: Any, scale: Any, bias: Any, fa: Any, epsilon: Any, activation: Any,
+                      channel_axis: Any) -> tuple:
+    """_plan_bn_training's plan, and what a call derives from the input's shape: the statistics'
+    full-rank shape and dtype, and the elements a channel counts."""
+    plan = _plan_bn_training(x, scale, bias, fa, epsilon, activation, channel_axis)
+    axes = plan[2]
+    full = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+    return plan + (full, math.prod(x.shape[d] for d in axes), stats_dtype(x.dtype))
 
 
 def _plan_bn_backward(x: Any, dy: Any, mean: Any, variance: Any, scale: Any, bias: Any, fa: Any, epsilon: Any,
@@ -487,11 +500,10 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     except TypeError:
         key = []
 
-    eps, act, axes, sshape, ca = _planned(
-        key, lambda: _plan_bn_training(x, scale, bias, fa, epsilon, activation, channel_axis))
+    eps, act, axes, sshape, ca, full, count, sdt = _planned(
+        key, lambda: _bn_training_plan(x, scale, bias, fa, epsilon, activation, channel_axis))
     if (running_mean is None) != (running_var is None):
         raise DescriptorError("running_mean, running_var: give both or neither")
-    count = math.prod(x.shape[d] for d in axes)
     m = 0.0
     if running_mean is not None:
         running_mean = _running(running_mean, "running_mean", sshape, x)
@@ -502,17 +514,23 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
                                   "variance is undefined")
     target, copy_to = (np.empty_like(x, subok=False), None) if out is None else (out, None)
     if out is not None:
-        check_out(out, x)
-        if needs_temporary(out, x, scale, bias, fa):
+        if out.__class__ is not _nd or out.shape != x.shape or out.dtype != x.dtype or not out.flags.writeable:
+            check_out(out, x)
+        # fused_add is read after out is written: checked here; else the kernel checks the others
+        if fa is not None and needs_temporary(out, x, scale, bias, fa):
             target, copy_to = np.empty_like(x, subok=False), out
-    full = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
-    sdt = stats_dtype(x.dtype)
     mean = np.empty(full, sdt)
     inv_std = np.empty(full, sdt)
     var = np.empty(full, sdt)
     if fa is None or x.dtype == sdt:
-        _core.mvn(x, axes, scale, bias, target, eps, True, True, False, _IDENTITY if fa is not None else act, mean,
-                  inv_std, ca, False, var)
+        run = lambda o, check: _core.mvn(x, axes, scale, bias, o, eps, True, True, False,  # noqa: E731
+                                         _IDENTITY if fa is not None else act, mean, inv_std, ca, check, var)
+        if target is not out or fa is not None:
+            run(target, False)
+        elif not run(out, True):  # out may overlap x, scale or bias: decided exactly
+            if needs_temporary(out, x, scale, bias):
+                target, copy_to = np.empty_like(x, subok=False), out
+            run(target, False)
         pre = target
     else:  # 16-bit data: the sum taken in float32, rounded once at the end
         pre = np.empty(x.shape, sdt)
