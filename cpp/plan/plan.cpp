@@ -160,13 +160,13 @@ ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t it
   const bool innermost_kept = !kept.empty() && (reduced.empty() || std::llabs(kept.back().stride[kIn]) <
                                                                         std::llabs(reduced.back().stride[kIn]));
   plan.lanes = innermost_kept && !reduced.empty() && kept.back().stride[kIn] == itemsize;
+  kept = merge(kept);  // (before the lanes are taken: all the kept dims that merge with the innermost)
+  reduced = merge(reduced);
   Dim lanes_dim = unit_dim(false);
   if (plan.lanes) {
     lanes_dim = kept.back();
     kept.pop_back();
   }
-  kept = merge(kept);
-  reduced = merge(reduced);
   if (!plan.lanes && lane_groups_fit(kept, reduced, itemsize, short_lane_groups)) {
     const Dim r = reduced.back(), k = kept.back();
     reduced.pop_back();
