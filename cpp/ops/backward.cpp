@@ -177,14 +177,41 @@ class BackwardRunner {
     const size_t width = static_cast<size_t>((group ? 2 * stats_->count() : 0) + (params ? 2 * params_->count() : 0));
     return Partial{std::vector<double>(width, 0.0), std::vector<char>(width * static_cast<size_t>(csize_), 0)};
   }
-  void flush(Partial& p) const {
-    if (compute_ == DType::f64) add_and_clear(p.sums, reinterpret_cast<double*>(p.vary.data()));
-    else add_and_clear(p.sums, reinterpret_cast<float*>(p.vary.data()));
+  void flush(Partial& p) const { flush_range(p, 0, static_cast<int64_t>(p.sums.size())); }
+  // Slots [begin, end) of p added into their doubles and cleared.
+  void flush_range(Partial& p, int64_t begin, int64_t end) const {
+    if (compute_ == DType::f64) add_and_clear(p.sums.data() + begin, reinterpret_cast<double*>(p.vary.data()) + begin, end - begin);
+    else add_and_clear(p.sums.data() + begin, reinterpret_cast<float*>(p.vary.data()) + begin, end - begin);
   }
   template <class C>
-  static void add_and_clear(std::vector<double>& sums, C* vary) {
-    for (size_t i = 0; i < sums.size(); ++i) sums[i] += static_cast<double>(vary[i]);
-    std::fill(vary, vary + sums.size(), C(0));
+  static void add_and_clear(double* sums, C* vary, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) sums[i] += static_cast<double>(vary[i]);
+    std::fill(vary, vary + n, C(0));
+  }
+  // The slots that elements [b, e) of the nest (e > b) may have added to, flushed: of each sum, the
+  // statistics and parameter elements in the box of nest indices that holds those elements (from
+  // the first dim where b and e - 1 differ on, every index), not every slot of the call's.
+  void flush_reached(Partial& p, bool group, bool params, const LoopNest& nest, int64_t b, int64_t e) const {
+    int64_t first[kMaxNestDims], last[kMaxNestDims], rb = b, re = e - 1;
+    for (int d = nest.ndim - 1; d >= 0; --d) {
+      first[d] = rb % nest.sizes[d], last[d] = re % nest.sizes[d];
+      rb /= nest.sizes[d], re /= nest.sizes[d];
+    }
+    auto reach = [&](int op, int64_t base_offset, int64_t count, int64_t at) {
+      int64_t lo = base_offset, hi = base_offset;
+      bool whole = false;  // past the first differing dim: every index
+      for (int d = 0; d < nest.ndim; ++d) {
+        const int64_t st = nest.strides[op][d];
+        const int64_t i0 = whole ? 0 : first[d], i1 = whole ? nest.sizes[d] - 1 : last[d];
+        lo += std::min(i0 * st, i1 * st), hi += std::max(i0 * st, i1 * st);
+        whole = whole || first[d] != last[d];
+      }
+      const int64_t s0 = std::max<int64_t>(0, lo / csize_), s1 = std::min(count, hi / csize_ + 1);
+      for (int k = 0; k < 2 && s0 < s1; ++k) flush_range(p, at + k * count + s0, at + k * count + s1);
+    };
+    const int64_t ns = stats_->count(), np = params_->count();
+    if (group) reach(kStats, nest.data[kStats] - stats_->data(0), ns, 0);
+    if (params) reach(kParams, nest.data[kParams] - params_->data(0), np, group ? 2 * ns : 0);
   }
   // Pointers into p for the sums pass; group sums from `group` instead when given (grouped: each
   // group's own, never varying along its runs).
@@ -351,8 +378,9 @@ class BackwardRunner {
         const BackwardSums s = sums_of(mine, group_sums, param_sums);
         const int64_t end = std::min(total, (c + 1) * per);
         for (int64_t b = c * per; b < end; b += flush_every) {
-          k.backward_sums(task_, nest, b, std::min(end, b + flush_every), s);
-          flush(mine);
+          const int64_t e = std::min(end, b + flush_every);
+          k.backward_sums(task_, nest, b, e, s);
+          flush_reached(mine, group_sums, param_sums, nest, b, e);
         }
       });
       const std::vector<double> params = param_sums ? merged(partials, group_sums ? 2 * ns : 0, 2 * np)
