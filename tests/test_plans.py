@@ -349,3 +349,25 @@ def test_backward_of_small_planes_walks_memory_order(shape, dtype, strategy):
     assert plan.startswith(strategy + " groups=" + str(shape[1])), plan
     if strategy == "two-pass":
         assert "nest=sizes=(%d,%d,%d)" % (shape[0], shape[1], shape[2] * shape[3]) in plan, plan
+
+
+@pytest.mark.parametrize("k, dtype, folds", [(8, np.float32, True), (64, np.float32, True),
+                                             (65, np.float32, False), (128, np.float16, True)])
+def test_channels_last_group_norm_backward_runs_all_the_channels(k, dtype, folds):
+    # group norm's backward on channels-last data (split as N, G, K, H, W: each group's K channels
+    # reduced with H and W): the statistics spread along the K channels, the channels one run of
+    # G K lanes (lane_fold=K), up to 256-byte runs of a group's channels; NCHW keeps the groups
+    groups = 4
+    x = np.zeros((2, 5, 7, groups, k), dtype).transpose(0, 3, 4, 1, 2)
+    st = np.ones((2, groups, 1, 1, 1), dtype)
+    c = np.ones((1, groups, k, 1, 1), dtype)
+    sums = [np.zeros(groups * k, np.float64) for _ in range(2)]
+    args = (c, c, None, np.empty_like(x), *sums, 1e-5, True, True, False, IDENTITY, True, False, -1, True, False)
+    plan = _core.mvn_backward(x, x, (2, 3, 4), st, st, *args)
+    if folds:
+        assert plan.startswith(f"two-pass groups={2 * groups} lane_fold={k} "), plan
+        assert f"nest=sizes=(2,35,{groups * k})" in plan, plan
+    else:
+        assert "lane_fold" not in plan, plan
+    nchw = np.zeros((2, groups, k, 5, 7), dtype)
+    assert "lane_fold" not in _core.mvn_backward(nchw, nchw, (2, 3, 4), st, st, *args)

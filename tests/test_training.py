@@ -664,6 +664,35 @@ def test_batch_norm_backward_of_small_planes_split_in_chunks(rng, threads, dtype
     check_grads(results[0], ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
 
 
+# Group norm of channels-last data: a group's K channels are runs of K elements with their own
+# statistics; up to 256 bytes their statistics are spread along them, the channels run as one
+# dim, and each group's sums are its channels' added (K = 64 float32 channels is the last that
+# does; 65 takes the runs of K). Against the float64 reference, 1 vs 2 threads bitwise; the
+# channel axis last (the runs of a group) or at 1 of an NHWC buffer.
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=dtype_id)
+@pytest.mark.parametrize("k", [2, 3, 8, 40, 64, 65])
+def test_group_norm_backward_channels_last_groups(rng, threads, dtype, k):
+    from training_reference import group_norm_backward_ref
+
+    groups = 3
+    c = groups * k
+    nhwc = rand_values(rng, (2, 5, 7, c), dtype, scale=2.0) + np.asarray(1.5, dtype)
+    dy_nhwc = rand_values(rng, nhwc.shape, dtype, scale=1.0)
+    sc, b = rand_values(rng, (c,), F32, scale=1.0), rand_values(rng, (c,), F32, scale=1.0)
+    for ca, x, dy in ((3, nhwc, dy_nhwc), (1, nhwc.transpose(0, 3, 1, 2), dy_nhwc.transpose(0, 3, 1, 2))):
+        _, mean, inv_std = simdnorm.group_norm(x, groups, sc, b, channel_axis=ca, return_stats=True)
+        results = []
+        for n in (1, 2):
+            threads(n)
+            results.append(simdnorm.group_norm_backward(dy, x, groups, mean, inv_std, sc, b, channel_axis=ca,
+                                                        out=np.full_like(x, np.nan)))
+        for got, want in zip(results[1], results[0]):
+            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"channel_axis={ca}")
+        ref = group_norm_backward_ref(dy, x, groups, mean, inv_std, sc, b, channel_axis=ca)
+        check_grads(results[0], ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"),
+                    context=f"channel_axis={ca}")
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

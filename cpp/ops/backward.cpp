@@ -51,6 +51,9 @@ constexpr int64_t kMinChunkElements = int64_t(1) << 16;
 constexpr int64_t kScatteredRunBytes = 1024, kScatteredRunBytesFromMemory = 4096;
 // Runs (groups) a compute-type slot sums before it is added into its double.
 constexpr int64_t kFlushRuns = 32;
+// Group norm's channels-last runs of a group's channels up to this many bytes have their statistics
+// spread along them (BackwardRunner::spread_over_short_runs).
+constexpr int64_t kLaneFoldRunBytes = 256;
 
 class BackwardRunner {
  public:
@@ -65,6 +68,7 @@ class BackwardRunner {
       if ((a_.reduced >> d) & 1u) group_size *= x.sizes[d];
     }
     fold();
+    spread_over_short_runs();
     want_params_ = a_.param_sums[0].has_value() || a_.param_sums[1].has_value();
     want_group_ = a_.statistics_terms && (a_.normalize_mean || a_.normalize_variance) && a_.grad_input &&
                   !a_.write_ga;
@@ -98,9 +102,11 @@ class BackwardRunner {
     Problem p = problem();
     const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));
     const LoopNest ew = elementwise(p);
-    const bool grouped = want_group_ && !rp.lanes && rp.groups > 1 && !scattered_short_runs(rp, ew);
+    const bool grouped =
+        want_group_ && !rp.lanes && rp.groups > 1 && lane_fold_ == 1 && !scattered_short_runs(rp, ew);
     if (explain != nullptr) {
-      *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count()) +
+      *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count() / lane_fold_) +
+                 (lane_fold_ > 1 ? " lane_fold=" + std::to_string(lane_fold_) : std::string()) +
                  " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : ew) +
                  (task_.stream_stores ? " streaming-stores" : "");
       return;
@@ -339,6 +345,52 @@ class BackwardRunner {
            ew.sizes[in] * es <= (task_.from_memory ? kScatteredRunBytesFromMemory : kScatteredRunBytes);
   }
 
+  // Group norm of channels-last data: a group's K channels are the input's innermost dim, reduced,
+  // with the next (the groups) kept; the statistics, constant along the K channels, keep the two
+  // from merging, so every run is K elements long, with its own statistics (1 ns an element for
+  // runs of 8). Spread along the K channels, the statistics are one per lane, the channel dims merge
+  // into runs of all the channels, and each group's sums are its lanes' added in lane order
+  // (fold_lanes) before its coefficients. Only runs up to kLaneFoldRunBytes, of groups with other
+  // reduced dims (not rows, which the grouped loops take whole). The same holds for any reduction
+  // whose innermost dim is such a run below a kept dim (MVN over (0, 2) of (N, C, 8) data).
+  void spread_over_short_runs() {
+    const TensorView& x = a_.input;
+    const int64_t es = itemsize(x.dtype);
+    int kd = -1;
+    for (int d = 0; d < x.ndim; ++d)
+      if (x.sizes[d] > 1 && (kd < 0 || std::llabs(x.strides[d]) < std::llabs(x.strides[kd]))) kd = d;
+    // (Batch norm's statistics share the parameters' layout: its short runs take const_rows.)
+    if (kd < 0 || !((a_.reduced >> kd) & 1u) || x.sizes[kd] * es > kLaneFoldRunBytes || shared_layout()) return;
+    bool other_reduced = false;
+    int gd = -1;
+    for (int d = 0; d < x.ndim; ++d) {
+      if (d == kd || x.sizes[d] == 1) continue;
+      if ((a_.reduced >> d) & 1u) other_reduced = true;
+      else if (x.strides[d] == x.sizes[kd] * es) gd = d;
+    }
+    if (!other_reduced || gd < 0 || gd > kd || stats_->strides()[gd] == 0) return;
+    for (int d = kd + 1; d < x.ndim; ++d)  // (spread_inner renumbers the elements of dims before kd)
+      if (stats_->strides()[d] != 0) return;
+    for (const TensorView* t : {&x, &a_.grad_output, a_.grad_input ? &*a_.grad_input : nullptr})
+      if (t != nullptr && (t->strides[kd] != es || t->strides[gd] != x.sizes[kd] * es)) return;
+    stats_->spread_inner(kd, kd + 1, x.sizes);
+    lane_fold_ = x.sizes[kd];
+  }
+
+  // Each group's sums (group[i] and group[ns + i], lanes [g K, g K + K) after spread_over_short_runs)
+  // added in lane order, from 0, and given to all its lanes.
+  void fold_lanes(std::vector<double>& group, int64_t ns) const {
+    const int64_t k = lane_fold_;
+    for (int64_t half = 0; half < 2; ++half) {
+      double* s = group.data() + half * ns;
+      for (int64_t g = 0; g < ns; g += k) {
+        double t = 0.0;
+        for (int64_t j = 0; j < k; ++j) t += s[g + j];
+        std::fill_n(s + g, k, t);
+      }
+    }
+  }
+
   // The statistics and the parameters share one compact layout (batch norm: both per channel):
   // sum(g) and sum(g y) are then the scale times the parameters' sum(ga) and sum(ga y), and only
   // those are summed.
@@ -394,6 +446,7 @@ class BackwardRunner {
             group[static_cast<size_t>(ns + i)] = scale * params[static_cast<size_t>(i)];
           }
         }
+        if (lane_fold_ > 1) fold_lanes(group, ns);
         k.backward_coefficients(task_, stats_->data(0), group.data(), group.data() + ns, ns);
       }
       write_param_sums(params);
@@ -414,6 +467,7 @@ class BackwardRunner {
   BackwardTask task_;
   bool want_params_ = false, want_group_ = false;
   int64_t n_ = 1;
+  int64_t lane_fold_ = 1;  // lanes whose group sums are one group's (spread_over_short_runs)
 };
 
 }  // namespace
