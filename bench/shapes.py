@@ -56,7 +56,8 @@ FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
 # Training ops: (op, shape, layout, dtype). The shapes and dtypes of the speed goals of the training
 # issue: forward-training batch norm (NCHW); the backward of batch norm (NCHW and channels-last), of
 # layer norm (float32 and bfloat16), RMS norm, group norm (32 groups), instance norm and MVN over
-# (0, 2, 3), all float32 unless said; then batch norm and group norm on 7x7 planes. Tagged
+# (0, 2, 3), all float32 unless said, and group norm's of channels-last data (diffusion models'
+# UNets train so); then batch norm and group norm on 7x7 planes. Tagged
 # "training" (the backward ones also "backward").
 TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nchw", "float32"),
@@ -67,6 +68,7 @@ TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("layer_norm_backward", SEQUENCE_NORM_SHAPES[0], "contig", "bfloat16"),
     ("rms_norm_backward", SEQUENCE_NORM_SHAPES[0], "contig", "float32"),
     ("group_norm_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
+    ("group_norm_backward", SPATIAL_NORM_SHAPES[0], "nhwc", "float32"),
     ("instance_norm_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
     ("mvn_backward", SPATIAL_NORM_SHAPES[0], "nchw", "float32"),
     ("batch_norm_training", RESNET50_BN_SHAPES[-1], "nchw", "float32"),
@@ -246,7 +248,7 @@ def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled
     }[fwd]
     if op != fwd:
         short += "-bwd"
-    if fwd == "batch_norm":
+    if fwd == "batch_norm" or layout == "nhwc":  # (the other ops' cases are NCHW but for this one)
         return f"{short}/{s}/{layout}/{d}"
     return f"{short}/{s}/{d}"
 
