@@ -173,15 +173,24 @@ class BackwardRunner {
   }
 
   // One block's (or chunk's) sums: doubles, and the compute-type slots of the targets that vary
-  // along runs (flush() adds them into the doubles). Layout: [group sum(g), sum(g y)] when the
-  // group sums are wanted here, then [param sum(ga y), sum(ga)].
+  // along runs (flush() adds them into the doubles). Layout: [group sum(g), sum(g y)] of statistics
+  // elements [group_lo, group_lo + group_count) when the group sums are wanted here, then [param
+  // sum(ga y), sum(ga)]. A chunk of the two passes holds the statistics elements it can reach only
+  // (reached()): with many (MVN over the channels of NCHW data: one a pixel) the chunks' zeroed
+  // arrays and their merge cost as much as the pass.
   struct Partial {
     std::vector<double> sums;
     std::vector<char> vary;
+    int64_t group_lo = 0, group_count = 0;
   };
-  Partial partial(bool group, bool params) const {
-    const size_t width = static_cast<size_t>((group ? 2 * stats_->count() : 0) + (params ? 2 * params_->count() : 0));
-    return Partial{std::vector<double>(width, 0.0), std::vector<char>(width * static_cast<size_t>(csize_), 0)};
+  struct Slots {
+    int64_t lo = 0, hi = 0;  // [lo, hi)
+  };
+  Partial partial(bool group, bool params, Slots held = {0, -1}) const {
+    const int64_t gc = !group ? 0 : held.hi < 0 ? stats_->count() : held.hi - held.lo;
+    const size_t width = static_cast<size_t>(2 * gc + (params ? 2 * params_->count() : 0));
+    return Partial{std::vector<double>(width, 0.0), std::vector<char>(width * static_cast<size_t>(csize_), 0),
+                   group ? std::max<int64_t>(0, held.lo) : 0, gc};
   }
   void flush(Partial& p) const { flush_range(p, 0, static_cast<int64_t>(p.sums.size())); }
   // Slots [begin, end) of p added into their doubles and cleared.
@@ -194,44 +203,56 @@ class BackwardRunner {
     for (int64_t i = 0; i < n; ++i) sums[i] += static_cast<double>(vary[i]);
     std::fill(vary, vary + n, C(0));
   }
-  // The slots that elements [b, e) of the nest (e > b) may have added to, flushed: of each sum, the
-  // statistics and parameter elements in the box of nest indices that holds those elements (from
-  // the first dim where b and e - 1 differ on, every index), not every slot of the call's.
-  void flush_reached(Partial& p, bool group, bool params, const LoopNest& nest, int64_t b, int64_t e) const {
+  // The elements of `op`'s compact arrays (statistics or parameters) that elements [b, e) of the
+  // nest may reach: those in the box of nest indices that holds them (from the first dim where b
+  // and e - 1 differ on, every index).
+  Slots reached(int op, const LoopNest& nest, int64_t b, int64_t e) const {
+    if (e <= b) return {};
     int64_t first[kMaxNestDims], last[kMaxNestDims], rb = b, re = e - 1;
     for (int d = nest.ndim - 1; d >= 0; --d) {
       first[d] = rb % nest.sizes[d], last[d] = re % nest.sizes[d];
       rb /= nest.sizes[d], re /= nest.sizes[d];
     }
-    auto reach = [&](int op, int64_t base_offset, int64_t count, int64_t at) {
-      int64_t lo = base_offset, hi = base_offset;
-      bool whole = false;  // past the first differing dim: every index
-      for (int d = 0; d < nest.ndim; ++d) {
-        const int64_t st = nest.strides[op][d];
-        const int64_t i0 = whole ? 0 : first[d], i1 = whole ? nest.sizes[d] - 1 : last[d];
-        lo += std::min(i0 * st, i1 * st), hi += std::max(i0 * st, i1 * st);
-        whole = whole || first[d] != last[d];
-      }
-      const int64_t s0 = std::max<int64_t>(0, lo / csize_), s1 = std::min(count, hi / csize_ + 1);
-      for (int k = 0; k < 2 && s0 < s1; ++k) flush_range(p, at + k * count + s0, at + k * count + s1);
-    };
-    const int64_t ns = stats_->count(), np = params_->count();
-    if (group) reach(kStats, nest.data[kStats] - stats_->data(0), ns, 0);
-    if (params) reach(kParams, nest.data[kParams] - params_->data(0), np, group ? 2 * ns : 0);
+    const FoldedParams& f = op == kStats ? *stats_ : *params_;
+    int64_t lo = nest.data[op] - const_cast<FoldedParams&>(f).data(0), hi = lo;
+    bool whole = false;  // past the first differing dim: every index
+    for (int d = 0; d < nest.ndim; ++d) {
+      const int64_t st = nest.strides[op][d];
+      const int64_t i0 = whole ? 0 : first[d], i1 = whole ? nest.sizes[d] - 1 : last[d];
+      lo += std::min(i0 * st, i1 * st), hi += std::max(i0 * st, i1 * st);
+      whole = whole || first[d] != last[d];
+    }
+    return {std::max<int64_t>(0, lo / csize_), std::min(f.count(), hi / csize_ + 1)};
+  }
+  // The slots that elements [b, e) of the nest may have added to, flushed (not every slot of p's).
+  void flush_reached(Partial& p, bool group, bool params, const LoopNest& nest, int64_t b, int64_t e) const {
+    const int64_t gc = p.group_count, np = params_->count();
+    if (group) {
+      const Slots r = reached(kStats, nest, b, e);
+      const int64_t s0 = std::max<int64_t>(0, r.lo - p.group_lo), s1 = std::min(gc, r.hi - p.group_lo);
+      for (int k = 0; k < 2 && s0 < s1; ++k) flush_range(p, k * gc + s0, k * gc + s1);
+    }
+    if (params) {
+      const Slots r = reached(kParams, nest, b, e);
+      for (int k = 0; k < 2 && r.lo < r.hi; ++k) flush_range(p, 2 * gc + k * np + r.lo, 2 * gc + k * np + r.hi);
+    }
   }
   // Pointers into p for the sums pass; group sums from `group` instead when given (grouped: each
-  // group's own, never varying along its runs).
+  // group's own, never varying along its runs). The kernels index the group sums from stats_base:
+  // with a part of the statistics held, its first element's.
   BackwardSums sums_of(Partial& p, bool group, bool params, Partial* group_from = nullptr) const {
-    const int64_t ns = stats_->count(), np = params_->count();
+    const int64_t np = params_->count();
     BackwardSums s;
     s.stats_base = stats_->data(0);
     s.params_base = params_->data(0);
     int64_t at = 0;
     if (group) {
       Partial& g = group_from != nullptr ? *group_from : p;
-      s.group[0] = g.sums.data(), s.group[1] = g.sums.data() + ns;
-      s.group_vary[0] = g.vary.data(), s.group_vary[1] = g.vary.data() + ns * csize_;
-      if (group_from == nullptr) at = 2 * ns;
+      const int64_t gc = g.group_count;
+      s.stats_base = stats_->data(0) + g.group_lo * csize_;
+      s.group[0] = g.sums.data(), s.group[1] = g.sums.data() + gc;
+      s.group_vary[0] = g.vary.data(), s.group_vary[1] = g.vary.data() + gc * csize_;
+      if (group_from == nullptr) at = 2 * gc;
     }
     if (params) {
       s.param[0] = p.sums.data() + at, s.param[1] = p.sums.data() + at + np;
@@ -239,8 +260,6 @@ class BackwardRunner {
     }
     return s;
   }
-
-
 
   // The parameters' sums (sum(ga y) then sum(ga), merged), or zeros when empty, into the caller's
   // (float32 ones rounded once, to inf past their range).
@@ -326,7 +345,7 @@ class BackwardRunner {
       }
       if (task_.stream_stores) fence_streaming_stores();
     });
-    write_param_sums(merged(partials, 0, want_params_ ? 2 * params_->count() : 0));
+    write_param_sums(want_params_ ? merged_params(partials) : std::vector<double>());
   }
 
   // A group of several short runs apart, statistics and parameters constant along each, no
@@ -401,11 +420,23 @@ class BackwardRunner {
     return true;
   }
 
-  // The partials' sums [at, at + width), added in the partials' order.
-  static std::vector<double> merged(const std::vector<Partial>& partials, int64_t at, int64_t width) {
+  // The partials' parameter sums (2 np of them), added in the partials' order.
+  std::vector<double> merged_params(const std::vector<Partial>& partials) const {
+    const int64_t width = 2 * params_->count();
     std::vector<double> m(static_cast<size_t>(width), 0.0);
     for (const Partial& p : partials)
-      for (int64_t i = 0; i < width; ++i) m[static_cast<size_t>(i)] += p.sums[static_cast<size_t>(at + i)];
+      for (int64_t i = 0; i < width; ++i) m[static_cast<size_t>(i)] += p.sums[static_cast<size_t>(2 * p.group_count + i)];
+    return m;
+  }
+  // The partials' group sums, each its statistics elements', added in the partials' order (the
+  // elements a partial does not hold have nothing to add: their sums are +0, never -0).
+  std::vector<double> merged_group(const std::vector<Partial>& partials) const {
+    const int64_t ns = stats_->count();
+    std::vector<double> m(static_cast<size_t>(2 * ns), 0.0);
+    for (const Partial& p : partials)
+      for (int64_t k = 0; k < 2; ++k)
+        for (int64_t i = 0; i < p.group_count; ++i)
+          m[static_cast<size_t>(k * ns + p.group_lo + i)] += p.sums[static_cast<size_t>(k * p.group_count + i)];
     return m;
   }
 
@@ -424,7 +455,9 @@ class BackwardRunner {
       const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
       const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
       std::vector<Partial> partials;
-      for (int64_t c = 0; c < chunks; ++c) partials.push_back(partial(group_sums, param_sums));
+      for (int64_t c = 0; c < chunks; ++c)
+        partials.push_back(partial(group_sums, param_sums,
+                                   group_sums ? reached(kStats, nest, c * per, std::min(total, (c + 1) * per)) : Slots{}));
       for_parts(chunks, total, [&](int c) {
         Partial& mine = partials[static_cast<size_t>(c)];
         const BackwardSums s = sums_of(mine, group_sums, param_sums);
@@ -435,10 +468,9 @@ class BackwardRunner {
           flush_reached(mine, group_sums, param_sums, nest, b, e);
         }
       });
-      const std::vector<double> params = param_sums ? merged(partials, group_sums ? 2 * ns : 0, 2 * np)
-                                                    : std::vector<double>();
+      const std::vector<double> params = param_sums ? merged_params(partials) : std::vector<double>();
       if (want_group_) {
-        std::vector<double> group = derive ? std::vector<double>(static_cast<size_t>(2 * ns)) : merged(partials, 0, 2 * ns);
+        std::vector<double> group = derive ? std::vector<double>(static_cast<size_t>(2 * ns)) : merged_group(partials);
         if (derive) {
           for (int64_t i = 0; i < ns; ++i) {
             const double scale = load_scalar(compute_, params_->data(0) + i * csize_);
