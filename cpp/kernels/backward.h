@@ -740,8 +740,9 @@ struct BackwardKernel {
     return s[kParams] == 0 ? fn(K1{}, K0{}) : fn(K1{}, K1{});
   }
 
-  // Channels-last rows (batch norm's rows of C channels): rows of the nest that share their
-  // statistics and parameters, every operand contiguous along the run, no activation. Here the
+  // Channels-last rows (batch norm's rows of C channels; instance norm's and, spread, group norm's
+  // of a sample): rows of the nest that share their statistics and parameters, every operand
+  // contiguous along the run, no activation. Here the
   // general loops' setup per run and their tests per vector cost 1.3-1.9x (8 x 56 x 56 x 256 and
   // x 64, Zen 3), so these rows take lanes_sums and lanes_apply: per element the arithmetic and the
   // order of the adds are sums_run's and apply_run's, and so are the bits.
@@ -754,16 +755,27 @@ struct BackwardKernel {
            nest.strides[kParams][row] == 0;
   }
 
-  // sums_run over a block of such rows when only the parameters' sums are asked for (sum(ga y),
-  // sum(ga): the statistics' are derived from them, ops/backward.cpp).
+  // sums_run over a block of such rows: the parameters' sums (sum(ga y), sum(ga)), and the group's
+  // where asked for (sum(g), sum(g y): instance norm and channels-last group norm, whose statistics
+  // vary along the row; batch norm's are derived from the parameters', ops/backward.cpp).
   static void lanes_sums(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n,
                          const BackwardSums& acc) {
+    if (acc.group[0] != nullptr) return lanes_sums_of<true>(t, p, rs, rows, n, acc);
+    lanes_sums_of<false>(t, p, rs, rows, n, acc);
+  }
+  template <bool Group>
+  static void lanes_sums_of(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n,
+                            const BackwardSums& acc) {
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
     const C* const mean = reinterpret_cast<const C*>(p[kStats]);
     const C* const u = reinterpret_cast<const C*>(p[kStats] + t.stats_pitch);
-    const int64_t pi = (p[kParams] - acc.params_base) / cs;
-    C* const sum_gay = static_cast<C*>(acc.param_vary[0]) + pi;
-    C* const sum_ga = static_cast<C*>(acc.param_vary[1]) + pi;
+    const C* const scale = reinterpret_cast<const C*>(p[kParams]);
+    const int64_t pi = (p[kParams] - acc.params_base) / cs, gi = (p[kStats] - acc.stats_base) / cs;
+    const bool want_param = acc.param[0] != nullptr;
+    C* const sum_gay = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
+    C* const sum_ga = want_param ? static_cast<C*>(acc.param_vary[1]) + pi : nullptr;
+    C* const sum_g = Group ? static_cast<C*>(acc.group_vary[0]) + gi : nullptr;
+    C* const sum_gy = Group ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
     const T* x = reinterpret_cast<const T*>(p[kX]);
     const T* dy = reinterpret_cast<const T*>(p[kGradOut]);
     constexpr int64_t ahead = kPrefetchAheadBytes / static_cast<int64_t>(sizeof(T));
@@ -771,10 +783,17 @@ struct BackwardKernel {
     auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       const V y = (load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m)) * load_up_to<LC>(u + e, m);
       const V ga = load_up_to<L>(dy + e, m);
-      store_up_to<LC>(sum_gay + e, load_up_to<LC>(sum_gay + e, m) + ga * y, m);
-      store_up_to<LC>(sum_ga + e, load_up_to<LC>(sum_ga + e, m) + ga, m);
+      if constexpr (Group) {  // (sums_run's: g = ga scale; g and g y added to their slots)
+        const V g = ga * load_up_to<LC>(scale + e, m);
+        store_up_to<LC>(sum_g + e, load_up_to<LC>(sum_g + e, m) + g, m);
+        store_up_to<LC>(sum_gy + e, load_up_to<LC>(sum_gy + e, m) + g * y, m);
+      }
+      if (want_param) {
+        store_up_to<LC>(sum_gay + e, load_up_to<LC>(sum_gay + e, m) + ga * y, m);
+        store_up_to<LC>(sum_ga + e, load_up_to<LC>(sum_ga + e, m) + ga, m);
+      }
     };
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {  // (the statistics and parameters: the same for every row)
       int64_t e = 0;
       for (; e + W <= n; e += W) {
         __builtin_prefetch(x + e + ahead, 0, 2);  // (as Element::at)
@@ -831,7 +850,7 @@ struct BackwardKernel {
       });
       return;
     }
-    if (acc.group[0] == nullptr && acc.param[0] != nullptr && lanes_rows(t, nest, false)) {
+    if ((acc.group[0] != nullptr || acc.param[0] != nullptr) && lanes_rows(t, nest, false)) {
       for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
         lanes_sums(t, p, rs, rows, n, acc);
       });
