@@ -1179,3 +1179,33 @@ def test_list_into_a_closed_pipe_ends_without_a_traceback():
         err = p.stderr.read().decode()
         rc = p.wait(timeout=60)
     assert rc == 1 and "Traceback" not in err and "BrokenPipe" not in err, (rc, err)
+
+
+# ---------------------------------------------------------------------------- A/B of two builds
+def test_ab_runs_each_build_in_a_process_of_its_own(tmp_path):
+    # simdnorm.bench.ab: each side's child imports its own directory's package, so a copy of the
+    # installed one loads its own compiled module (one process would share the first one's)
+    import shutil
+
+    sn = _simdnorm_or_skip()
+    if not B.__name__.startswith("simdnorm."):
+        pytest.skip("the A/B tool runs the installed simdnorm.bench in its children")
+    ab = importlib.import_module(B.__name__ + ".ab")
+    installed = Path(sn.__file__).resolve().parent
+    copy = tmp_path / "copy"
+    shutil.copytree(installed, copy / "simdnorm", ignore=shutil.ignore_patterns("__pycache__"))
+    cases = tmp_path / "cases.py"
+    cases.write_text("import numpy as np\n"
+                     "def cases(sn):\n"
+                     "    x = np.arange(96, dtype=np.float32).reshape(2, 3, 4, 4)\n"
+                     "    return {'mvn': lambda: sn.mean_variance_normalization(x, axes=(2, 3))}\n")
+    a, b = ab._Build(str(installed.parent), str(cases), 1), ab._Build(str(copy), str(cases), 1)
+    try:
+        assert Path(a.module).parent == installed and Path(b.module).parent == copy / "simdnorm"
+        assert a.names == b.names == ["mvn"]
+        assert 0 < a.time("mvn", 3) < 1 and 0 < b.time("mvn", 3) < 1
+    finally:
+        a.close()
+        b.close()
+    res = ab.compare(str(installed.parent), str(copy), str(cases), rounds=3)
+    assert set(res) == {"mvn"} and res["mvn"]["ratio"] == pytest.approx(res["mvn"]["B"] / res["mvn"]["A"])
