@@ -236,8 +236,8 @@ def test_channels_last_instance_norm_never_gathers(scale):
 
 def test_mvn_over_the_channels_takes_whole_planes_as_lanes():
     # ConvNeXt's LayerNorm2d (NCHW, normalized over C): the kept H and W merge into one dim of lanes
-    # before the lanes are taken, so a task is a sample's C x (H W) block; lanes of W alone made
-    # tasks of 56-element rows (2.3x the time of the plane's lanes, 8x64x56x56 float32)
+    # before the lanes are taken, so a task is a sample's C x (H W) block (lanes of W alone made
+    # tasks of 56-element rows)
     x = np.zeros((8, 64, 56, 56), np.float32)
     assert mvn_plan(x, (1,)).startswith("columns groups=8 lanes=3136 group_size=64")
     x = np.zeros((2, 3, 5, 7, 4), np.float32)

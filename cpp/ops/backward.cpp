@@ -173,7 +173,7 @@ class BackwardRunner {
   }
 
   // One block's (or chunk's) sums: doubles, and the compute-type slots of the targets that vary
-  // along runs (flush() adds them into the doubles). Layout: [group sum(g), sum(g y)] of statistics
+  // along runs (flush_reached() adds them into the doubles). Layout: [group sum(g), sum(g y)] of statistics
   // elements [group_lo, group_lo + group_count) when the group sums are wanted here, then [param
   // sum(ga y), sum(ga)]. A chunk of the two passes holds the statistics elements it can reach only
   // (reached()): with many (MVN over the channels of NCHW data: one a pixel) the chunks' zeroed
@@ -192,7 +192,6 @@ class BackwardRunner {
     return Partial{std::vector<double>(width, 0.0), std::vector<char>(width * static_cast<size_t>(csize_), 0),
                    group ? std::max<int64_t>(0, held.lo) : 0, gc};
   }
-  void flush(Partial& p) const { flush_range(p, 0, static_cast<int64_t>(p.sums.size())); }
   // Slots [begin, end) of p added into their doubles and cleared.
   void flush_range(Partial& p, int64_t begin, int64_t end) const {
     if (compute_ == DType::f64) add_and_clear(p.sums.data() + begin, reinterpret_cast<double*>(p.vary.data()) + begin, end - begin);
@@ -366,10 +365,10 @@ class BackwardRunner {
 
   // Group norm of channels-last data: a group's K channels are the input's innermost dim, reduced,
   // with the next (the groups) kept; the statistics, constant along the K channels, keep the two
-  // from merging, so every run is K elements long, with its own statistics (1 ns an element for
-  // runs of 8). Spread along the K channels, the statistics are one per lane, the channel dims merge
-  // into runs of all the channels, and each group's sums are its lanes' added in lane order
-  // (fold_lanes) before its coefficients. Only runs up to kLaneFoldRunBytes, of groups with other
+  // from merging, so every run is K elements long, with its own statistics. Spread along the K
+  // channels, the statistics are one per lane, the channel dims merge into runs of all the
+  // channels, and each group's sums are its lanes' added in lane order (fold_lanes) before its
+  // coefficients. Only runs up to kLaneFoldRunBytes, of groups with other
   // reduced dims (not rows, which the grouped loops take whole). The same holds for any reduction
   // whose innermost dim is such a run below a kept dim (MVN over (0, 2) of (N, C, 8) data).
   void spread_over_short_runs() {
