@@ -742,10 +742,10 @@ struct BackwardKernel {
 
   // Channels-last rows (batch norm's rows of C channels; instance norm's and, spread, group norm's
   // of a sample): rows of the nest that share their statistics and parameters, every operand
-  // contiguous along the run, no activation. Here the
-  // general loops' setup per run and their tests per vector cost 1.3-1.9x (8 x 56 x 56 x 256 and
-  // x 64, Zen 3), so these rows take lanes_sums and lanes_apply: per element the arithmetic and the
-  // order of the adds are sums_run's and apply_run's, and so are the bits.
+  // contiguous along the run, no activation. Here the general loops' setup per run and their tests
+  // per vector cost 1.3-1.9x (8 x 56 x 56 x 256 and x 64, Zen 3), so these rows take lanes_sums
+  // and lanes_apply: per element the arithmetic and the order of the adds are sums_run's and
+  // apply_run's, and so are the bits.
   static bool lanes_rows(const BackwardTask& t, const LoopNest& nest, bool writes) {
     const int in = nest.ndim - 1, row = nest.ndim - 2;
     const int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));

@@ -368,9 +368,9 @@ class BackwardRunner {
   // from merging, so every run is K elements long, with its own statistics. Spread along the K
   // channels, the statistics are one per lane, the channel dims merge into runs of all the
   // channels, and each group's sums are its lanes' added in lane order (fold_lanes) before its
-  // coefficients. Only runs up to kLaneFoldRunBytes, of groups with other
-  // reduced dims (not rows, which the grouped loops take whole). The same holds for any reduction
-  // whose innermost dim is such a run below a kept dim (MVN over (0, 2) of (N, C, 8) data).
+  // coefficients. Only runs up to kLaneFoldRunBytes, of groups with other reduced dims (not rows,
+  // which the grouped loops take whole). The same holds for any reduction whose innermost dim is
+  // such a run below a kept dim (MVN over (0, 2) of (N, C, 8) data).
   void spread_over_short_runs() {
     const TensorView& x = a_.input;
     const int64_t es = itemsize(x.dtype);
