@@ -213,7 +213,7 @@ class BackwardRunner {
       rb /= nest.sizes[d], re /= nest.sizes[d];
     }
     const FoldedParams& f = op == kStats ? *stats_ : *params_;
-    int64_t lo = nest.data[op] - const_cast<FoldedParams&>(f).data(0), hi = lo;
+    int64_t lo = nest.data[op] - f.data(0), hi = lo;
     bool whole = false;  // past the first differing dim: every index
     for (int d = 0; d < nest.ndim; ++d) {
       const int64_t st = nest.strides[op][d];

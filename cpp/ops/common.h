@@ -66,6 +66,7 @@ class FoldedParams {
   // Byte strides of output `i` over the input's dims (0 where the broadcast shape is 1).
   const int64_t* strides() const { return strides_; }
   char* data(int i) { return storage_ + i * pitch_; }
+  const char* data(int i) const { return storage_ + i * pitch_; }
   int outputs() const { return outputs_; }
   int operand(int i) const { return operands_[i]; }
   int64_t count() const { return count_; }
