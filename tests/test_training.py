@@ -381,6 +381,9 @@ STREAMED_BACKWARD = [
     ("batch_norm", (4, 0, 56, 56), F32, (16, 16, 16), False),
     ("batch_norm", (4, 0, 14, 14), F16, (2, 2, 2), True),
     ("batch_norm_nhwc", (4, 14, 14, 0), F32, (16, 16, 36), False),
+    ("batch_norm_nhwc", (4, 14, 14, 0), F64, (8, 0, 24), False),
+    ("instance_norm_nhwc", (0, 20, 20, 40), F32, (16, 16, 12), False),
+    ("group_norm_nhwc", (0, 14, 14, 64), F32, (0, 16, 4), False),
     ("mvn023", (4, 0, 56, 56), F32, (16, 16, 16), False),
 ]
 
@@ -400,6 +403,13 @@ def test_backward_streamed_grad_input_at_line_phases(rng, threads, op, shape, dt
     x, dy, out = (empty_past_line(shape, dtype, o) for o in offsets)
     x[...] = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(3.0, dtype)
     dy[...] = rand_values(rng, shape, dtype, scale=1.0)
+    if op in ("instance_norm_nhwc", "group_norm_nhwc"):  # channels-last memory, NCHW views
+        x, dy, out = (a.transpose(0, 3, 1, 2) for a in (x, dy, out))
+        shape = x.shape
+        op = op[:-len("_nhwc")]
+        channels_last = True
+    else:
+        channels_last = op == "batch_norm_nhwc"
     ca = -1 if op == "batch_norm_nhwc" else 1
     channels = shape[ca]
     scale = rand_values(rng, (shape[-1] if op in ("layer_norm", "rms_norm") else channels,), dtype, scale=1.0)
@@ -447,7 +457,7 @@ def test_backward_streamed_grad_input_at_line_phases(rng, threads, op, shape, dt
             run(x[part], dy[part], small, part[-1])
             out[...] = np.nan
             reference = run(x, dy, out)
-            if op != "batch_norm_nhwc":  # (whose sums go in chunks of the whole tensor: its own bits)
+            if not channels_last:  # (whose sums go in chunks of the whole tensor: its own bits)
                 np.testing.assert_array_equal(bits(out[part]), bits(small), err_msg=f"isa={isa}")
         ref = reference()
         check_grad(out, ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=f"{op} isa={isa}")

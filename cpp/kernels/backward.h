@@ -86,6 +86,7 @@ template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& f
 // arrays each constant (kConst) or contiguous (kUnit)); kAny, anything (gathered a vector at a time).
 enum BackwardStep : int { kConst = 0, kUnit = 1, kAny = 2 };
 constexpr int64_t kSumFlush = 1024;  // elements a target's vector lanes sum before their tree
+constexpr int64_t kOneRowBlockBytes = 512;  // rows_stream: rows from memory this long go one a block
 
 // c1 and c2 of statistics element i (at stats + i * sizeof(C)) from its sums.
 template <class C>
@@ -986,10 +987,14 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
         };
         if constexpr (SS == kConst && PS == kUnit) {
           if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
-            // A row's state is 4 vectors (mean, u, two sums): with four rows AVX2's 16 registers
-            // spill, 1.03-1.11x the time of two (rows of 768, Zen 3).
+            // R rows a block share the parameters' loads. A row's state is 4 vectors (mean, u, two
+            // sums): with four rows AVX2's 16 registers spill. On AVX2, rows from memory of
+            // kOneRowBlockBytes and more go one a block (rows_stream<1>): the sums read two
+            // streams, not four, and the writes come between them twice as often.
             constexpr int R = kVectorRegisters >= 32 ? 4 : 2;
-            const int64_t blocks = gs.count / R, rest = gs.count - blocks * R;
+            const bool one =
+                kVectorRegisters < 32 && t.from_memory && n * static_cast<int64_t>(sizeof(T)) >= kOneRowBlockBytes;
+            const int64_t blocks = one ? 0 : gs.count / R, rest = gs.count - blocks * R;
             K::template rows_stream<R>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
               for (int r = 0; r < R; ++r) finish(b * R + r);
             });
