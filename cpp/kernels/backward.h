@@ -990,8 +990,8 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
           if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
             // R rows a block share the parameters' loads. A row's state is 4 vectors (mean, u, two
             // sums): with four rows AVX2's 16 registers spill. On AVX2, rows from memory of
-            // kOneRowBlockBytes and more go one a block (rows_stream<1>): the sums read two
-            // streams, not four, and the writes come between them twice as often.
+            // kOneRowBlockBytes and more go one a block (rows_stream<1>), which measured faster
+            // there: its sums read two streams, not four, between the block's writes.
             constexpr int R = kVectorRegisters >= 32 ? 4 : 2;
             const bool one =
                 kVectorRegisters < 32 && t.from_memory && n * static_cast<int64_t>(sizeof(T)) >= kOneRowBlockBytes;
