@@ -45,6 +45,7 @@ def np_of(t):
     ndarray as it is."""
     if isinstance(t, np.ndarray):
         return t
+    t = t.resolve_neg()  # (a negated view: its values, as torch's own .numpy() wants them)
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BF16)
     return t.numpy()
@@ -59,10 +60,20 @@ def tensor(rng, shape, dtype, layout="contiguous"):
         t = torch.from_numpy(rng.standard_normal(shape[:-1] + (2 * shape[-1],))).to(TDT[dtype])[..., ::2]
     elif layout == "permuted":  # dense, dims stored in another order
         t = torch.from_numpy(rng.standard_normal(shape[::-1])).to(TDT[dtype]).permute(*range(len(shape) - 1, -1, -1))
+    elif layout == "negated":  # the negative bit set: the memory holds the values' negatives
+        t = negated_view(torch.from_numpy(rng.standard_normal(shape)).to(TDT[dtype]))
     else:
         t = torch.from_numpy(rng.standard_normal(shape)).to(TDT[dtype])
     assert tuple(t.shape) == shape
     return t
+
+
+def negated_view(t):
+    """A tensor of t's values whose memory holds their negatives (the negative bit set), as
+    ``z.conj().imag`` of a complex z is; torch exports that memory through DLPack unmarked."""
+    n = torch._neg_view(-t)
+    assert n.is_neg() and torch.equal(n, t)
+    return n
 
 
 def poisoned_like(t):
@@ -174,7 +185,7 @@ def _forward_cases(rng, x, dtype):
     ]
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "strided", "negated"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 def test_torch_in_torch_out(rng, dtype, layout):
     x = tensor(rng, (3, 4, 5, 6), dtype, layout)
@@ -194,6 +205,47 @@ def test_torch_in_torch_out(rng, dtype, layout):
         r2 = call(x, out)
         assert r2[0] is out, name
         np.testing.assert_array_equal(np_of(out), np_of(y))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_negated_views_are_read_as_their_values_and_never_written(rng, dtype):
+    """A tensor with the negative bit set, as input, parameter, statistic or gradient, gives the
+    bits its resolved copy gives (``z.conj().imag``, the public way to make one, included); as out=
+    or a running statistic it is refused before anything is written."""
+    x = tensor(rng, (3, 4, 5, 2), dtype)
+    w, b = (torch.from_numpy(rng.standard_normal(4)).to(TDT[dtype]) for _ in range(2))
+    sdt = torch.float64 if dtype == F64 else torch.float32
+    mean, var = torch.from_numpy(rng.standard_normal(4)).to(sdt), torch.from_numpy(rng.random(4) + 0.5).to(sdt)
+    dy = tensor(rng, (3, 4, 5, 2), dtype)
+    calls = {
+        "batch_normalization": lambda x, w, b, m, v, dy: simdnorm.batch_normalization(x, m, v, w, b),
+        "layer_norm": lambda x, w, b, m, v, dy: simdnorm.layer_norm(x, w[:2], b[:2], return_stats=True),
+        "group_norm": lambda x, w, b, m, v, dy: simdnorm.group_norm(x, 2, w, b, return_stats=True),
+        "training": lambda x, w, b, m, v, dy: simdnorm.batch_normalization_training(x, w, b),
+        "instance_norm_backward": lambda x, w, b, m, v, dy: simdnorm.instance_norm_backward(
+            dy, x, *simdnorm.instance_norm(x.resolve_neg(), w, b, return_stats=True)[1:], w, b),
+        "batch_normalization_backward": lambda x, w, b, m, v, dy: simdnorm.batch_normalization_backward(
+            dy, x, m, v, w, b, training=False),
+    }
+    args = (x, w, b, mean, var, dy)
+    for name, call in calls.items():
+        want = call(*args)
+        want = want if isinstance(want, tuple) else (want,)
+        for i in range(len(args)):  # each tensor argument negated in turn, the others as they are
+            got = call(*[negated_view(a) if k == i else a for k, a in enumerate(args)])
+            got = got if isinstance(got, tuple) else (got,)
+            for g, e in zip(got, want):
+                assert (g is None) == (e is None) and (g is None or torch.equal(g, e)), (name, i)
+    if dtype == F32:  # the public route to a negated view
+        z = torch.complex(torch.zeros(3, 8), -x.reshape(3, -1)[:, :8].float())
+        assert z.conj().imag.is_neg()
+        assert torch.equal(simdnorm.layer_norm(z.conj().imag), simdnorm.layer_norm(x.reshape(3, -1)[:, :8]))
+    out = negated_view(poisoned_like(x))
+    with pytest.raises(ValueError, match=r"^out: a torch tensor with the negative bit set"):
+        simdnorm.layer_norm(x, out=out)
+    with pytest.raises(ValueError, match=r"^running_mean: a torch tensor with the negative bit set"):
+        simdnorm.batch_normalization_training(x, running_mean=negated_view(mean.clone()), running_var=var.clone())
+    assert torch.all(out == POISON)  # (its values: nothing written)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])

@@ -218,6 +218,36 @@ def test_module_matches_torch_nn_in_train_and_eval(rng, cls, args, kwargs, shape
             assert_close(a, b, f"step {i} (train={train}): {n}", **tol)
 
 
+@pytest.mark.parametrize("cls, args, kwargs, shape", CONFIGS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CONFIGS)])
+def test_negated_input_is_read_as_its_values(rng, cls, args, kwargs, shape):
+    """An input with the negative bit set (its memory holds the values' negatives, as z.conj().imag's
+    does) gives the bits of its resolved copy: output, gradients and running statistics, with and
+    without autograd, in train and eval modes."""
+    a = snt.convert(randomize(getattr(nn, cls)(*args, **kwargs), rng))
+    b = copy.deepcopy(a)
+    for train, grad in ((True, False), (True, True), (False, False), (False, True)):
+        a.train(train)
+        b.train(train)
+        x = rand(rng, *shape, loc=2.0)
+        g = rand(rng, *shape)
+        outs = []
+        for m, xin in ((a, x), (b, torch._neg_view(-x))):
+            assert xin.is_neg() == (m is b) and torch.equal(xin, x)
+            with torch.set_grad_enabled(grad):
+                xr = xin.detach().requires_grad_(grad)
+                y = m(xr)
+                if grad:
+                    y.backward(g)
+            outs.append((y.detach(),) + ((xr.grad,) + tuple(p.grad for p in m.parameters()) if grad else ()))
+            for p in m.parameters():
+                p.grad = None
+        for k, (u, v) in enumerate(zip(*outs)):
+            assert torch.equal(u, v), f"train={train}, grad={grad}: {'output' if k == 0 else 'gradient ' + str(k)}"
+        for (n, u), v in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(u, v), f"train={train}, grad={grad}: {n}"
+
+
 def test_batch_norm_channels_last_keeps_the_memory_format(rng):
     ref = randomize(nn.BatchNorm2d(8), rng)
     ours = snt.convert(copy.deepcopy(ref))

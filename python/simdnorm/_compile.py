@@ -103,15 +103,30 @@ def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
     tensor that requires grad is read through its detached alias (the same memory) under
     torch.no_grad(); with grad mode on, simdnorm's plain functions would drop its autograd: a
     TypeError."""
-    if is_tensor(obj) and obj.requires_grad:
-        import torch
+    if is_tensor(obj):
+        if obj.requires_grad:
+            import torch
 
-        if torch.is_grad_enabled():  # (follow_input sends the forward ops' such calls to their torch op)
-            raise TypeError(
-                f"{name}: a torch tensor that requires grad, with grad mode on; this function records no "
-                "autograd: call it under torch.no_grad() or on .detach()")
-        obj = obj.detach()
+            if torch.is_grad_enabled():  # (follow_input sends the forward ops' such calls to their torch op)
+                raise TypeError(
+                    f"{name}: a torch tensor that requires grad, with grad mode on; this function records no "
+                    "autograd: call it under torch.no_grad() or on .detach()")
+            obj = obj.detach()
+        if obj.is_neg():
+            obj = resolved_negative(obj, name, writeable)
     return _core.from_dlpack(obj, name, writeable)
+
+
+def resolved_negative(t: Any, name: str, writeable: bool) -> Any:
+    """A torch tensor with the negative bit set (a lazily negated view, such as ``z.conj().imag``)
+    holds the negatives of its values in memory, and torch exports that memory through DLPack
+    unmarked: read, it is resolved (``resolve_neg()``, a copy: the one a correct read needs); as an
+    output it is refused, since the values written would read back negated."""
+    if writeable:
+        raise ValueError(
+            f"{name}: a torch tensor with the negative bit set (a lazily negated view, such as z.conj().imag): "
+            "its memory holds the negatives of its values, so it cannot be written; pass a tensor without it")
+    return t.resolve_neg()
 
 
 def is_foreign_out(out: Any) -> bool:

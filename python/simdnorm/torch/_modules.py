@@ -87,7 +87,7 @@ def _plain(fn: Any, input: Tensor, *args: Any, **kw: Any) -> Tensor:
     torch.empty_like(input): a module's direct call."""
     res = torch.empty_like(input)
     fn(_ops._as_numpy(input), *[_ops._as_numpy(a) if isinstance(a, Tensor) else a for a in args],
-       out=_ops._as_numpy(res), **kw)
+       out=_ops._as_out(res), **kw)
     return res
 
 
@@ -123,7 +123,8 @@ class _BatchNormForward(_BatchNorm):
             else:
                 mom = {"momentum": 0.0}
             return _plain(_sn.batch_normalization_training, input, w, b, epsilon=self.eps,
-                          running_mean=_ops._as_numpy(rm), running_var=_ops._as_numpy(rv), **mom)
+                          running_mean=_ops._as_out(rm, "running_mean"), running_var=_ops._as_out(rv, "running_var"),
+                          **mom)
         train = _ops.batch_normalization_training if direct else _bn_training
         out, mean, var = train(input, w, b, epsilon=self.eps)
         if self.training and self.track_running_stats:

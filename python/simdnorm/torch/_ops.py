@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from .._compile import resolved_negative
 from .._training import update_running
 from .. import (
     ACTIVATIONS,
@@ -61,24 +62,37 @@ _ACCEPTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _from_numpy = torch.from_numpy
 
 
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
+def _as_numpy(t: torch.Tensor, writeable: bool = False, name: str = "input") -> np.ndarray:
     """A zero-copy numpy view of a CPU tensor (any strides). numpy has no bfloat16: its bits are
     viewed as int16, then as ``ml_dtypes.bfloat16``. A dtype outside simdnorm's four goes through
-    when numpy holds it (simdnorm's TypeError then names it), else is refused here. (numpy() is
-    tried first: a dtype test before it would cost every call.)"""
+    when numpy holds it (simdnorm's TypeError then names it), else is refused here. A tensor with
+    the negative bit set is resolved (read) or refused (writeable) as the plain functions do.
+    (numpy() is tried first: a test before it would cost every call.)"""
     try:
         return t.numpy()
     except TypeError:  # a dtype numpy cannot hold
         if t.dtype is _BF16:
+            if t.is_neg():
+                return _as_numpy(resolved_negative(t, name, writeable), writeable, name)
             return t.view(torch.int16).numpy().view(_NP_BF16)
         raise TypeError(f"dtype {t.dtype} is not accepted: simdnorm takes "
                         f"{', '.join(map(str, _ACCEPTED))}") from None
-    except RuntimeError:  # requires grad, with grad mode on (a caller outside the Autograd kernel)
-        return _as_numpy(t.detach())
+    except RuntimeError:  # requires grad (a caller outside the Autograd kernel), or the negative bit
+        if t.is_neg():
+            return _as_numpy(resolved_negative(t, name, writeable), writeable, name)
+        return _as_numpy(t.detach(), writeable, name)
+
+
+def _as_out(t: torch.Tensor, name: str = "out") -> np.ndarray:
+    return _as_numpy(t, True, name)
 
 
 def _opt(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
     return None if t is None else _as_numpy(t)
+
+
+def _opt_out(t: Optional[torch.Tensor]) -> Optional[np.ndarray]:
+    return None if t is None else _as_out(t)
 
 
 def _as_tensor(a: Optional[np.ndarray], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,7 +142,7 @@ def batch_normalization(input, mean, variance, scale=None, bias=None, *, epsilon
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _sn_batch_normalization(_as_numpy(input), _as_numpy(mean), _as_numpy(variance), _opt(scale), _opt(bias),
-                            epsilon=epsilon, activation=act, channel_axis=channel_axis, out=_as_numpy(res))
+                            epsilon=epsilon, activation=act, channel_axis=channel_axis, out=_as_out(res))
     return res
 
 
@@ -144,7 +158,7 @@ def mean_variance_normalization(input, axes, scale=None, bias=None, *, normalize
     r = _sn_mean_variance_normalization(
         _as_numpy(input), axes, _opt(scale), _opt(bias), normalize_mean=normalize_mean,
         normalize_variance=normalize_variance, epsilon=epsilon, epsilon_mode=epsilon_mode,
-        activation=_activation(activation, activation_params), out=_as_numpy(res), return_stats=True)
+        activation=_activation(activation, activation_params), out=_as_out(res), return_stats=True)
     return _with_stats(res, input, r)
 
 
@@ -153,7 +167,7 @@ def layer_norm(input, scale=None, bias=None, *, axis=-1, epsilon=1e-05, activati
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, m, s = _sn_layer_norm(_as_numpy(input), _opt(scale), _opt(bias), axis=axis, epsilon=epsilon, activation=act,
-                             out=_as_numpy(res), return_stats=True)
+                             out=_as_out(res), return_stats=True)
     return res, _from_numpy(m), _from_numpy(s)
 
 
@@ -161,7 +175,7 @@ def rms_norm(input, scale=None, *, axis=-1, epsilon=1e-05, activation=None, acti
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, _, s = _sn_rms_norm(_as_numpy(input), _opt(scale), axis=axis, epsilon=epsilon, activation=act,
-                           out=_as_numpy(res), return_stats=True)
+                           out=_as_out(res), return_stats=True)
     return res, _from_numpy(s)
 
 
@@ -170,7 +184,7 @@ def instance_norm(input, scale=None, bias=None, *, epsilon=1e-05, channel_axis=1
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, m, s = _sn_instance_norm(_as_numpy(input), _opt(scale), _opt(bias), epsilon=epsilon,
-                                channel_axis=channel_axis, activation=act, out=_as_numpy(res), return_stats=True)
+                                channel_axis=channel_axis, activation=act, out=_as_out(res), return_stats=True)
     return res, _from_numpy(m), _from_numpy(s)
 
 
@@ -179,7 +193,7 @@ def group_norm(input, num_groups, scale=None, bias=None, *, epsilon=1e-05, chann
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, m, s = _sn_group_norm(_as_numpy(input), num_groups, _opt(scale), _opt(bias), epsilon=epsilon,
-                             channel_axis=channel_axis, activation=act, out=_as_numpy(res), return_stats=True)
+                             channel_axis=channel_axis, activation=act, out=_as_out(res), return_stats=True)
     return res, _from_numpy(m), _from_numpy(s)
 
 
@@ -188,7 +202,7 @@ def batch_normalization_training(input, scale=None, bias=None, fused_add=None, *
     res = torch.empty_like(input) if out is None else out
     _, m, v = _sn_batch_normalization_training(
         _as_numpy(input), _opt(scale), _opt(bias), epsilon=epsilon, channel_axis=channel_axis,
-        fused_add=_opt(fused_add), activation=_activation(activation, activation_params), out=_as_numpy(res))
+        fused_add=_opt(fused_add), activation=_activation(activation, activation_params), out=_as_out(res))
     return res, _from_numpy(m), _from_numpy(v)
 
 
@@ -214,7 +228,7 @@ def batch_normalization_backward(grad_output, input, mean, variance, scale=None,
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(variance), _opt(scale), _opt(bias),
         epsilon=epsilon, channel_axis=channel_axis, training=training, fused_add=_opt(fused_add),
         activation=_activation(activation, activation_params), grad_input=grad_input, grad_scale=grad_scale,
-        grad_bias=grad_bias, out=_opt(gi))
+        grad_bias=grad_bias, out=_opt_out(gi))
     if fused_add is None:
         r = r + (None,)
     return _grads(input, gi, r, (scale, bias, fused_add))
@@ -229,7 +243,7 @@ def mean_variance_normalization_backward(grad_output, input, axes, mean, inv_std
         _as_numpy(grad_output), _as_numpy(input), axes, _opt(mean), _opt(inv_std), _opt(scale), _opt(bias),
         normalize_mean=normalize_mean, normalize_variance=normalize_variance, epsilon=epsilon,
         epsilon_mode=epsilon_mode, activation=_activation(activation, activation_params), grad_input=grad_input,
-        grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+        grad_scale=grad_scale, grad_bias=grad_bias, out=_opt_out(gi))
     return _grads(input, gi, r, (scale, bias))
 
 
@@ -240,7 +254,7 @@ def layer_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=None
     r = _sn_layer_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(inv_std), _opt(scale), _opt(bias),
         axis=axis, epsilon=epsilon, activation=_activation(activation, activation_params), grad_input=grad_input,
-        grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+        grad_scale=grad_scale, grad_bias=grad_bias, out=_opt_out(gi))
     return _grads(input, gi, r, (scale, bias))
 
 
@@ -250,7 +264,7 @@ def rms_norm_backward(grad_output, input, inv_rms, scale=None, *, axis=-1, epsil
     r = _sn_rms_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(inv_rms), _opt(scale), axis=axis, epsilon=epsilon,
         activation=_activation(activation, activation_params), grad_input=grad_input, grad_scale=grad_scale,
-        out=_opt(gi))
+        out=_opt_out(gi))
     return _grads(input, gi, r[:2], (scale,))
 
 
@@ -261,7 +275,7 @@ def instance_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=N
     r = _sn_instance_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(inv_std), _opt(scale), _opt(bias),
         channel_axis=channel_axis, epsilon=epsilon, activation=_activation(activation, activation_params),
-        grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+        grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias, out=_opt_out(gi))
     return _grads(input, gi, r, (scale, bias))
 
 
@@ -272,7 +286,7 @@ def group_norm_backward(grad_output, input, num_groups, mean, inv_std, scale=Non
     r = _sn_group_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), num_groups, _as_numpy(mean), _as_numpy(inv_std), _opt(scale),
         _opt(bias), channel_axis=channel_axis, epsilon=epsilon, activation=_activation(activation, activation_params),
-        grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias, out=_opt(gi))
+        grad_input=grad_input, grad_scale=grad_scale, grad_bias=grad_bias, out=_opt_out(gi))
     return _grads(input, gi, r, (scale, bias))
 
 
@@ -298,13 +312,13 @@ def update_running_stats_(running_mean, running_var, mean, variance, num_batches
         raise ValueError("count: 1 element per channel, whose unbiased variance is undefined")
     if count < 0:
         raise ValueError(f"count: {count}; the number of elements each statistic was taken over, >= 0")
+    rm, rv = _as_out(running_mean, "running_mean"), _as_out(running_var, "running_var")  # (may raise: first)
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)  # as torch.nn counts batches: before the update, which may use it
     if count == 0:
         return  # (an empty batch: NaN statistics, running statistics untouched)
     m = 1.0 / float(num_batches_tracked) if momentum is None else float(momentum)
-    update_running(_as_numpy(running_mean), _as_numpy(running_var), _as_numpy(mean), _as_numpy(variance), count, m,
-                   momentum_convention)
+    update_running(rm, rv, _as_numpy(mean), _as_numpy(variance), count, m, momentum_convention)
 
 
 # ----------------------------------------------------------------------------------------------------
