@@ -158,3 +158,39 @@ def test_every_case_has_an_expectation():
 
     built = set(dlpack_producers.catalogue(np.zeros((3, 4), np.float32)))
     assert built == set(CASES), built ^ set(CASES)
+
+
+_EXCHANGE_API_CASES = r'''
+import ctypes, numpy as np
+from simdnorm import _core
+new_capsule = ctypes.pythonapi.PyCapsule_New
+new_capsule.restype, new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# a header of major version 2 with no older table chained: no version simdnorm reads
+header = (ctypes.c_uint32 * 6)(2, 0, 0, 0, 0, 0)
+cases = {
+    "none": object,
+    "not a capsule": type("NotCapsule", (), {"__dlpack_c_exchange_api__": 5}),
+    "another capsule": type("OtherName", (), {"__dlpack_c_exchange_api__": new_capsule(
+        ctypes.addressof(header), b"not_the_api", None)}),
+    "major version 2": type("Future", (), {"__dlpack_c_exchange_api__": new_capsule(
+        ctypes.addressof(header), b"dlpack_exchange_api", None)}),
+}
+out = np.empty((2, 3), np.float32)
+for name, cls in cases.items():
+    for _ in range(2):  # (the second call: the type's cached answer)
+        try:
+            _core.mvn(cls(), (1,), None, None, out, 1e-5, True, True, False, (0, 0.0, 0.0), None, None, -1, False)
+        except TypeError as e:
+            assert str(e).startswith("input must be a numpy.ndarray or a tensor with the DLPack C exchange API"), e
+        else:
+            raise AssertionError(name + ": accepted")
+print("ok")
+'''
+
+
+def test_kernels_refuse_objects_without_a_usable_exchange_api():
+    """The kernels read a tensor through its type's DLPack C exchange API (the torch modules' per-call
+    route); an object whose type has none, or one that is not a capsule of that name, or a table of
+    an unknown major version, is a TypeError (in a child process: a crash fails the test)."""
+    r = subprocess.run([sys.executable, "-c", _EXCHANGE_API_CASES], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

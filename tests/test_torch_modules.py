@@ -18,8 +18,10 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 from torch import nn  # noqa: E402
 
+import simdnorm  # noqa: E402
 import simdnorm.torch as snt  # noqa: E402
-from simdnorm.torch import _modules  # noqa: E402
+from ml_dtypes import bfloat16 as BF16  # noqa: E402
+from simdnorm.torch import _modules, _routes  # noqa: E402
 
 
 def rand(rng, *shape, dtype=torch.float32, loc=0.0):
@@ -248,6 +250,69 @@ def test_negated_input_is_read_as_its_values(rng, cls, args, kwargs, shape):
             assert torch.equal(u, v), f"train={train}, grad={grad}: {n}"
 
 
+def _layouts(rng, shape, dtype):
+    """x of logical shape `shape` in each memory layout: C order, dims stored reversed, every other
+    element of the last dim (not dense), channels last (4-D), unaligned (one element in)."""
+    def make(s):
+        return rand(rng, *s, loc=1.0).to(dtype)
+
+    out = {"c": make(shape), "reversed": make(shape[::-1]).permute(*range(len(shape) - 1, -1, -1)),
+           "strided": make(shape[:-1] + (2 * shape[-1],))[..., ::2],
+           "unaligned": make((int(np.prod(shape)) + 1,))[1:].view(shape)}
+    if len(shape) == 4:
+        out["channels_last"] = make(shape).contiguous(memory_format=torch.channels_last)
+    return out
+
+
+def _np(t):
+    if t is None:
+        return None
+    t = t.detach()
+    return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
+# (module, input shape, the plain function the per-call route must match bit for bit)
+ROUTES = [
+    (lambda: nn.BatchNorm2d(6).eval(), (3, 6, 4, 5),
+     lambda m, x: simdnorm.batch_normalization(x, _np(m.running_mean), _np(m.running_var), _np(m.weight),
+                                               _np(m.bias), epsilon=m.eps)),
+    (lambda: nn.BatchNorm1d(5, affine=False).eval(), (4, 5),
+     lambda m, x: simdnorm.batch_normalization(x, _np(m.running_mean), _np(m.running_var), epsilon=m.eps)),
+    (lambda: nn.LayerNorm((5, 4)), (3, 6, 5, 4),
+     lambda m, x: simdnorm.layer_norm(x, _np(m.weight), _np(m.bias), axis=-2, epsilon=m.eps)),
+    (lambda: nn.LayerNorm(3, bias=False), (2,) * 7 + (3,),
+     lambda m, x: simdnorm.layer_norm(x, _np(m.weight), axis=-1, epsilon=m.eps)),
+    (lambda: nn.RMSNorm(7, eps=1e-3), (2, 3, 7), lambda m, x: simdnorm.rms_norm(x, _np(m.weight), epsilon=1e-3)),
+    (lambda: nn.GroupNorm(3, 6), (3, 6, 4, 5),
+     lambda m, x: simdnorm.group_norm(x, 3, _np(m.weight), _np(m.bias), epsilon=m.eps)),
+    (lambda: nn.GroupNorm(2, 4, affine=False), (2, 4) + (2,) * 6,  # 8 dims: the kernel's split makes 9
+     lambda m, x: simdnorm.group_norm(x, 2, epsilon=m.eps)),
+    (lambda: nn.InstanceNorm2d(6, affine=True), (3, 6, 4, 5),
+     lambda m, x: simdnorm.instance_norm(x, _np(m.weight), _np(m.bias), epsilon=m.eps)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16],
+                         ids=["f32", "f64", "f16", "bf16"])
+@pytest.mark.parametrize("case", range(len(ROUTES)))
+def test_per_call_route_gives_the_plain_functions_bits(rng, case, dtype, monkeypatch):
+    """Without autograd the modules hand the tensors to the kernels themselves (plans cached by
+    shapes and dtypes): in every layout, each dtype (16-bit data with the module's float32
+    parameters, torch.nn's mixed precision, and with its own), the output is the plain function's
+    on numpy views, bit for bit, and a fresh tensor like torch.empty_like(x)."""
+    make, shape, plain = ROUTES[case]
+    monkeypatch.setattr(_modules, "_plain", None)  # (the general path would fail: the route must run)
+    for params in (torch.float32, dtype) if dtype in (torch.float16, torch.bfloat16) else (dtype,):
+        m = snt.convert(randomize(make(), rng)).to(params)
+        for name, x in _layouts(rng, shape, dtype).items():
+            for _ in range(2):  # a miss, then a hit
+                with torch.no_grad():
+                    y = m(x)
+                want = plain(m, _np(x))
+                assert type(y) is torch.Tensor and y.dtype == x.dtype and y.stride() == torch.empty_like(x).stride()
+                np.testing.assert_array_equal(_np(y), want, err_msg=f"{name}, parameters {params}")
+
+
 def test_batch_norm_channels_last_keeps_the_memory_format(rng):
     ref = randomize(nn.BatchNorm2d(8), rng)
     ours = snt.convert(copy.deepcopy(ref))
@@ -336,9 +401,17 @@ def no_simdnorm_ops(monkeypatch):
 
     for attr in ("_bn", "_bn_training", "_update", "_layer_norm", "_rms_norm", "_group_norm", "_instance_norm"):
         monkeypatch.setattr(_modules, attr, refuse)
+    for attr in ("_mvn", "_batch_norm"):  # the per-call route's kernels
+        monkeypatch.setattr(_routes, attr, refuse)
 
 
-def test_tensors_simdnorm_does_not_take_go_to_torch_nn(rng, no_simdnorm_ops):
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_tensors_simdnorm_does_not_take_go_to_torch_nn(rng, no_simdnorm_ops, grad):
+    with torch.set_grad_enabled(grad):  # (without grad the modules take the per-call route)
+        _not_taken(rng)
+
+
+def _not_taken(rng):
     bn = snt.BatchNorm2d(4)
     # off the CPU (the meta device stands in for an accelerator here)
     y = snt.convert(nn.BatchNorm2d(4, device="meta"))(torch.empty(2, 4, 3, 3, device="meta"))
@@ -358,6 +431,27 @@ def test_tensors_simdnorm_does_not_take_go_to_torch_nn(rng, no_simdnorm_ops):
         snt.GroupNorm(3, 6)(rand(rng, 2, 5, 4))
     with pytest.raises(RuntimeError):
         snt.RMSNorm((2, 3))(rand(rng, 3, 2))
+    with pytest.raises(RuntimeError):  # GroupNorm(2, 4)'s parameters on 6 channels (2 divides 6)
+        snt.GroupNorm(2, 4)(rand(rng, 2, 6, 5))
+    with pytest.raises(RuntimeError):  # float16 parameters, float32 data
+        snt.LayerNorm(5).half()(rand(rng, 2, 5))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_a_plan_another_module_made_keeps_each_modules_checks(rng, grad):
+    """The per-call route's plans are keyed by shapes, dtypes and attributes, not by module: a
+    shape one module took is still refused by another whose own checks refuse it."""
+    with torch.set_grad_enabled(grad):
+        x = rand(rng, 2, 4, 3, 3)
+        snt.BatchNorm2d(4).eval()(x)
+        with pytest.raises(ValueError, match="expected 2D or 3D input"):
+            snt.BatchNorm1d(4).eval()(x)
+        snt.GroupNorm(2, 4)(x)
+        with pytest.raises(RuntimeError):
+            snt.GroupNorm(2, 6)(x)
+        snt.LayerNorm(3)(x)
+        with pytest.raises(RuntimeError):
+            snt.LayerNorm(4)(x)
 
 
 def test_batch_norm_training_refuses_one_value_per_channel(rng):

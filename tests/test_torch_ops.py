@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import simdnorm  # noqa: E402
 import simdnorm.torch  # noqa: E402,F401
-from simdnorm.torch import _ops  # noqa: E402
+from simdnorm.torch import _ops, _routes  # noqa: E402
 
 from reference import apply_activation, batch_norm_ref, group_norm_ref, mvn_ref  # noqa: E402
 from training_reference import bn_training_ref  # noqa: E402
@@ -247,6 +247,62 @@ def test_out_overloads_write_out_and_return_the_rest(rng):
             assert_close(g, r, torch.float32, f"{name}.out statistic {i}")
 
 
+def _route_cases(rng, dtype):
+    """(op, args, kwargs) of the forward ops the per-call route takes (no activation, no out=), in
+    every layout of the input: C order, dims stored reversed, not dense, unaligned, 8 dims."""
+    pd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    shape = (3, 6, 5, 4)
+    base = rand(rng, *shape, dtype=dtype, loc=2.0)
+    layouts = [base, rand(rng, *shape[::-1], dtype=dtype).permute(3, 2, 1, 0), base[..., ::2],
+               rand(rng, int(np.prod(shape)) + 1, dtype=dtype)[1:].view(shape),
+               base.contiguous(memory_format=torch.channels_last)]
+    w, b = rand(rng, 6, dtype=pd), rand(rng, 6, dtype=pd)
+    mean, var = rand(rng, 6, dtype=pd), rand(rng, 6, dtype=pd, positive=True)
+    cases = []
+    for x in layouts:
+        n = x.shape[-1]
+        cases += [
+            ("layer_norm", (x, rand(rng, n, dtype=pd), rand(rng, n, dtype=pd)), {}),
+            ("layer_norm", (x, rand(rng, 5, n, dtype=dtype)), {"axis": -2, "epsilon": 1e-3}),
+            ("rms_norm", (x, rand(rng, n, dtype=pd)), {}),
+            ("instance_norm", (x, w, b), {}),
+            ("instance_norm", (x.permute(0, 2, 3, 1), None, b[:1].expand(6)), {"channel_axis": -1}),
+            ("group_norm", (x, 3, w, b), {}),
+            ("group_norm", (x.permute(0, 2, 3, 1), 2, w), {"channel_axis": 3}),
+            ("batch_normalization", (x, mean, var, w, b), {}),
+            ("batch_normalization", (x.permute(0, 2, 3, 1), mean, var, None, b), {"channel_axis": -1}),
+        ]
+    x8 = rand(rng, 2, 4, 2, 2, 2, 2, 2, 3, dtype=dtype)
+    cases += [("group_norm", (x8, 2, w[:4], b[:4]), {}), ("layer_norm", (x8,), {"axis": 1})]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],
+                         ids=["f32", "f16", "bf16", "f64"])
+def test_per_call_route_gives_the_out_overloads_bits(rng, dtype, monkeypatch):
+    """A forward op without an activation or out= hands the tensors to the kernels itself (plans
+    cached by shapes and dtypes, the route the drop-in modules take without autograd); its output
+    and statistics are the bits the .out overload's plain function gives, twice (a miss, a hit)."""
+    ran = []
+    for attr in ("_mvn", "_batch_norm"):
+        fn = getattr(_routes, attr)
+        monkeypatch.setattr(_routes, attr, lambda *a, _fn=fn: ran.append(1) or _fn(*a))
+    for name, args, kwargs in _route_cases(rng, dtype):
+        for _ in range(2):
+            ran.clear()
+            got = getattr(ops, name)(*args, **kwargs)
+            assert ran, f"{name}: the route did not run"
+            got = got if isinstance(got, tuple) else (got,)
+            out = torch.full_like(args[0], float("nan"))
+            rest = getattr(ops, name).out(*args, **kwargs, out=out)
+            want = (out,) + (rest if isinstance(rest, tuple) else () if rest is None else (rest,))
+            assert got[0].stride() == torch.empty_like(args[0]).stride(), name
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert g.dtype == w.dtype and g.shape == w.shape, (name, i)
+                assert torch.equal(g, w) or (g.isnan() == w.isnan()).all() and torch.equal(
+                    g.nan_to_num(), w.nan_to_num()), f"{name} {kwargs}: result {i} differs"
+
+
 def test_backward_ops_equal_simdnorms_functions(rng):
     # the backward ops are simdnorm's backward functions (tested against references in
     # test_training.py): the same values, unrequested gradients as empty tensors
@@ -368,18 +424,26 @@ def test_activation_without_a_backward_op_refused_when_differentiated(rng):
 
 @pytest.fixture
 def received(monkeypatch):
-    """The data pointers of the numpy arrays each simdnorm function receives."""
+    """The data pointers of the numpy arrays each simdnorm function receives, and of the tensors the
+    per-call route hands the kernels."""
     seen = []
+
+    def watch(module, attr):
+        fn = getattr(module, attr)
+
+        def spy(*args, _fn=fn, **kwargs):
+            args_ = list(args) + list(kwargs.values())
+            seen.append({a.__array_interface__["data"][0] for a in args_ if isinstance(a, np.ndarray)}
+                        | {a.data_ptr() for a in args_ if isinstance(a, torch.Tensor)})
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(module, attr, spy)
+
     for attr in dir(_ops):
         if attr.startswith("_sn_"):
-            fn = getattr(_ops, attr)
-
-            def spy(*args, _fn=fn, **kwargs):
-                arrays = [a for a in list(args) + list(kwargs.values()) if isinstance(a, np.ndarray)]
-                seen.append({a.__array_interface__["data"][0] for a in arrays})
-                return _fn(*args, **kwargs)
-
-            monkeypatch.setattr(_ops, attr, spy)
+            watch(_ops, attr)
+    for attr in ("_mvn", "_batch_norm"):
+        watch(_routes, attr)
     return seen
 
 

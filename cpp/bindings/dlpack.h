@@ -1,5 +1,5 @@
 // The DLPack ABI, the part a CPU consumer reads: the structs and constants as dlpack/include/dlpack/
-// dlpack.h defines them (DLPack 1.1, https://dmlc.github.io/dlpack/latest/c_api.html), and the
+// dlpack.h defines them (DLPack 1.3, https://dmlc.github.io/dlpack/latest/c_api.html), and the
 // Python protocol's capsule names (https://dmlc.github.io/dlpack/latest/python_spec.html). The ABI
 // is public and stable; it is written out here rather than vendored because it is this small.
 #pragma once
@@ -60,6 +60,28 @@ struct DLManagedTensorVersioned {
   uint64_t flags;
   DLTensor dl_tensor;
 };
+
+// The C exchange API (DLPack 1.2 on, python_spec.html's __dlpack_c_exchange_api__): a capsule on the
+// producer's type holding a table of C functions, so that a consumer reads a tensor without a
+// Python call. Within a major version the table only grows at its end; prev_api chains to older
+// majors. simdnorm takes the borrowed export (valid while the caller holds the object) and the
+// owning one (the only one with flags: read-only). The pointers simdnorm does not call are void*.
+struct ExchangeApiHeader {
+  DLPackVersion version;
+  ExchangeApiHeader* prev_api;
+};
+
+struct ExchangeApi {
+  ExchangeApiHeader header;
+  void* managed_tensor_allocator;
+  int (*managed_tensor_from_py_object_no_sync)(void* py_object, DLManagedTensorVersioned** out);
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, DLTensor* out);  // may be NULL
+  void* current_work_stream;
+};
+
+constexpr const char* kExchangeApiAttribute = "__dlpack_c_exchange_api__";
+constexpr const char* kExchangeApiCapsule = "dlpack_exchange_api";
 
 // A consumer renames the capsule it takes ownership from, so that the producer's capsule
 // destructor leaves the deleter to the consumer (python_spec.html, "Semantics").

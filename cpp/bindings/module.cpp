@@ -13,6 +13,8 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "bindings/dlpack.h"
 #include "runtime/cpu.h"
@@ -59,9 +61,10 @@ void check_extent(const TensorView& v, const char* name) {
     throw py::value_error(std::string(name) + ": the byte extent of its sizes and strides overflows 64-bit arithmetic");
 }
 
+TensorView exchanged_view(py::handle obj, const char* name, bool writeable);
+
 TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
-  if (!py::detail::npy_api::get().PyArray_Check_(obj.ptr()))
-    throw py::type_error(std::string(name) + " must be a numpy.ndarray");
+  if (!py::detail::npy_api::get().PyArray_Check_(obj.ptr())) return exchanged_view(obj, name, writeable);
   const auto* a = py::detail::array_proxy(obj.ptr());
   TensorView v;
   v.dtype = dtype_of(obj, name);
@@ -237,6 +240,24 @@ bool py_batch_norm(PyObject* const* args, std::string* explain) {
   return true;
 }
 
+// v with dim d split into (groups, sizes[d] / groups), no copy: group norm's view (a size-1 dim,
+// a broadcast parameter's, splits into (1, 1)).
+TensorView split_dim(const TensorView& v, int d, int64_t groups) {
+  if (v.ndim + 1 > kMaxViewDims) throw py::value_error("groups: no room to split a dim");
+  if (v.sizes[d] == 1) groups = 1;
+  TensorView s = v;
+  s.ndim = v.ndim + 1;
+  for (int e = v.ndim; e > d + 1; --e) {
+    s.sizes[e] = v.sizes[e - 1];
+    s.strides[e] = v.strides[e - 1];
+  }
+  s.sizes[d] = groups;
+  s.sizes[d + 1] = v.sizes[d] / groups;
+  s.strides[d] = v.strides[d] * s.sizes[d + 1];
+  s.strides[d + 1] = v.strides[d];
+  return s;
+}
+
 bool py_mvn(PyObject* const* args, std::string* explain) {
   const py::handle x = args[0], axes = args[1], scale = args[2], bias = args[3], out = args[4], epsilon = args[5],
                    normalize_mean = args[6], normalize_variance = args[7], epsilon_outside = args[8],
@@ -248,17 +269,29 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
   a.output = a.statistics_only ? a.input : view_of(out, "out", true);
   if (a.output.dtype != a.input.dtype) throw py::type_error("out: dtype differs from the input's");
   check_same_shape(a.input, a.output, "out", true);
+  // -1: lower-rank scale/bias align right; an axis: a 1-D one goes there (instance norm's (C,))
+  const int channel_axis = int_of(args[12], "channel_axis");
+  if (channel_axis < -1 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
+  a.scale = optional_param(scale, "scale", a.input, channel_axis);
+  a.bias = optional_param(bias, "bias", a.input, channel_axis);
+  // groups: the channel dim (and the parameters along it) split into (groups, C / groups) here, so
+  // that group norm's caller passes its arrays as they are; axes and the statistics then count
+  // the split view's dims
+  if (args[15] != Py_None) {
+    const int groups = int_of(args[15], "groups");
+    if (channel_axis < 0 || groups < 1 || a.input.sizes[channel_axis] % groups != 0)
+      throw py::value_error("groups: must divide the size of dim channel_axis");
+    a.input = split_dim(a.input, channel_axis, groups);
+    a.output = split_dim(a.output, channel_axis, groups);
+    for (auto* p : {&a.scale, &a.bias})
+      if (*p) **p = split_dim(**p, channel_axis, groups);
+  }
   if (!PyTuple_Check(axes.ptr())) throw py::type_error("axes must be a tuple of ints");
   for (const py::handle h : py::reinterpret_borrow<py::tuple>(axes)) {
     const int axis = h.cast<int>();
     if (axis < 0 || axis >= a.input.ndim) throw py::value_error("axes: out of range");
     a.reduced |= 1u << axis;
   }
-  // -1: lower-rank scale/bias align right; an axis: a 1-D one goes there (instance norm's (C,))
-  const int channel_axis = int_of(args[12], "channel_axis");
-  if (channel_axis < -1 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
-  a.scale = optional_param(scale, "scale", a.input, channel_axis);
-  a.bias = optional_param(bias, "bias", a.input, channel_axis);
   const DType stats = a.input.dtype == DType::f64 || a.statistics_only ? DType::f64 : DType::f32;
   auto stats_view = [&](py::handle obj, const char* name) -> std::optional<TensorView> {
     if (obj.is_none()) return std::nullopt;
@@ -404,19 +437,20 @@ PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&
   return nullptr;
 }
 
-constexpr size_t kBatchNormArgs = 10, kMvnArgs = 15;
+constexpr size_t kBatchNormArgs = 10, kMvnArgs = 16, kMvnOptionalArgs = 2;
 
 PyObject* fast_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall<kBatchNormArgs>(args, nargs, "batch_norm", [](PyObject* const* a) { return py_batch_norm(a, nullptr); });
 }
 
-// mvn's last argument, var_out, may be left out (None).
+// mvn's last arguments, var_out and groups, may be left out (None).
 template <class F>
 PyObject* mvn_call(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
-  if (nargs != static_cast<Py_ssize_t>(kMvnArgs) - 1) return fastcall<kMvnArgs>(args, nargs, name, f);
+  if (nargs < static_cast<Py_ssize_t>(kMvnArgs - kMvnOptionalArgs) || nargs >= static_cast<Py_ssize_t>(kMvnArgs))
+    return fastcall<kMvnArgs>(args, nargs, name, f);
   PyObject* full[kMvnArgs];
   std::copy(args, args + nargs, full);
-  full[kMvnArgs - 1] = Py_None;
+  std::fill(full + nargs, full + kMvnArgs, Py_None);
   return fastcall<kMvnArgs>(full, kMvnArgs, name, f);
 }
 
@@ -501,8 +535,8 @@ PyMethodDef g_fast_methods[] = {
      "batch_norm(x, mean, variance, scale, bias, out, epsilon, activation, channel_axis, check_overlap) -> ran"},
     {"mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn)), METH_FASTCALL,
      "mvn(x, axes, scale, bias, out, epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, "
-     "mean_out, inv_std_out, channel_axis, check_overlap[, var_out]) -> ran; out None: the statistics only, "
-     "into float64 mean_out (inv_std_out, var_out)"},
+     "mean_out, inv_std_out, channel_axis, check_overlap[, var_out[, groups]]) -> ran; out None: the statistics "
+     "only, into float64 mean_out (inv_std_out, var_out); groups: dim channel_axis split into (groups, C / groups)"},
     {"mvn_backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn_backward)), METH_FASTCALL,
      "mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g, "
      "epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, statistics_terms, write_ga, "
@@ -598,8 +632,8 @@ int numpy_type_of(const dl::DLDataType& t, const char* name) {
 // within int64, the addressed bytes inside the address space, data non-null when there are
 // elements. (The kernels add int64 byte offsets to the data pointer: none may wrap.)
 struct Layout {
-  Py_intptr_t sizes[kMaxDims];
-  Py_intptr_t strides[kMaxDims];
+  Py_intptr_t sizes[kMaxViewDims];
+  Py_intptr_t strides[kMaxViewDims];
   char* data;
 };
 
@@ -668,6 +702,88 @@ Layout layout_of(const dl::DLTensor& t, int64_t itemsize, const char* name, bool
                 "arithmetic or the address space");
   l.data = reinterpret_cast<char*>(base);
   return l;
+}
+
+// The producer type's exchange API (major version 1), or null: looked up once per type. A cached
+// type is kept alive, so that its address cannot come back as another type's.
+const dl::ExchangeApi* exchange_api_of(PyObject* obj) {
+  static std::vector<std::pair<PyTypeObject*, const dl::ExchangeApi*>> known;  // (the GIL guards it)
+  PyTypeObject* type = Py_TYPE(obj);
+  for (const auto& [t, api] : known)
+    if (t == type) return api;
+  const dl::ExchangeApi* api = nullptr;
+  PyObject* cap = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), dl::kExchangeApiAttribute);
+  if (cap == nullptr) {
+    PyErr_Clear();
+  } else {
+    if (PyCapsule_IsValid(cap, dl::kExchangeApiCapsule)) {
+      // (the table lives as long as the process, by the protocol's rule: the capsule may go)
+      auto* h = static_cast<const dl::ExchangeApiHeader*>(PyCapsule_GetPointer(cap, dl::kExchangeApiCapsule));
+      while (h != nullptr && h->version.major != dl::kMajorVersion) h = h->prev_api;
+      api = reinterpret_cast<const dl::ExchangeApi*>(h);
+      if (api != nullptr && api->managed_tensor_from_py_object_no_sync == nullptr) api = nullptr;
+    }
+    Py_DECREF(cap);
+  }
+  if (known.size() < 16) {
+    Py_INCREF(type);
+    known.emplace_back(type, api);
+  }
+  return api;
+}
+
+DType dtype_of(const dl::DLDataType& t, const char* name) {
+  if (t.lanes == 1 && t.code == dl::kDLFloat && t.bits == 32) return DType::f32;
+  if (t.lanes == 1 && t.code == dl::kDLFloat && t.bits == 16) return DType::f16;
+  if (t.lanes == 1 && t.code == dl::kDLFloat && t.bits == 64) return DType::f64;
+  if (t.lanes == 1 && t.code == dl::kDLBfloat && t.bits == 16) return DType::bf16;
+  throw_type(std::string(name) + ": dtype " + dtype_text(t) + " is not supported; accepted: float32, float16, "
+             "bfloat16, float64");
+}
+
+// A tensor whose type has the DLPack C exchange API (a torch tensor) as a TensorView, read where it
+// lies without a Python call: the torch layer's route for small calls. Borrowed (the caller holds
+// obj for the call); writeable takes the owning export, whose flags say read-only, and gives it back
+// at once. The callers pass plain tensors only: a fake tensor's export has no real data.
+TensorView exchanged_view(py::handle obj, const char* name, bool writeable) {
+  const dl::ExchangeApi* api = exchange_api_of(obj.ptr());
+  if (api == nullptr)
+    throw_type(std::string(name) + " must be a numpy.ndarray or a tensor with the DLPack C exchange API, not " +
+               type_name(obj));
+  dl::DLTensor t;
+  dl::DLManagedTensorVersioned* managed = nullptr;
+  struct GiveBack {
+    dl::DLManagedTensorVersioned*& m;
+    ~GiveBack() {
+      if (m != nullptr && m->deleter != nullptr) m->deleter(m);
+    }
+  } give_back{managed};
+  if (writeable || api->dltensor_from_py_object_no_sync == nullptr) {
+    if (api->managed_tensor_from_py_object_no_sync(obj.ptr(), &managed) != 0) throw py::error_already_set();
+    if (writeable && (managed->flags & dl::kFlagReadOnly) != 0)
+      throw_value(std::string(name) + ": the " + type_name(obj) + " is read-only (its DLPack export says so)");
+    t = managed->dl_tensor;
+  } else if (api->dltensor_from_py_object_no_sync(obj.ptr(), &t) != 0) {
+    throw py::error_already_set();
+  }
+  if (t.device.device_type != dl::kDLCPU && t.device.device_type != dl::kDLCUDAHost &&
+      t.device.device_type != dl::kDLROCMHost)
+    throw_type(std::string(name) + ": the tensor is on device " + device_name(t.device.device_type) +
+               ", not in the CPU's memory");
+  if (t.ndim < 1 || t.ndim > kMaxViewDims)
+    throw_value(std::string(name) + ": expected 1 to " + std::to_string(kMaxViewDims) + " dimensions, got " +
+                std::to_string(t.ndim));
+  TensorView v;
+  v.dtype = dtype_of(t.dtype, name);
+  v.ndim = t.ndim;
+  const Layout l = layout_of(t, itemsize(v.dtype), name, writeable);
+  v.data = l.data;
+  for (int d = 0; d < kMaxViewDims; ++d) {
+    v.sizes[d] = d < v.ndim ? l.sizes[d] : 0;
+    v.strides[d] = d < v.ndim ? l.strides[d] : 0;
+  }
+  check_extent(v, name);
+  return v;
 }
 
 // The array's base: owns the managed tensor; its destructor is the one place the deleter runs.

@@ -122,7 +122,7 @@ def _td(a: Optional[np.ndarray]) -> Optional[TensorDesc]:
 # ----------------------------------------------------------------------------------------------------
 # batch normalization
 
-def _bn_miss(key: Any, x, mean, variance, scale, bias, epsilon, activation, channel_axis) -> tuple:
+def bn_plan(key: Any, x, mean, variance, scale, bias, epsilon, activation, channel_axis) -> tuple:
     desc = BatchNormalizationDesc(_td(x), _td(mean), _td(variance), _td(scale), _td(bias),
                                   epsilon=epsilon, activation=activation, channel_axis=channel_axis)
     plan = plan_bn(desc._validated())
@@ -208,7 +208,7 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
     except TypeError:  # an unhashable attribute: validate without caching (raises or plans)
         plan = key = None
     if plan is None:
-        plan = _bn_miss(key, x, mean, variance, scale, bias, epsilon, activation, channel_axis)
+        plan = bn_plan(key, x, mean, variance, scale, bias, epsilon, activation, channel_axis)
     eps, act, ca = plan
     if out is None:
         res = _empty_like(x, subok=False)
@@ -227,7 +227,7 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
 # ----------------------------------------------------------------------------------------------------
 # mean-variance normalization
 
-def _mvn_miss(key: Any, x, axes, scale, bias, nm, nv, epsilon, epsilon_mode, activation) -> tuple:
+def mvn_plan(key: Any, x, axes, scale, bias, nm, nv, epsilon, epsilon_mode, activation) -> tuple:
     desc = MeanVarianceNormalizationDesc(_td(x), axes, _td(scale), _td(bias), normalize_mean=nm,
                                          normalize_variance=nv, epsilon=epsilon, epsilon_mode=epsilon_mode,
                                          activation=activation)
@@ -358,7 +358,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
     else:
         axes, akey = _other_axes(axes)
     if akey is None:
-        plan = _mvn_miss(None, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode,
+        plan = mvn_plan(None, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode,
                          activation)
     else:
         key = (x.dtype, x.shape, akey, sdt, sshape, bdt, bshape, normalize_mean, normalize_mean.__class__,
@@ -370,7 +370,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
         except TypeError:
             plan = key = None
         if plan is None:
-            plan = _mvn_miss(key, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon,
+            plan = mvn_plan(key, x, axes, scale, bias, normalize_mean, normalize_variance, epsilon,
                              epsilon_mode, activation)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
                             or not out.flags.writeable):
@@ -440,7 +440,7 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     except (KeyError, TypeError):
         plan = None
     if plan is None:
-        plan = _mvn_miss(None, x, trailing_axes_rule(x, axis), scale, bias, True, True, epsilon, "inside",
+        plan = mvn_plan(None, x, trailing_axes_rule(x, axis), scale, bias, True, True, epsilon, "inside",
                          activation)
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
@@ -498,7 +498,7 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
     except (KeyError, TypeError):
         plan = None
     if plan is None:
-        plan = _mvn_miss(None, x, trailing_axes_rule(x, axis), scale, None, False, True, epsilon, "inside",
+        plan = mvn_plan(None, x, trailing_axes_rule(x, axis), scale, None, False, True, epsilon, "inside",
                          activation)
         _store_hashable(key, plan)
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
@@ -516,7 +516,7 @@ def _store_hashable(key: Any, plan: Any) -> None:
         pass
 
 
-def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
+def instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
     ca = channel_axis_rule(x, channel_axis, "instance_norm")
     axes = spatial_axes_rule(x, ca)
     nd = x.ndim
@@ -527,7 +527,7 @@ def _instance_plan(x, scale, bias, epsilon, channel_axis, activation) -> tuple:
     s = None if scale is None else scale[idx]
     b = None if bias is None else bias[idx]
     # Validated on views with C at the channel axis; a call passes the (C,) arrays and ca instead.
-    return (ca, _mvn_miss(None, x, axes, s, b, True, True, epsilon, "inside", activation))
+    return (ca, mvn_plan(None, x, axes, s, b, True, True, epsilon, "inside", activation))
 
 
 @documented
@@ -589,7 +589,7 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
     except (KeyError, TypeError):
         ip = None
     if ip is None:
-        ip = _instance_plan(x, scale, bias, epsilon, channel_axis, activation)
+        ip = instance_plan(x, scale, bias, epsilon, channel_axis, activation)
         _store_hashable(key, ip)
     ca, plan = ip
     if out is not None and (out.__class__ is not _nd or out.shape != x.shape or out.dtype is not x.dtype
@@ -628,7 +628,7 @@ def group_split(x: Any, num_groups: Any, channel_axis: Any) -> tuple:
     return ca, c, g, k, (1,) * ca + (g, k) + (1,) * (vnd - ca - 2), tuple(d for d in range(1, vnd) if d != ca)
 
 
-def _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
+def group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation) -> tuple:
     ca, c, g, k, pshape, reduced = group_split(x, num_groups, channel_axis)
     per_channel_rule("scale", scale, c, "group_norm")
     per_channel_rule("bias", bias, c, "group_norm")
@@ -705,7 +705,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     except (KeyError, TypeError):
         gp = None
     if gp is None:
-        gp = _group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation)
+        gp = group_plan(x, num_groups, scale, bias, epsilon, channel_axis, activation)
         _store_hashable(key, gp)
     ca, g, k, vshape, pshape, plan, nshape = gp
     if out is None:

@@ -502,7 +502,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     stats = _check_flag(fn, "return_stats", return_stats)
     x = _input(fn, x)
     s, b = _param(fn, scale, "scale", x), _param(fn, bias, "bias", x)
-    ca, g, k, _, _, plan, _ = _api._group_plan(x, num_groups, s, b, epsilon, channel_axis, activation)
+    ca, g, k, _, _, plan, _ = _api.group_plan(x, num_groups, s, b, epsilon, channel_axis, activation)
     eps = plan[3]
     sdt = stats_dtype(x.dtype)
     if k == 0:  # no channels: an empty result, and groups of no elements (NaN statistics)

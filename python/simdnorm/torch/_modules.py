@@ -19,6 +19,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 
 import simdnorm as _sn
 from . import _ops  # registers torch.ops.simdnorm; its CPU kernels, called directly when _direct()
+from . import _routes
 
 __all__ = [
     "BatchNorm1d",
@@ -41,23 +42,6 @@ _layer_norm = _ops_ns.layer_norm.default
 _rms_norm = _ops_ns.rms_norm.default
 _group_norm = _ops_ns.group_norm.default
 _instance_norm = _ops_ns.instance_norm.default
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _takes(x: Tensor, *params: Optional[Tensor]) -> bool:
-    """Whether simdnorm computes this call as torch.nn would: a non-empty CPU tensor of 1 to 8 dims
-    in one of its dtypes, each parameter of the input's dtype or, for 16-bit data, float32 (the
-    mixed precision torch.nn takes too)."""
-    if not x.is_cpu or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
-        return False
-    xd = x.dtype
-    for p in params:
-        if p is not None and (not p.is_cpu or (p.dtype != xd and not (p.dtype == torch.float32 and xd in _HALF))):
-            return False
-    return True
-
 
 def _state(m: nn.Module, *names: str) -> tuple:
     """m's parameters and buffers by name, read from its dicts (nn.Module's __getattr__ is the slow
@@ -101,7 +85,12 @@ class _BatchNormForward(_BatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         rm, rv, w, b = _state(self, "running_mean", "running_var", "weight", "bias")
-        if (rm is None) != (rv is None) or not _takes(input, w, b, rm, rv):
+        if not self.training and rm is not None and rv is not None and _direct(input, w, b):
+            self._check_input_dim(input)
+            y = _routes.batch_norm(input, rm, rv, w, b, self.eps, module=True)
+            if y is not None:
+                return y
+        if (rm is None) != (rv is None) or not _routes.takes(input, w, b, rm, rv):
             return super().forward(input)
         self._check_input_dim(input)
         direct = _direct(input, w, b)
@@ -156,14 +145,15 @@ class _InstanceNormForward(_InstanceNorm):
 
     def _apply_instance_norm(self, input: Tensor) -> Tensor:
         rm, rv = self.running_mean, self.running_var
-        if (rm is None) != (rv is None) or not _takes(input, self.weight, self.bias, rm, rv) or input.dim() < 3:
+        if (rm is None) != (rv is None) or not _routes.takes(input, self.weight, self.bias, rm, rv) or input.dim() < 3:
             return super()._apply_instance_norm(input)
         if not self.training and self.track_running_stats and rm is not None:  # torch.nn's use_input_stats
             return _bn(input, rm, rv, self.weight, self.bias, epsilon=self.eps)
         F._verify_spatial_size(input.size())  # type: ignore[attr-defined]
         if rm is None:
             if _direct(input, self.weight, self.bias):
-                return _plain(_sn.instance_norm, input, self.weight, self.bias, epsilon=self.eps)
+                y = _routes.instance_norm(input, self.weight, self.bias, self.eps, module=True)
+                return _plain(_sn.instance_norm, input, self.weight, self.bias, epsilon=self.eps) if y is None else y
             return _instance_norm(input, self.weight, self.bias, epsilon=self.eps)[0]
         # Running statistics need the variance: batch norm with (N, C, 1, ...) parameters takes the
         # statistics of each (n, c), the (C,) weight and bias expanded to that shape (no copy).
@@ -191,17 +181,17 @@ class InstanceNorm3d(_InstanceNormForward, nn.InstanceNorm3d):
     """:class:`torch.nn.InstanceNorm3d` computed by simdnorm on the CPU."""
 
 
-def _trailing(input: Tensor, normalized_shape: Any) -> bool:
-    k = len(normalized_shape)
-    return 0 < k <= input.dim() and tuple(input.shape[input.dim() - k:]) == tuple(normalized_shape)
-
-
 class LayerNorm(nn.LayerNorm):
     """:class:`torch.nn.LayerNorm` computed by simdnorm on the CPU."""
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = _state(self, "weight", "bias")
-        if not _trailing(input, self.normalized_shape) or not _takes(input, w, b):
+        if _direct(input, w, b):
+            ns = self.normalized_shape
+            y = _routes.layer_norm(input, w, b, -len(ns), self.eps, module=ns)
+            if y is not None:
+                return y
+        if not _routes.trailing(input, self.normalized_shape) or not _routes.takes(input, w, b):
             return super().forward(input)
         if _direct(input, w, b):
             return _plain(_sn.layer_norm, input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)
@@ -215,12 +205,18 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         (w,) = _state(self, "weight")
-        if not _trailing(x, self.normalized_shape) or not _takes(x, w):
-            return super().forward(x)
         eps = self.eps
         if eps is None:
             eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
-        if _direct(x, w):
+        direct = _direct(x, w)
+        if direct:
+            ns = self.normalized_shape
+            y = _routes.layer_norm(x, w, None, -len(ns), eps, rms=True, module=ns)
+            if y is not None:
+                return y
+        if not _routes.trailing(x, self.normalized_shape) or not _routes.takes(x, w):
+            return super().forward(x)
+        if direct:
             return _plain(_sn.rms_norm, x, w, axis=-len(self.normalized_shape), epsilon=eps)
         return _rms_norm(x, w, axis=-len(self.normalized_shape), epsilon=eps)[0]
 
@@ -230,11 +226,16 @@ class GroupNorm(nn.GroupNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = _state(self, "weight", "bias")
+        direct = _direct(input, w, b)
+        if direct:
+            y = _routes.group_norm(input, self.num_groups, w, b, self.eps, module=True)
+            if y is not None:
+                return y
         if (input.dim() < 2 or input.shape[1] % self.num_groups != 0
                 or (self.affine and input.shape[1] != self.num_channels)
-                or not _takes(input, w, b)):
+                or not _routes.takes(input, w, b)):
             return super().forward(input)
-        if _direct(input, w, b):
+        if direct:
             return _plain(_sn.group_norm, input, self.num_groups, w, b, epsilon=self.eps)
         return _group_norm(input, self.num_groups, w, b, epsilon=self.eps)[0]
 

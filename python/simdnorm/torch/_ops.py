@@ -135,10 +135,17 @@ def _activation(name: Optional[str], params: Optional[Sequence[float]]) -> Optio
 
 
 # ----------------------------------------------------------------------------------------------------
-# CPU kernels: the functional op and its .out overload in one function (out=None: a new tensor)
+# CPU kernels: the functional op and its .out overload in one function (out=None: a new tensor; the
+# forward ops without an activation first try the per-call route, _routes)
+
+from . import _routes  # noqa: E402 - (it reads this module's numpy views: after them)
 
 def batch_normalization(input, mean, variance, scale=None, bias=None, *, epsilon=1e-05, activation=None,
                         activation_params=None, channel_axis=1, out=None):
+    if out is None and activation is None and activation_params is None:
+        y = _routes.batch_norm(input, mean, variance, scale, bias, epsilon, channel_axis)
+        if y is not None:
+            return y
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _sn_batch_normalization(_as_numpy(input), _as_numpy(mean), _as_numpy(variance), _opt(scale), _opt(bias),
@@ -164,6 +171,10 @@ def mean_variance_normalization(input, axes, scale=None, bias=None, *, normalize
 
 def layer_norm(input, scale=None, bias=None, *, axis=-1, epsilon=1e-05, activation=None, activation_params=None,
                out=None):
+    if out is None and activation is None and activation_params is None:
+        r = _routes.layer_norm(input, scale, bias, axis, epsilon, stats=True)
+        if r is not None:
+            return r
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, m, s = _sn_layer_norm(_as_numpy(input), _opt(scale), _opt(bias), axis=axis, epsilon=epsilon, activation=act,
@@ -172,6 +183,10 @@ def layer_norm(input, scale=None, bias=None, *, axis=-1, epsilon=1e-05, activati
 
 
 def rms_norm(input, scale=None, *, axis=-1, epsilon=1e-05, activation=None, activation_params=None, out=None):
+    if out is None and activation is None and activation_params is None:
+        r = _routes.layer_norm(input, scale, None, axis, epsilon, rms=True, stats=True)
+        if r is not None:
+            return r[0], r[2]
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, _, s = _sn_rms_norm(_as_numpy(input), _opt(scale), axis=axis, epsilon=epsilon, activation=act,
@@ -181,6 +196,10 @@ def rms_norm(input, scale=None, *, axis=-1, epsilon=1e-05, activation=None, acti
 
 def instance_norm(input, scale=None, bias=None, *, epsilon=1e-05, channel_axis=1, activation=None,
                   activation_params=None, out=None):
+    if out is None and activation is None and activation_params is None:
+        r = _routes.instance_norm(input, scale, bias, epsilon, channel_axis, stats=True)
+        if r is not None:
+            return r
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, m, s = _sn_instance_norm(_as_numpy(input), _opt(scale), _opt(bias), epsilon=epsilon,
@@ -190,6 +209,10 @@ def instance_norm(input, scale=None, bias=None, *, epsilon=1e-05, channel_axis=1
 
 def group_norm(input, num_groups, scale=None, bias=None, *, epsilon=1e-05, channel_axis=1, activation=None,
                activation_params=None, out=None):
+    if out is None and activation is None and activation_params is None:
+        r = _routes.group_norm(input, num_groups, scale, bias, epsilon, channel_axis, stats=True)
+        if r is not None:
+            return r
     res = torch.empty_like(input) if out is None else out
     act = _activation(activation, activation_params)
     _, m, s = _sn_group_norm(_as_numpy(input), num_groups, _opt(scale), _opt(bias), epsilon=epsilon,

@@ -1,0 +1,169 @@
+"""The per-call route of small calls: plain CPU tensors straight into the kernels.
+
+A small call is mostly overhead: a numpy view per tensor costs about 1 us, and the plain function's
+checks as much again. Here each call looks its plan up by the tensors' shapes and dtypes and its
+attributes (what the plain functions key theirs by), and hands the tensors themselves to
+``_core``, which reads them through DLPack's C exchange API (no Python call, no numpy array).
+A miss plans through the plain functions' own validator on numpy views, so that a call runs here
+only where the plain function would run it, with the same plan, and raises that function's errors.
+
+Two kinds of caller: the drop-in modules (``module`` given: a miss first checks torch.nn's rules,
+and a call torch.nn would compute or refuse itself returns None for the module to pass on), and
+the ``torch.ops.simdnorm`` CPU kernels (``module`` None: simdnorm's rules, and the statistics).
+
+A route also returns None where the caller must take its general path: a tensor off the CPU, or
+one with the negative bit (its memory holds the values' negatives). The callers pass plain tensors
+(not fake or other subclass tensors, which have no memory to read).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .. import _core
+from .._api import bn_plan, group_plan, instance_plan, mvn_plan
+from .._descriptors import trailing_axes_rule
+from . import _ops
+
+_PLANS: Dict[Any, Any] = {}
+_PLANS_MAX = 512
+_empty_like = torch.empty_like
+_empty = torch.empty
+_mvn = _core.mvn
+_batch_norm = _core.batch_norm
+_F64 = torch.float64
+_F32 = torch.float32
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
+
+Result = Union[Tensor, Tuple[Tensor, Tensor, Tensor]]
+
+
+def takes(x: Tensor, *params: Optional[Tensor]) -> bool:
+    """Whether simdnorm computes a module's call as torch.nn would: a non-empty CPU tensor of 1 to
+    8 dims in one of its dtypes, each parameter of the input's dtype or, for 16-bit data, float32
+    (the mixed precision torch.nn takes too)."""
+    if not x.is_cpu or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
+        return False
+    xd = x.dtype
+    for p in params:
+        if p is not None and (not p.is_cpu or (p.dtype != xd and not (p.dtype == torch.float32 and xd in _HALF))):
+            return False
+    return True
+
+
+def trailing(x: Tensor, normalized_shape: Any) -> bool:
+    k = len(normalized_shape)
+    return 0 < k <= x.dim() and tuple(x.shape[x.dim() - k:]) == tuple(normalized_shape)
+
+
+def _store(key: Any, make: Callable[[], Any]) -> Any:
+    plan = make()
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def _readable(x: Tensor, *params: Optional[Tensor]) -> bool:
+    """The per-call conditions a plan does not hold: on the CPU, no negative bit."""
+    if not x.is_cpu or x.is_neg():
+        return False
+    for p in params:
+        if p is not None and p.is_neg():
+            return False
+    return True
+
+
+def _mvn_into(x: Tensor, plan: tuple, scale: Optional[Tensor], bias: Optional[Tensor], stats: bool, ca: int = -1,
+              groups: Optional[int] = None) -> Result:
+    """The MVN kernel into torch.empty_like(x); with stats also (out, mean, inv_std), new tensors of
+    the plan's statistics shape (an empty one for a statistic the plan does not take)."""
+    axes, stats_shape, _, eps, nm, nv, eo, act = plan
+    res = _empty_like(x)
+    if not stats:
+        _mvn(x, axes, scale, bias, res, eps, nm, nv, eo, act, None, None, ca, False, None, groups)
+        return res
+    sd = _F64 if x.dtype is _F64 else _F32
+    mo = _empty(stats_shape, dtype=sd) if nm else x.new_empty((0,), dtype=sd)
+    so = _empty(stats_shape, dtype=sd)
+    _mvn(x, axes, scale, bias, res, eps, nm, nv, eo, act, mo if nm else None, so, ca, False, None, groups)
+    return res, mo, so
+
+
+def layer_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], axis: int, eps: float, rms: bool = False,
+               stats: bool = False, module: Any = None) -> Optional[Result]:
+    """Layer norm (RMS norm with rms, b None) over the dims from axis; module: the LayerNorm's or
+    RMSNorm's normalized_shape."""
+    key = ("rms" if rms else "layer", x.shape, x.dtype, None if w is None else (w.shape, w.dtype),
+           None if b is None else (b.shape, b.dtype), axis, axis.__class__, eps, eps.__class__, module)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if module is not None and (not trailing(x, module) or not takes(x, w, b)):
+            return None
+        xn = _ops._as_numpy(x)
+        plan = _store(key, lambda: mvn_plan(None, xn, trailing_axes_rule(xn, axis), _ops._opt(w), _ops._opt(b),
+                                            not rms, True, eps, "inside", None))
+    if not _readable(x, w, b):
+        return None
+    return _mvn_into(x, plan, w, b, stats)
+
+
+def instance_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float, ca: int = 1,
+                  stats: bool = False, module: bool = False) -> Optional[Result]:
+    """Instance norm with the input's statistics."""
+    key = ("instance", x.shape, x.dtype, None if w is None else (w.shape, w.dtype),
+           None if b is None else (b.shape, b.dtype), eps, eps.__class__, ca, ca.__class__, module)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if module and (x.dim() < 3 or not takes(x, w, b)):
+            return None
+        plan = _store(key, lambda: instance_plan(_ops._as_numpy(x), _ops._opt(w), _ops._opt(b), eps, ca, None))
+    if not _readable(x, w, b):
+        return None
+    channel_axis, mvn = plan
+    return _mvn_into(x, mvn, w, b, stats, channel_axis)
+
+
+def group_norm(x: Tensor, num_groups: int, w: Optional[Tensor], b: Optional[Tensor], eps: float, ca: int = 1,
+               stats: bool = False, module: bool = False) -> Optional[Result]:
+    """Group norm: the kernel splits the channel dim of x, of the result and of the (C,) parameters
+    into (G, C/G) itself (a torch view costs more than the call). The statistics: (N, G)."""
+    key = ("group", x.shape, x.dtype, None if w is None else (w.shape, w.dtype),
+           None if b is None else (b.shape, b.dtype), num_groups, num_groups.__class__, eps, eps.__class__, ca,
+           ca.__class__, module)
+    plan = _PLANS.get(key)
+    if plan is None:
+        # (torch.nn's own checks: C divisible by G, the parameters' length C)
+        if module and (x.dim() < 2 or x.shape[1] % num_groups != 0 or not takes(x, w, b) or any(
+                p is not None and tuple(p.shape) != (x.shape[1],) for p in (w, b))):
+            return None
+        plan = _store(key, lambda: group_plan(_ops._as_numpy(x), num_groups, _ops._opt(w), _ops._opt(b), eps, ca,
+                                              None))
+    if not _readable(x, w, b):
+        return None
+    channel_axis, g, _, _, _, mvn, nshape = plan
+    r = _mvn_into(x, mvn, w, b, stats, channel_axis, g)
+    return (r[0], r[1].view(nshape), r[2].view(nshape)) if stats else r
+
+
+def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float,
+               ca: int = 1, module: bool = False) -> Optional[Tensor]:
+    """Batch norm with given statistics."""
+    key = ("bn", x.shape, x.dtype, mean.shape, mean.dtype, var.shape, var.dtype,
+           None if w is None else (w.shape, w.dtype), None if b is None else (b.shape, b.dtype), eps, eps.__class__,
+           ca, ca.__class__, module)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if module and not takes(x, w, b, mean, var):
+            return None
+        plan = _store(key, lambda: bn_plan(None, _ops._as_numpy(x), _ops._as_numpy(mean), _ops._as_numpy(var),
+                                           _ops._opt(w), _ops._opt(b), eps, None, ca))
+    if not _readable(x, mean, var, w, b):
+        return None
+    e, act, channel_axis = plan
+    res = _empty_like(x)
+    _batch_norm(x, mean, var, w, b, res, e, act, channel_axis, False)
+    return res
