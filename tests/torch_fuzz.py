@@ -1,0 +1,291 @@
+"""Fuzzer of the torch per-call route (simdnorm/torch/_routes.py): torch.ops.simdnorm forward ops
+and the drop-in modules without autograd hand tensors to the kernels themselves, with plans
+cached by shapes and dtypes. Each case draws, independently: the op, rank 1..8, sizes (0 and 1
+included), dtype, the input's layout (dims permuted, channels last, steps, expanded dims of
+stride 0, an odd storage offset), each parameter's presence, form (1-D or same rank with size-1
+dims), dtype and layout, the attributes (axis, channel_axis, groups, epsilon). The op runs twice
+(a plan's miss, then its hit) and must give the bits of its .out overload, which runs the plain
+function on numpy views (the path tests/fuzz_space.py checks against float64); a module, the bits
+of the plain function. Case i of a seed is rebuilt from (seed, i) alone.
+
+    python tests/torch_fuzz.py --seed N --cases 20000        # a long run, in child processes
+    python tests/torch_fuzz.py --seed N --replay I           # one case here, traceback and all
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import traceback
+
+import numpy as np
+
+FLOATS = ("float32", "float16", "bfloat16", "float64")
+OPS = ("layer_norm", "rms_norm", "instance_norm", "group_norm", "batch_normalization", "module")
+
+
+def _pick(rng, options):
+    return options[int(rng.integers(len(options)))]
+
+
+def _layout(torch, rng, base_shape, dtype):
+    """A tensor of logical shape base_shape in a drawn layout (fresh standard normal values)."""
+    nd = len(base_shape)
+    kind = _pick(rng, ("c", "c", "perm", "channels_last", "steps", "expanded", "offset"))
+    if kind == "perm" and nd > 1:
+        perm = [int(p) for p in rng.permutation(nd)]
+        store = [base_shape[p] for p in perm]
+        t = torch.from_numpy(rng.standard_normal(store)).to(dtype).permute(*np.argsort(perm).tolist())
+    elif kind == "channels_last" and nd > 2:
+        order = [0] + list(range(2, nd)) + [1]
+        t = torch.from_numpy(rng.standard_normal([base_shape[p] for p in order])).to(dtype)
+        t = t.permute(*np.argsort(order).tolist())
+    elif kind == "steps":
+        d = int(rng.integers(nd))
+        wide = list(base_shape)
+        wide[d] = 2 * wide[d]
+        t = torch.from_numpy(rng.standard_normal(wide)).to(dtype)[tuple(
+            slice(None, None, 2) if e == d else slice(None) for e in range(nd))]
+    elif kind == "expanded":
+        keep = [bool(rng.random() < 0.5) for _ in range(nd)]
+        small = [s if k else 1 for s, k in zip(base_shape, keep)]
+        t = torch.from_numpy(rng.standard_normal(small)).to(dtype).expand(*base_shape)
+    elif kind == "offset":
+        n = int(np.prod(base_shape))
+        t = torch.from_numpy(rng.standard_normal(n + 1)).to(dtype)[1:].view(*base_shape)
+    else:
+        t = torch.from_numpy(rng.standard_normal(base_shape)).to(dtype)
+    assert tuple(t.shape) == tuple(base_shape)
+    return t
+
+
+def draw_case(torch, seed, index):
+    """(description, run) for case `index` of `seed`; run() raises AssertionError on a mismatch."""
+    rng = np.random.default_rng([seed, index])
+    dtype = getattr(torch, _pick(rng, FLOATS))
+    op = _pick(rng, OPS)
+    nd = int(rng.integers(3 if op in ("instance_norm", "module") else 2 if op == "group_norm" else 1, 9))
+    shape = [1 if rng.random() < 0.15 else int(rng.integers(1, 5 if nd > 4 else 9)) for _ in range(nd)]
+    if rng.random() < 0.03:
+        shape[int(rng.integers(nd))] = 0
+    pdt = _pick(rng, (dtype, torch.float32)) if dtype in (torch.float16, torch.bfloat16) else dtype
+    eps = _pick(rng, (1e-5, 1e-3, 0.5))
+
+    def param(pshape, dt=None):
+        return _layout(torch, rng, tuple(pshape), dt or pdt) if rng.random() < 0.7 else None
+
+    if op in ("layer_norm", "rms_norm"):
+        axis = int(rng.integers(-nd, nd))
+        tail = shape[axis % nd:]
+        args_kw = {"axis": axis, "epsilon": eps}
+        params = [param([s if rng.random() < 0.7 else 1 for s in tail])]
+        if op == "layer_norm":
+            params.append(param([s if rng.random() < 0.7 else 1 for s in tail]))
+    elif op in ("instance_norm", "group_norm"):
+        ca = _pick(rng, [1, -1] + list(range(2, nd)))
+        args_kw = {"channel_axis": ca, "epsilon": eps}
+        if op == "group_norm":
+            g, k = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+            shape[ca % nd] = g * k
+        params = [param([shape[ca % nd]]), param([shape[ca % nd]])]
+    elif op == "batch_normalization":
+        ca = _pick(rng, [1, -1, 0]) if nd > 1 else 0
+        ca = ca if ca < nd else 0
+        args_kw = {"channel_axis": ca, "epsilon": eps}
+        c = shape[ca % nd]
+
+        def bn_param(positive=False):
+            p = _layout(torch, rng, (c,), pdt) if rng.random() < 0.6 else _layout(
+                torch, rng, tuple(s if d == ca % nd or rng.random() < 0.3 else 1 for d, s in enumerate(shape)), pdt)
+            return p.abs() + 0.5 if positive else p
+
+        params = [bn_param(), bn_param(True), param([c]), param([c])]
+        if params[2] is not None and params[2].dim() != 1 or params[3] is not None and params[3].dim() != 1:
+            params[2:] = [None, None]
+    else:  # a drop-in module, eval or train, in torch.no_grad()
+        return _module_case(torch, rng, dtype, pdt, shape, eps, seed, index)
+    x = _layout(torch, rng, tuple(shape), dtype)
+    pos = (x,) + tuple(params)
+    if op == "group_norm":
+        pos = (x, g) + tuple(params)
+    desc = (f"case {seed}:{index}: {op} {dtype} shape={tuple(x.shape)} strides={x.stride()} {args_kw} "
+            f"params={[None if p is None else (tuple(p.shape), p.stride(), p.dtype) for p in params]}")
+
+    def run():
+        fn = getattr(torch.ops.simdnorm, op)
+        for attempt in ("miss", "hit"):
+            try:
+                got = fn(*pos, **args_kw)
+            except (TypeError, ValueError) as e:  # a refusal must be the plain function's own
+                with_out = None
+                try:
+                    fn.out(*pos, **args_kw, out=torch.empty_like(x))
+                except (TypeError, ValueError) as e2:
+                    with_out = e2
+                assert with_out is not None and type(with_out) is type(e), f"{attempt}: {e!r} vs {with_out!r}"
+                return
+            got = got if isinstance(got, tuple) else (got,)
+            out = torch.full_like(x, float("nan"))
+            rest = fn.out(*pos, **args_kw, out=out)
+            want = (out,) + (rest if isinstance(rest, tuple) else () if rest is None else (rest,))
+            assert len(got) == len(want), attempt
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert a.dtype == b.dtype and a.shape == b.shape, f"{attempt}: result {i} {a.shape} vs {b.shape}"
+                same = a.isnan() == b.isnan()
+                assert bool(same.all()) and torch.equal(a.nan_to_num(), b.nan_to_num()), \
+                    f"{attempt}: result {i} differs from the .out overload's"
+            assert got[0].stride() == torch.empty_like(x).stride(), attempt
+
+    return desc, run
+
+
+def _module_case(torch, rng, dtype, pdt, shape, eps, seed, index):
+    import simdnorm
+    import simdnorm.torch as snt
+    nn = torch.nn
+    nd = len(shape)
+    kind = _pick(rng, ("BatchNorm", "LayerNorm", "RMSNorm", "GroupNorm", "InstanceNorm"))
+    c = shape[1]
+    if kind == "BatchNorm":
+        cls = {3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(nd)
+        if cls is None:
+            shape, cls = shape[:4], nn.BatchNorm2d
+        m = cls(c, eps=eps, affine=bool(rng.random() < 0.8)).eval()
+    elif kind == "LayerNorm":
+        k = int(rng.integers(1, nd + 1))
+        m = nn.LayerNorm(shape[nd - k:], eps=eps, elementwise_affine=bool(rng.random() < 0.8))
+    elif kind == "RMSNorm":
+        k = int(rng.integers(1, nd + 1))
+        m = nn.RMSNorm(shape[nd - k:], eps=eps)
+    elif kind == "GroupNorm":
+        g = int(rng.integers(1, 4))
+        shape[1] = g * int(rng.integers(1, 4))
+        m = nn.GroupNorm(g, shape[1], eps=eps, affine=bool(rng.random() < 0.8))
+    else:
+        shape = shape[:5]
+        cls = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}[len(shape)]
+        m = cls(shape[1], eps=eps, affine=bool(rng.random() < 0.7))
+    with torch.no_grad():
+        for p in list(m.parameters()) + [b for b in m.buffers() if b.dtype.is_floating_point]:
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape))).abs() + 0.5)
+    ref = __import__("copy").deepcopy(m).to(pdt)  # torch.nn's own: what a refusal must match
+    m = snt.convert(m).to(pdt)
+    x = _layout(torch, rng, tuple(shape), dtype)
+    desc = f"case {seed}:{index}: module {type(m).__name__} {dtype} shape={tuple(x.shape)} strides={x.stride()}"
+
+    def np_of(t):
+        if t is None:
+            return None
+        t = t.detach()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+    def plain():
+        """The plain function into an output laid out as the module's (torch.empty_like(x): where
+        x has zero strides, numpy's empty_like orders the dims otherwise, and the kernels' order of
+        summation follows the layout)."""
+        xs, w, b = np_of(x), np_of(getattr(m, "weight", None)), np_of(getattr(m, "bias", None))
+        out = np_of(torch.empty_like(x))
+        if kind == "BatchNorm":
+            return simdnorm.batch_normalization(xs, np_of(m.running_mean), np_of(m.running_var), w, b, epsilon=eps,
+                                                out=out)
+        if kind == "LayerNorm":
+            return simdnorm.layer_norm(xs, w, b, axis=-len(m.normalized_shape), epsilon=eps, out=out)
+        if kind == "RMSNorm":
+            return simdnorm.rms_norm(xs, w, axis=-len(m.normalized_shape), epsilon=eps, out=out)
+        if kind == "GroupNorm":
+            return simdnorm.group_norm(xs, m.num_groups, w, b, epsilon=eps, out=out)
+        return simdnorm.instance_norm(xs, w, b, epsilon=eps, out=out)
+
+    def run():
+        if x.numel() == 0:
+            return  # (torch.nn's own forward: another path)
+        for attempt in ("miss", "hit"):
+            with torch.no_grad():
+                try:
+                    y = m(x)
+                except Exception as e:  # noqa: BLE001 - torch.nn's own refusal, passed on
+                    try:
+                        ref(x)
+                    except Exception as e2:  # noqa: BLE001
+                        assert type(e2) is type(e), f"{attempt}: {e!r}, torch.nn's {e2!r}"
+                        return
+                    raise
+            want = plain()
+            got = np_of(y)
+            assert got.shape == want.shape and got.dtype == want.dtype, attempt
+            assert np.array_equal(got, want, equal_nan=True), f"{attempt}: differs from the plain function"
+
+    return desc, run
+
+
+def run_cases(seed, start, count):
+    """Run cases [start, start + count) here; print FAIL lines; return the number of failures."""
+    import torch
+    import simdnorm.torch  # noqa: F401 - registers the ops
+
+    torch.set_num_threads(1)
+    failures = 0
+    for i in range(start, start + count):
+        desc, run = draw_case(torch, seed, i)
+        print(f"@@ START {i}", flush=True)
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 - each failure reported, the run goes on
+            failures += 1
+            print(f"@@ FAIL {desc}: {type(e).__name__}: {e}", flush=True)
+    return failures
+
+
+def run_in_children(seed, cases, batch=500, timeout=600):
+    """Cases in child processes of `batch` each: a child that dies fails the case it was running
+    and the rest of its batch goes to the next child. Returns (failure lines, crash lines)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    fails, crashes = [], []
+    start, end = 0, cases
+    while start < end:
+        count = min(batch, end - start)
+        code = f"import sys; sys.path.insert(0, {here!r}); import torch_fuzz; torch_fuzz.run_cases({seed}, {start}, {count})"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        lines = r.stdout.splitlines()
+        fails += [ln for ln in lines if ln.startswith("@@ FAIL")]
+        started = [int(ln.split()[2]) for ln in lines if ln.startswith("@@ START")]
+        if r.returncode != 0:
+            last = started[-1] if started else start
+            crashes.append(f"case {seed}:{last} crashed (exit {r.returncode}): {r.stderr[-2000:]}")
+            start = last + 1
+        else:
+            start += count
+    return fails, crashes
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, required=True)
+    ap.add_argument("--cases", type=int, default=2000)
+    ap.add_argument("--replay", type=int)
+    a = ap.parse_args(argv)
+    if a.replay is not None:
+        import torch
+        import simdnorm.torch  # noqa: F401
+        desc, run = draw_case(torch, a.seed, a.replay)
+        print(desc)
+        try:
+            run()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            return 1
+        print("ok")
+        return 0
+    fails, crashes = run_in_children(a.seed, a.cases)
+    for line in fails + crashes:
+        print(line)
+    print(f"{a.cases} cases, seed {a.seed}: {len(crashes)} crashed, {len(fails)} failed")
+    return 1 if fails or crashes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
