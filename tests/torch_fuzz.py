@@ -1,12 +1,13 @@
-"""Fuzzer of the torch per-call route (simdnorm/torch/_routes.py): torch.ops.simdnorm forward ops
-and the drop-in modules without autograd hand tensors to the kernels themselves, with plans
-cached by shapes and dtypes. Each case draws, independently: the op, rank 1..8, sizes (0 and 1
-included), dtype, the input's layout (dims permuted, channels last, steps, expanded dims of
-stride 0, an odd storage offset), each parameter's presence, form (1-D or same rank with size-1
-dims), dtype and layout, the attributes (axis, channel_axis, groups, epsilon). The op runs twice
-(a plan's miss, then its hit) and must give the bits of its .out overload, which runs the plain
-function on numpy views (the path tests/fuzz_space.py checks against float64); a module, the bits
-of the plain function. Case i of a seed is rebuilt from (seed, i) alone.
+"""Fuzzer of the torch per-call route (simdnorm/torch/_routes.py): torch.ops.simdnorm forward ops,
+the drop-in modules without autograd and the plain functions called with tensors hand the tensors
+to the kernels themselves, with plans cached by shapes and dtypes. Each case draws, independently:
+the op, rank 1..8, sizes (0 and 1 included), dtype, the input's layout (dims permuted, channels
+last, steps, expanded dims of stride 0, an odd storage offset), each parameter's presence, form
+(1-D or same rank with size-1 dims), dtype and layout, the attributes (axis, channel_axis,
+groups, epsilon). The op runs twice (a plan's miss, then its hit) and must give the bits of its
+.out overload, which runs the plain function on numpy views (the path tests/fuzz_space.py checks
+against float64), and so must the plain function called with the tensors; a module, the bits of
+the plain function. Case i of a seed is rebuilt from (seed, i) alone.
 
     python tests/torch_fuzz.py --seed N --cases 20000        # a long run, in child processes
     python tests/torch_fuzz.py --seed N --replay I           # one case here, traceback and all
@@ -62,6 +63,7 @@ def _layout(torch, rng, base_shape, dtype):
 
 def draw_case(torch, seed, index):
     """(description, run) for case `index` of `seed`; run() raises AssertionError on a mismatch."""
+    import simdnorm
     rng = np.random.default_rng([seed, index])
     dtype = getattr(torch, _pick(rng, FLOATS))
     op = _pick(rng, OPS)
@@ -136,6 +138,15 @@ def draw_case(torch, seed, index):
                 assert bool(same.all()) and torch.equal(a.nan_to_num(), b.nan_to_num()), \
                     f"{attempt}: result {i} differs from the .out overload's"
             assert got[0].stride() == torch.empty_like(x).stride(), attempt
+            # the plain function on the same tensors (its own route) gives the same bits
+            if op == "batch_normalization":
+                plain = (getattr(simdnorm, op)(*pos, **args_kw),)
+            else:
+                plain = tuple(t for t in getattr(simdnorm, op)(*pos, **args_kw, return_stats=True) if t is not None)
+            for i, (a, b) in enumerate(zip(plain, want)):
+                assert type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape, f"{attempt}: plain {i}"
+                assert bool((a.isnan() == b.isnan()).all()) and torch.equal(a.nan_to_num(), b.nan_to_num()), \
+                    f"{attempt}: the plain function's result {i} differs from the .out overload's"
 
     return desc, run
 

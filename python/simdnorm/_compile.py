@@ -179,6 +179,11 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
         return call_differentiable(fn.__name__, kw)
     if torch is not None:
         share_torch_threads_once()
+        from .torch._routes import plain_call  # (loads simdnorm.torch: torch is loaded already)
+
+        r = plain_call(fn, kw)  # plain tensors, no activation or out=: straight to the kernels
+        if r is not None:
+            return r
         kw["x"] = dlpack_array(x, "input")
     out = result = kw.get("out")  # result: what the call returns for the array it writes
     if out is not None:

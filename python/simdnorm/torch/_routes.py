@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .. import _core
+from .. import _api, _core
 from .._api import bn_plan, group_plan, instance_plan, mvn_plan
 from .._descriptors import trailing_axes_rule
 from . import _ops
@@ -167,3 +167,56 @@ def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Opt
     res = _empty_like(x)
     _batch_norm(x, mean, var, w, b, res, e, act, channel_axis, False)
     return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# the plain functions' calls on torch tensors (_compile.follow_input): name -> the route's call, from
+# the function's arguments by name; None where the route does not take the call
+
+def _plain_layer(kw: Dict[str, Any]) -> Optional[Result]:
+    return layer_norm(kw["x"], kw["scale"], kw["bias"], kw["axis"], kw["epsilon"], stats=kw["return_stats"])
+
+
+def _plain_rms(kw: Dict[str, Any]) -> Any:
+    r = layer_norm(kw["x"], kw["scale"], None, kw["axis"], kw["epsilon"], rms=True, stats=kw["return_stats"])
+    return (r[0], None, r[2]) if kw["return_stats"] and r is not None else r
+
+
+def _plain_instance(kw: Dict[str, Any]) -> Optional[Result]:
+    return instance_norm(kw["x"], kw["scale"], kw["bias"], kw["epsilon"], kw["channel_axis"], stats=kw["return_stats"])
+
+
+def _plain_group(kw: Dict[str, Any]) -> Optional[Result]:
+    return group_norm(kw["x"], kw["num_groups"], kw["scale"], kw["bias"], kw["epsilon"], kw["channel_axis"],
+                      stats=kw["return_stats"])
+
+
+def _plain_bn(kw: Dict[str, Any]) -> Optional[Result]:
+    return batch_norm(kw["x"], kw["mean"], kw["variance"], kw["scale"], kw["bias"], kw["epsilon"], kw["channel_axis"])
+
+
+_PLAIN: Dict[Any, Tuple[Callable[[Dict[str, Any]], Any], Tuple[str, ...]]] = {  # (not compiled operators)
+    _api.layer_norm: (_plain_layer, ("x", "scale", "bias")),
+    _api.rms_norm: (_plain_rms, ("x", "scale")),
+    _api.instance_norm: (_plain_instance, ("x", "scale", "bias")),
+    _api.group_norm: (_plain_group, ("x", "scale", "bias")),
+    _api.batch_normalization: (_plain_bn, ("x", "mean", "variance", "scale", "bias")),
+}
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def plain_call(fn: Any, kw: Dict[str, Any]) -> Any:
+    """A plain function's call (its arguments by name) on plain CPU tensors without an activation
+    or out=, through the route; None where it does not apply (the caller then takes its general
+    path, which also raises whatever the call deserves)."""
+    entry = _PLAIN.get(fn)
+    if entry is None or kw.get("out") is not None or kw.get("activation") is not None:
+        return None
+    if kw.get("return_stats", False).__class__ is not bool:
+        return None
+    call, tensors = entry
+    for t in tensors:  # (another dtype or device takes the general path, which names it as it does)
+        v = kw[t]
+        if v is not None and (v.__class__ not in _PLAIN_TENSORS or v.dtype not in _FLOATS or not v.is_cpu):
+            return None
+    return call(kw)
