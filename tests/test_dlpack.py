@@ -248,6 +248,33 @@ def test_negated_views_are_read_as_their_values_and_never_written(rng, dtype):
     assert torch.all(out == POISON)  # (its values: nothing written)
 
 
+@pytest.mark.parametrize("call", [
+    lambda x, c: simdnorm.layer_norm(x, epsilon=np.array(1e-5)),
+    lambda x, c: simdnorm.layer_norm(x, epsilon=[1e-5]),
+    lambda x, c: simdnorm.layer_norm(x, axis=[1]),
+    lambda x, c: simdnorm.rms_norm(x, axis=2.0),
+    lambda x, c: simdnorm.group_norm(x, [2]),
+    lambda x, c: simdnorm.group_norm(x, 3),
+    lambda x, c: simdnorm.instance_norm(x, epsilon=-1.0),
+    lambda x, c: simdnorm.instance_norm(x, channel_axis=0),
+    lambda x, c: simdnorm.batch_normalization(x, c, c, epsilon={}),
+    lambda x, c: simdnorm.batch_normalization(x, c[:3], c),
+], ids=["eps-array", "eps-list", "axis-list", "axis-float", "groups-list", "groups-3", "eps-negative",
+        "channel-axis-0", "eps-dict", "mean-short"])
+def test_torch_calls_refuse_what_numpy_calls_refuse(rng, call):
+    """Tensors take a faster route than arrays for small calls (plans cached by their attributes);
+    an attribute it cannot key by or a call the plain function refuses gives the same error,
+    word for word, as the same call on numpy arrays."""
+    x = tensor(rng, (2, 4, 3, 5), F32)
+    c = torch.ones(4)
+    with pytest.raises(Exception) as with_numpy:
+        call(x.numpy(), c.numpy())
+    for _ in range(2):  # (a second time: a miss must not have stored anything)
+        with pytest.raises(type(with_numpy.value)) as with_torch:
+            call(x, c)
+        assert str(with_torch.value) == str(with_numpy.value)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_numpy_in_gives_numpy_results_and_numpy_out_is_returned(rng, dtype):
     x = tensor(rng, (2, 4, 3, 5), dtype)

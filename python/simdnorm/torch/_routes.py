@@ -59,6 +59,18 @@ def trailing(x: Tensor, normalized_shape: Any) -> bool:
     return 0 < k <= x.dim() and tuple(x.shape[x.dim() - k:]) == tuple(normalized_shape)
 
 
+_MISS = object()
+
+
+def _cached(key: Any) -> Any:
+    """The plan stored under key, _MISS, or None for a key that cannot be one (an unhashable
+    attribute: the general path validates it and names it)."""
+    try:
+        return _PLANS.get(key, _MISS)
+    except TypeError:
+        return None
+
+
 def _store(key: Any, make: Callable[[], Any]) -> Any:
     plan = make()
     if len(_PLANS) >= _PLANS_MAX:
@@ -99,8 +111,10 @@ def layer_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], axis: int, e
     RMSNorm's normalized_shape."""
     key = ("rms" if rms else "layer", x.shape, x.dtype, None if w is None else (w.shape, w.dtype),
            None if b is None else (b.shape, b.dtype), axis, axis.__class__, eps, eps.__class__, module)
-    plan = _PLANS.get(key)
+    plan = _cached(key)
     if plan is None:
+        return None
+    if plan is _MISS:
         if module is not None and (not trailing(x, module) or not takes(x, w, b)):
             return None
         xn = _ops._as_numpy(x)
@@ -116,8 +130,10 @@ def instance_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: floa
     """Instance norm with the input's statistics."""
     key = ("instance", x.shape, x.dtype, None if w is None else (w.shape, w.dtype),
            None if b is None else (b.shape, b.dtype), eps, eps.__class__, ca, ca.__class__, module)
-    plan = _PLANS.get(key)
+    plan = _cached(key)
     if plan is None:
+        return None
+    if plan is _MISS:
         if module and (x.dim() < 3 or not takes(x, w, b)):
             return None
         plan = _store(key, lambda: instance_plan(_ops._as_numpy(x), _ops._opt(w), _ops._opt(b), eps, ca, None))
@@ -134,8 +150,10 @@ def group_norm(x: Tensor, num_groups: int, w: Optional[Tensor], b: Optional[Tens
     key = ("group", x.shape, x.dtype, None if w is None else (w.shape, w.dtype),
            None if b is None else (b.shape, b.dtype), num_groups, num_groups.__class__, eps, eps.__class__, ca,
            ca.__class__, module)
-    plan = _PLANS.get(key)
+    plan = _cached(key)
     if plan is None:
+        return None
+    if plan is _MISS:
         # (torch.nn's own checks: C divisible by G, the parameters' length C)
         if module and (x.dim() < 2 or x.shape[1] % num_groups != 0 or not takes(x, w, b) or any(
                 p is not None and tuple(p.shape) != (x.shape[1],) for p in (w, b))):
@@ -155,8 +173,10 @@ def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Opt
     key = ("bn", x.shape, x.dtype, mean.shape, mean.dtype, var.shape, var.dtype,
            None if w is None else (w.shape, w.dtype), None if b is None else (b.shape, b.dtype), eps, eps.__class__,
            ca, ca.__class__, module)
-    plan = _PLANS.get(key)
+    plan = _cached(key)
     if plan is None:
+        return None
+    if plan is _MISS:
         if module and not takes(x, w, b, mean, var):
             return None
         plan = _store(key, lambda: bn_plan(None, _ops._as_numpy(x), _ops._as_numpy(mean), _ops._as_numpy(var),
