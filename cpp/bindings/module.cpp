@@ -575,8 +575,8 @@ void delete_unconsumed(PyObject* cap) {
 }
 
 // The producer's export as a DLPack capsule: through its type's C exchange API where it has one
-// (no Python call: a torch tensor's __dlpack__ costs about 5 us), made into a "dltensor_versioned"
-// capsule as __dlpack__ would return it; else its __dlpack__(max_version=(1, 0)), or __dlpack__()
+// (no Python call: a torch tensor's __dlpack__ is slow), made into a "dltensor_versioned" capsule
+// as __dlpack__ would return it; else its __dlpack__(max_version=(1, 0)), or __dlpack__()
 // for one that predates max_version (a TypeError for the keyword). Whatever either raises (an
 // Exception) becomes a TypeError naming the argument, chained to the producer's own error.
 py::object call_dlpack(py::handle producer, const char* name) {

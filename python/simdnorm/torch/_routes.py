@@ -1,15 +1,16 @@
 """The per-call route of small calls: plain CPU tensors straight into the kernels.
 
-A small call is mostly overhead: a numpy view per tensor costs about 1 us, and the plain function's
-checks as much again. Here each call looks its plan up by the tensors' shapes and dtypes and its
+A small call is mostly overhead: a numpy view per tensor and the plain function's checks cost more
+than its kernel. Here each call looks its plan up by the tensors' shapes and dtypes and its
 attributes (what the plain functions key theirs by), and hands the tensors themselves to
 ``_core``, which reads them through DLPack's C exchange API (no Python call, no numpy array).
 A miss plans through the plain functions' own validator on numpy views, so that a call runs here
 only where the plain function would run it, with the same plan, and raises that function's errors.
 
-Two kinds of caller: the drop-in modules (``module`` given: a miss first checks torch.nn's rules,
-and a call torch.nn would compute or refuse itself returns None for the module to pass on), and
-the ``torch.ops.simdnorm`` CPU kernels (``module`` None: simdnorm's rules, and the statistics).
+Three kinds of caller: the drop-in modules (``module`` given: a miss first checks torch.nn's rules,
+and a call torch.nn would compute or refuse itself returns None for the module to pass on); the
+``torch.ops.simdnorm`` CPU kernels (``module`` None: simdnorm's rules, and the statistics); and the
+plain functions called with tensors (``plain_call``, from ``_compile.follow_input``).
 
 A route also returns None where the caller must take its general path: a tensor off the CPU, or
 one with the negative bit (its memory holds the values' negatives). The callers pass plain tensors
