@@ -63,6 +63,15 @@ def empty_past_line(shape, dtype, offset):
     return np.frombuffer(_unaligned_buffer(n * dtype.itemsize, offset), dtype=dtype, count=n).reshape(shape)
 
 
+def empty_at_page_phase(shape, dtype, phase):
+    """A writeable C-ordered array starting `phase` bytes past a 4096-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(nbytes + 2 * 4096, dtype=np.uint8)
+    start = (phase - buf.ctypes.data) % 4096
+    return np.frombuffer(buf[start:start + nbytes], dtype=dtype).reshape(shape)
+
+
 def unaligned_empty(shape, dtype, offset=1):
     """A writeable C-ordered array at an odd byte offset (not aligned to its itemsize)."""
     a = empty_past_line(shape, dtype, offset)

@@ -1209,3 +1209,30 @@ def test_ab_runs_each_build_in_a_process_of_its_own(tmp_path):
         b.close()
     res = ab.compare(str(installed.parent), str(copy), str(cases), rounds=3)
     assert set(res) == {"mvn"} and res["mvn"]["ratio"] == pytest.approx(res["mvn"]["B"] / res["mvn"]["A"])
+
+
+# ---------------------------------------------------------------------------- output placement
+def test_placement_puts_each_output_at_its_offset_and_times_the_call(capsys):
+    # simdnorm.bench.placement: each output at its offset past the input's phase to a page (the
+    # input at a page), written by the call timed, and a ratio per offset, 1 at the first
+    _simdnorm_or_skip()
+    placement = importlib.import_module(B.__name__ + ".placement")
+    buffer = np.empty(3 * 4096, np.float32)
+    for phase in (0, 16, 2052, 4092):
+        v = placement.at_page_phase(buffer, phase, (2, 1000))
+        assert v.ctypes.data % 4096 == phase and v.shape == (2, 1000) and np.shares_memory(v, buffer)
+    rng = np.random.default_rng(0)
+    call, out_at = placement.make_case("rms", rng)
+    y = out_at(48)
+    assert y.ctypes.data % 4096 == 48 and y.shape == placement.ROWS
+    y[...] = np.nan
+    call(y)
+    assert np.isfinite(y).all()
+    base, ratios = placement.sweep("group", [0, 80], 2, rng)
+    assert base > 0 and ratios[0] == 1.0 and ratios[80] > 0
+    placement.main(["bn-nhwc", "--offsets", "0,48", "--rounds", "1"])
+    fields = capsys.readouterr().out.split()
+    assert fields[0] == "bn-nhwc" and fields[3] == "0:1.00" and fields[4].startswith("48:"), fields
+    for bad in (["nope"], ["--offsets", "0,4096"]):
+        with pytest.raises(SystemExit):
+            placement.main(bad)

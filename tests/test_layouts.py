@@ -385,6 +385,102 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
         simdnorm.set_isa(previous)
 
 
+# The streamed loops take their lines in the order that keeps their loads off the low 12 bits of
+# their last stores, chosen by where the output sits from the input modulo a page (steps_down in
+# kernels/normalize.h): the same bits at every placement, up and down, with the rows' heads peeled
+# (the input 80 bytes past a page) and vectors that hold the end of one row and the start of the next
+# (batch norm planes of 130), rows of 4 KB (whose sums of a later row step beside the stores).
+PAGE_PHASED = [
+    ("bn", (16, 130), F32), ("bn", (16, 130), F64), ("bn", (4, 56, 56), F32), ("bn", (4, 56, 56), F16),
+    ("bn-nhwc", (4, 48), F32), ("bn-nhwc", (4, 64), BF16),
+    ("layer", (768,), F32), ("layer", (1000,), F64), ("rms", (776,), F32), ("rms", (1024,), F32),
+    ("instance", (8, 28, 28), F32), ("group", (8, 28, 28), F32), ("mvn023", (4, 56, 56), F32),
+    ("bn-train", (16, 28, 28), F32), ("bn-train-nhwc", (28, 16), F32),
+]
+PAGE_PHASES = [0, 16, 48, 112, 1024, 2040, 2048, 2056, 4032, 4080]
+
+
+@pytest.mark.parametrize("op,inner,dtype", PAGE_PHASED,
+                         ids=[f"{o}-{'x'.join(map(str, s))}-{dtype_id(d)}" for o, s, d in PAGE_PHASED])
+def test_streamed_outputs_at_page_phases(rng, threads, op, inner, dtype):
+    from cases import empty_at_page_phase
+    from simdnorm import _core
+
+    threads(1)
+    itemsize = np.dtype(dtype).itemsize
+    per_outer = int(np.prod(inner))
+    shape = (_core.stream_threshold_bytes() // (2 * itemsize * per_outer) + 2, *inner)
+    if op == "mvn023":
+        shape = (inner[0], shape[0], *inner[1:])
+    x_phase = 80
+    x = empty_at_page_phase(shape, dtype, x_phase)
+    x[...] = make_input(rng, shape, dtype, loc=3.0)
+    c = shape[-1] if op.endswith("nhwc") else shape[1]
+    scale, bias = (make_input(rng, (shape[-1] if op in ("layer", "rms") else c,), dtype) for _ in range(2))
+    p = p1d(rng, (1, c), dtype)
+
+    def run(out):
+        if op.startswith("bn-train"):
+            ca = -1 if op.endswith("nhwc") else 1
+            return simdnorm.batch_normalization_training(x, scale, bias, channel_axis=ca, out=out)[1:]
+        if op.startswith("bn"):
+            ca = -1 if op == "bn-nhwc" else 1
+            return bn(x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=ca, out=out)
+        if op == "layer":
+            return simdnorm.layer_norm(x, scale, bias, out=out)
+        if op == "rms":
+            return simdnorm.rms_norm(x, scale, out=out)
+        if op == "instance":
+            return simdnorm.instance_norm(x, scale, bias, out=out)
+        if op == "group":
+            return simdnorm.group_norm(x, 4, scale, bias, out=out)
+        return simdnorm.mean_variance_normalization(x, (0, 2, 3), out=out)
+
+    previous = simdnorm.isa()
+    try:
+        for isa in simdnorm.available_isas():
+            simdnorm.set_isa(isa)
+            check_page_phases(op, x, x_phase, run, scale, bias, p, c, isa)
+    finally:
+        simdnorm.set_isa(previous)
+
+
+def check_page_phases(op, x, x_phase, run, scale, bias, p, c, isa):
+    """run(out) at each of PAGE_PHASES past x's: the first checked against the reference, every
+    other bitwise equal to it."""
+    from cases import empty_at_page_phase
+
+    first = None
+    for d in PAGE_PHASES:
+        out = empty_at_page_phase(x.shape, x.dtype, (x_phase + d) % 4096)
+        out[...] = np.nan
+        stats = run(out)
+        if first is None:
+            first = bits(out).copy(), [bits(np.asarray(s)).copy() for s in stats] if op.startswith("bn-train") else []
+            if op in ("bn", "bn-nhwc"):
+                check_bn(out, x, p["mean"], p["variance"], p["scale"], p["bias"], channel_axis=-1 if op == "bn-nhwc" else 1)
+            elif op.startswith("bn-train"):
+                axes = tuple(a for a in range(x.ndim) if a != (x.ndim - 1 if op.endswith("nhwc") else 1))
+                g = scale.reshape([c if a not in axes else 1 for a in range(x.ndim)])
+                check_mvn(out, x, axes, g, bias.reshape(g.shape))
+            elif op == "mvn023":
+                check_mvn(out, x, (0, 2, 3))
+            elif op in ("layer", "rms"):
+                check_mvn(out, x, (x.ndim - 1,), scale, bias if op == "layer" else None, normalize_mean=op == "layer")
+            elif op == "instance":
+                g = scale.reshape(1, -1, 1, 1)
+                check_mvn(out, x, (2, 3), g, bias.reshape(g.shape))
+            else:  # group norm: MVN over each (C/G, H, W) of (N, G, C/G, H, W)
+                grouped = (x.shape[0], 4, c // 4, *x.shape[2:])
+                g = scale.reshape(1, 4, c // 4, 1, 1)
+                check_mvn(out.reshape(grouped), x.reshape(grouped), (2, 3, 4), g, bias.reshape(g.shape))
+            continue
+        assert np.array_equal(bits(out), first[0]), f"{op} output at {d} bytes past the input's page phase ({isa})"
+        if op.startswith("bn-train"):
+            for got, want in zip(stats, first[1]):
+                assert np.array_equal(bits(np.asarray(got)), want), f"{op} statistics at {d} ({isa})"
+
+
 def stream_rows_values(rng, rows, n):
     """Rows for the 16-bit row stream (float64, to be cast): each at its own mean (sd 20) and spread
     (0.5 to 4), and a float32 scale and bias of n."""

@@ -43,6 +43,7 @@ struct FusedRowsKernel {
     // output at the input's phase to a page (numpy's large arrays all sit 16 bytes past one) their
     // loads would fall on the low 12 bits of its last stores and wait for them. Single rows keep
     // the lockstep: they do not wait so.
+    if constexpr (Rows == 1) run.beside(next[0].data);
     if constexpr (Rows == 2) {
       for (int s = 0; s < kPairSumsLead && sums.can_step(); ++s) {
         prefetch.each([&](const char* p, int) SIMDNORM_INLINE_LAMBDA { prefetch_step<2>(p, sums.i); });

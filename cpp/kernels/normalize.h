@@ -53,6 +53,15 @@ struct NormalizeKernel {
     });
   }
 
+  // Whether a streamed run takes its whole lines from its end down. Stepped up with the output up
+  // to half a page past the input's phase to a page, the loads that follow a non-temporal store
+  // fall on its low 12 bits and wait for it to leave; stepped down, they sit below it. (An output
+  // up to half a page before the input's phase has that hazard stepped down, and none stepped up.)
+  static bool steps_down(const void* y, const void* x) {
+    const auto d = (reinterpret_cast<uintptr_t>(y) - reinterpret_cast<uintptr_t>(x)) % kPageBytes;
+    return d != 0 && d < kPageBytes / 2;
+  }
+
   // A pair of coefficients along a run of contiguous data: either constant over the run (kept in
   // registers: NCHW batch norm, per-group MVN statistics) or contiguous arrays read beside the data
   // (channels-last batch norm, layer-norm scale and bias). Without ReadFirst the first is never
@@ -101,6 +110,8 @@ struct NormalizeKernel {
     RowsOf<Row, Rows> rows;
     const Pair<AffineVary, !F::kScaleFolded> af;
     int64_t n, i = 0;
+    // The steps cover [i, steps_end) after the peel, 2W elements each, in the order of `stride`.
+    int64_t steps_end = 0, steps_left = 0, stride = 2 * W;
     bool stream;
 
     // Peels a masked head up to a 64-byte boundary, so that full stores never straddle a cache
@@ -138,8 +149,30 @@ struct NormalizeKernel {
           }
         }
       }
+      steps_left = (n - i) / (2 * W);
+      steps_end = i + steps_left * 2 * W;
+      if (Rows == 1 && kLinePairs == 1 && stream && sizeof(In) == sizeof(T) && steps_left > 1 &&
+          steps_down(rows.r0.y, rows.r0.x)) {
+        i = steps_end - 2 * W;
+        stride = -2 * W;
+      }
     }
-    SIMDNORM_CURSOR_METHOD bool can_step() const { return i + 2 * W <= n; }
+    // Before the first step, beside the sums of a later row at `summed` (fused_rows.h), whose loads
+    // step up with these steps: with that row near the output's phase to a page, they would fall
+    // on the low 12 bits of the steps' last stores (rows of 4 KB at any output); stepped down, the
+    // two cross once. Not where stepping down has that hazard with the run's own loads (an output
+    // just before the input's phase).
+    SIMDNORM_CURSOR_METHOD void beside(const void* summed) {
+      if (Rows != 1 || kLinePairs != 1 || !stream || sizeof(In) != sizeof(T) || stride < 0 || steps_left < 2) return;
+      const auto y = reinterpret_cast<uintptr_t>(rows.r0.y);
+      const auto d = (y - reinterpret_cast<uintptr_t>(rows.r0.x)) % kPageBytes;
+      const auto e = (y - reinterpret_cast<uintptr_t>(summed) + kLineBytes) % kPageBytes;
+      if (e < kPageBytes / 4 && d < kPageBytes - kPageBytes / 16) {
+        i = steps_end - 2 * W;
+        stride = -2 * W;
+      }
+    }
+    SIMDNORM_CURSOR_METHOD bool can_step() const { return steps_left > 0; }
     SIMDNORM_CURSOR_METHOD void step() {
       const V s0 = af.first(i), b0 = af.second(i), s1 = af.first(i + W), b1 = af.second(i + W);
       if constexpr (Rows == 2) {
@@ -156,12 +189,14 @@ struct NormalizeKernel {
         store_pair(rows.r1, c0, c1);
       } else {
         rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
+          if (!StreamEdges && stride < 0) __builtin_prefetch(row.x + i - kPrefetchAheadBytes / sizeof(In), 0, 2);
           const V r0 = f(LI::load(row.x + i), row.st.first(i), row.st.second(i), s0, b0);
           const V r1 = f(LI::load(row.x + i + W), row.st.first(i + W), row.st.second(i + W), s1, b1);
           store_pair(row, r0, r1);
         });
       }
-      i += 2 * W;
+      i += stride;
+      --steps_left;
     }
     SIMDNORM_CURSOR_METHOD void store_pair(const Row& row, V r0, V r1) {
       if (stream)  // a predictable branch: cheaper than twice the code
@@ -171,6 +206,7 @@ struct NormalizeKernel {
     }
     SIMDNORM_CURSOR_METHOD void finish() {
       while (can_step()) step();
+      i = steps_end;
       if (StreamEdges && stream) {  // the last lines, streamed as the rest
         while (i < n) partial(static_cast<int>(n - i < W ? n - i : W));
         return;
@@ -204,6 +240,8 @@ struct NormalizeKernel {
     }
   };
 
+  // Pairs of vectors (2W elements) that make a 64-byte line, at least one.
+  static constexpr int kLinePairs = 2 * W * sizeof(T) >= kLineBytes ? 1 : kLineBytes / (2 * W * sizeof(T));
   // Elements before the first 64-byte line boundary of an output at `out`: what a run peels so that
   // its full stores are whole lines (0 for a pointer not aligned to its elements: never peeled).
   static int64_t head_to_line(const void* out) {
@@ -223,12 +261,14 @@ struct NormalizeKernel {
     ContiguousRun<StatsVary, AffineVary, F>(f, n, p, stream, peel).finish();
   }
 
-  // Stores `total` elements at y, value(i, m) giving the m <= W from element i on (called in
-  // order): vectors up to the first 64-byte line, pairs of whole vectors (streamed when asked),
-  // vectors to the end. An output not aligned to its elements has no lines to reach: it is stored
-  // from its start, never streamed. Inlined into its caller, whose loop state value() holds.
-  template <class Value>
-  SIMDNORM_CURSOR_METHOD static void store_stream(T* y, int64_t total, bool stream, Value&& value) {
+  // Stores `total` elements at y, read from x through `c`, a cursor over the stream: c.up(i, m)
+  // gives the m <= W elements from element i on, called for i in order up; c.down(i, m) the same,
+  // called for i in order down; c.seek(i) readies either for the vector at or before element i. Vectors up to the first 64-byte line, pairs of
+  // whole vectors (streamed when asked; from the last down when steps_down), vectors to the end.
+  // An output not aligned to its elements has no lines to reach: it is stored from its start,
+  // never streamed. Inlined into its caller, whose loop state the cursor holds.
+  template <class Cursor>
+  SIMDNORM_CURSOR_METHOD static void store_stream(T* y, const void* x, int64_t total, bool stream, Cursor& c) {
     const bool aligned_elements = reinterpret_cast<uintptr_t>(y) % sizeof(T) == 0;
     stream = stream && aligned_elements;
     const int64_t line = head_to_line(y), head = line < total ? line : total;
@@ -236,7 +276,7 @@ struct NormalizeKernel {
     auto vectors_until = [&](int64_t end) SIMDNORM_INLINE_LAMBDA {
       while (i < end) {
         const int m = static_cast<int>(end - i < W ? end - i : W);
-        const V v = value(i, m);
+        const V v = c.up(i, m);
         if (m == W)
           L::store(y + i, v);
         else
@@ -245,21 +285,44 @@ struct NormalizeKernel {
       }
     };
     vectors_until(head);
-    auto pairs = [&](auto streamed) SIMDNORM_INLINE_LAMBDA {
+    // Stepped down, whole lines at a time: a line's vectors are loaded from the top down and
+    // stored from the bottom up (a line filled from its top end, as by 32-byte halves of 16-bit
+    // data, ran 1.2x slower), prefetched into the L2 as the ascending streams are by the hardware.
+    if (stream && steps_down(y, x)) {
+      constexpr int kPerLine = kLinePairs * 2;
+      const int64_t line = kPerLine * W, lines = (total - i) / line, lines_end = i + lines * line;
+      if (lines > 1) {
+        c.seek(lines_end);
+        for (int64_t at = lines_end - line; at >= i; at -= line) {
+          __builtin_prefetch(static_cast<const T*>(x) + at - kPrefetchAheadBytes / sizeof(T), 0, 2);
+          V v[kPerLine];
+          for_constant<0, kPerLine>([&](auto k) SIMDNORM_INLINE_LAMBDA {
+            constexpr int kAt = kPerLine - 1 - decltype(k)::value;
+            v[kAt] = c.down(at + kAt * W, W);
+          });
+          for_constant<0, kLinePairs>([&](auto k) SIMDNORM_INLINE_LAMBDA {
+            L::store2_stream(y + at + 2 * W * k, v[2 * k], v[2 * k + 1]);
+          });
+        }
+        c.seek(lines_end);
+        i = lines_end;
+      }
+    }
+    const int64_t pairs = (total - i) / (2 * W), pairs_end = i + pairs * 2 * W;
+    // Each pair is loaded before the one before it is stored. Loaded after, its loads would
+    // follow that store in program order, and with the output 40-62 bytes past the input's phase
+    // to a page both would match the store's low 12 bits and wait for a non-temporal store to
+    // leave.
+    auto run_pairs = [&](auto streamed) SIMDNORM_INLINE_LAMBDA {
       auto store = [&](int64_t at, V r0, V r1) SIMDNORM_INLINE_LAMBDA {
         if constexpr (decltype(streamed)::value)
           L::store2_stream(y + at, r0, r1);
         else
           L::store2(y + at, r0, r1);
       };
-      if (i + 2 * W > total) return;
-      // Each pair is loaded before the one before it is stored. Loaded after, its loads would
-      // follow that store in program order, and with the output 40-62 bytes past the input's phase
-      // to a page both would match the store's low 12 bits and wait for a non-temporal store to
-      // leave.
-      V r0 = value(i, W), r1 = value(i + W, W);
+      V r0 = c.up(i, W), r1 = c.up(i + W, W);
       for (; i + 4 * W <= total; i += 2 * W) {
-        const V n0 = value(i + 2 * W, W), n1 = value(i + 3 * W, W);
+        const V n0 = c.up(i + 2 * W, W), n1 = c.up(i + 3 * W, W);
         store(i, r0, r1);
         r0 = n0;
         r1 = n1;
@@ -267,10 +330,12 @@ struct NormalizeKernel {
       store(i, r0, r1);
       i += 2 * W;
     };
-    if (stream)
-      pairs(std::true_type{});
-    else
-      pairs(std::false_type{});
+    if (pairs > 0) {
+      if (stream)
+        run_pairs(std::true_type{});
+      else
+        run_pairs(std::false_type{});
+    }
     vectors_until(total);
   }
 
@@ -283,39 +348,68 @@ struct NormalizeKernel {
   static void run_row_stream(const F& f, int64_t rows, int64_t n, char* const* p, const int64_t* rs,
                              bool stream) {
     T* y = reinterpret_cast<T*>(p[kOut]);
-    const T* x = reinterpret_cast<const T*>(p[kIn]);
-    const int64_t total = rows * n;
-    // A row's coefficients, and where they are: named members and locals, not arrays (an array of
-    // vectors indexed in a loop was kept on the stack: each row's switch stored and reloaded it),
-    // the steps copied (the loop's stores may alias rs).
+    // A row's coefficients, and where they are: named members, not arrays (an array of vectors
+    // indexed in a loop was kept on the stack: each row's switch stored and reloaded it), the
+    // steps copied (the loop's stores may alias rs).
     struct Coefficients {
       V shift, mul, scale, bias;
     };
-    const char *shift_at = p[kShift], *mul_at = p[kMul], *scale_at = p[kScale], *bias_at = p[kBias];
-    const int64_t shift_step = rs[kShift], mul_step = rs[kMul], scale_step = rs[kScale], bias_step = rs[kBias];
-    auto coefficients = [&]() SIMDNORM_INLINE_LAMBDA {
-      auto at = [](const char* q) { return splat<V>(LC::load_one(reinterpret_cast<const C*>(q))); };
-      return Coefficients{at(shift_at), at(mul_at), at(scale_at), at(bias_at)};
+    // cur: the row that ends at row_end, the row of the last vector's first element.
+    struct Cursor {
+      const F f;
+      const T* x;
+      int64_t n, rows, row_end;
+      const char *shift0, *mul0, *scale0, *bias0;        // row 0's
+      const char *shift_at, *mul_at, *scale_at, *bias_at;  // cur's
+      int64_t shift_step, mul_step, scale_step, bias_step;
+      Coefficients cur;
+      SIMDNORM_CURSOR_METHOD static V at(const char* q) { return splat<V>(LC::load_one(reinterpret_cast<const C*>(q))); }
+      SIMDNORM_CURSOR_METHOD void load() { cur = {at(shift_at), at(mul_at), at(scale_at), at(bias_at)}; }
+      // rows_by rows on: the next row (1) or the one before (-1).
+      SIMDNORM_CURSOR_METHOD void move(int64_t rows_by) {
+        shift_at += rows_by * shift_step;
+        mul_at += rows_by * mul_step;
+        scale_at += rows_by * scale_step;
+        bias_at += rows_by * bias_step;
+        row_end += rows_by * n;
+        load();
+      }
+      SIMDNORM_CURSOR_METHOD void seek(int64_t i) {
+        int64_t r = i / n;
+        if (r == rows) --r;
+        shift_at = shift0;
+        mul_at = mul0;
+        scale_at = scale0;
+        bias_at = bias0;
+        row_end = n;
+        move(r);
+      }
+      // The lanes below `below` take lo's coefficients, the rest hi's.
+      SIMDNORM_CURSOR_METHOD V mixed(V in, int below, const Coefficients& lo, const Coefficients& hi) const {
+        const auto own = lanes_mask(static_cast<V*>(nullptr), below);
+        return f(in, vselect(own, lo.shift, hi.shift), vselect(own, lo.mul, hi.mul),
+                 vselect(own, lo.scale, hi.scale), vselect(own, lo.bias, hi.bias));
+      }
+      SIMDNORM_CURSOR_METHOD V up(int64_t at, int m) {
+        const V in = load_up_to<L>(x + at, m);
+        if (at + m <= row_end) return f(in, cur.shift, cur.mul, cur.scale, cur.bias);
+        const Coefficients lo = cur;
+        move(1);
+        return mixed(in, static_cast<int>(row_end - n - at), lo, cur);
+      }
+      SIMDNORM_CURSOR_METHOD V down(int64_t at, int m) {
+        const V in = load_up_to<L>(x + at, m);
+        const int64_t row_start = row_end - n;
+        if (at >= row_start) return f(in, cur.shift, cur.mul, cur.scale, cur.bias);
+        const Coefficients hi = cur;
+        move(-1);
+        return mixed(in, static_cast<int>(row_start - at), cur, hi);
+      }
     };
-    Coefficients cur = coefficients();
-    int64_t row_end = n;
-    // The result for elements [i, i + m), m <= W; moves to the next row when the vector reaches it.
-    auto vector_at = [&](int64_t at, int m) SIMDNORM_INLINE_LAMBDA {
-      const V in = load_up_to<L>(x + at, m);
-      if (at + m <= row_end) return f(in, cur.shift, cur.mul, cur.scale, cur.bias);
-      shift_at += shift_step;
-      mul_at += mul_step;
-      scale_at += scale_step;
-      bias_at += bias_step;
-      const Coefficients next = coefficients();
-      const auto own = lanes_mask(static_cast<V*>(nullptr), static_cast<int>(row_end - at));
-      const V r = f(in, vselect(own, cur.shift, next.shift), vselect(own, cur.mul, next.mul),
-                    vselect(own, cur.scale, next.scale), vselect(own, cur.bias, next.bias));
-      cur = next;
-      row_end += n;
-      return r;
-    };
-    store_stream(y, total, stream, vector_at);
+    Cursor c{f, reinterpret_cast<const T*>(p[kIn]), n, rows, 0, p[kShift], p[kMul], p[kScale], p[kBias],
+             nullptr, nullptr, nullptr, nullptr, rs[kShift], rs[kMul], rs[kScale], rs[kBias], {}};
+    c.seek(0);
+    store_stream(y, c.x, rows * n, stream, c);
   }
 
   // Rows of n elements back to back in memory whose coefficients are the same for every row:
@@ -353,15 +447,32 @@ struct NormalizeKernel {
       if constexpr (!F::kScaleFolded) copy(kScale);
       copy(kBias);
     }
-    const Pair<StatsVary> st(q[kShift], q[kMul]);
-    const Pair<AffineVary, !F::kScaleFolded> af(q[kScale], q[kBias]);
-    int64_t k = 0;  // the vector's first element's index in its row (m <= W <= n: one wrap at most)
-    store_stream(y, rows * n, stream, [&](int64_t i, int m) SIMDNORM_INLINE_LAMBDA {
-      const V r = f(load_up_to<L>(x + i, m), st.first(k), st.second(k), af.first(k), af.second(k));
-      k += m;
-      if (k >= n) k -= n;
-      return r;
-    });
+    // k: the index in its row of the next vector's first element up (of the last one's, down);
+    // m <= W <= n: one wrap at most.
+    struct Cursor {
+      const F f;
+      const T* x;
+      const Pair<StatsVary> st;
+      const Pair<AffineVary, !F::kScaleFolded> af;
+      int64_t n, k = 0;
+      SIMDNORM_CURSOR_METHOD V at(int64_t i, int m) const {
+        return f(load_up_to<L>(x + i, m), st.first(k), st.second(k), af.first(k), af.second(k));
+      }
+      SIMDNORM_CURSOR_METHOD V up(int64_t i, int m) {
+        const V r = at(i, m);
+        k += m;
+        if (k >= n) k -= n;
+        return r;
+      }
+      SIMDNORM_CURSOR_METHOD V down(int64_t i, int m) {
+        k -= m;
+        if (k < 0) k += n;
+        return at(i, m);
+      }
+      SIMDNORM_CURSOR_METHOD void seek(int64_t i) { k = i % n; }
+    };
+    Cursor c{f, x, Pair<StatsVary>(q[kShift], q[kMul]), Pair<AffineVary, !F::kScaleFolded>(q[kScale], q[kBias]), n};
+    store_stream(y, x, rows * n, stream, c);
   }
 
   // Any other strides: gather a vector's worth into buffers and run the same arithmetic, so an
@@ -435,6 +546,15 @@ struct NormalizeKernel {
         return;
       }
       const bool peel = peels(n);
+      if (stream && steps_down(p[kOut], p[kIn])) {
+        // Runs that step down, taken from the last: rows back to back (NCHW planes) are then one
+        // stream down through memory, not a stream per row for the prefetchers to find anew.
+        for (int64_t r = rows - 1; r >= 0; --r) {
+          for (int op = 0; op < kNumOperands; ++op) q[op] = p[op] + r * rs[op];
+          run_contiguous<kStats, kAffine>(f, n, q, stream, peel);
+        }
+        return;
+      }
       each_row([&](char* const* r) { run_contiguous<kStats, kAffine>(f, n, r, stream, peel); });
     });
   }

@@ -66,6 +66,8 @@ struct Activation {
 constexpr int64_t kMinL1DataBytes = int64_t(32) << 10;
 // A cache line: the unit the loops align their stores to and prefetch by.
 constexpr int64_t kLineBytes = 64;
+// A page: a load waits on an earlier store to the same address modulo this (4K aliasing).
+constexpr int64_t kPageBytes = 4096;
 
 // The one elementwise operation both ops end in:
 //   out = act(fma((in - shift) * mul, scale, bias))
