@@ -53,13 +53,15 @@ struct NormalizeKernel {
     });
   }
 
+  static constexpr bool kStepsDown = sizeof(V) >= 32;
   // Whether a streamed run takes its whole lines from its end down. Stepped up with the output up
   // to half a page past the input's phase to a page, the loads that follow a non-temporal store
   // fall on its low 12 bits and wait for it to leave; stepped down, they sit below it. (An output
   // up to half a page before the input's phase has that hazard stepped down, and none stepped up.)
+  // (Not with 16-byte vectors, the baseline build's: its loops stay as they were, and small.)
   static bool steps_down(const void* y, const void* x) {
     const auto d = (reinterpret_cast<uintptr_t>(y) - reinterpret_cast<uintptr_t>(x)) % kPageBytes;
-    return d != 0 && d < kPageBytes / 2;
+    return kStepsDown && d != 0 && d < kPageBytes / 2;
   }
 
   // A pair of coefficients along a run of contiguous data: either constant over the run (kept in
@@ -163,7 +165,9 @@ struct NormalizeKernel {
     // two cross once. Not where stepping down has that hazard with the run's own loads (an output
     // just before the input's phase).
     SIMDNORM_CURSOR_METHOD void beside(const void* summed) {
-      if (Rows != 1 || kLinePairs != 1 || !stream || sizeof(In) != sizeof(T) || stride < 0 || steps_left < 2) return;
+      if (!kStepsDown || Rows != 1 || kLinePairs != 1 || !stream || sizeof(In) != sizeof(T) || stride < 0 ||
+          steps_left < 2)
+        return;
       const auto y = reinterpret_cast<uintptr_t>(rows.r0.y);
       const auto d = (y - reinterpret_cast<uintptr_t>(rows.r0.x)) % kPageBytes;
       const auto e = (y - reinterpret_cast<uintptr_t>(summed) + kLineBytes) % kPageBytes;
@@ -263,10 +267,11 @@ struct NormalizeKernel {
 
   // Stores `total` elements at y, read from x through `c`, a cursor over the stream: c.up(i, m)
   // gives the m <= W elements from element i on, called for i in order up; c.down(i, m) the same,
-  // called for i in order down; c.seek(i) readies either for the vector at or before element i. Vectors up to the first 64-byte line, pairs of
-  // whole vectors (streamed when asked; from the last down when steps_down), vectors to the end.
-  // An output not aligned to its elements has no lines to reach: it is stored from its start,
-  // never streamed. Inlined into its caller, whose loop state the cursor holds.
+  // called for i in order down; c.seek(i) readies either for the vector at or before element i.
+  // Vectors up to the first 64-byte line, then whole lines from the last down (streamed, where
+  // steps_down), or pairs of whole vectors up (streamed when asked), then vectors to the end. An
+  // output not aligned to its elements has no lines to reach: it is stored from its start, never
+  // streamed. Inlined into its caller, whose loop state the cursor holds.
   template <class Cursor>
   SIMDNORM_CURSOR_METHOD static void store_stream(T* y, const void* x, int64_t total, bool stream, Cursor& c) {
     const bool aligned_elements = reinterpret_cast<uintptr_t>(y) % sizeof(T) == 0;
@@ -288,7 +293,7 @@ struct NormalizeKernel {
     // Stepped down, whole lines at a time: a line's vectors are loaded from the top down and
     // stored from the bottom up (a line filled from its top end, as by 32-byte halves of 16-bit
     // data, ran 1.2x slower), prefetched into the L2 as the ascending streams are by the hardware.
-    if (stream && steps_down(y, x)) {
+    if (kStepsDown && stream && steps_down(y, x)) {
       constexpr int kPerLine = kLinePairs * 2;
       const int64_t line = kPerLine * W, lines = (total - i) / line, lines_end = i + lines * line;
       if (lines > 1) {
@@ -546,16 +551,14 @@ struct NormalizeKernel {
         return;
       }
       const bool peel = peels(n);
-      if (stream && steps_down(p[kOut], p[kIn])) {
-        // Runs that step down, taken from the last: rows back to back (NCHW planes) are then one
-        // stream down through memory, not a stream per row for the prefetchers to find anew.
-        for (int64_t r = rows - 1; r >= 0; --r) {
-          for (int op = 0; op < kNumOperands; ++op) q[op] = p[op] + r * rs[op];
-          run_contiguous<kStats, kAffine>(f, n, q, stream, peel);
-        }
-        return;
+      // Runs that step down are taken from the last: rows back to back (NCHW planes) are then one
+      // stream down through memory, not a stream per row for the prefetchers to find anew.
+      const bool last_first = stream && steps_down(p[kOut], p[kIn]);
+      for (int64_t k = 0; k < rows; ++k) {
+        const int64_t r = last_first ? rows - 1 - k : k;
+        for (int op = 0; op < kNumOperands; ++op) q[op] = p[op] + r * rs[op];
+        run_contiguous<kStats, kAffine>(f, n, q, stream, peel);
       }
-      each_row([&](char* const* r) { run_contiguous<kStats, kAffine>(f, n, r, stream, peel); });
     });
   }
 
