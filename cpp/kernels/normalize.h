@@ -53,12 +53,13 @@ struct NormalizeKernel {
     });
   }
 
+  // Streamed runs step down (steps_down) with vectors of 32 bytes or more: the baseline build's
+  // loops stay as they were, and small.
   static constexpr bool kStepsDown = sizeof(V) >= 32;
   // Whether a streamed run takes its whole lines from its end down. Stepped up with the output up
   // to half a page past the input's phase to a page, the loads that follow a non-temporal store
   // fall on its low 12 bits and wait for it to leave; stepped down, they sit below it. (An output
   // up to half a page before the input's phase has that hazard stepped down, and none stepped up.)
-  // (Not with 16-byte vectors, the baseline build's: its loops stay as they were, and small.)
   static bool steps_down(const void* y, const void* x) {
     const auto d = (reinterpret_cast<uintptr_t>(y) - reinterpret_cast<uintptr_t>(x)) % kPageBytes;
     return kStepsDown && d != 0 && d < kPageBytes / 2;
@@ -193,6 +194,8 @@ struct NormalizeKernel {
         store_pair(rows.r1, c0, c1);
       } else {
         rows.each([&](const Row& row, int) SIMDNORM_INLINE_LAMBDA {
+          // Runs on their own (not the fused rows', whose input is cached) read from memory, and
+          // stepping down the hardware prefetches too little ahead of them.
           if (!StreamEdges && stride < 0) __builtin_prefetch(row.x + i - kPrefetchAheadBytes / sizeof(In), 0, 2);
           const V r0 = f(LI::load(row.x + i), row.st.first(i), row.st.second(i), s0, b0);
           const V r1 = f(LI::load(row.x + i + W), row.st.first(i + W), row.st.second(i + W), s1, b1);
@@ -313,7 +316,7 @@ struct NormalizeKernel {
         i = lines_end;
       }
     }
-    const int64_t pairs = (total - i) / (2 * W), pairs_end = i + pairs * 2 * W;
+    const int64_t pairs = (total - i) / (2 * W);
     // Each pair is loaded before the one before it is stored. Loaded after, its loads would
     // follow that store in program order, and with the output 40-62 bytes past the input's phase
     // to a page both would match the store's low 12 bits and wait for a non-temporal store to
