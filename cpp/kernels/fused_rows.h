@@ -42,7 +42,7 @@ struct FusedRowsKernel {
     // they would run up to a vector behind it (each cursor aligns to its own array), and with the
     // output at the input's phase to a page (numpy's large arrays all sit 16 bytes past one) their
     // loads would fall on the low 12 bits of its last stores and wait for them. Single rows keep
-    // the lockstep: they do not wait so.
+    // the lockstep, stepping down where the row summed sits near the output's phase (beside).
     if constexpr (Rows == 1) run.beside(next[0].data);
     if constexpr (Rows == 2) {
       for (int s = 0; s < kPairSumsLead && sums.can_step(); ++s) {
