@@ -495,46 +495,60 @@ struct BackwardKernel {
   // of group k + 1 (ps), so that the reads from memory and the writes overlap as in np.add; group
   // k is read again from the L2. Per element the arithmetic is apply_run's and sums_run's, and the
   // sums reach their targets in sums_run's order: the bits are those of the two passes apart. The
-  // summed lines are fetched kPrefetchAheadBytes ahead into the L2 only (prefetcht1): fetched into
-  // the L1 (prefetcht0), the pair ran slower than the two passes apart.
+  // summed lines are fetched kPairPrefetchBytes ahead into the L2 only (prefetcht1): fetched into
+  // the L1 (prefetcht0), the pair ran slower than the two passes apart; fetched from further ahead,
+  // or with the summed run's grad_input fetched for writing too (written_next), it ran slower on
+  // groups of 100 KB and more (two of them, read twice, pass a 512 KB L2).
+  static constexpr int64_t kPairPrefetchBytes = 1024;
   template <class D>
   static void pair_run(const BackwardTask& t, const D& deriv, char* const* pa, char* const* ps, const int64_t* s,
                        int64_t n, const BackwardSums& acc) {
-    constexpr int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));
+    constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
     const Element<kConst, kConst, D> wr(t, deriv, pa, s, 0), su(t, deriv, ps, s, 0);
-    char* const dx = pa[kGradIn];
-    char* const own_out = written_next(t, ps[kGradIn]);  // (pair_run runs grouped)
-    int64_t head = t.stream_stores ? stream_head(dx, n) : -1;
+    int64_t head = t.stream_stores ? stream_head(pa[kGradIn], n) : -1;
     const bool stream = head >= 0;
     if (!stream) head = 0;
-    const V u = wr.u_c, c1 = wr.c1_c, c2 = wr.c2_c;
+    // The summed run from its start; the written one from head, its whole vectors [0, written).
+    const T* const sx = reinterpret_cast<const T*>(ps[kX]);
+    const T* const sdy = reinterpret_cast<const T*>(ps[kGradOut]);
+    const T* const wx = reinterpret_cast<const T*>(pa[kX]) + head;
+    const T* const wdy = reinterpret_cast<const T*>(pa[kGradOut]) + head;
+    T* const dx = reinterpret_cast<T*>(pa[kGradIn]) + head;
+    const int64_t written = (n - head) / W * W;
+    const V u = wr.u_c, c1 = wr.c1_c, c2 = wr.c2_c, mean = wr.mean_c, scale = wr.scale_c;
+    const V su_mean = su.mean_c, su_u = su.u_c;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     const int64_t gi = (ps[kStats] - acc.stats_base) / cs, pi = (ps[kParams] - acc.params_base) / cs;
     for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
       const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
+      const int64_t whole = e0 + (e1 - e0) / W * W, paired = std::min(whole, written);
       V sgay = zero(), sga = zero();
-      for (int64_t e = e0; e < e1; e += W) {
-        const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
-        __builtin_prefetch(ps[kX] + e * es + kPrefetchAheadBytes, 0, 2);
-        __builtin_prefetch(ps[kGradOut] + e * es + kPrefetchAheadBytes, 0, 2);
-        if (own_out != nullptr) __builtin_prefetch(own_out + e * es, 1);
+      auto sum = [&](int64_t e) SIMDNORM_INLINE_LAMBDA {
+        __builtin_prefetch(reinterpret_cast<const char*>(sx + e) + kPairPrefetchBytes, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(sdy + e) + kPairPrefetchBytes, 0, 2);
+        const V ga = L::load(sdy + e);
+        sgay = vfma(ga, (L::load(sx + e) - su_mean) * su_u, sgay), sga = sga + ga;
+      };
+      int64_t e = e0;
+      for (; e < paired; e += W) {
+        sum(e);
+        const V y = (L::load(wx + e) - mean) * u;
+        L::store_or_stream(dx + e, grad_input(u, y, L::load(wdy + e) * scale, c1, c2), stream);
+      }
+      for (; e < whole; e += W) sum(e);
+      if (e < e1) {  // the summed run's last elements (the written run's are apply_run's, below)
+        const int m = static_cast<int>(e1 - e);
         V y, ga, g;
         su.template at<false>(e, m, y, ga, g);
-        if (m < W) {
-          const auto own = lanes_mask(static_cast<V*>(nullptr), m);
-          y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
-        }
+        const auto own = lanes_mask(static_cast<V*>(nullptr), m);
+        y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
         sgay = vfma(ga, y, sgay), sga = sga + ga;
-        if (e + head + W <= n) {
-          wr.template at<false>(e + head, W, y, ga, g);
-          L::store_or_stream(reinterpret_cast<T*>(dx + (e + head) * es), grad_input(u, y, g, c1, c2), stream);
-        }
       }
       add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
                    want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, ps[kParams]);
     }
     // The written run's edges, [0, head) and what is left after its last whole vector, by apply_run.
-    const int64_t end = head + (n - head) / W * W;
+    const int64_t end = head + written;
     if (head > 0) apply_run<kConst, kConst>(t, deriv, pa, s, head);
     if (end < n) {
       char* q[kNumOperands];

@@ -14,6 +14,7 @@
 //             the elementwise nest, each chunk with its own sums, then one elementwise pass.
 // The blocks and chunks are fixed by the shapes and their sums merged in their order, so the result
 // is bitwise the same for any number of threads.
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -47,6 +48,11 @@ constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;
 constexpr int64_t kMaxBlocks = 64;
 // Elements per chunk of the two-pass strategy's sums, at least.
 constexpr int64_t kMinChunkElements = int64_t(1) << 16;
+// Groups a block of the grouped strategy holds at least: a block's first group is summed and its
+// last written alone, not in the loop that overlaps one group's reads with another's writes
+// (BackwardKernel::pair_run). But at least kMinGroupBlocks blocks where the work is that large, so
+// that a few large groups still share out over the threads.
+constexpr int64_t kMinGroupsPerBlock = 16, kMinGroupBlocks = 8;
 // Runs of a group at most this long, scattered (scattered_short_runs), take the two passes.
 constexpr int64_t kScatteredRunBytes = 1024, kScatteredRunBytesFromMemory = 4096;
 // Runs (groups) a compute-type slot sums before it is added into its double.
@@ -276,8 +282,9 @@ class BackwardRunner {
     }
   }
 
-  int64_t blocks_for(int64_t units, int64_t per_block_bytes, int64_t min_units) const {
-    int64_t blocks = std::min<int64_t>(kMaxBlocks, std::max<int64_t>(1, units / std::max<int64_t>(1, min_units)));
+  int64_t blocks_for(int64_t units, int64_t per_block_bytes, int64_t min_units, int64_t min_blocks = 1) const {
+    int64_t blocks =
+        std::min<int64_t>(kMaxBlocks, std::max<int64_t>(min_blocks, units / std::max<int64_t>(1, min_units)));
     if (per_block_bytes > 0) blocks = std::min(blocks, std::max<int64_t>(1, kMaxPartialBytes / per_block_bytes));
     return std::min(blocks, units);
   }
@@ -297,7 +304,9 @@ class BackwardRunner {
     const int64_t groups = rp.groups;
     Partial group_sums = partial(true, false);
     const int64_t param_bytes = want_params_ ? 2 * params_->count() * (8 + csize_) : 0;
-    const int64_t blocks = blocks_for(groups, param_bytes, std::max<int64_t>(1, kMinChunkElements / std::max<int64_t>(1, n_)));
+    const int64_t blocks =
+        blocks_for(groups, param_bytes, std::max(kMinGroupsPerBlock, kMinChunkElements / std::max<int64_t>(1, n_)),
+                   std::clamp<int64_t>(groups * n_ / kMinChunkElements, 1, kMinGroupBlocks));
     std::vector<Partial> partials;
     for (int64_t b = 0; b < blocks; ++b) partials.push_back(partial(false, want_params_));
     const int64_t per = (groups + blocks - 1) / blocks;
