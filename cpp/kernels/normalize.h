@@ -154,11 +154,17 @@ struct NormalizeKernel {
       }
       steps_left = (n - i) / (2 * W);
       steps_end = i + steps_left * 2 * W;
-      if (Rows == 1 && kLinePairs == 1 && stream && sizeof(In) == sizeof(T) && steps_left > 1 &&
-          steps_down(rows.r0.y, rows.r0.x)) {
-        i = steps_end - 2 * W;
-        stride = -2 * W;
-      }
+      if (may_step_down() && steps_down(rows.r0.y, rows.r0.x)) step_down();
+    }
+    // Single rows of whole-line steps, streamed, the input of the storage type, two steps or more,
+    // still stepping up: the runs that may take their steps from the last down.
+    SIMDNORM_CURSOR_METHOD bool may_step_down() const {
+      return kStepsDown && Rows == 1 && kLinePairs == 1 && stream && sizeof(In) == sizeof(T) && stride > 0 &&
+             steps_left > 1;
+    }
+    SIMDNORM_CURSOR_METHOD void step_down() {
+      i = steps_end - 2 * W;
+      stride = -2 * W;
     }
     // Before the first step, beside the sums of a later row at `summed` (fused_rows.h), whose loads
     // step up with these steps: with that row near the output's phase to a page, they would fall
@@ -166,16 +172,11 @@ struct NormalizeKernel {
     // two cross once. Not where stepping down has that hazard with the run's own loads (an output
     // just before the input's phase).
     SIMDNORM_CURSOR_METHOD void beside(const void* summed) {
-      if (!kStepsDown || Rows != 1 || kLinePairs != 1 || !stream || sizeof(In) != sizeof(T) || stride < 0 ||
-          steps_left < 2)
-        return;
+      if (!may_step_down()) return;
       const auto y = reinterpret_cast<uintptr_t>(rows.r0.y);
       const auto d = (y - reinterpret_cast<uintptr_t>(rows.r0.x)) % kPageBytes;
       const auto e = (y - reinterpret_cast<uintptr_t>(summed) + kLineBytes) % kPageBytes;
-      if (e < kPageBytes / 4 && d < kPageBytes - kPageBytes / 16) {
-        i = steps_end - 2 * W;
-        stride = -2 * W;
-      }
+      if (e < kPageBytes / 4 && d < kPageBytes - kPageBytes / 16) step_down();
     }
     SIMDNORM_CURSOR_METHOD bool can_step() const { return steps_left > 0; }
     SIMDNORM_CURSOR_METHOD void step() {
