@@ -1,7 +1,8 @@
 // Shifted sums for mean-variance normalization statistics. Included inside an ISA namespace.
 // d = (x - pivot) * scale is accumulated in double lanes (SumLanes): element e of a run, counted
 // from the run's first element, goes to lane e mod S of S (two input vectors' worth), and the lanes
-// are added in one fixed tree when the run ends. So a run's sums depend only on its values: not on
+// are added in one fixed tree when the run ends (a lane group's runs, col_lane_groups: when its last
+// run ends). So a run's sums depend only on its values: not on
 // its address, not on the loop that reads it (contiguous, strided, fused with a normalization, the
 // 16-bit row stream), not on how work was split between threads (runs are cut where ops/mvn.cpp's
 // blocks end, whatever the split). In double, float data loses nothing to the subtraction, and its
@@ -289,7 +290,72 @@ struct MomentsKernel {
     if (c < a.cols) col_few_rows_step<2>(a, c, static_cast<int>(a.cols - c));
   }
 
+  // Lane groups (a.lane_group contiguous lanes each, a few dozen rows: batch norm training of small
+  // NCHW planes), one group at a time: its runs are one sequence whose every run starts at lane 0
+  // (element j of a run into lane j mod S), its lanes added in one tree after its last run. So a
+  // group's sums depend on its own values and shape only, and need no per-lane scratch.
+  template <bool Scaled>
+  static void col_lane_groups(const ColMomentsArgs& a) {
+    constexpr int64_t ts = sizeof(T);
+    const int64_t k = a.lane_group, groups = a.cols / k, steps = k / (2 * W);
+    const bool half = k % (2 * W) >= W;  // a single vector after the steps
+    const int m = static_cast<int>(k % W), h = half ? 1 : 0;  // the partial vector's lanes and half
+    const vd scale = vbroadcast_vd(a.scale);
+    // Each row's lines of the group two ahead (the batch's rows are as many streams, more than the
+    // hardware follows).
+    const int64_t ahead = 2 * k * ts, lines = (k * ts + kLineBytes - 1) / kLineBytes;
+    // The partial vector's lanes, of each part (the masks fixed for the call).
+    constexpr int kParts = Sums::kParts, WD = Sums::WD;
+    vmaskd tail_mask[kParts];
+    for (int pi = 0; pi < kParts; ++pi) {
+      const int lanes = m - pi * WD;
+      tail_mask[pi] = vlanes_below_d(lanes < 0 ? 0 : lanes > WD ? WD : lanes);
+    }
+    const vd zero = vbroadcast_vd(0.0);
+    for (int64_t g = 0; g < groups; ++g) {
+      const vd pivot = vbroadcast_vd(Scaled ? a.pivot[g] * a.scale : a.pivot[g]);
+      Sums lanes;
+      lanes.clear();
+      // The m elements at x, at half H of a step; a part past them adds nothing and is skipped.
+      auto add_tail = [&](auto half, const T* x) SIMDNORM_INLINE_LAMBDA {
+        const V v = L::load_partial(x, m);
+        for_constant<0, kParts>([&](auto part) SIMDNORM_INLINE_LAMBDA {
+          constexpr int pi = decltype(part)::value;
+          if (pi * WD >= m) return;
+          const vd d = Sums::template shifted<Scaled>(Sums::template part<pi>(v), pivot, scale);
+          lanes.template add_d<decltype(half)::value * kParts + pi>(vselect(tail_mask[pi], d, zero));
+        });
+      };
+      const char* row = a.data + g * k * ts;
+      for (int64_t r = 0; r < a.rows; ++r, row += a.row_stride) {
+        if (g + 2 < groups)
+          for (int64_t l = 0; l < lines; ++l) __builtin_prefetch(row + ahead + l * kLineBytes, 0, 3);
+        const T* x = reinterpret_cast<const T*>(row);
+        for (int64_t s = 0; s < steps; ++s, x += 2 * W) {
+          if constexpr (std::is_same<T, float>::value) {
+            lanes.template add_widened<0, Scaled>(x, pivot, scale);
+            lanes.template add_widened<1, Scaled>(x + W, pivot, scale);
+          } else {
+            lanes.template add<0, Scaled>(L::load(x), pivot, scale);
+            lanes.template add<1, Scaled>(L::load(x + W), pivot, scale);
+          }
+        }
+        if (half) {
+          lanes.template add<0, Scaled>(L::load(x), pivot, scale);
+          x += W;
+        }
+        if (m > 0) {
+          if (h == 0) add_tail(std::integral_constant<int, 0>{}, x);
+          else add_tail(std::integral_constant<int, 1>{}, x);
+        }
+      }
+      a.sum[g] += Sums::tree(lanes.s1);
+      a.sum_sq[g] += Sums::tree(lanes.s2);
+    }
+  }
+
   static void col(const ColMomentsArgs& a) {
+    if (a.lane_group > 1) return a.scale == 1.0 ? col_lane_groups<false>(a) : col_lane_groups<true>(a);
     if (a.rows <= kFewRows && a.col_stride == static_cast<int64_t>(sizeof(T))) return col_few_rows(a);
     constexpr int kParts = Sums::kParts, WD = Sums::WD, kVecs = kLanes / W;
     for (int64_t c0 = 0; c0 < a.cols; c0 += kLanes) {

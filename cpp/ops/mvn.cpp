@@ -69,9 +69,12 @@ std::string MvnRunner::describe() {
   const bool statistics = a_.normalize_mean || a_.normalize_variance;
   if (a_.statistics_only) return d + " statistics-only";
   if (statistics && plan_.lanes) {
-    const int64_t lanes = lanes_per_task();
-    return d + " lanes_per_task=" + std::to_string(lanes) + " " +
-           describe_normalize(column_normalize_task(0, 0, lanes));
+    // Tasks of lane groups and of whole rows run one normalize pass over the whole nest; other
+    // column tasks normalize their own lanes.
+    const bool grouped = lane_group_tasks(), one_pass = grouped || whole_row_tasks();
+    const int64_t lanes = grouped ? groups_per_lane_group_task() * plan_.lane_group : lanes_per_task();
+    return d + (grouped ? " lane_group_tasks" : "") + " lanes_per_task=" + std::to_string(lanes) + " " +
+           describe_normalize(one_pass ? task_ : column_normalize_task(0, 0, lanes));
   }
   if (!statistics || plan_.lanes) return d + " " + describe_normalize(task_);
   static const char* const kNames[] = {"fused pipeline", "fused paired", "fused batched", "split"};

@@ -11,6 +11,7 @@ namespace {
 // tasks split between threads: each task's statistics, then its normalization while its block is
 // cached. Else tasks of whole rows, summed in chunks (run_columns_chunked).
 void MvnRunner::run_columns() {
+  if (lane_group_tasks()) return run_lane_group_tasks();
   if (whole_row_tasks()) return run_columns_chunked();
   const int64_t groups = plan_.groups;
   int parts = parts_for(groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
@@ -80,6 +81,61 @@ void MvnRunner::run_columns_chunked() {
   if (!a_.statistics_only) run_normalize(task_);
 }
 
+// Tasks of whole lane groups (groups_per_lane_group_task() of them) at a kept index, split between
+// threads, each task's groups summed one at a time (lane_group_sums) and finished as lanes are;
+// then one normalize pass over all threads. (Each task normalized while it is cached was slower:
+// its rows' short stretches of output, 2-8 KB each, are written as many streams.) A group's
+// statistics are the same whatever the split.
+void MvnRunner::run_lane_group_tasks() {
+  const int64_t k = plan_.lane_group, per_task = groups_per_lane_group_task() * k;
+  const int64_t blocks = (plan_.lane_count + per_task - 1) / per_task, tasks = plan_.groups * blocks;
+  int parts = parts_for(plan_.groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
+  if (parts > tasks) parts = static_cast<int>(tasks);
+  const int64_t per = (tasks + parts - 1) / parts;
+  const int64_t lane_stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1];
+  parallel_for(parts, [&](int part) {
+    LaneScratch lane(per_task);
+    for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
+      const ColumnTask c = column_task_at(t, blocks, per_task);
+      // The groups' pivots (each its first element) where finish_lanes reads them: inv_std's front.
+      double* pivots = lane.inv_std.data();
+      if (a_.normalize_mean)
+        load_as_double(a_.input.dtype, group_first_element(c.ko) + c.c0 * lane_stride, k * lane_stride, c.nb / k,
+                       pivots);
+      else
+        std::fill_n(pivots, c.nb / k, 0.0);
+      lane_group_sums(c.ko, c.c0, c.nb / k, pivots, 1.0, lane.s1.data(), lane.s2.data());
+      finish_lanes(c.ko, c.c0, c.nb, lane, /*groups_summed=*/true);
+    }
+  });
+  if (!a_.statistics_only) run_normalize(task_);
+}
+
+// The sums of `groups` lane groups from lane c0 (a group's first) at kept index ko, around
+// pivots[g] times the scale.
+void MvnRunner::lane_group_sums(int64_t ko, int64_t c0, int64_t groups, const double* pivots, double scale,
+                                double* s1, double* s2) const {
+  const LoopNest& nest = plan_.nest;
+  const int lanes_dim = nest.ndim - 1, rows_dim = plan_.kept_dims + plan_.reduced_dims - 1;
+  std::fill_n(s1, groups, 0.0);
+  std::fill_n(s2, groups, 0.0);
+  ColMomentsArgs args{group_first_element(ko) + c0 * nest.strides[kIn][lanes_dim], a_.input.dtype, 0,
+                      groups * plan_.lane_group, nest.strides[kIn][rows_dim], nest.strides[kIn][lanes_dim], pivots,
+                      scale, s1, s2};
+  args.lane_group = plan_.lane_group;
+  // The rows: the reduced dims' product, walked as the innermost's runs of rows (a single dim
+  // unless the reduced dims do not merge).
+  const int64_t rows = nest.sizes[rows_dim];
+  for (int64_t o = 0; o * rows < plan_.group_size; ++o) {
+    const char* p = args.data;
+    for_dim_indices(nest, plan_.kept_dims, rows_dim, o, [&](int d, int64_t i) { p += i * nest.strides[kIn][d]; });
+    ColMomentsArgs run = args;
+    run.data = p;
+    run.rows = rows;
+    kernels().col_moments(run);
+  }
+}
+
 // One task, all the lanes at kept index ko: their statistics, then their normalization while the
 // task's block is cached.
 void MvnRunner::column_task(int64_t ko, LaneScratch& lane) {
@@ -110,7 +166,7 @@ void MvnRunner::load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) c
 // roots and divisions), vectorized: one lane at a time (judge, inv_std and the stores behind
 // branches) they would cost lanes of few rows as much as their sums. Lanes that fail the common
 // case go through judge() and are summed again.
-void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
+void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane, bool groups_summed) {
   const int lanes_dim = plan_.nest.ndim - 1;
   double *pivot = lane.pivot.data(), *s1 = lane.s1.data(), *s2 = lane.s2.data(), *mean = lane.mean.data(),
          *var = lane.var.data(), *istd = lane.inv_std.data();
@@ -120,41 +176,40 @@ void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& la
   // With lane groups, each group's sums are its lanes' added: the groups are judged, at the front
   // of the arrays (the pivots in inv_std's, until it takes the 1/std), as lanes are.
   const int64_t k = plan_.lane_group, judged = nb / k;
-  if (k > 1) add_lane_groups(nb, k, lane);
+  if (k > 1 && !groups_summed) add_lane_groups(nb, k, lane);
   if (table.lane_stats(LaneStatsArgs{judged, inv_group_size_, a_.normalize_mean, underflow_, k > 1 ? istd : pivot, s1,
                                      s2, mean, var, slow}) > 0)
-    judge_slow_lanes(ko, c0, nb, lane, scaled);
+    judge_slow_lanes(ko, c0, nb, lane, scaled, groups_summed);
   for (int64_t g = judged - 1; k > 1 && g >= 0; --g) {  // each group's statistics to its first lane (g * k >= g)
     mean[g * k] = mean[g];
     var[g * k] = var[g];
   }
   table.inv_std_lanes(var, istd, nb, k, inv_std_rule_);
   for (const ScaledLane& l : scaled) istd[l.c] = inv_std_scaled(var[l.c], l.scale, inv_std_rule_);
-  // The internal shift and mul: each lane its group's (k > 1) or its own.
-  const int64_t base = ko * plan_.lane_count + c0;
-  if (compute_ == DType::f64) {
-    double* shift = reinterpret_cast<double*>(shift_) + base;
-    double* mul = reinterpret_cast<double*>(mul_) + base;
-    spread_lanes(mean, istd, nb, k, plan_.split_lanes ? 1 : k, shift, mul);
-  } else {
-    float* shift = reinterpret_cast<float*>(shift_) + base;
-    float* mul = reinterpret_cast<float*>(mul_) + base;
-    spread_lanes(mean, istd, nb, k, plan_.split_lanes ? 1 : k, shift, mul);
-  }
-  // The user's statistics step per group.
+  // The internal shift and mul, each lane its group's (k > 1) or its own (nothing normalizes with
+  // statistics_only).
+  const int64_t base = ko * plan_.lane_count + c0, lanes = plan_.split_lanes ? 1 : k;
+  if (!a_.statistics_only && compute_ == DType::f64)
+    spread_lanes(mean, istd, nb, k, lanes, reinterpret_cast<double*>(shift_) + base, reinterpret_cast<double*>(mul_) + base);
+  else if (!a_.statistics_only)
+    spread_lanes(mean, istd, nb, k, lanes, reinterpret_cast<float*>(shift_) + base, reinterpret_cast<float*>(mul_) + base);
+  // The user's statistics step per group (group c0 / k + g at lane g k).
+  const int64_t first = c0 / k;
   if (a_.mean_out && a_.normalize_mean) {
-    char* um = user_mean_ + user_offset(user_mean_strides_, ko);
-    for (int64_t c = 0; c < nb; c += k) store_user(um + (c0 + c) / k * user_mean_strides_[lanes_dim], mean[c]);
+    const int64_t step = user_mean_strides_[lanes_dim];
+    char* um = user_mean_ + user_offset(user_mean_strides_, ko) + first * step;
+    for (int64_t g = 0; g < judged; ++g) store_user(um + g * step, mean[g * k]);
   }
   if (a_.inv_std_out && a_.normalize_variance) {
-    char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko);
-    for (int64_t c = 0; c < nb; c += k) store_user(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim], istd[c]);
+    const int64_t step = user_inv_std_strides_[lanes_dim];
+    char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko) + first * step;
+    for (int64_t g = 0; g < judged; ++g) store_user(ui + g * step, istd[g * k]);
     if (a_.var_out) {
-      for (int64_t c = 0; c < nb; c += k) {
-        double v = var[c];
+      for (int64_t g = 0; g < judged; ++g) {
+        double v = var[g * k];
         for (const ScaledLane& l : scaled)
-          if (l.c == c) v /= l.scale * l.scale;
-        store_user(ui + (c0 + c) / k * user_inv_std_strides_[lanes_dim] + var_offset(), v);
+          if (l.c == g * k) v /= l.scale * l.scale;
+        store_user(ui + g * step + var_offset(), v);
       }
     }
   }
@@ -239,7 +294,7 @@ void MvnRunner::add_lane_groups(int64_t nb, int64_t k, LaneScratch& lane) {
 // still unsettled after that gets NaN. Lanes whose var comes in scaled units are added to `scaled`,
 // in order.
 void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
-                                 std::vector<ScaledLane>& scaled) {
+                                 std::vector<ScaledLane>& scaled, bool groups_summed) {
   struct Slow {
     int64_t c;
     Pass pass;
@@ -250,7 +305,7 @@ void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch
   std::vector<Slow> lanes;
   for (int64_t c = 0; c < nb / k; ++c) {
     if (!lane.slow[c]) continue;
-    Slow l{c, Pass{lane.pivot[c * k], 1.0, false}, false, 1.0};
+    Slow l{c, Pass{k > 1 ? lane.inv_std[c] : lane.pivot[c], 1.0, false}, false, 1.0};  // (finish_lanes' pivots)
     GroupResult r{NAN, NAN};
     l.done = judge(Sums{lane.s1[c], lane.s2[c]}, l.pass, r);
     lane.mean[c] = r.mean;
@@ -263,15 +318,18 @@ void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch
       bool any = false;
       for (Slow& l : lanes) {
         const bool take = !l.done && l.pass.scale == scale;
-        if (take) std::fill_n(lane.pivot.data() + l.c * k, k, l.pass.pivot);  // others' sums are taken and dropped
+        if (take && !groups_summed) std::fill_n(lane.pivot.data() + l.c * k, k, l.pass.pivot);  // others' sums are dropped
         any |= take;
       }
       if (!any) continue;
-      column_sums(ko, c0, nb, lane.pivot.data(), scale, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
+      if (!groups_summed)
+        column_sums(ko, c0, nb, lane.pivot.data(), scale, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
       for (Slow& l : lanes) {
         if (l.done || l.pass.scale != scale) continue;
         Sums sums;
-        for (int64_t j = l.c * k; j < l.c * k + k; ++j) sums.s1 += lane.s1[j], sums.s2 += lane.s2[j];
+        if (groups_summed) lane_group_sums(ko, c0 + l.c * k, 1, &l.pass.pivot, scale, &sums.s1, &sums.s2);
+        else
+          for (int64_t j = l.c * k; j < l.c * k + k; ++j) sums.s1 += lane.s1[j], sums.s2 += lane.s2[j];
         GroupResult r;
         l.done = judge(sums, l.pass, r);
         if (l.done) lane.mean[l.c] = r.mean, lane.var[l.c] = r.var, l.result_scale = r.scale;

@@ -43,6 +43,11 @@ constexpr int64_t kMaxRowLanes = 8192;
 // kMaxColumnChunks of them: their sums (16 bytes a lane each) stay a small part of what they read.
 constexpr int64_t kColumnChunkBytes = 1 << 20;
 constexpr int64_t kMaxColumnChunks = 64;
+// Lane groups of at most this many rows (the batch of batch norm training on small NCHW planes) are
+// summed a group at a time (run_lane_group_tasks), in tasks of whole groups of about
+// kLaneGroupTaskBytes (enough tasks to share between threads, and a small lane scratch).
+constexpr int64_t kLaneGroupMaxRows = 64;
+constexpr int64_t kLaneGroupTaskBytes = 64 << 10;
 // Rounds of passes over the data at most: judge() asks for another pass at most once for a scale
 // (down or up) and once to move the pivot, so every group is settled by its third pass.
 constexpr int kMaxPassRounds = 3;
@@ -319,13 +324,30 @@ class MvnRunner {
   }
 
   void run_columns_chunked();
+  // Lane groups of few rows, each run at least two vectors (a shorter one would leave the group's
+  // sums a chain of dependent additions down the rows): tasks of whole groups, each group summed as
+  // one sequence of its runs.
+  bool lane_group_tasks() const {
+    const int64_t vector_lanes = kernels().float_lanes * 4 / csize_;
+    return plan_.lane_group >= 2 * vector_lanes && plan_.group_size <= kLaneGroupMaxRows &&
+           plan_.nest.strides[kIn][plan_.nest.ndim - 1] == itemsize(a_.input.dtype);
+  }
+  int64_t groups_per_lane_group_task() const {
+    const int64_t group_bytes = elements_per_group() * itemsize(a_.input.dtype);
+    return std::clamp<int64_t>(kLaneGroupTaskBytes / group_bytes, 1, plan_.lane_count / plan_.lane_group);
+  }
+  void run_lane_group_tasks();
+  inline void lane_group_sums(int64_t ko, int64_t c0, int64_t groups, const double* pivots, double scale, double* s1,
+                              double* s2) const;
   inline void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, int64_t f0,
                           int64_t f1, double* s1, double* s2) const;
   inline void column_task(int64_t ko, LaneScratch& lane);
   inline void load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) const;
-  inline void finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
+  // groups_summed: the lane groups' sums and pivots are already at the front of s1, s2 and
+  // inv_std (lane_group_sums), not yet in the lanes' arrays.
+  inline void finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane, bool groups_summed = false);
   inline void judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane,
-                               std::vector<ScaledLane>& scaled);
+                               std::vector<ScaledLane>& scaled, bool groups_summed);
   static inline void add_lane_groups(int64_t nb, int64_t k, LaneScratch& lane);
   template <class E>
   static inline void spread_lanes(const double* mean, const double* istd, int64_t n, int64_t k, int64_t lanes,

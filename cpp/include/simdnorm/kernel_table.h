@@ -45,6 +45,9 @@ struct ColMomentsArgs {
   // The rows fit in the cache: the first block of lanes prefetches whole rows, in order (one
   // stream from memory), and the other blocks find them there.
   bool rows_cached = false;
+  // Above 1: the lanes are contiguous groups of this many (cols a multiple of it), each summed as
+  // one sequence of its runs; pivot, sum and sum_sq are then a group's, [cols / lane_group].
+  int64_t lane_group = 1;
 };
 
 // 1 / std from a variance: 1 / sqrt(var + epsilon), or 1 / (sqrt(var) + epsilon) outside; 1 when
