@@ -298,8 +298,10 @@ struct MomentsKernel {
   static void col_lane_groups(const ColMomentsArgs& a) {
     constexpr int64_t ts = sizeof(T);
     const int64_t k = a.lane_group, groups = a.cols / k, steps = k / (2 * W);
-    const bool half = k % (2 * W) >= W;  // a single vector after the steps
-    const int m = static_cast<int>(k % W), h = half ? 1 : 0;  // the partial vector's lanes and half
+    // After the steps of two vectors: a single vector (a step's first half), then a partial one of m
+    // lanes (in the half after it).
+    const bool single = k % (2 * W) >= W;
+    const int m = static_cast<int>(k % W);
     const vd scale = vbroadcast_vd(a.scale);
     // Each row's lines of the group two ahead (the batch's rows are as many streams, more than the
     // hardware follows).
@@ -308,8 +310,8 @@ struct MomentsKernel {
     constexpr int kParts = Sums::kParts, WD = Sums::WD;
     vmaskd tail_mask[kParts];
     for (int pi = 0; pi < kParts; ++pi) {
-      const int lanes = m - pi * WD;
-      tail_mask[pi] = vlanes_below_d(lanes < 0 ? 0 : lanes > WD ? WD : lanes);
+      const int in_part = m - pi * WD;
+      tail_mask[pi] = vlanes_below_d(in_part < 0 ? 0 : in_part > WD ? WD : in_part);
     }
     const vd zero = vbroadcast_vd(0.0);
     for (int64_t g = 0; g < groups; ++g) {
@@ -317,13 +319,13 @@ struct MomentsKernel {
       Sums lanes;
       lanes.clear();
       // The m elements at x, at half H of a step; a part past them adds nothing and is skipped.
-      auto add_tail = [&](auto half, const T* x) SIMDNORM_INLINE_LAMBDA {
+      auto add_tail = [&](auto at_half, const T* x) SIMDNORM_INLINE_LAMBDA {
         const V v = L::load_partial(x, m);
         for_constant<0, kParts>([&](auto part) SIMDNORM_INLINE_LAMBDA {
           constexpr int pi = decltype(part)::value;
           if (pi * WD >= m) return;
           const vd d = Sums::template shifted<Scaled>(Sums::template part<pi>(v), pivot, scale);
-          lanes.template add_d<decltype(half)::value * kParts + pi>(vselect(tail_mask[pi], d, zero));
+          lanes.template add_d<decltype(at_half)::value * kParts + pi>(vselect(tail_mask[pi], d, zero));
         });
       };
       const char* row = a.data + g * k * ts;
@@ -340,13 +342,13 @@ struct MomentsKernel {
             lanes.template add<1, Scaled>(L::load(x + W), pivot, scale);
           }
         }
-        if (half) {
+        if (single) {
           lanes.template add<0, Scaled>(L::load(x), pivot, scale);
           x += W;
         }
         if (m > 0) {
-          if (h == 0) add_tail(std::integral_constant<int, 0>{}, x);
-          else add_tail(std::integral_constant<int, 1>{}, x);
+          if (single) add_tail(std::integral_constant<int, 1>{}, x);
+          else add_tail(std::integral_constant<int, 0>{}, x);
         }
       }
       a.sum[g] += Sums::tree(lanes.s1);
