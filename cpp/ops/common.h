@@ -2,6 +2,7 @@
 // arrays, and running the normalize kernel over a nest on the thread pool. Compiled without ISA
 // flags (baseline), like everything outside cpp/kernels.
 #pragma once
+#include <algorithm>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -111,6 +112,10 @@ void run_normalize(NormalizeTask& task);
 // output cache lines.
 template <class Fn>
 void for_element_ranges(int64_t total, Fn&& fn);
+// fn(begin, end) over items [0, items) in contiguous ranges, one a part: as many parts as `work`
+// (elements) is worth threads (parts_for), at most one an item.
+template <class Fn>
+void for_item_ranges(int64_t items, int64_t work, Fn&& fn);
 // The rest of a task's plan, once its loop, dtype and scale_folded are set: the L1's size; whether
 // to write with non-temporal stores (for operations that move more bytes, input plus output, than
 // stream_threshold_bytes(): smaller ones stay cached between calls, and their output is cached for
@@ -138,6 +143,17 @@ void for_element_ranges(int64_t total, Fn&& fn) {
   const int64_t per = ((total + parts - 1) / parts + 63) / 64 * 64;
   parallel_for(parts, [&](int part) {
     const int64_t begin = part * per, end = begin + per < total ? begin + per : total;
+    if (begin < end) fn(begin, end);
+  });
+}
+
+template <class Fn>
+void for_item_ranges(int64_t items, int64_t work, Fn&& fn) {
+  if (items <= 0) return;
+  const int parts = static_cast<int>(std::min<int64_t>(items, parts_for(work, kMinElementsPerThread)));
+  const int64_t per = (items + parts - 1) / parts;
+  parallel_for(parts, [&](int part) {
+    const int64_t begin = part * per, end = std::min(items, begin + per);
     if (begin < end) fn(begin, end);
   });
 }

@@ -13,13 +13,9 @@ namespace {
 void MvnRunner::run_columns() {
   if (lane_group_tasks()) return run_lane_group_tasks();
   if (whole_row_tasks()) return run_columns_chunked();
-  const int64_t groups = plan_.groups;
-  int parts = parts_for(groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
-  if (parts > groups) parts = static_cast<int>(groups);
-  const int64_t per = (groups + parts - 1) / parts;
-  parallel_for(parts, [&](int part) {
+  for_item_ranges(plan_.groups, plan_.groups * plan_.lane_count * plan_.group_size, [&](int64_t k0, int64_t k1) {
     LaneScratch lane(plan_.lane_count);
-    for (int64_t ko = part * per; ko < (part + 1) * per && ko < groups; ++ko) column_task(ko, lane);
+    for (int64_t ko = k0; ko < k1; ++ko) column_task(ko, lane);
   });
 }
 
@@ -42,12 +38,8 @@ void MvnRunner::run_columns_chunked() {
     const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
     load_pivots(c.ko, c.c0, c.nb, pivots.data() + t * lanes_per_task);
   }
-  const int64_t items = tasks * chunks;
-  int parts = parts_for(plan_.groups * plan_.lane_count * rows, kMinElementsPerThread);
-  if (parts > items) parts = static_cast<int>(items);
-  const int64_t per = (items + parts - 1) / parts;
-  parallel_for(parts, [&](int part) {
-    for (int64_t i = part * per; i < (part + 1) * per && i < items; ++i) {
+  for_item_ranges(tasks * chunks, plan_.groups * plan_.lane_count * rows, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / chunks, k = i % chunks;
       const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
       double* s1 = sums.data() + t * task_sums + k * 2 * lanes_per_task;
@@ -55,12 +47,9 @@ void MvnRunner::run_columns_chunked() {
                   (k + 1) * rows / chunks, s1, s1 + lanes_per_task);
     }
   });
-  int tparts = parts_for(tasks * lanes_per_task * 64, kMinElementsPerThread);
-  if (tparts > tasks) tparts = static_cast<int>(tasks);
-  const int64_t tper = (tasks + tparts - 1) / tparts;
-  parallel_for(tparts, [&](int part) {
+  for_item_ranges(tasks, tasks * lanes_per_task * 64, [&](int64_t t0, int64_t t1) {
     LaneScratch lane(lanes_per_task);
-    for (int64_t t = part * tper; t < (part + 1) * tper && t < tasks; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       const ColumnTask c = column_task_at(t, blocks, lanes_per_task);
       // The chunks' sums added in chunk order into the first chunk's, where the lanes read them,
       // as they read their pivots, in place.
@@ -89,13 +78,10 @@ void MvnRunner::run_columns_chunked() {
 void MvnRunner::run_lane_group_tasks() {
   const int64_t k = plan_.lane_group, per_task = groups_per_lane_group_task() * k;
   const int64_t blocks = (plan_.lane_count + per_task - 1) / per_task, tasks = plan_.groups * blocks;
-  int parts = parts_for(plan_.groups * plan_.lane_count * plan_.group_size, kMinElementsPerThread);
-  if (parts > tasks) parts = static_cast<int>(tasks);
-  const int64_t per = (tasks + parts - 1) / parts;
   const int64_t lane_stride = plan_.nest.strides[kIn][plan_.nest.ndim - 1];
-  parallel_for(parts, [&](int part) {
+  for_item_ranges(tasks, plan_.groups * plan_.lane_count * plan_.group_size, [&](int64_t t0, int64_t t1) {
     LaneScratch lane(per_task);
-    for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       const ColumnTask c = column_task_at(t, blocks, per_task);
       // The groups' pivots (each its first element) where finish_lanes reads them: inv_std's front.
       double* pivots = lane.inv_std.data();

@@ -178,10 +178,8 @@ void MvnRunner::run_rows_split() {
       if (!done[g]) pending.push_back(g);
     if (pending.empty()) break;
     const int64_t tasks = static_cast<int64_t>(pending.size()) * nblocks;
-    const int tparts = parts_for(tasks * kBlock, kMinElementsPerThread);
-    const int64_t per = (tasks + tparts - 1) / tparts;
-    parallel_for(tparts, [&](int part) {
-      for (int64_t t = part * per; t < (part + 1) * per && t < tasks; ++t) {
+    for_item_ranges(tasks, tasks * kBlock, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
         const int64_t g = pending[t / nblocks], b = t % nblocks;
         sums[g * nblocks + b] = block_sums(g, b, passes[g]);
       }
