@@ -1,12 +1,14 @@
 """simdnorm.dask (SPEC section 11) on the threaded scheduler: every op against the float64 reference,
 within the in-memory bound, on many chunkings of the same array (one chunk, uneven chunks, the
-normalized axes split across chunks, size-1 chunks); meta, dtype and chunks as declared before
-compute; large-mean statistics merged in float64; one simdnorm thread per task; errors raised at
-the call. The distributed scheduler: tests/test_dask_distributed.py."""
+normalized axes split across chunks, size-1 chunks) and on cases drawn from the whole space (rank,
+shape, dtype, chunking, axes, flags, parameters; SIMDNORM_DASK_FUZZ_CASES); meta, dtype and chunks
+as declared before compute; large-mean statistics merged in float64; one simdnorm thread per task;
+errors raised at the call. The distributed scheduler: tests/test_dask_distributed.py."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -225,6 +227,58 @@ def test_other_dtypes(rng, dtype, chunking):
     fa = offset(rng, SHAPE, dtype)
     check_training(sd.batch_normalization_training(X, fused_add=lazy(fa, 2), activation="gelu"), x, None, None,
                    fused_add=fa, activation="gelu", context=f"{dtype_id(dtype)} {chunking}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# drawn from the whole input space: rank, shape, dtype, chunking, axes and parameters independently
+
+DASK_CASES = int(os.environ.get("SIMDNORM_DASK_FUZZ_CASES", "60"))
+
+
+def _random_chunks(rng, shape):
+    """Each dim whole, cut at 1-3 random points, or in chunks of 1."""
+    chunks = []
+    for n in shape:
+        kind = rng.integers(0, 4)
+        if n == 1 or kind == 0:
+            chunks.append((n,))
+        elif kind == 3:
+            chunks.append((1,) * n)
+        else:
+            cuts = sorted(set(rng.integers(1, n, size=min(int(kind), n - 1)).tolist()))
+            edges = [0, *cuts, n]
+            chunks.append(tuple(b - a for a, b in zip(edges, edges[1:])))
+    return tuple(chunks)
+
+
+@pytest.mark.parametrize("case", range(DASK_CASES))
+def test_drawn_ranks_dtypes_chunkings_and_axes(case):
+    rng = np.random.default_rng([20261201, case])
+    nd = int(rng.integers(1, 9))
+    shape = tuple(int(v) for v in rng.integers(1, 5 if nd > 4 else 12, size=nd))
+    dtype = (F32, F16, BF16, F64)[int(rng.integers(0, 4))]
+    pdt = F64 if dtype == F64 else F32
+    x = offset(rng, shape, dtype, loc=float(rng.choice([0.0, 3.0, 300.0])))
+    chunks = _random_chunks(rng, shape)
+    X = da.from_array(x, chunks=chunks)
+    context = f"case {case}: shape {shape} {dtype_id(dtype)} chunks {chunks}"
+    if nd >= 2 and rng.random() < 0.3:  # batch norm training over every dim but a drawn channel axis
+        ca = int(rng.integers(0, nd))
+        s = scale_bias_values(rng, (shape[ca],), pdt)
+        b = scale_bias_values(rng, (shape[ca],), pdt, "bias") if rng.random() < 0.5 else None
+        check_training(sd.batch_normalization_training(X, s, b, channel_axis=ca, activation="relu"), x, s, b,
+                       channel_axis=ca, activation="relu", context=f"{context} bn training channel_axis={ca}")
+        return
+    axes = tuple(sorted(rng.choice(nd, size=int(rng.integers(1, nd + 1)), replace=False).tolist()))
+    kept = tuple(1 if d in axes else n for d, n in enumerate(shape))
+    lead = int(rng.integers(0, nd))  # parameters with fewer leading dims broadcast as numpy's do
+    s = scale_bias_values(rng, kept[lead:], pdt) if rng.random() < 0.6 else None
+    b = scale_bias_values(rng, kept, pdt, "bias") if rng.random() < 0.4 else None
+    lazy_b = b if b is None or rng.random() < 0.5 else da.from_array(b, chunks=1)
+    kw = dict(normalize_mean=bool(rng.random() < 0.8), normalize_variance=bool(rng.random() < 0.8),
+              epsilon_mode=("inside", "outside")[int(rng.integers(0, 2))], activation=(None, "relu", "gelu")[int(rng.integers(0, 3))])
+    y, mean, inv = materialize(*sd.mean_variance_normalization(X, axes, s, lazy_b, return_stats=True, **kw))
+    check_mvn(y, x, axes, s, b, stats=(mean, inv), context=f"{context} axes {axes} {kw}", **kw)
 
 
 def test_empty_arrays(rng):
