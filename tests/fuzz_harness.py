@@ -30,6 +30,7 @@ from cases import act_arg
 from reference import (
     BF16,
     F32,
+    F64,
     assert_like_empty_like,
     check_bn,
     check_close,
@@ -282,6 +283,7 @@ class Case:
         self.params = {}  # name -> (shape, dtype, layout, kind)
         self.out_name = None
         self.placed = False
+        self.returns_output = True  # the call returns an array like empty_like(x) or out (not moments)
 
     def param(self, name, shape, dtype, lay, kind):
         self.params[name] = (tuple(shape), np.dtype(dtype), lay, kind)
@@ -346,11 +348,12 @@ class Case:
         full_ctx = (f"{ctx} {dtype_id(c['dtype'])} shape={self.shape} x.strides={x.strides} out={self.out_kind}"
                     f"{'' if out is None else ' out.strides=' + str(out.strides)} threads={c['threads']}")
         check_arena(a, before, self.out_name, full_ctx)
-        y = res[0] if isinstance(res, tuple) else res
-        if out is None:
-            assert_like_empty_like(y, x0)
-        else:
-            assert y is out, "a call with out= must return out"
+        if self.returns_output:
+            y = res[0] if isinstance(res, tuple) else res
+            if out is None:
+                assert_like_empty_like(y, x0)
+            else:
+                assert y is out, "a call with out= must return out"
         return res, x0, p0, full_ctx
 
     def repro(self, call: Call) -> str:
@@ -517,6 +520,40 @@ def build_mvn(shape, c) -> OpCase:
     return OpCase(case, call, f"mvn axes={c['axes']!r}" + (" compiled" if c["compiled"] else ""), check)
 
 
+def build_moments(shape, c) -> OpCase:
+    """c: + axes (as spelled), norm_axes (sorted, non-negative): simdnorm.moments, which writes
+    nothing (the arena stays as it was) and returns count, mean and m2 in float64."""
+    case = Case(c, shape)
+    case.returns_output = False
+    case.place()
+    call = Call("moments", [Arr("x"), c["axes"]], {})
+    axes = c["norm_axes"]
+    kept = tuple(1 if d in axes else n for d, n in enumerate(shape))
+    n = int(np.prod([shape[d] for d in axes]))
+
+    def check(res, x0, p0, ctx):
+        count, mean, m2 = res
+        for name, a in (("count", count), ("mean", mean), ("m2", m2)):
+            assert a.dtype == F64 and a.shape == kept, (name, a.dtype, a.shape, kept, ctx)
+        assert (count == n).all(), f"count {count.ravel()[:4]} != {n} {ctx}"
+        if x0.size == 0:
+            return
+        with quiet():
+            xs = f64(x0)
+            want_mean = xs.mean(axis=axes, keepdims=True)
+            want_m2 = ((xs - want_mean) ** 2).sum(axis=axes, keepdims=True)
+            # double sums of at most a few thousand terms: far inside these bounds. A constant group's
+            # m2 is 0, where the reference's own rounding of the mean leaves n (ulp of the mean)^2.
+            std = np.sqrt(want_m2 / n)
+            scale = np.abs(want_mean) + std
+            for name, got, want, tol in (("mean", mean, want_mean, 1e-10 * scale),
+                                         ("m2", m2, want_m2, 1e-10 * want_m2 + n * (1e-14 * scale) ** 2 + 1e-300)):
+                ok = (np.abs(got - want) <= tol) | (np.isnan(want) & np.isnan(got))
+                assert ok.all(), f"{name}: {np.sum(~ok)} of {ok.size} wrong; got {got[~ok][:4]} want {want[~ok][:4]} {ctx}"
+
+    return OpCase(case, call, f"moments axes={c['axes']!r}", check)
+
+
 def build_convenience(shape, c) -> OpCase:
     """c: + which (layer_norm / rms_norm / instance_norm / group_norm), extra (axis; channel_axis;
     num_groups and channel_axis), params {name: (shape, "input" / "float32", layout)}, epsilon,
@@ -581,11 +618,13 @@ def build_convenience(shape, c) -> OpCase:
 
 
 def build_op(op, shape, c) -> OpCase:
-    """op: "batch_normalization", "mean_variance_normalization" or one of the conveniences (which
-    c["which"] names too)."""
+    """op: "batch_normalization", "mean_variance_normalization", "moments" or one of the
+    conveniences (which c["which"] names too)."""
     if op == "batch_normalization":
         return build_bn(shape, c)
     if op == "mean_variance_normalization":
         return build_mvn(shape, c)
+    if op == "moments":
+        return build_moments(shape, c)
     return build_convenience(shape, c)
 

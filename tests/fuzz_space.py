@@ -43,7 +43,7 @@ from fuzz_harness import DATA_KINDS, OUT_KINDS, Layout, build_op
 from reference import ACTIVATION_NAMES, DTYPES, NONDEFAULT_PARAMS
 
 OPS = ("batch_normalization", "mean_variance_normalization", "layer_norm", "rms_norm", "instance_norm",
-       "group_norm")
+       "group_norm", "moments")
 THREAD_SPLIT_ELEMENTS = 1 << 16   # the kernels give each thread at least 2**15 elements (cpp/ops/common.h)
 
 
@@ -196,6 +196,8 @@ def draw_case(seed: int, index: int):
         c["epsilon_mode"] = _pick(rng, ["inside", "outside"])
         c["return_stats"] = bool(rng.random() < 0.5)
         c["compiled"] = bool(rng.random() < 0.2)
+    elif op == "moments":
+        c["axes"], c["norm_axes"] = draw_axes(rng, nd)
     else:
         c["which"] = op
         if op in ("layer_norm", "rms_norm"):
@@ -236,6 +238,8 @@ def draw_case(seed: int, index: int):
         gap=_pick(rng, [0, 1, 7, 16, 64]),
         specials=int(rng.integers(1, 4)) if rng.random() < 0.125 else 0,
     )
+    if op == "moments":
+        c["out_kind"] = "new"  # (it writes nothing: no out=)
     return op, tuple(shape), c
 
 

@@ -173,6 +173,7 @@ _SNIPPET_CHECK = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import numpy as np
     import fuzz_space
+    import simdnorm
     seed, indices = {seed}, {indices!r}
     for index in indices:
         opcase, _ = fuzz_space.build_case(seed, index)
@@ -184,11 +185,16 @@ _SNIPPET_CHECK = textwrap.dedent("""
         # the snippet's arena after its call, byte for byte the harness's (values, offsets, out)
         assert ns["buf"].shape == harness_bytes.shape, index
         assert (ns["buf"] == harness_bytes).all(), f"case {{index}}: the repro's arena differs"
-        got = ns["res"][0] if isinstance(ns["res"], tuple) else ns["res"]
-        want = res[0] if isinstance(res, tuple) else res
-        assert got.shape == want.shape and got.strides == want.strides, index
-        as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8)
-        np.testing.assert_array_equal(as_bytes(got), as_bytes(want), err_msg=str(index))
+        # every array returned (output, statistics, moments), with the harness's layout and bytes
+        arrays = lambda r: tuple(r) if isinstance(r, (tuple, simdnorm.Moments)) else (r,)
+        assert len(arrays(ns["res"])) == len(arrays(res)), index
+        for got, want in zip(arrays(ns["res"]), arrays(res)):
+            if want is None:
+                assert got is None, index
+                continue
+            assert got.shape == want.shape and got.strides == want.strides, index
+            as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8)
+            np.testing.assert_array_equal(as_bytes(got), as_bytes(want), err_msg=str(index))
     print("checked", len(indices))
 """)
 
@@ -198,9 +204,9 @@ def test_repro_snippet_rebuilds_the_case_exactly():
     same arena bytes and the same result as the harness. Cases of up to 7 dims (the unfixed build
     crashes on some 8-dim ones), run in a child so a crash is a failure, not a dead run."""
     seed = 2024
-    indices = [i for i in range(400) if len(fuzz_space.draw_case(seed, i)[1]) < 8][:60]
+    indices = [i for i in range(400) if len(fuzz_space.draw_case(seed, i)[1]) < 8][:80]
     kinds = {fuzz_space.draw_case(seed, i)[0] + str(fuzz_space.draw_case(seed, i)[2].get("compiled")) for i in indices}
-    assert len(kinds) >= 7, kinds  # every op, the compiled ones too
+    assert len(kinds) == len(fuzz_space.OPS) + 2, kinds  # every op, the two compiled ones too
     code = _SNIPPET_CHECK.format(tests=os.path.dirname(__file__), seed=seed, indices=indices)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"checked {len(indices)}" in r.stdout, r.stdout + r.stderr
