@@ -549,7 +549,8 @@ def build_moments(shape, c) -> OpCase:
             for name, got, want, tol in (("mean", mean, want_mean, 1e-10 * scale),
                                          ("m2", m2, want_m2, 1e-10 * want_m2 + n * (1e-14 * scale) ** 2 + 1e-300)):
                 ok = (np.abs(got - want) <= tol) | (np.isnan(want) & np.isnan(got))
-                assert ok.all(), f"{name}: {np.sum(~ok)} of {ok.size} wrong; got {got[~ok][:4]} want {want[~ok][:4]} {ctx}"
+                assert ok.all(), (f"{name}: {np.sum(~ok)} of {ok.size} wrong; got {got[~ok][:4]} "
+                                  f"want {want[~ok][:4]} {ctx}")
 
     return OpCase(case, call, f"moments axes={c['axes']!r}", check)
 

@@ -276,7 +276,8 @@ def test_drawn_ranks_dtypes_chunkings_and_axes(case):
     b = scale_bias_values(rng, kept, pdt, "bias") if rng.random() < 0.4 else None
     lazy_b = b if b is None or rng.random() < 0.5 else da.from_array(b, chunks=1)
     kw = dict(normalize_mean=bool(rng.random() < 0.8), normalize_variance=bool(rng.random() < 0.8),
-              epsilon_mode=("inside", "outside")[int(rng.integers(0, 2))], activation=(None, "relu", "gelu")[int(rng.integers(0, 3))])
+              epsilon_mode=("inside", "outside")[int(rng.integers(0, 2))],
+              activation=(None, "relu", "gelu")[int(rng.integers(0, 3))])
     y, mean, inv = materialize(*sd.mean_variance_normalization(X, axes, s, lazy_b, return_stats=True, **kw))
     check_mvn(y, x, axes, s, b, stats=(mean, inv), context=f"{context} axes {axes} {kw}", **kw)
 
