@@ -260,7 +260,7 @@ def test_drawn_ranks_dtypes_chunkings_and_axes(case):
     pdt = F64 if dtype == F64 else F32
     x = offset(rng, shape, dtype, loc=float(rng.choice([0.0, 3.0, 300.0])))
     chunks = _random_chunks(rng, shape)
-    X = da.from_array(x, chunks=chunks)
+    X = lazy(x, chunks)
     context = f"case {case}: shape {shape} {dtype_id(dtype)} chunks {chunks}"
     if nd >= 2 and rng.random() < 0.3:  # batch norm training over every dim but a drawn channel axis
         ca = int(rng.integers(0, nd))
@@ -274,7 +274,7 @@ def test_drawn_ranks_dtypes_chunkings_and_axes(case):
     lead = int(rng.integers(0, nd))  # parameters with fewer leading dims broadcast as numpy's do
     s = scale_bias_values(rng, kept[lead:], pdt) if rng.random() < 0.6 else None
     b = scale_bias_values(rng, kept, pdt, "bias") if rng.random() < 0.4 else None
-    lazy_b = b if b is None or rng.random() < 0.5 else da.from_array(b, chunks=1)
+    lazy_b = b if b is None or rng.random() < 0.5 else lazy(b, 1)
     kw = dict(normalize_mean=bool(rng.random() < 0.8), normalize_variance=bool(rng.random() < 0.8),
               epsilon_mode=("inside", "outside")[int(rng.integers(0, 2))],
               activation=(None, "relu", "gelu")[int(rng.integers(0, 3))])
