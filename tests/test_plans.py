@@ -371,3 +371,27 @@ def test_channels_last_group_norm_backward_runs_all_the_channels(k, dtype, folds
         assert "lane_fold" not in plan, plan
     nchw = np.zeros((2, groups, k, 5, 7), dtype)
     assert "lane_fold" not in _core.mvn_backward(nchw, nchw, (2, 3, 4), st, st, *args)
+
+
+@pytest.mark.parametrize("plane, spread", [((12, 12), True), ((8, 16), True), ((11, 11), False), ((7, 7), False)])
+def test_channels_last_backward_spreads_parameters_over_statistics(plane, spread):
+    # instance and (spread) group norm of channels-last data, statistics per sample and channel,
+    # parameters per channel: where a statistics element has 128 or more elements, the two passes
+    # give it its own copy of its parameters; never batch norm (already sharing the statistics'
+    # layout) nor NCHW data (each group whole in the caches)
+    c = 64
+
+    def plan(x, axes, stats, params):
+        sums = [np.zeros(c, np.float64) for _ in range(2)]
+        return _core.mvn_backward(x, x, axes, stats, stats, params, params, None, np.empty_like(x), *sums, 1e-5,
+                                  True, True, False, IDENTITY, True, False, -1, True, False)
+
+    x = np.zeros((2, *plane, c), np.float32).transpose(0, 3, 1, 2)
+    channel = np.ones((1, c, 1, 1), np.float32)
+    assert ("params-per-statistic" in plan(x, (2, 3), np.ones((2, c, 1, 1), np.float32), channel)) == spread
+    xg = x.reshape(2, 8, 8, *plane)  # 8 groups of 8 channels
+    got = plan(xg, (2, 3, 4), np.ones((2, 8, 1, 1, 1), np.float32), channel.reshape(1, 8, 8, 1, 1))
+    assert ("params-per-statistic" in got) == spread and "lane_fold=8" in got, got
+    assert "params-per-statistic" not in plan(x, (0, 2, 3), channel, channel)
+    nchw = np.zeros((2, c, *plane), np.float32)
+    assert "params-per-statistic" not in plan(nchw, (2, 3), np.ones((2, c, 1, 1), np.float32), channel)

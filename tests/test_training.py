@@ -703,6 +703,40 @@ def test_group_norm_backward_channels_last_groups(rng, threads, dtype, k):
                     context=f"channel_axis={ca}")
 
 
+# Channels-last instance and group norm whose statistics have 128 or more elements each: the two
+# passes give every statistics element its own copy of its parameters (one sum slot pair an element,
+# not two), and the parameters' sums add their statistics elements' (tests/test_plans.py checks
+# which calls do). Over two chunks of the sums pass split inside a sample; against the float64
+# reference, with an activation and without, 1 vs 2 threads bitwise.
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", ["instance_norm", "group_norm"])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_channels_last_parameters_spread_over_statistics(rng, threads, dtype, op, act):
+    from training_reference import group_norm_backward_ref, instance_norm_backward_ref
+
+    c, groups = 200, 25
+    x = (rand_values(rng, (5, 12, 12, c), dtype, scale=2.0) + np.asarray(1.5, dtype)).transpose(0, 3, 1, 2)
+    dy = rand_values(rng, (5, 12, 12, c), dtype, scale=1.0).transpose(0, 3, 1, 2)
+    sc, b = rand_values(rng, (c,), F32, scale=1.0), rand_values(rng, (c,), F32, scale=1.0)
+    if op == "group_norm":
+        forward = lambda: simdnorm.group_norm(x, groups, sc, b, return_stats=True)  # noqa: E731
+        backward = lambda *st, **kw: simdnorm.group_norm_backward(dy, x, groups, *st, sc, b, **kw)  # noqa: E731
+        reference = lambda *st: group_norm_backward_ref(dy, x, groups, *st, sc, b, activation=act)  # noqa: E731
+    else:
+        forward = lambda: simdnorm.instance_norm(x, sc, b, return_stats=True)  # noqa: E731
+        backward = lambda *st, **kw: simdnorm.instance_norm_backward(dy, x, *st, sc, b, **kw)  # noqa: E731
+        reference = lambda *st: instance_norm_backward_ref(dy, x, *st, sc, b, activation=act)  # noqa: E731
+    _, mean, inv_std = forward()
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = np.full((5, 12, 12, c), np.nan, dtype).transpose(0, 3, 1, 2)
+        results.append(backward(mean, inv_std, activation=act, out=out))
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(bits(got), bits(want))
+    check_grads(results[0], reference(mean, inv_std), x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

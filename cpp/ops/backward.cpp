@@ -60,6 +60,9 @@ constexpr int64_t kFlushRuns = 32;
 // Group norm's channels-last runs of a group's channels up to this many bytes have their statistics
 // spread along them (BackwardRunner::spread_over_short_runs).
 constexpr int64_t kLaneFoldRunBytes = 256;
+// Statistics elements of at least this many input elements each have their parameters spread
+// over them (BackwardRunner::spread_params_over_stats).
+constexpr int64_t kMinSpreadElements = 128;
 
 class BackwardRunner {
  public:
@@ -110,16 +113,22 @@ class BackwardRunner {
     const LoopNest ew = elementwise(p);
     const bool grouped =
         want_group_ && !rp.lanes && rp.groups > 1 && lane_fold_ == 1 && !scattered_short_runs(rp, ew);
+    LoopNest two_pass = ew;
+    if (!grouped && spread_params_over_stats(total)) {
+      task_.params_pitch = params_->data(1) - params_->data(0);
+      two_pass = elementwise(problem());
+    }
     if (explain != nullptr) {
       *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count() / lane_fold_) +
                  (lane_fold_ > 1 ? " lane_fold=" + std::to_string(lane_fold_) : std::string()) +
-                 " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : ew) +
+                 " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : two_pass) +
+                 (param_of_stat_.empty() ? std::string() : " params-per-statistic") +
                  (task_.stream_stores ? " streaming-stores" : "");
       return;
     }
     task_.grouped = grouped;
     if (grouped) run_groups(rp);
-    else run_two_pass(ew, total);
+    else run_two_pass(two_pass, total);
   }
 
  private:
@@ -136,6 +145,7 @@ class BackwardRunner {
         std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
                                                    {a_.bias ? &*a_.bias : nullptr, 0.0}},
         std::initializer_list<int>{kParams, kParams}, compute_, nullptr, nullptr);
+    user_param_count_ = params_->count();
     for (const auto& out : a_.param_sums)
       if (out) SIMDNORM_CHECK((out->dtype == DType::f64 || out->dtype == DType::f32) &&
                               element_count_of(*out) == params_->count());
@@ -187,16 +197,17 @@ class BackwardRunner {
   struct Partial {
     std::vector<double> sums;
     std::vector<char> vary;
-    int64_t group_lo = 0, group_count = 0;
+    int64_t group_lo = 0, group_count = 0, param_lo = 0, param_count = 0;
   };
   struct Slots {
     int64_t lo = 0, hi = 0;  // [lo, hi)
   };
-  Partial partial(bool group, bool params, Slots held = {0, -1}) const {
+  Partial partial(bool group, bool params, Slots held = {0, -1}, Slots held_params = {0, -1}) const {
     const int64_t gc = !group ? 0 : held.hi < 0 ? stats_->count() : held.hi - held.lo;
-    const size_t width = static_cast<size_t>(2 * gc + (params ? 2 * params_->count() : 0));
+    const int64_t pc = !params ? 0 : held_params.hi < 0 ? params_->count() : held_params.hi - held_params.lo;
+    const size_t width = static_cast<size_t>(2 * gc + 2 * pc);
     return Partial{std::vector<double>(width, 0.0), std::vector<char>(width * static_cast<size_t>(csize_), 0),
-                   group ? std::max<int64_t>(0, held.lo) : 0, gc};
+                   group ? std::max<int64_t>(0, held.lo) : 0, gc, params ? std::max<int64_t>(0, held_params.lo) : 0, pc};
   }
   // Slots [begin, end) of p added into their doubles and cleared.
   void flush_range(Partial& p, int64_t begin, int64_t end) const {
@@ -231,7 +242,7 @@ class BackwardRunner {
   }
   // The slots that elements [b, e) of the nest may have added to, flushed (not every slot of p's).
   void flush_reached(Partial& p, bool group, bool params, const LoopNest& nest, int64_t b, int64_t e) const {
-    const int64_t gc = p.group_count, np = params_->count();
+    const int64_t gc = p.group_count, pc = p.param_count;
     if (group) {
       const Slots r = reached(kStats, nest, b, e);
       const int64_t s0 = std::max<int64_t>(0, r.lo - p.group_lo), s1 = std::min(gc, r.hi - p.group_lo);
@@ -239,17 +250,18 @@ class BackwardRunner {
     }
     if (params) {
       const Slots r = reached(kParams, nest, b, e);
-      for (int k = 0; k < 2 && r.lo < r.hi; ++k) flush_range(p, 2 * gc + k * np + r.lo, 2 * gc + k * np + r.hi);
+      const int64_t s0 = std::max<int64_t>(0, r.lo - p.param_lo), s1 = std::min(pc, r.hi - p.param_lo);
+      for (int k = 0; k < 2 && s0 < s1; ++k) flush_range(p, 2 * gc + k * pc + s0, 2 * gc + k * pc + s1);
     }
   }
   // Pointers into p for the sums pass; group sums from `group` instead when given (grouped: each
-  // group's own, never varying along its runs). The kernels index the group sums from stats_base:
-  // with a part of the statistics held, its first element's.
+  // group's own, never varying along its runs). The kernels index the sums from stats_base and
+  // params_base: with a part of the statistics (parameters) held, its first element's.
   BackwardSums sums_of(Partial& p, bool group, bool params, Partial* group_from = nullptr) const {
-    const int64_t np = params_->count();
+    const int64_t np = p.param_count;
     BackwardSums s;
     s.stats_base = stats_->data(0);
-    s.params_base = params_->data(0);
+    s.params_base = params_->data(0) + p.param_lo * csize_;
     int64_t at = 0;
     if (group) {
       Partial& g = group_from != nullptr ? *group_from : p;
@@ -268,8 +280,9 @@ class BackwardRunner {
 
   // The parameters' sums (sum(ga y) then sum(ga), merged), or zeros when empty, into the caller's
   // (float32 ones rounded once, to inf past their range).
-  void write_param_sums(const std::vector<double>& sums) {
-    const int64_t np = params_->count();
+  void write_param_sums(std::vector<double> sums) {
+    if (!param_of_stat_.empty() && !sums.empty() && want_params_) sums = sums_per_param(sums);
+    const int64_t np = user_param_count_;
     for (int o = 0; o < 2; ++o) {
       if (!a_.param_sums[o]) continue;
       const double* from = sums.empty() ? nullptr : sums.data() + o * np;
@@ -418,6 +431,29 @@ class BackwardRunner {
     }
   }
 
+  // Where the parameters vary along no dim the statistics do not (instance norm and, spread,
+  // group norm of channels-last data: statistics per sample and channel, parameters per channel),
+  // the two passes give each statistics element its own copy of its parameters: the layouts are
+  // then shared (below), and the sums pass adds each element to two slots, not four. The
+  // parameters' sums are then each its statistics elements', added in their order
+  // (sums_per_param). Not where a statistics element has few input elements: the copies and their
+  // sums would cost more than the slots save.
+  bool spread_params_over_stats(int64_t total) {
+    if (!want_group_ || shared_layout() || total < kMinSpreadElements * stats_->count()) return false;
+    for (int d = 0; d < a_.input.ndim; ++d)
+      if (params_->strides()[d] != 0 && stats_->strides()[d] == 0) return false;
+    param_of_stat_ = params_->spread_like(*stats_, a_.input.ndim, a_.input.sizes);
+    return true;
+  }
+  std::vector<double> sums_per_param(const std::vector<double>& sums) const {
+    const int64_t ns = static_cast<int64_t>(param_of_stat_.size()), np = user_param_count_;
+    std::vector<double> m(static_cast<size_t>(2 * np), 0.0);
+    for (int64_t k = 0; k < 2; ++k)
+      for (int64_t i = 0; i < ns; ++i)
+        m[static_cast<size_t>(k * np + param_of_stat_[static_cast<size_t>(i)])] += sums[static_cast<size_t>(k * ns + i)];
+    return m;
+  }
+
   // The statistics and the parameters share one compact layout (batch norm: both per channel):
   // sum(g) and sum(g y) are then the scale times the parameters' sum(ga) and sum(ga y), and only
   // those are summed.
@@ -428,12 +464,16 @@ class BackwardRunner {
     return true;
   }
 
-  // The partials' parameter sums (2 np of them), added in the partials' order.
+  // The partials' parameter sums (2 np of them), added in the partials' order (as merged_group's,
+  // the elements a partial does not hold have nothing to add).
   std::vector<double> merged_params(const std::vector<Partial>& partials) const {
-    const int64_t width = 2 * params_->count();
-    std::vector<double> m(static_cast<size_t>(width), 0.0);
+    const int64_t np = params_->count();
+    std::vector<double> m(static_cast<size_t>(2 * np), 0.0);
     for (const Partial& p : partials)
-      for (int64_t i = 0; i < width; ++i) m[static_cast<size_t>(i)] += p.sums[static_cast<size_t>(2 * p.group_count + i)];
+      for (int64_t k = 0; k < 2; ++k)
+        for (int64_t i = 0; i < p.param_count; ++i)
+          m[static_cast<size_t>(k * np + p.param_lo + i)] +=
+              p.sums[static_cast<size_t>(2 * p.group_count + k * p.param_count + i)];
     return m;
   }
   // The partials' group sums, each its statistics elements', added in the partials' order (the
@@ -455,6 +495,7 @@ class BackwardRunner {
     const bool group_sums = want_group_ && !derive, param_sums = want_params_ || derive;
     if (group_sums || param_sums) {
       const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
+      // (A chunk holds only the slots it reaches; the bound is for the chunks that reach them all.)
       const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
       const int64_t per = (total + chunks - 1) / chunks;
       // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest; where
@@ -463,9 +504,11 @@ class BackwardRunner {
       const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
       const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
       std::vector<Partial> partials;
-      for (int64_t c = 0; c < chunks; ++c)
-        partials.push_back(partial(group_sums, param_sums,
-                                   group_sums ? reached(kStats, nest, c * per, std::min(total, (c + 1) * per)) : Slots{}));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t b = c * per, e = std::min(total, (c + 1) * per);
+        partials.push_back(partial(group_sums, param_sums, group_sums ? reached(kStats, nest, b, e) : Slots{},
+                                   param_sums ? reached(kParams, nest, b, e) : Slots{}));
+      }
       for_parts(chunks, total, [&](int c) {
         Partial& mine = partials[static_cast<size_t>(c)];
         const BackwardSums s = sums_of(mine, group_sums, param_sums);
@@ -508,6 +551,8 @@ class BackwardRunner {
   bool want_params_ = false, want_group_ = false;
   int64_t n_ = 1;
   int64_t lane_fold_ = 1;  // lanes whose group sums are one group's (spread_over_short_runs)
+  int64_t user_param_count_ = 1;  // the caller's parameter elements (params_ may be spread)
+  std::vector<int64_t> param_of_stat_;  // spread_params_over_stats: each element's parameter element
 };
 
 }  // namespace

@@ -219,6 +219,49 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
   pitch_ = count_ * elsize_;
 }
 
+std::vector<int64_t> FoldedParams::spread_like(const FoldedParams& layout, int ndim, const int64_t* sizes) {
+  SIMDNORM_CHECK(layout.elsize_ == elsize_);
+  int nd = 0;
+  int64_t shape[kMaxViewDims], to_step[kMaxViewDims], from_step[kMaxViewDims];
+  for (int d = 0; d < ndim; ++d) {
+    SIMDNORM_CHECK(strides_[d] == 0 || layout.strides_[d] != 0);
+    if (layout.strides_[d] == 0) continue;
+    shape[nd] = sizes[d], to_step[nd] = layout.strides_[d] / elsize_, from_step[nd] = strides_[d] / elsize_;
+    ++nd;
+  }
+  // Every index of the dims `layout` varies along (an odometer), each giving one new element.
+  const int64_t count = layout.count_;
+  std::vector<int64_t> from(static_cast<size_t>(count), -1);
+  int64_t idx[kMaxViewDims] = {}, visited = 0;
+  for (bool more = true; more; ++visited) {
+    int64_t to = 0, at = 0;
+    for (int k = 0; k < nd; ++k) to += idx[k] * to_step[k], at += idx[k] * from_step[k];
+    SIMDNORM_CHECK(to >= 0 && to < count && from[static_cast<size_t>(to)] < 0);
+    from[static_cast<size_t>(to)] = at;
+    more = false;
+    for (int k = nd - 1; k >= 0 && !more; --k) {
+      more = ++idx[k] < shape[k];
+      if (!more) idx[k] = 0;
+    }
+  }
+  SIMDNORM_CHECK(visited == count);
+  std::unique_ptr<char[]> grown(new char[static_cast<size_t>(count * elsize_ * outputs_)]);
+  auto copy = [&](auto* dst, const auto* src) {
+    for (int64_t e = 0; e < count; ++e) dst[e] = src[from[static_cast<size_t>(e)]];
+  };
+  for (int o = 0; o < outputs_; ++o) {
+    char* dst = grown.get() + o * count * elsize_;
+    if (elsize_ == 8) copy(reinterpret_cast<double*>(dst), reinterpret_cast<const double*>(data(o)));
+    else copy(reinterpret_cast<float*>(dst), reinterpret_cast<const float*>(data(o)));
+  }
+  heap_ = std::move(grown);
+  storage_ = heap_.get();
+  std::copy(layout.strides_, layout.strides_ + kMaxViewDims, strides_);
+  count_ = count;
+  pitch_ = count_ * elsize_;
+  return from;
+}
+
 void FoldedParams::realign(int64_t phase) {
   const int64_t array_bytes = count_ * elsize_, pitch = (array_bytes + 63) / 64 * 64;
   std::unique_ptr<char[]> moved(new char[static_cast<size_t>(pitch * outputs_ + 128)]);

@@ -78,6 +78,10 @@ class FoldedParams {
   // Makes the outputs vary along dims [first, ndim) of `sizes` too, along which they are constant:
   // each element repeated for every index there (count() grows by their product), row-major.
   void spread_inner(int first, int ndim, const int64_t* sizes);
+  // Gives the outputs `layout`'s strides and count, each element a copy of this one's at the same
+  // indices (of `sizes`), where they vary along no dim that `layout` does not. Returns, for each
+  // new element, the old one it copies.
+  std::vector<int64_t> spread_like(const FoldedParams& layout, int ndim, const int64_t* sizes);
   bool spread() const { return spread_scratch_.data() != nullptr; }
 
  private:
