@@ -395,3 +395,16 @@ def test_channels_last_backward_spreads_parameters_over_statistics(plane, spread
     assert "params-per-statistic" not in plan(x, (0, 2, 3), channel, channel)
     nchw = np.zeros((2, c, *plane), np.float32)
     assert "params-per-statistic" not in plan(nchw, (2, 3), np.ones((2, c, 1, 1), np.float32), channel)
+
+
+def test_backward_statistics_follow_the_input_memory_order():
+    # the backward's compact statistics and parameters are laid out in the input's memory order:
+    # layer norm of a Fortran-ordered array reduces its outermost dim, and its statistics run
+    # with the data along the inner dims (in the order of the dims they took a stride of 24
+    # elements a step, and every element a gather)
+    x = np.zeros((4, 6, 40), np.float32, order="F")
+    sums = [np.zeros(40, np.float64) for _ in range(2)]
+    st, p = np.ones((4, 6, 1), np.float32), np.ones((1, 1, 40), np.float32)
+    plan = _core.mvn_backward(x, x, (2,), st, st, p, p, None, np.empty_like(x), *sums, 1e-5, True, True, False,
+                              IDENTITY, True, False, -1, True, False)
+    assert plan.startswith("two-pass groups=24 ") and " nest=sizes=(40,24) " in plan and " mul=(0,4) " in plan, plan

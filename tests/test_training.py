@@ -737,6 +737,34 @@ def test_channels_last_parameters_spread_over_statistics(rng, threads, dtype, op
     check_grads(results[0], reference(mean, inv_std), x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
 
 
+# The backward lays out its statistics and parameters in the input's memory order, and writes
+# the parameters' gradients back in their own (row-major) order: layer norm over the last two
+# dims with (7, 40) parameters, on data whose memory runs 40 before 7, the normalized dims
+# outermost (two passes) or innermost (groups). Against the float64 reference, 1 vs 2 threads
+# bitwise.
+@pytest.mark.parametrize("memory", [(2, 3, 0, 1), (0, 1, 3, 2)])
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+def test_backward_in_the_input_memory_order(rng, threads, memory, dtype):
+    from training_reference import layer_norm_backward_ref
+
+    shape = (5, 6, 7, 40)
+    phys = tuple(shape[d] for d in memory)
+    back = tuple(np.argsort(memory))
+    x = rand_values(rng, phys, dtype, scale=2.0).transpose(back) + np.asarray(0.5, dtype)
+    dy = rand_values(rng, phys, dtype, scale=1.0).transpose(back)
+    sc, b = rand_values(rng, (7, 40), F32, scale=1.0), rand_values(rng, (7, 40), F32, scale=1.0)
+    _, m, s = simdnorm.layer_norm(x, sc, b, axis=-2, return_stats=True)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = np.full(phys, np.nan, dtype).transpose(back)
+        results.append(simdnorm.layer_norm_backward(dy, x, m, s, sc, b, axis=-2, out=out))
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(bits(got), bits(want))
+    check_grads(results[0], layer_norm_backward_ref(dy, x, m, s, sc, b, axis=-2), x=x, scale=sc, bias=b,
+                want=("input", "scale", "bias"))
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

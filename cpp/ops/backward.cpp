@@ -132,20 +132,31 @@ class BackwardRunner {
   }
 
  private:
+  // The statistics and parameters are laid out in the input's memory order (its dims by their
+  // strides, outermost first), so that they step with the data where it runs: in the order of
+  // the dims, the statistics of a Fortran-ordered layer norm would be strided along every run.
   void fold() {
     const TensorView& x = a_.input;
+    int order[kMaxViewDims];
+    for (int d = 0; d < x.ndim; ++d) order[d] = d;
+    std::stable_sort(order, order + x.ndim,
+                     [&](int a, int b) { return std::llabs(x.strides[a]) > std::llabs(x.strides[b]); });
     stats_ = std::make_unique<FoldedParams>(
         x.ndim, x.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.mean ? &*a_.mean : nullptr, 0.0},
                                                    {a_.inv_std ? &*a_.inv_std : nullptr, 1.0}},
         std::initializer_list<int>{kStats, kStats, kStats, kStats}, compute_, fold_statistics,
-        a_.variance_given ? &a_.epsilon : nullptr);
+        a_.variance_given ? &a_.epsilon : nullptr, order);
     params_ = std::make_unique<FoldedParams>(
         x.ndim, x.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
                                                    {a_.bias ? &*a_.bias : nullptr, 0.0}},
-        std::initializer_list<int>{kParams, kParams}, compute_, nullptr, nullptr);
+        std::initializer_list<int>{kParams, kParams}, compute_, nullptr, nullptr, order);
     user_param_count_ = params_->count();
+    param_index_ = params_->row_major_indices(x.ndim, x.sizes);
+    bool in_order = true;
+    for (size_t i = 0; i < param_index_.size() && in_order; ++i) in_order = param_index_[i] == static_cast<int64_t>(i);
+    if (in_order) param_index_.clear();
     for (const auto& out : a_.param_sums)
       if (out) SIMDNORM_CHECK((out->dtype == DType::f64 || out->dtype == DType::f32) &&
                               element_count_of(*out) == params_->count());
@@ -283,6 +294,13 @@ class BackwardRunner {
   void write_param_sums(std::vector<double> sums) {
     if (!param_of_stat_.empty() && !sums.empty() && want_params_) sums = sums_per_param(sums);
     const int64_t np = user_param_count_;
+    if (!param_index_.empty() && !sums.empty() && want_params_) {  // into the caller's (row-major) order
+      std::vector<double> ordered(sums.size());
+      for (int64_t k = 0; k < 2; ++k)
+        for (int64_t i = 0; i < np; ++i)
+          ordered[static_cast<size_t>(k * np + param_index_[static_cast<size_t>(i)])] = sums[static_cast<size_t>(k * np + i)];
+      sums = std::move(ordered);
+    }
     for (int o = 0; o < 2; ++o) {
       if (!a_.param_sums[o]) continue;
       const double* from = sums.empty() ? nullptr : sums.data() + o * np;
@@ -553,6 +571,7 @@ class BackwardRunner {
   int64_t lane_fold_ = 1;  // lanes whose group sums are one group's (spread_over_short_runs)
   int64_t user_param_count_ = 1;  // the caller's parameter elements (params_ may be spread)
   std::vector<int64_t> param_of_stat_;  // spread_params_over_stats: each element's parameter element
+  std::vector<int64_t> param_index_;  // each parameter element's row-major index, where not its own
 };
 
 }  // namespace

@@ -45,7 +45,8 @@ double load_scalar(DType dtype, const char* p) {
 }
 
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
-                           std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx) {
+                           std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
+                           const int* order) {
   SIMDNORM_CHECK(ndim >= 0 && ndim <= kMaxViewDims);
   SIMDNORM_CHECK(operands.size() <= kMaxInputs && inputs.size() <= kMaxInputs);
   elsize_ = itemsize(compute);
@@ -54,14 +55,17 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
   const int outputs = outputs_;
   const int nin = static_cast<int>(inputs.size());
   const Input* in = inputs.begin();
-  // The broadcast shape, reduced to its dims of size > 1, with each input's byte stride on them.
+  // The broadcast shape, reduced to its dims of size > 1 (in `order`), with each input's byte
+  // stride on them.
   int nd = 0;
   int64_t shape[kMaxViewDims], in_strides[kMaxInputs][kMaxViewDims];
-  for (int d = 0; d < ndim; ++d) {
+  for (int k = 0; k < ndim; ++k) {
+    const int d = order != nullptr ? order[k] : k;
     bool varies = false;
     for (int i = 0; i < nin; ++i) varies |= in[i].view != nullptr && in[i].view->sizes[d] != 1;
     int64_t step = 1;
-    for (int e = d + 1; e < ndim; ++e) {
+    for (int j = k + 1; j < ndim; ++j) {
+      const int e = order != nullptr ? order[j] : j;
       bool v = false;
       for (int i = 0; i < nin; ++i) v |= in[i].view != nullptr && in[i].view->sizes[e] != 1;
       if (v) step *= sizes[e];
@@ -219,6 +223,22 @@ void FoldedParams::spread_inner(int first, int ndim, const int64_t* sizes) {
   pitch_ = count_ * elsize_;
 }
 
+namespace {
+// fn(idx) for every index of the dims `shape` (nd of them), row-major.
+template <class Fn>
+void for_each_index(int nd, const int64_t* shape, Fn&& fn) {
+  int64_t idx[kMaxViewDims] = {};
+  for (bool more = true; more;) {
+    fn(static_cast<const int64_t*>(idx));
+    more = false;
+    for (int k = nd - 1; k >= 0 && !more; --k) {
+      more = ++idx[k] < shape[k];
+      if (!more) idx[k] = 0;
+    }
+  }
+}
+}  // namespace
+
 std::vector<int64_t> FoldedParams::spread_like(const FoldedParams& layout, int ndim, const int64_t* sizes) {
   SIMDNORM_CHECK(layout.elsize_ == elsize_);
   int nd = 0;
@@ -229,21 +249,17 @@ std::vector<int64_t> FoldedParams::spread_like(const FoldedParams& layout, int n
     shape[nd] = sizes[d], to_step[nd] = layout.strides_[d] / elsize_, from_step[nd] = strides_[d] / elsize_;
     ++nd;
   }
-  // Every index of the dims `layout` varies along (an odometer), each giving one new element.
+  // Each index of the dims `layout` varies along gives one new element.
   const int64_t count = layout.count_;
   std::vector<int64_t> from(static_cast<size_t>(count), -1);
-  int64_t idx[kMaxViewDims] = {}, visited = 0;
-  for (bool more = true; more; ++visited) {
+  int64_t visited = 0;
+  for_each_index(nd, shape, [&](const int64_t* idx) {
     int64_t to = 0, at = 0;
     for (int k = 0; k < nd; ++k) to += idx[k] * to_step[k], at += idx[k] * from_step[k];
     SIMDNORM_CHECK(to >= 0 && to < count && from[static_cast<size_t>(to)] < 0);
     from[static_cast<size_t>(to)] = at;
-    more = false;
-    for (int k = nd - 1; k >= 0 && !more; --k) {
-      more = ++idx[k] < shape[k];
-      if (!more) idx[k] = 0;
-    }
-  }
+    ++visited;
+  });
   SIMDNORM_CHECK(visited == count);
   std::unique_ptr<char[]> grown(new char[static_cast<size_t>(count * elsize_ * outputs_)]);
   auto copy = [&](auto* dst, const auto* src) {
@@ -260,6 +276,23 @@ std::vector<int64_t> FoldedParams::spread_like(const FoldedParams& layout, int n
   count_ = count;
   pitch_ = count_ * elsize_;
   return from;
+}
+
+std::vector<int64_t> FoldedParams::row_major_indices(int ndim, const int64_t* sizes) const {
+  int nd = 0;
+  int64_t shape[kMaxViewDims], step[kMaxViewDims];
+  for (int d = 0; d < ndim; ++d)
+    if (strides_[d] != 0) shape[nd] = sizes[d], step[nd] = strides_[d] / elsize_, ++nd;
+  std::vector<int64_t> index(static_cast<size_t>(count_), -1);
+  int64_t r = 0;
+  for_each_index(nd, shape, [&](const int64_t* idx) {
+    int64_t at = 0;
+    for (int k = 0; k < nd; ++k) at += idx[k] * step[k];
+    SIMDNORM_CHECK(at >= 0 && at < count_ && index[static_cast<size_t>(at)] < 0);
+    index[static_cast<size_t>(at)] = r++;
+  });
+  SIMDNORM_CHECK(r == count_);
+  return index;
 }
 
 void FoldedParams::realign(int64_t phase) {

@@ -60,8 +60,13 @@ class FoldedParams {
   // output its input (as many of each).
   static constexpr int64_t kChunk = 256;
   using Fold = void (*)(const double* const* in, double* const* out, int64_t n, const void* ctx);
+  // The arrays are laid out row-major over the dims in `order` (outermost first; null: 0 to ndim - 1).
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
-               std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx);
+               std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
+               const int* order = nullptr);
+  // For each element of the arrays, its index in the row-major order of the dims (0 to ndim - 1)
+  // along which they vary.
+  std::vector<int64_t> row_major_indices(int ndim, const int64_t* sizes) const;
   FoldedParams(const FoldedParams&) = delete;
   FoldedParams& operator=(const FoldedParams&) = delete;
   // Byte strides of output `i` over the input's dims (0 where the broadcast shape is 1).
