@@ -265,8 +265,9 @@ struct BackwardKernel {
     double* const ga1 = want_group ? acc.group[1] + gi : nullptr;
     double* const pa0 = want_param ? acc.param[0] + pi : nullptr;
     double* const pa1 = want_param ? acc.param[1] + pi : nullptr;
-    C* const gv0 = want_group ? static_cast<C*>(acc.group_vary[0]) + gi : nullptr;
-    C* const gv1 = want_group ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
+    // (no float slots where the caller's groups never vary along a run: grouped)
+    C* const gv0 = want_group && acc.group_vary[0] != nullptr ? static_cast<C*>(acc.group_vary[0]) + gi : nullptr;
+    C* const gv1 = want_group && acc.group_vary[1] != nullptr ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
     C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
     C* const pv1 = want_param ? static_cast<C*>(acc.param_vary[1]) + pi : nullptr;
     // The group's sums from the parameters' (add_run_sums) where both are constant along the run.

@@ -146,7 +146,7 @@ class BackwardRunner {
         std::initializer_list<FoldedParams::Input>{{a_.mean ? &*a_.mean : nullptr, 0.0},
                                                    {a_.inv_std ? &*a_.inv_std : nullptr, 1.0}},
         std::initializer_list<int>{kStats, kStats, kStats, kStats}, compute_, fold_statistics,
-        a_.variance_given ? &a_.epsilon : nullptr, order);
+        a_.variance_given ? &a_.epsilon : nullptr, order, true);
     params_ = std::make_unique<FoldedParams>(
         x.ndim, x.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
@@ -265,22 +265,20 @@ class BackwardRunner {
       for (int k = 0; k < 2 && s0 < s1; ++k) flush_range(p, 2 * gc + k * pc + s0, 2 * gc + k * pc + s1);
     }
   }
-  // Pointers into p for the sums pass; group sums from `group` instead when given (grouped: each
-  // group's own, never varying along its runs). The kernels index the sums from stats_base and
-  // params_base: with a part of the statistics (parameters) held, its first element's.
-  BackwardSums sums_of(Partial& p, bool group, bool params, Partial* group_from = nullptr) const {
+  // Pointers into p for the sums pass. The kernels index the sums from stats_base and params_base:
+  // with a part of the statistics (parameters) held, its first element's.
+  BackwardSums sums_of(Partial& p, bool group, bool params) const {
     const int64_t np = p.param_count;
     BackwardSums s;
     s.stats_base = stats_->data(0);
     s.params_base = params_->data(0) + p.param_lo * csize_;
     int64_t at = 0;
     if (group) {
-      Partial& g = group_from != nullptr ? *group_from : p;
-      const int64_t gc = g.group_count;
-      s.stats_base = stats_->data(0) + g.group_lo * csize_;
-      s.group[0] = g.sums.data(), s.group[1] = g.sums.data() + gc;
-      s.group_vary[0] = g.vary.data(), s.group_vary[1] = g.vary.data() + gc * csize_;
-      if (group_from == nullptr) at = 2 * gc;
+      const int64_t gc = p.group_count;
+      s.stats_base = stats_->data(0) + p.group_lo * csize_;
+      s.group[0] = p.sums.data(), s.group[1] = p.sums.data() + gc;
+      s.group_vary[0] = p.vary.data(), s.group_vary[1] = p.vary.data() + gc * csize_;
+      at = 2 * gc;
     }
     if (params) {
       s.param[0] = p.sums.data() + at, s.param[1] = p.sums.data() + at + np;
@@ -333,7 +331,12 @@ class BackwardRunner {
     const KernelTable& k = kernels();
     const LoopNest& nest = rp.nest;
     const int64_t groups = rp.groups;
-    Partial group_sums = partial(true, false);
+    // Every group's sums (doubles; never in float slots: a group's statistics are constant along
+    // its runs), in the calling thread's kept scratch.
+    const int64_t ns = stats_->count();
+    KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store;
+    double* const group_sums = reinterpret_cast<double*>(group_store.reserve(static_cast<size_t>(2 * ns) * sizeof(double)));
+    std::fill_n(group_sums, 2 * ns, 0.0);
     const int64_t param_bytes = want_params_ ? 2 * params_->count() * (8 + csize_) : 0;
     const int64_t blocks =
         blocks_for(groups, param_bytes, std::max(kMinGroupsPerBlock, kMinChunkElements / std::max<int64_t>(1, n_)),
@@ -364,7 +367,8 @@ class BackwardRunner {
       const int64_t g0 = b * per, g1 = std::min(groups, g0 + per);
       BackwardGroups call;
       call.group = sub;
-      call.sums = sums_of(partials[static_cast<size_t>(b)], true, want_params_, &group_sums);
+      call.sums = sums_of(partials[static_cast<size_t>(b)], false, want_params_);
+      call.sums.group[0] = group_sums, call.sums.group[1] = group_sums + ns;
       call.param_count = params_->count();
       call.flush_every = flush_every;
       call.flush_elements = flush_elements;

@@ -46,7 +46,7 @@ double load_scalar(DType dtype, const char* p) {
 
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                            std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
-                           const int* order) {
+                           const int* order, bool kept) {
   SIMDNORM_CHECK(ndim >= 0 && ndim <= kMaxViewDims);
   SIMDNORM_CHECK(operands.size() <= kMaxInputs && inputs.size() <= kMaxInputs);
   elsize_ = itemsize(compute);
@@ -80,7 +80,9 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
   }
   pitch_ = count_ * elsize_;
   const size_t bytes = static_cast<size_t>(count_ * elsize_ * outputs);
-  if (bytes > sizeof local_) {
+  if (bytes > sizeof local_ && kept) {
+    storage_ = kept_storage_.reserve(bytes);
+  } else if (bytes > sizeof local_) {
     heap_.reset(new char[bytes]);
     storage_ = heap_.get();
   }

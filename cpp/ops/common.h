@@ -27,14 +27,19 @@ inline DType compute_type(DType dtype) { return dtype == DType::f64 ? DType::f64
 // scale and bias 5x its time). Up to kKeptScratchBytes a slot; larger requests get a block of the
 // object's own. Never zeroed. One object a slot alive on a thread at a time.
 constexpr size_t kKeptScratchBytes = 1 << 20;
-enum ScratchSlot { kLaneSlot, kStatsSlot, kChunkSlot, kSpreadSlot };
-template <int Slot>
+// The backward's arrays of one element a statistics element (the folded statistics, the groups'
+// sums: 16 bytes an element each) grow with the number of groups, and for groups of a few
+// elements (layer norm of 8 features) they are a third as large as the data: they are kept up
+// to this size (per slot and calling thread), where their pages faulted in took 40% of the call.
+constexpr size_t kKeptStatisticsBytes = size_t(16) << 20;
+enum ScratchSlot { kLaneSlot, kStatsSlot, kChunkSlot, kSpreadSlot, kFoldSlot, kGroupSumsSlot };
+template <int Slot, size_t KeepBytes = kKeptScratchBytes>
 class KeptScratch {
  public:
   char* reserve(size_t bytes) {
     static thread_local std::vector<char> kept;
     own_.reset();
-    if (bytes > kKeptScratchBytes) own_.reset(new char[bytes]);
+    if (bytes > KeepBytes) own_.reset(new char[bytes]);
     else if (kept.size() < bytes) kept.resize(bytes);
     return data_ = own_ ? own_.get() : kept.data();
   }
@@ -61,9 +66,10 @@ class FoldedParams {
   static constexpr int64_t kChunk = 256;
   using Fold = void (*)(const double* const* in, double* const* out, int64_t n, const void* ctx);
   // The arrays are laid out row-major over the dims in `order` (outermost first; null: 0 to ndim - 1).
+  // `kept`: their storage the calling thread's kFoldSlot (one such object a thread at a time).
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
-               const int* order = nullptr);
+               const int* order = nullptr, bool kept = false);
   // For each element of the arrays, its index in the row-major order of the dims (0 to ndim - 1)
   // along which they vary.
   std::vector<int64_t> row_major_indices(int ndim, const int64_t* sizes) const;
@@ -101,6 +107,7 @@ class FoldedParams {
   int outputs_ = 0;
   int operands_[kMaxInputs] = {};
   KeptScratch<kSpreadSlot> spread_scratch_;  // spread_inner's arrays (reserved only by it)
+  KeptScratch<kFoldSlot, kKeptStatisticsBytes> kept_storage_;
 };
 
 // Channels-last layouts with few channels: the nest's inner run is one pixel's channels, with
