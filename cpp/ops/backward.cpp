@@ -29,16 +29,12 @@
 namespace simdnorm {
 namespace {
 
-// Statistics: mean (absent 0) and u = 1 / std (absent 1) in, (mean, u, c1, c2) out (c1, c2 set later).
-// With a variance in place of u (ctx: the epsilon), u = 1 / sqrt(variance + epsilon).
-void fold_statistics(const double* const* in, double* const* out, int64_t n, const void* ctx) {
+// Statistics given with a variance: mean and variance in, (mean, u, c1, c2) out, u = 1 / sqrt(variance
+// + epsilon) (ctx: the epsilon; c1, c2 set later). (Given u, the statistics need no fold: fold().)
+void fold_variance(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   std::copy(in[0], in[0] + n, out[0]);
-  if (ctx != nullptr) {
-    const double eps = *static_cast<const double*>(ctx);
-    for (int64_t i = 0; i < n; ++i) out[1][i] = 1.0 / std::sqrt(in[1][i] + eps);
-  } else {
-    std::copy(in[1], in[1] + n, out[1]);
-  }
+  const double eps = *static_cast<const double*>(ctx);
+  for (int64_t i = 0; i < n; ++i) out[1][i] = 1.0 / std::sqrt(in[1][i] + eps);
   std::fill(out[2], out[2] + n, 0.0);
   std::fill(out[3], out[3] + n, 0.0);
 }
@@ -141,12 +137,17 @@ class BackwardRunner {
     for (int d = 0; d < x.ndim; ++d) order[d] = d;
     std::stable_sort(order, order + x.ndim,
                      [&](int a, int b) { return std::llabs(x.strides[a]) > std::llabs(x.strides[b]); });
-    stats_ = std::make_unique<FoldedParams>(
-        x.ndim, x.sizes,
-        std::initializer_list<FoldedParams::Input>{{a_.mean ? &*a_.mean : nullptr, 0.0},
-                                                   {a_.inv_std ? &*a_.inv_std : nullptr, 1.0}},
-        std::initializer_list<int>{kStats, kStats, kStats, kStats}, compute_, fold_statistics,
-        a_.variance_given ? &a_.epsilon : nullptr, order, true);
+    // (mean, u, c1, c2): the mean (absent 0) and u = 1 / std (absent 1), then two arrays of zeros;
+    // given u, with no fold (compact statistics of the compute type are copied whole).
+    using In = FoldedParams::Input;
+    const In mean{a_.mean ? &*a_.mean : nullptr, 0.0}, u{a_.inv_std ? &*a_.inv_std : nullptr, 1.0}, zeros{nullptr, 0.0};
+    const std::initializer_list<int> operands{kStats, kStats, kStats, kStats};
+    if (a_.variance_given)
+      stats_ = std::make_unique<FoldedParams>(x.ndim, x.sizes, std::initializer_list<In>{mean, u}, operands, compute_,
+                                              fold_variance, &a_.epsilon, order, true);
+    else
+      stats_ = std::make_unique<FoldedParams>(x.ndim, x.sizes, std::initializer_list<In>{mean, u, zeros, zeros},
+                                              operands, compute_, nullptr, nullptr, order, true);
     params_ = std::make_unique<FoldedParams>(
         x.ndim, x.sizes,
         std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
