@@ -765,6 +765,31 @@ def test_backward_in_the_input_memory_order(rng, threads, memory, dtype):
                 want=("input", "scale", "bias"))
 
 
+# Group norm of (N, C) data: each group one short row whose parameters are its own channels'. Rows
+# go in pairs, each loading and summing its own parameters (an odd number of groups leaves a row
+# alone); an activation takes each row apart. Against the float64 reference, 1 vs 2 threads bitwise.
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=dtype_id)
+@pytest.mark.parametrize("groups, k", [(5, 3), (7, 8), (4, 12), (3, 20)])
+@pytest.mark.parametrize("act", [None, "gelu"])
+def test_group_norm_backward_of_rows_with_their_own_parameters(rng, threads, dtype, groups, k, act):
+    from training_reference import group_norm_backward_ref
+
+    c = groups * k
+    x = rand_values(rng, (3001, c), dtype, scale=2.0) + np.asarray(1.5, dtype)
+    dy = rand_values(rng, x.shape, dtype, scale=1.0)
+    sc, b = rand_values(rng, (c,), F32, scale=1.0), rand_values(rng, (c,), F32, scale=1.0)
+    _, mean, inv_std = simdnorm.group_norm(x, groups, sc, b, return_stats=True)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(simdnorm.group_norm_backward(dy, x, groups, mean, inv_std, sc, b, activation=act,
+                                                    out=np.full_like(x, np.nan)))
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(bits(got), bits(want))
+    ref = group_norm_backward_ref(dy, x, groups, mean, inv_std, sc, b, activation=act)
+    check_grads(results[0], ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
+
+
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
 # element reached by 1080 runs a group) have their float32 sum slots flushed into doubles every few
 # dozen of those adds, not once per few dozen groups; dy broadcast along most dims (the same

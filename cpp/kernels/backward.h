@@ -326,10 +326,12 @@ struct BackwardKernel {
   struct RowState {
     const char *x, *dy;
     char* dx;
+    const C* scale;  // the row's parameters and their sums' slots (rows with their own only)
+    C *pv0, *pv1;
     int64_t stat;  // the row's statistics element
     V mean, u, a, b;  // a, b: sum(g), sum(g y) while summed; then -u^2 c2 and -u c1
   };
-  template <int R, class D, class AfterBlock>
+  template <int R, bool OwnParams, class D, class AfterBlock>
   static void rows_stream(const BackwardTask& t, const D& deriv, char* const* first, const int64_t* step, int64_t n,
                           int64_t blocks, const BackwardSums& acc, AfterBlock&& after_block) {
     if (blocks == 0) return;
@@ -340,6 +342,11 @@ struct BackwardKernel {
     auto stat_of = [&](int64_t i, int array) { return load_c(stats + i * cs, array, t.stats_pitch); };
     const C* const scale = reinterpret_cast<const C*>(p[kParams]);
     const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
+    const int64_t bias_at = t.params_pitch / cs;
+    // OwnParams: rows with parameters of their own (group norm of (N, C) data: a group's
+    // channels), each row's loaded and summed by itself; else a block's rows share each load and
+    // sum. (A template argument: tested in the loops it cost the shared rows 10-15%.)
+    constexpr bool own_params = OwnParams;
     const bool want_param = acc.param[0] != nullptr;
     const int64_t pi = (p[kParams] - acc.params_base) / cs;
     C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
@@ -370,16 +377,27 @@ struct BackwardKernel {
         const int64_t row = k * R + j;
         r.x = p[kX] + row * step[kX], r.dy = p[kGradOut] + row * step[kGradOut], r.dx = p[kGradIn] + row * step[kGradIn];
         r.stat = (p[kStats] + row * step[kStats] - acc.stats_base) / cs;
+        if constexpr (own_params) {
+          r.scale = scale + row * step[kParams] / cs;
+          r.pv0 = want_param ? pv0 + row * step[kParams] / cs : nullptr;
+          r.pv1 = want_param ? pv1 + row * step[kParams] / cs : nullptr;
+        }
         r.mean = splat<V>(stat_of(r.stat, 0)), r.u = splat<V>(stat_of(r.stat, 1));
         r.a = zero(), r.b = zero();
       });
     };
     // One vector of each row summed at element e (m of them).
     auto sum_at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-      const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
-      V p0 = zero(), p1 = zero();
-      if (want_param) p0 = load_c(pv0 + e, m), p1 = load_c(pv1 + e, m);
+      V s = zero(), b = zero(), p0 = zero(), p1 = zero();
+      if constexpr (!own_params) {
+        s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
+        if (want_param) p0 = load_c(pv0 + e, m), p1 = load_c(pv1 + e, m);
+      }
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+        if constexpr (own_params) {
+          s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
+          if (want_param) p0 = load_c(r.pv0 + e, m), p1 = load_c(r.pv1 + e, m);
+        }
         __builtin_prefetch(r.x + ahead_x + e * es, 0, 2);
         __builtin_prefetch(r.dy + ahead_dy + e * es, 0, 2);
         if (!stream) __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
@@ -392,16 +410,21 @@ struct BackwardKernel {
         const V g = ga * s;
         r.a = r.a + g, r.b = vfma(g, y, r.b);
         p0 = vfma(ga, y, p0), p1 = p1 + ga;
+        if constexpr (own_params)
+          if (want_param) store_up_to<LC>(r.pv0 + e, p0, m), store_up_to<LC>(r.pv1 + e, p1, m);
       });
-      if (want_param) {
+      if (want_param && !own_params) {
         if (m == W) LC::store(pv0 + e, p0), LC::store(pv1 + e, p1);
         else LC::store_partial(pv0 + e, p0, m), LC::store_partial(pv1 + e, p1, m);
       }
     };
     // m elements of each row written from e (full: a whole vector, streamed when asked; else m < W).
     auto write_at = [&](auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-      const V s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
+      V s = zero(), b = zero();
+      if constexpr (!own_params) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+        if constexpr (own_params)
+          s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
         V d, y;
         const V ga = grad_at(r, e, m, s, b, d, y);
         const V dx = vfma(d, r.a, vfma(ga, s * r.u, r.b));
@@ -1002,7 +1025,7 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
           finish(k);
         };
         if constexpr (SS == kConst && PS == kUnit) {
-          if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
+          if (!scale_per_group && gs.apply && gs.step[kParams] == 0) {  // rows sharing their parameters
             // R rows a block share the parameters' loads. A row's state is 4 vectors (mean, u, two
             // sums): with four rows AVX2's 16 registers spill. On AVX2, rows from memory of
             // kOneRowBlockBytes and more go one a block (rows_stream<1>), which measured faster
@@ -1011,14 +1034,28 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
             const bool one =
                 kVectorRegisters < 32 && t.from_memory && n * static_cast<int64_t>(sizeof(T)) >= kOneRowBlockBytes;
             const int64_t blocks = one ? 0 : gs.count / R, rest = gs.count - blocks * R;
-            K::template rows_stream<R>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
+            K::template rows_stream<R, false>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
               for (int r = 0; r < R; ++r) finish(b * R + r);
             });
             if (rest > 0)
-              K::template rows_stream<1>(t, deriv, g.data, gs.step, n, rest, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
+              K::template rows_stream<1, false>(t, deriv, g.data, gs.step, n, rest, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
                 finish(blocks * R + b);
               });
             return;
+          }
+          // Rows each with parameters of their own, apart (group norm of (N, C) data), without an
+          // activation: blocks of R rows, the odd row last alone.
+          using Identity = DerivIdentity<typename K::V>;
+          if constexpr (std::is_same<std::decay_t<decltype(deriv)>, Identity>::value) {
+            if (!scale_per_group && gs.apply && gs.step[kParams] >= n * cs) {
+              constexpr int R = 2;
+              const int64_t blocks = gs.count / R;
+              K::template rows_stream<R, true>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
+                for (int r = 0; r < R; ++r) finish(b * R + r);
+              });
+              if (blocks * R < gs.count) one_row(gs.count - 1);  // (finish() has moved g on to it)
+              return;
+            }
           }
         }
         for (int64_t k = 0; k < gs.count; ++k) one_row(k);
