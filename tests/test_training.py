@@ -183,6 +183,19 @@ def ref_stats(p: Problem):
     return tuple(None if a is None else np.asarray(a).astype(ct) for a in p.stats())
 
 
+def at_one_and_two_threads(threads, call, context=""):
+    """call() at 1 thread, then at 2: the arrays it returns must be bitwise the same. The first's."""
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(call())
+    for got, want in zip(results[1], results[0]):
+        assert (got is None) == (want is None), context
+        if got is not None:
+            np.testing.assert_array_equal(bits(got), bits(want), err_msg=context)
+    return results[0]
+
+
 def f64_stats(stats):
     return tuple(None if a is None else f64(a) for a in stats)
 
@@ -691,15 +704,10 @@ def test_group_norm_backward_channels_last_groups(rng, threads, dtype, k):
     sc, b = rand_values(rng, (c,), F32, scale=1.0), rand_values(rng, (c,), F32, scale=1.0)
     for ca, x, dy in ((3, nhwc, dy_nhwc), (1, nhwc.transpose(0, 3, 1, 2), dy_nhwc.transpose(0, 3, 1, 2))):
         _, mean, inv_std = simdnorm.group_norm(x, groups, sc, b, channel_axis=ca, return_stats=True)
-        results = []
-        for n in (1, 2):
-            threads(n)
-            results.append(simdnorm.group_norm_backward(dy, x, groups, mean, inv_std, sc, b, channel_axis=ca,
-                                                        out=np.full_like(x, np.nan)))
-        for got, want in zip(results[1], results[0]):
-            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"channel_axis={ca}")
+        res = at_one_and_two_threads(threads, lambda: simdnorm.group_norm_backward(
+            dy, x, groups, mean, inv_std, sc, b, channel_axis=ca, out=np.full_like(x, np.nan)), f"channel_axis={ca}")
         ref = group_norm_backward_ref(dy, x, groups, mean, inv_std, sc, b, channel_axis=ca)
-        check_grads(results[0], ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"),
+        check_grads(res, ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"),
                     context=f"channel_axis={ca}")
 
 
@@ -727,14 +735,9 @@ def test_channels_last_parameters_spread_over_statistics(rng, threads, dtype, op
         backward = lambda *st, **kw: simdnorm.instance_norm_backward(dy, x, *st, sc, b, **kw)  # noqa: E731
         reference = lambda *st: instance_norm_backward_ref(dy, x, *st, sc, b, activation=act)  # noqa: E731
     _, mean, inv_std = forward()
-    results = []
-    for n in (1, 2):
-        threads(n)
-        out = np.full((5, 12, 12, c), np.nan, dtype).transpose(0, 3, 1, 2)
-        results.append(backward(mean, inv_std, activation=act, out=out))
-    for got, want in zip(results[1], results[0]):
-        np.testing.assert_array_equal(bits(got), bits(want))
-    check_grads(results[0], reference(mean, inv_std), x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
+    res = at_one_and_two_threads(threads, lambda: backward(
+        mean, inv_std, activation=act, out=np.full((5, 12, 12, c), np.nan, dtype).transpose(0, 3, 1, 2)))
+    check_grads(res, reference(mean, inv_std), x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
 
 
 # The backward lays out its statistics and parameters in the input's memory order, and writes
@@ -754,14 +757,9 @@ def test_backward_in_the_input_memory_order(rng, threads, memory, dtype):
     dy = rand_values(rng, phys, dtype, scale=1.0).transpose(back)
     sc, b = rand_values(rng, (7, 40), F32, scale=1.0), rand_values(rng, (7, 40), F32, scale=1.0)
     _, m, s = simdnorm.layer_norm(x, sc, b, axis=-2, return_stats=True)
-    results = []
-    for n in (1, 2):
-        threads(n)
-        out = np.full(phys, np.nan, dtype).transpose(back)
-        results.append(simdnorm.layer_norm_backward(dy, x, m, s, sc, b, axis=-2, out=out))
-    for got, want in zip(results[1], results[0]):
-        np.testing.assert_array_equal(bits(got), bits(want))
-    check_grads(results[0], layer_norm_backward_ref(dy, x, m, s, sc, b, axis=-2), x=x, scale=sc, bias=b,
+    res = at_one_and_two_threads(threads, lambda: simdnorm.layer_norm_backward(
+        dy, x, m, s, sc, b, axis=-2, out=np.full(phys, np.nan, dtype).transpose(back)))
+    check_grads(res, layer_norm_backward_ref(dy, x, m, s, sc, b, axis=-2), x=x, scale=sc, bias=b,
                 want=("input", "scale", "bias"))
 
 
@@ -779,15 +777,10 @@ def test_group_norm_backward_of_rows_with_their_own_parameters(rng, threads, dty
     dy = rand_values(rng, x.shape, dtype, scale=1.0)
     sc, b = rand_values(rng, (c,), F32, scale=1.0), rand_values(rng, (c,), F32, scale=1.0)
     _, mean, inv_std = simdnorm.group_norm(x, groups, sc, b, return_stats=True)
-    results = []
-    for n in (1, 2):
-        threads(n)
-        results.append(simdnorm.group_norm_backward(dy, x, groups, mean, inv_std, sc, b, activation=act,
-                                                    out=np.full_like(x, np.nan)))
-    for got, want in zip(results[1], results[0]):
-        np.testing.assert_array_equal(bits(got), bits(want))
+    res = at_one_and_two_threads(threads, lambda: simdnorm.group_norm_backward(
+        dy, x, groups, mean, inv_std, sc, b, activation=act, out=np.full_like(x, np.nan)))
     ref = group_norm_backward_ref(dy, x, groups, mean, inv_std, sc, b, activation=act)
-    check_grads(results[0], ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
+    check_grads(res, ref, x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
 
 
 # Parameters that repeat within a group (bias (4, 2) under layer norm over the last six dims: each
