@@ -346,7 +346,6 @@ struct BackwardKernel {
     // OwnParams: rows with parameters of their own (group norm of (N, C) data: a group's
     // channels), each row's loaded and summed by itself; else a block's rows share each load and
     // sum. (A template argument: tested in the loops it cost the shared rows 10-15%.)
-    constexpr bool own_params = OwnParams;
     const bool want_param = acc.param[0] != nullptr;
     const int64_t pi = (p[kParams] - acc.params_base) / cs;
     C* const pv0 = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
@@ -377,7 +376,7 @@ struct BackwardKernel {
         const int64_t row = k * R + j;
         r.x = p[kX] + row * step[kX], r.dy = p[kGradOut] + row * step[kGradOut], r.dx = p[kGradIn] + row * step[kGradIn];
         r.stat = (p[kStats] + row * step[kStats] - acc.stats_base) / cs;
-        if constexpr (own_params) {
+        if constexpr (OwnParams) {
           r.scale = scale + row * step[kParams] / cs;
           r.pv0 = want_param ? pv0 + row * step[kParams] / cs : nullptr;
           r.pv1 = want_param ? pv1 + row * step[kParams] / cs : nullptr;
@@ -389,12 +388,12 @@ struct BackwardKernel {
     // One vector of each row summed at element e (m of them).
     auto sum_at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero(), p0 = zero(), p1 = zero();
-      if constexpr (!own_params) {
+      if constexpr (!OwnParams) {
         s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
         if (want_param) p0 = load_c(pv0 + e, m), p1 = load_c(pv1 + e, m);
       }
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-        if constexpr (own_params) {
+        if constexpr (OwnParams) {
           s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
           if (want_param) p0 = load_c(r.pv0 + e, m), p1 = load_c(r.pv1 + e, m);
         }
@@ -410,10 +409,10 @@ struct BackwardKernel {
         const V g = ga * s;
         r.a = r.a + g, r.b = vfma(g, y, r.b);
         p0 = vfma(ga, y, p0), p1 = p1 + ga;
-        if constexpr (own_params)
+        if constexpr (OwnParams)
           if (want_param) store_up_to<LC>(r.pv0 + e, p0, m), store_up_to<LC>(r.pv1 + e, p1, m);
       });
-      if (want_param && !own_params) {
+      if (want_param && !OwnParams) {
         if (m == W) LC::store(pv0 + e, p0), LC::store(pv1 + e, p1);
         else LC::store_partial(pv0 + e, p0, m), LC::store_partial(pv1 + e, p1, m);
       }
@@ -421,9 +420,9 @@ struct BackwardKernel {
     // m elements of each row written from e (full: a whole vector, streamed when asked; else m < W).
     auto write_at = [&](auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero();
-      if constexpr (!own_params) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
+      if constexpr (!OwnParams) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-        if constexpr (own_params)
+        if constexpr (OwnParams)
           s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
         V d, y;
         const V ga = grad_at(r, e, m, s, b, d, y);
@@ -1025,7 +1024,7 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
           finish(k);
         };
         if constexpr (SS == kConst && PS == kUnit) {
-          if (!scale_per_group && gs.apply && gs.step[kParams] == 0) {  // rows sharing their parameters
+          if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
             // R rows a block share the parameters' loads. A row's state is 4 vectors (mean, u, two
             // sums): with four rows AVX2's 16 registers spill. On AVX2, rows from memory of
             // kOneRowBlockBytes and more go one a block (rows_stream<1>), which measured faster
