@@ -1026,12 +1026,13 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
         if constexpr (SS == kConst && PS == kUnit) {
           if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
             // R rows a block share the parameters' loads. A row's state is 4 vectors (mean, u, two
-            // sums): with four rows AVX2's 16 registers spill. On AVX2, rows from memory of
+            // sums): with four rows AVX2's 16 registers spill. On AVX2, float rows from memory of
             // kOneRowBlockBytes and more go one a block (rows_stream<1>), which measured faster
-            // there: its sums read two streams, not four, between the block's writes.
+            // there: its sums read two streams, not four, between the block's writes. 16-bit rows,
+            // bound by their conversions rather than by memory, keep the shared loads.
             constexpr int R = kVectorRegisters >= 32 ? 4 : 2;
             const bool one =
-                kVectorRegisters < 32 && t.from_memory && n * static_cast<int64_t>(sizeof(T)) >= kOneRowBlockBytes;
+                kVectorRegisters < 32 && sizeof(T) >= 4 && t.from_memory && n * static_cast<int64_t>(sizeof(T)) >= kOneRowBlockBytes;
             const int64_t blocks = one ? 0 : gs.count / R, rest = gs.count - blocks * R;
             K::template rows_stream<R, false>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
               for (int r = 0; r < R; ++r) finish(b * R + r);

@@ -538,7 +538,18 @@ static inline vh f16_from_vf(vf v) {
   return f16_from_vf_lanes(v);
 #endif
 }
-static inline vf vf_from_bf16(vh h) { return (vf)(widen16(h) << 16); }
+static inline vf vf_from_bf16(vh h) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Each bfloat16 is a float's high half: one byte shuffle of the 8 lanes in both halves puts
+  // them there, the low halves zero (a load folds into the broadcast: one shuffle, not a
+  // widening and a shift, both on the two shuffle and shift pipes of AMD Zen).
+  const __m256i to_high = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
+                                           -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+  return (vf)_mm256_shuffle_epi8(_mm256_broadcastsi128_si256((__m128i)h), to_high);
+#else
+  return (vf)(widen16(h) << 16);
+#endif
+}
 // Each lane's bfloat16 bits, in its low 16: rounded to nearest even, a NaN quieted with its sign
 // and payload kept.
 static inline vu bf16_lanes_from_vf(vf v) {
