@@ -9,7 +9,6 @@ parameter's own shape and dtype.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Optional, Tuple
 
@@ -170,24 +169,31 @@ def _full_shape(shape: Tuple[int, ...], nd: int, ca: int) -> Tuple[int, ...]:
     return (1,) * (nd - len(shape)) + shape
 
 
-@functools.lru_cache(maxsize=512)
-def _sums_layout(x_shape: Tuple[int, ...], scale_shape: Optional[Tuple[int, ...]],
-                 bias_shape: Optional[Tuple[int, ...]], ca: int, want_scale: bool, want_bias: bool) -> tuple:
-    """(the shape of the two float64 sums: 2 + scale and bias's broadcast shape at the input's rank;
-    for grad_scale and grad_bias each, None or (the dims to add up, the parameter's shape))."""
+def _sums_plan(x_shape: Tuple[int, ...], scale: Any, bias: Any, ca: int, want_scale: bool,
+               want_bias: bool) -> Optional[tuple]:
+    """How the parameters' gradients are summed (part of a call's cached plan): None when neither is
+    asked for, else (the shape of the two float64 sums: 2 + scale and bias's broadcast shape at the
+    input's rank; for grad_scale and grad_bias each, None or (the dims to add up, the parameter's
+    shape); direct: nothing is left to add up and each parameter is float32 or float64, so the kernel
+    writes the gradients themselves)."""
+    if not (want_scale or want_bias):
+        return None
     nd = len(x_shape)
-    full = [None if s is None else _full_shape(s, nd, ca) for s in (scale_shape, bias_shape)]
+    full = [None if p is None else _full_shape(p.shape, nd, ca) for p in (scale, bias)]
     joint = np.broadcast_shapes(*[f for f in full if f is not None])
 
     def to(f: Tuple[int, ...], shape: Tuple[int, ...]) -> tuple:
         return tuple(d for d in range(nd) if f[d] == 1 and joint[d] != 1), shape
 
-    return ((2,) + joint, to(full[0], scale_shape) if want_scale else None,
-            to(full[1], bias_shape) if want_bias else None)
+    to_scale = to(full[0], scale.shape) if want_scale else None
+    to_bias = to(full[1], bias.shape) if want_bias else None
+    direct = ((to_scale is None or (not to_scale[0] and scale.dtype in _DIRECT_SUMS))
+              and (to_bias is None or (not to_bias[0] and bias.dtype in _DIRECT_SUMS)))
+    return (2,) + joint, to_scale, to_bias, direct
 
 
 def _reduce_to(sums: np.ndarray, to: tuple, dtype: np.dtype) -> np.ndarray:
-    """float64 sums over scale and bias's broadcast shape -> the parameter's shape (to: _sums_layout's)
+    """float64 sums over scale and bias's broadcast shape -> the parameter's shape (to: _sums_plan's)
     and dtype."""
     axes, shape = to
     if axes:
@@ -226,25 +232,22 @@ def _finish(result: tuple, copy_to: Any) -> tuple:
 
 def _backward(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Optional[np.ndarray],
               inv_std: Optional[np.ndarray], scale: Optional[np.ndarray], bias: Optional[np.ndarray],
-              fused_add: Optional[np.ndarray], target: Optional[np.ndarray], want_scale: bool, want_bias: bool,
+              fused_add: Optional[np.ndarray], target: Optional[np.ndarray], sums_plan: Optional[tuple],
               eps: float, nm: bool, nv: bool, eo: bool, act: Tuple[int, float, float], terms: bool,
               ca: int, variance_given: bool = False) -> tuple:
-    """(grad_input written into target (or None), grad_scale, grad_bias[, grad_fused_add]); with
-    variance_given, inv_std is batch norm's variance (the kernel takes 1 / sqrt(variance + eps))."""
+    """(grad_input written into target (or None), grad_scale, grad_bias[, grad_fused_add]); the
+    parameters' gradients as sums_plan (_sums_plan's) says; with variance_given, inv_std is batch
+    norm's variance (the kernel takes 1 / sqrt(variance + eps))."""
     nd = x.ndim
     sums: Any = (None, None)
     gs = gb = None
     direct = False
-    if want_scale or want_bias:
-        shape, to_scale, to_bias = _sums_layout(x.shape, None if scale is None else scale.shape,
-                                                None if bias is None else bias.shape, ca, want_scale, want_bias)
-        # Nothing left to add up and a float32 or float64 parameter: the kernel writes the gradients
-        direct = ((to_scale is None or (not to_scale[0] and scale.dtype in _DIRECT_SUMS))
-                  and (to_bias is None or (not to_bias[0] and bias.dtype in _DIRECT_SUMS)))
+    if sums_plan is not None:
+        shape, to_scale, to_bias, direct = sums_plan
         if direct:
             new = np.zeros if x.size == 0 else np.empty
-            gs = new(to_scale[1], scale.dtype) if want_scale else None
-            gb = new(to_bias[1], bias.dtype) if want_bias else None
+            gs = None if to_scale is None else new(to_scale[1], scale.dtype)
+            gb = None if to_bias is None else new(to_bias[1], bias.dtype)
             sums = (gs, gb)
         else:
             sums = np.zeros(shape, np.float64)
@@ -253,12 +256,12 @@ def _backward(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Option
     elif target is not None or sums[0] is not None or sums[1] is not None:
         _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, target, sums[0], sums[1], eps, nm,
                            nv, eo, act, terms, False, ca, False, variance_given)
-    if direct and fused_add is None:
+    if fused_add is None and (direct or sums_plan is None):
         return target, gs, gb
     with np.errstate(over="ignore", invalid="ignore"):  # a sum past the parameter's range is inf, as numpy's
-        if not direct:
-            gs = _reduce_to(sums[0], to_scale, scale.dtype) if want_scale else None
-            gb = _reduce_to(sums[1], to_bias, bias.dtype) if want_bias else None
+        if sums_plan is not None and not direct:
+            gs = None if to_scale is None else _reduce_to(sums[0], to_scale, scale.dtype)
+            gb = None if to_bias is None else _reduce_to(sums[1], to_bias, bias.dtype)
         if fused_add is None:
             return target, gs, gb
         # grad_fused_add: dy * act'(pre) (in the compute type) summed to fused_add's shape, rounded once
@@ -651,12 +654,16 @@ def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: 
     except TypeError:
         key = []
 
-    eps, act, training, axes, ca, want_input, ws, wb = _planned(key, lambda: _plan_bn_backward(
-        x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training, activation, grad_input, grad_scale,
-        grad_bias))
+    def plan() -> tuple:
+        eps, act, terms, axes, ca, want_input, ws, wb = _plan_bn_backward(
+            x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training, activation, grad_input,
+            grad_scale, grad_bias)
+        return eps, act, terms, axes, ca, want_input, _sums_plan(x.shape, scale, bias, ca, ws, wb)
+
+    eps, act, terms, axes, ca, want_input, sums = _planned(key, plan)
     target, copy_to = _targets(out, want_input, x, dy, mean, variance, scale, bias, fa)
-    return _finish(_backward(dy, x, axes, mean, variance, scale, bias, fa, target, ws, wb, eps, True, True, False, act,
-                             training, ca, variance_given=True), copy_to)
+    return _finish(_backward(dy, x, axes, mean, variance, scale, bias, fa, target, sums, eps, True, True, False, act,
+                             terms, ca, variance_given=True), copy_to)
 
 
 @_documented_backward
@@ -713,13 +720,29 @@ def mean_variance_normalization_backward(grad_output: Any, x: Any, axes: Any, me
     except TypeError:
         key = []
 
-    axes_t, nm, nv, eps, eo, act, want_input, ws, wb = _planned(key, lambda: _plan_mvn_backward(
+    plan = _planned(key, lambda: _mvn_backward_plan(
         x, dy, axes, mean, inv_std, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode, activation,
         grad_input, grad_scale, grad_bias))
+    return _mvn_backward_run(plan, out, x, dy, mean, inv_std, scale, bias)
+
+
+def _mvn_backward_plan(x: Any, dy: Any, axes: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
+                       normalize_mean: Any, normalize_variance: Any, epsilon: Any, epsilon_mode: Any,
+                       activation: Any, grad_input: Any, grad_scale: Any, grad_bias: Any) -> tuple:
+    """The cached plan of MVN's backward and of layer and RMS norm's (which call it with their axes)."""
+    axes_t, nm, nv, eps, eo, act, want_input, ws, wb = _plan_mvn_backward(
+        x, dy, axes, mean, inv_std, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode, activation,
+        grad_input, grad_scale, grad_bias)
+    return axes_t, nm, nv, eps, eo, act, want_input, _sums_plan(x.shape, scale, bias, -1, ws, wb)
+
+
+def _mvn_backward_run(plan: tuple, out: Any, x: np.ndarray, dy: np.ndarray, mean: Any, inv_std: Any, scale: Any,
+                      bias: Any) -> tuple:
+    axes_t, nm, nv, eps, eo, act, want_input, sums = plan
     mean = mean if nm else None
     inv_std = inv_std if nv else None
     target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
-    return _finish(_backward(dy, x, axes_t, mean, inv_std, scale, bias, None, target, ws, wb, eps, nm, nv, eo, act,
+    return _finish(_backward(dy, x, axes_t, mean, inv_std, scale, bias, None, target, sums, eps, nm, nv, eo, act,
                              True, -1), copy_to)
 
 
@@ -759,12 +782,17 @@ def layer_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale
     """
     if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
         return follow_input(layer_norm_backward, locals())
-    if x.__class__ is not _nd:
-        x = as_input(x)
-    axes = _trailing_axes(x, axis)
-    return mean_variance_normalization_backward(grad_output, x, axes, mean, inv_std, scale, bias, epsilon=epsilon,
-                                                activation=activation, grad_input=grad_input, grad_scale=grad_scale,
-                                                grad_bias=grad_bias, out=out)
+    x, dy, mean, inv_std, scale, bias = _as_arrays(
+        x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
+    try:
+        key: Any = ("layer_backward", _k(x), _k(dy), _k(mean), _k(inv_std), _k(scale), _k(bias), _a(axis),
+                    _a(epsilon), _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))
+    except TypeError:
+        key = []
+    plan = _planned(key, lambda: _mvn_backward_plan(
+        x, dy, trailing_axes_rule(x, axis), mean, inv_std, scale, bias, True, True, epsilon, "inside", activation,
+        grad_input, grad_scale, grad_bias))
+    return _mvn_backward_run(plan, out, x, dy, mean, inv_std, scale, bias)
 
 
 @_documented_backward
@@ -802,24 +830,18 @@ def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None,
     """
     if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
         return follow_input(rms_norm_backward, locals())
-    if x.__class__ is not _nd:
-        x = as_input(x)
-    axes = _trailing_axes(x, axis)
     if grad_bias is not None and check_bool("grad_bias", grad_bias):
         raise DescriptorError("grad_bias=True: RMS norm has no bias")
-    return mean_variance_normalization_backward(grad_output, x, axes, None, inv_rms, scale, None,
-                                                normalize_mean=False, epsilon=epsilon, activation=activation,
-                                                grad_input=grad_input, grad_scale=grad_scale, grad_bias=False,
-                                                out=out)
-
-
-def _trailing_axes(x: np.ndarray, axis: Any) -> Tuple[int, ...]:
-    """layer and RMS norm's axes (the rule cached by the input's dtype, shape and axis)."""
+    x, dy, inv_rms, scale = _as_arrays(x, grad_output, ("inv_rms", inv_rms), ("scale", scale))
     try:
-        key: Any = ("trailing", x.dtype, x.shape, _a(axis))
+        key: Any = ("rms_backward", _k(x), _k(dy), _k(inv_rms), _k(scale), _a(axis), _a(epsilon), _a(activation),
+                    _a(grad_input), _a(grad_scale))
     except TypeError:
         key = []
-    return _planned(key, lambda: trailing_axes_rule(x, axis))
+    plan = _planned(key, lambda: _mvn_backward_plan(
+        x, dy, trailing_axes_rule(x, axis), None, inv_rms, scale, None, False, True, epsilon, "inside", activation,
+        grad_input, grad_scale, False))
+    return _mvn_backward_run(plan, out, x, dy, None, inv_rms, scale, None)
 
 
 def _plan_instance_backward(x: Any, dy: Any, mean: Any, inv_std: Any, scale: Any, bias: Any, channel_axis: Any,
@@ -873,10 +895,14 @@ def instance_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, sc
                     _a(epsilon), _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))
     except TypeError:
         key = []
-    axes, ca, eps, act, want_input, ws, wb = _planned(key, lambda: _plan_instance_backward(
-        x, dy, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale, grad_bias))
+    def plan() -> tuple:
+        axes, ca, eps, act, want_input, ws, wb = _plan_instance_backward(
+            x, dy, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale, grad_bias)
+        return axes, ca, eps, act, want_input, _sums_plan(x.shape, scale, bias, ca, ws, wb)
+
+    axes, ca, eps, act, want_input, sums = _planned(key, plan)
     target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
-    return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, None, target, ws, wb, eps, True, True, False, act,
+    return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, None, target, sums, eps, True, True, False, act,
                              True, ca), copy_to)
 
 
@@ -941,9 +967,16 @@ def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, in
                     _a(channel_axis), _a(epsilon), _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))
     except TypeError:
         key = []
-    ca, c, g, k, sshape, pshape, axes, eps, act, want_input, ws, wb = _planned(key, lambda: _plan_group_backward(
-        x, dy, num_groups, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale,
-        grad_bias))
+    def plan() -> tuple:
+        ca, c, g, k, sshape, pshape, axes, eps, act, want_input, ws, wb = _plan_group_backward(
+            x, dy, num_groups, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale,
+            grad_bias)
+        # (summed over the split views: the parameters at (G, C/G), no channel axis)
+        split = x.shape[:ca] + (g, k) + x.shape[ca + 1:]
+        params = [None if p is None else np.broadcast_to(np.zeros((), p.dtype), pshape) for p in (scale, bias)]
+        return ca, c, g, k, sshape, pshape, axes, eps, act, want_input, _sums_plan(split, *params, -1, ws, wb)
+
+    ca, c, g, k, sshape, pshape, axes, eps, act, want_input, sums = _planned(key, plan)
     stats = [mean.reshape(sshape), inv_std.reshape(sshape)]
     xv = split_view(x, ca, g, k)
     dv = split_view(dy, ca, g, k)
@@ -951,7 +984,7 @@ def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, in
     sv = None if scale is None else scale.reshape(pshape)
     bv = None if bias is None else bias.reshape(pshape)
     tv = None if target is None else split_view(target, ca, g, k)
-    _, gs, gb = _backward(dv, xv, axes, stats[0], stats[1], sv, bv, None, tv, ws, wb, eps, True, True, False, act,
+    _, gs, gb = _backward(dv, xv, axes, stats[0], stats[1], sv, bv, None, tv, sums, eps, True, True, False, act,
                           True, -1)
     gi = _finish((target,), copy_to)[0]
     return (gi, None if gs is None else gs.reshape(c), None if gb is None else gb.reshape(c))
