@@ -88,25 +88,42 @@ enum BackwardStep : int { kConst = 0, kUnit = 1, kAny = 2 };
 constexpr int64_t kSumFlush = 1024;  // elements a target's vector lanes sum before their tree
 constexpr int64_t kOneRowBlockBytes = 512;  // rows_stream: rows from memory this long go one a block
 
-// c1 and c2 of statistics element i (at stats + i * sizeof(C)) from its sums.
+// The task's rule for c1 and c2, copied: read through the task, its fields cost a load per group
+// (the kernels' stores through char pointers may alias them).
+struct CoefficientRule {
+  double inv_n, epsilon;
+  int64_t pitch;
+  bool terms, normalize_mean, normalize_variance, epsilon_outside;
+  explicit CoefficientRule(const BackwardTask& t)
+      : inv_n(t.inv_n), epsilon(t.epsilon), pitch(t.stats_pitch), terms(t.statistics_terms),
+        normalize_mean(t.normalize_mean), normalize_variance(t.normalize_variance),
+        epsilon_outside(t.epsilon_outside) {}
+  // c1 and c2 of statistics element i (at stats + i * sizeof(C)) from its sums: stored beside its
+  // mean and u, and returned.
+  template <class C>
+  SIMDNORM_CURSOR_METHOD std::pair<C, C> set(char* stats, int64_t i, double sum_g, double sum_gy) const {
+    double c1 = 0.0, c2 = 0.0;
+    if (terms) {
+      C u;
+      std::memcpy(&u, stats + pitch + i * sizeof(C), sizeof u);
+      double k = 1.0;
+      if (epsilon_outside) {
+        // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
+        const double den = 1.0 - epsilon * static_cast<double>(u);
+        k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
+      }
+      c1 = normalize_mean ? sum_g * inv_n : 0.0;
+      c2 = normalize_variance ? k * sum_gy * inv_n : 0.0;
+    }
+    const C v1 = static_cast<C>(c1), v2 = static_cast<C>(c2);
+    std::memcpy(stats + 2 * pitch + i * sizeof(C), &v1, sizeof v1);
+    std::memcpy(stats + 3 * pitch + i * sizeof(C), &v2, sizeof v2);
+    return {v1, v2};
+  }
+};
 template <class C>
 static void set_coefficients(const BackwardTask& t, char* stats, int64_t i, double sum_g, double sum_gy) {
-  double c1 = 0.0, c2 = 0.0;
-  if (t.statistics_terms) {
-    C u;
-    std::memcpy(&u, stats + t.stats_pitch + i * sizeof(C), sizeof u);
-    double k = 1.0;
-    if (t.epsilon_outside) {
-      // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
-      const double den = 1.0 - t.epsilon * static_cast<double>(u);
-      k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
-    }
-    c1 = t.normalize_mean ? sum_g * t.inv_n : 0.0;
-    c2 = t.normalize_variance ? k * sum_gy * t.inv_n : 0.0;
-  }
-  const C v1 = static_cast<C>(c1), v2 = static_cast<C>(c2);
-  std::memcpy(stats + 2 * t.stats_pitch + i * sizeof(C), &v1, sizeof v1);
-  std::memcpy(stats + 3 * t.stats_pitch + i * sizeof(C), &v2, sizeof v2);
+  CoefficientRule(t).set<C>(stats, i, sum_g, sum_gy);
 }
 
 template <class T>
@@ -336,9 +353,10 @@ struct BackwardKernel {
                           int64_t blocks, const BackwardSums& acc, AfterBlock&& after_block) {
     if (blocks == 0) return;
     constexpr int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));
-    char* p[kNumOperands];  // (the caller moves its own pointers on after each block)
+    char* p[kNumOperands];  // the block's first row (the caller moves its own pointers on after)
     for (int op = 0; op < kNumOperands; ++op) p[op] = first[op];
     char* const stats = const_cast<char*>(acc.stats_base);
+    const CoefficientRule rule(t);
     auto stat_of = [&](int64_t i, int array) { return load_c(stats + i * cs, array, t.stats_pitch); };
     const C* const scale = reinterpret_cast<const C*>(p[kParams]);
     const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
@@ -354,6 +372,7 @@ struct BackwardKernel {
     // whole blocks (twice as far measured slower).
     const int64_t ahead = R * ((prefetch_units_ahead(n * es) + R - 1) / R);
     const int64_t ahead_x = ahead * step[kX], ahead_dy = ahead * step[kGradOut];
+    constexpr int64_t kPerLine = kLineBytes / es >= W ? kLineBytes / es : W;  // elements a line holds
     auto load_t = [](const char* q, int m) SIMDNORM_INLINE_LAMBDA { return load_up_to<L>(reinterpret_cast<const T*>(q), m); };
     auto load_c = [](const C* q, int m) SIMDNORM_INLINE_LAMBDA { return load_up_to<LC>(q, m); };
     // ga at element e of row r; d = x - mean, y = d u.
@@ -371,15 +390,19 @@ struct BackwardKernel {
     int64_t head = t.stream_stores && step[kGradIn] % L::kVectorBytes == 0 ? stream_head(p[kGradIn], n) : -1;
     const bool stream = head >= 0;
     if (!stream) head = 0;
-    auto open = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
+    // Row pointers and element indices move on by a block's rows at each block (per row, their
+    // multiplications were a sixth of a short row's instructions).
+    int64_t stat0 = (p[kStats] - acc.stats_base) / cs, param0 = 0;
+    const int64_t stat_step = step[kStats] / cs, param_step = step[kParams] / cs;
+    auto open = [&]() SIMDNORM_INLINE_LAMBDA {
       rows.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
-        const int64_t row = k * R + j;
-        r.x = p[kX] + row * step[kX], r.dy = p[kGradOut] + row * step[kGradOut], r.dx = p[kGradIn] + row * step[kGradIn];
-        r.stat = (p[kStats] + row * step[kStats] - acc.stats_base) / cs;
+        r.x = p[kX] + j * step[kX], r.dy = p[kGradOut] + j * step[kGradOut], r.dx = p[kGradIn] + j * step[kGradIn];
+        r.stat = stat0 + j * stat_step;
         if constexpr (OwnParams) {
-          r.scale = scale + row * step[kParams] / cs;
-          r.pv0 = want_param ? pv0 + row * step[kParams] / cs : nullptr;
-          r.pv1 = want_param ? pv1 + row * step[kParams] / cs : nullptr;
+          const int64_t at = param0 + j * param_step;
+          r.scale = scale + at;
+          r.pv0 = want_param ? pv0 + at : nullptr;
+          r.pv1 = want_param ? pv1 + at : nullptr;
         }
         r.mean = splat<V>(stat_of(r.stat, 0)), r.u = splat<V>(stat_of(r.stat, 1));
         r.a = zero(), r.b = zero();
@@ -397,9 +420,11 @@ struct BackwardKernel {
           s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
           if (want_param) p0 = load_c(r.pv0 + e, m), p1 = load_c(r.pv1 + e, m);
         }
-        __builtin_prefetch(r.x + ahead_x + e * es, 0, 2);
-        __builtin_prefetch(r.dy + ahead_dy + e * es, 0, 2);
-        if (!stream) __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
+        if (e % kPerLine == 0) {  // (a line's worth of each row a step: one request a line)
+          __builtin_prefetch(r.x + ahead_x + e * es, 0, 2);
+          __builtin_prefetch(r.dy + ahead_dy + e * es, 0, 2);
+          if (!stream) __builtin_prefetch(r.dx + e * es, 1);  // written next: fetched while the reads wait
+        }
         V d, y;
         V ga = grad_at(r, e, m, s, b, d, y);
         if (m < W) {
@@ -458,15 +483,17 @@ struct BackwardKernel {
       }
     };
     for (int64_t k = 0; k < blocks; ++k) {
-      open(k);
+      open();
       sum_block();
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-        set_coefficients<C>(t, stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
+        const auto c = rule.template set<C>(stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
         const C u = stat_of(r.stat, 1);
-        r.a = splat<V>(-(u * u) * stat_of(r.stat, 3)), r.b = splat<V>(-u * stat_of(r.stat, 2));
+        r.a = splat<V>(-(u * u) * c.second), r.b = splat<V>(-u * c.first);
       });
       write_block();
       after_block(k);
+      p[kX] += R * step[kX], p[kGradOut] += R * step[kGradOut], p[kGradIn] += R * step[kGradIn];  // (the rest: read at entry)
+      stat0 += R * stat_step, param0 += R * param_step;
     }
   }
 
@@ -982,10 +1009,14 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
     flush_vary<C>(s.param[0], s.param_vary[0], gs.param_count);
     flush_vary<C>(s.param[1], s.param_vary[1], gs.param_count);
   };
-  auto finish = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
-    if (slots && (k % gs.flush_every == gs.flush_every - 1 || k == gs.count - 1)) flush_slots();
-    for (int op = 0; op < kNumOperands; ++op) g.data[op] += gs.step[op];
+  int64_t until_flush = gs.flush_every;  // groups left before the slots' next flush
+  auto flush_after = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {  // group k done (k = 0, 1, ... in turn)
+    if (slots && (--until_flush == 0 || k == gs.count - 1)) flush_slots(), until_flush = gs.flush_every;
   };
+  auto advance = [&](int64_t groups) SIMDNORM_INLINE_LAMBDA {
+    for (int op = 0; op < kNumOperands; ++op) g.data[op] += groups * gs.step[op];
+  };
+  auto finish = [&](int64_t k) SIMDNORM_INLINE_LAMBDA { flush_after(k), advance(1); };
   if (K::short_runs(t, g)) {
     for (int64_t k = 0; k < gs.count; ++k) {
       sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
@@ -1035,12 +1066,12 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
                 kVectorRegisters < 32 && sizeof(T) >= 4 && t.from_memory && n * static_cast<int64_t>(sizeof(T)) >= kOneRowBlockBytes;
             const int64_t blocks = one ? 0 : gs.count / R, rest = gs.count - blocks * R;
             K::template rows_stream<R, false>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
-              for (int r = 0; r < R; ++r) finish(b * R + r);
+              for (int r = 0; r < R; ++r) flush_after(b * R + r);
             });
-            if (rest > 0)
-              K::template rows_stream<1, false>(t, deriv, g.data, gs.step, n, rest, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
-                finish(blocks * R + b);
-              });
+            advance(blocks * R);
+            K::template rows_stream<1, false>(t, deriv, g.data, gs.step, n, rest, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
+              flush_after(blocks * R + b);
+            });
             return;
           }
           // Rows each with parameters of their own, apart (group norm of (N, C) data), without an
@@ -1051,9 +1082,10 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
               constexpr int R = 2;
               const int64_t blocks = gs.count / R;
               K::template rows_stream<R, true>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
-                for (int r = 0; r < R; ++r) finish(b * R + r);
+                for (int r = 0; r < R; ++r) flush_after(b * R + r);
               });
-              if (blocks * R < gs.count) one_row(gs.count - 1);  // (finish() has moved g on to it)
+              advance(blocks * R);
+              if (blocks * R < gs.count) one_row(gs.count - 1);
               return;
             }
           }

@@ -319,6 +319,12 @@ static inline vd vload_widened(const float* p) {
 static inline float vreduce_add(vf a) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps((__m512)a);
+#elif defined(__AVX2__)
+  // A tree, as AVX-512's: the halves, then their halves (6 instructions, not 15 for the lanes in
+  // order, and half the latency: the backward sums a row's two of these per row).
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 #else
   float s = 0.0f;
   for (int i = 0; i < kWidth; ++i) s += a[i];
