@@ -784,11 +784,8 @@ def layer_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale
         return follow_input(layer_norm_backward, locals())
     x, dy, mean, inv_std, scale, bias = _as_arrays(
         x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
-    try:
-        key: Any = ("layer_backward", _k(x), _k(dy), _k(mean), _k(inv_std), _k(scale), _k(bias), _a(axis),
-                    _a(epsilon), _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))
-    except TypeError:
-        key = []
+    key = ("layer_backward", _k(x), _k(dy), _k(mean), _k(inv_std), _k(scale), _k(bias), _a(axis), _a(epsilon),
+           _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))  # (unhashable: _planned validates)
     plan = _planned(key, lambda: _mvn_backward_plan(
         x, dy, trailing_axes_rule(x, axis), mean, inv_std, scale, bias, True, True, epsilon, "inside", activation,
         grad_input, grad_scale, grad_bias))
@@ -833,11 +830,8 @@ def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None,
     if grad_bias is not None and check_bool("grad_bias", grad_bias):
         raise DescriptorError("grad_bias=True: RMS norm has no bias")
     x, dy, inv_rms, scale = _as_arrays(x, grad_output, ("inv_rms", inv_rms), ("scale", scale))
-    try:
-        key: Any = ("rms_backward", _k(x), _k(dy), _k(inv_rms), _k(scale), _a(axis), _a(epsilon), _a(activation),
-                    _a(grad_input), _a(grad_scale))
-    except TypeError:
-        key = []
+    key = ("rms_backward", _k(x), _k(dy), _k(inv_rms), _k(scale), _a(axis), _a(epsilon), _a(activation),
+           _a(grad_input), _a(grad_scale))
     plan = _planned(key, lambda: _mvn_backward_plan(
         x, dy, trailing_axes_rule(x, axis), None, inv_rms, scale, None, False, True, epsilon, "inside", activation,
         grad_input, grad_scale, False))
