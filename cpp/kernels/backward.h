@@ -391,7 +391,7 @@ struct BackwardKernel {
     const bool stream = head >= 0;
     if (!stream) head = 0;
     // Row pointers and element indices move on by a block's rows at each block (per row, their
-    // multiplications were a sixth of a short row's instructions).
+    // multiplications were an eighth of a row of 16 floats' instructions).
     int64_t stat0 = (p[kStats] - acc.stats_base) / cs, param0 = 0;
     const int64_t stat_step = step[kStats] / cs, param_step = step[kParams] / cs;
     auto open = [&]() SIMDNORM_INLINE_LAMBDA {
