@@ -299,6 +299,123 @@ struct FusedRowsKernel {
     pipeline<Keep, 1>(task, a, 0, a.rows, k, rows_ahead, runs, kept_row);
   }
 
+  // ---- short rows: a batch summed, finished, then normalized while it sits in L1 ----
+  // Rows of a few vectors gain nothing from normalizing one row in the loop that sums another (a
+  // row is a few steps: there is no stream to overlap), and the pipeline's cost per row (its
+  // cursors' set-up, their loops' entries, a call to the caller's finish) outweighed the rows' own
+  // arithmetic. Here kShortBatch rows are summed one after another, finished two to a vector of
+  // doubles (finish_two; the caller's finish only for a row the first pass leaves unsettled), and
+  // normalized in step, each scale and bias vector loaded once for the batch. The sums are the
+  // pipeline's; 16-bit rows are read twice, never kept or streamed (those loops lost to this one
+  // on rows under 512 bytes; from 512 bytes, as float32 rows of 128 from memory, the pipeline
+  // won).
+  static constexpr int64_t kShortRowMaxBytes = 512;
+  static constexpr int kShortBatch = 4;
+  static bool short_rows(const FusedRowsArgs& a) {
+    return a.len >= N::W && a.len * static_cast<int64_t>(sizeof(T)) < kShortRowMaxBytes;
+  }
+
+  // Rows row and row + 1 (count 1 or 2; the lanes past count are ignored) finished by
+  // lane_stats.h's formulas, a row a lane: their statistics stored where the args say, but for the
+  // rows the first pass leaves unsettled, which it returns (bit i: row + i) for the caller's
+  // finish. (Compiled with the ISA's flags, its variance may differ in a double's last bit from
+  // the caller's finish, which the fused rows call for each row otherwise.)
+  SIMDNORM_CURSOR_METHOD static int finish_two(const FusedRowsArgs& a, int64_t row, int count, double2 pivot,
+                                               double2 sum, double2 sum_sq) {
+    // (float data's squares never underflow the double sums)
+    constexpr bool kMayUnderflow = std::is_same<T, double>::value;
+    const auto stats = lane_stats_of<kMayUnderflow>(pivot, sum, sum_sq, a.inv_n, a.centered, a.underflow);
+    const double2 inv_std = inv_std_of(stats.var, a.rule);
+    int unsettled = 0;
+    for (int i = 0; i < count; ++i) {
+      const int64_t r = row + i;
+      if (stats.slow[i]) {
+        unsettled |= 1 << i;
+        continue;
+      }
+      store_as<C>(a.data[kShift] + r * a.step[kShift], stats.mean[i]);
+      store_as<C>(a.data[kMul] + r * a.step[kMul], inv_std[i]);
+      if (a.stats_out[0] != nullptr) store_as<C>(a.stats_out[0] + r * a.stats_step[0], stats.mean[i]);
+      if (a.stats_out[1] != nullptr) store_as<C>(a.stats_out[1] + r * a.stats_step[1], inv_std[i]);
+      if (a.var_offset != 0) store_as<C>(a.stats_out[1] + r * a.stats_step[1] + a.var_offset, stats.var[i]);
+    }
+    return unsettled;
+  }
+
+  // A batch's rows, their first-pass sums and pivots, two rows to a vector.
+  struct ShortBatch {
+    int64_t first;
+    int count;
+    double2 pivot[kShortBatch / 2], sum[kShortBatch / 2], sum_sq[kShortBatch / 2];
+  };
+  // The sums of the batch from row r on. (Out of line, as finish_short_batch: neither depends on
+  // the activation or the layout of the scale and bias, each of which compiles the loop again.)
+  template <bool Centered>
+  static void sum_short_rows(DType dtype, const FusedRowsArgs& a, int64_t r, ShortBatch& b) {
+    using Sums = typename M::template ContiguousSums<false, false, 1, Centered>;
+    b.first = r;
+    b.count = static_cast<int>(a.rows - r < kShortBatch ? a.rows - r : kShortBatch);
+    const char* x = a.data[kIn] + r * a.step[kIn];
+    for (int j = 0; j < b.count; ++j, x += a.step[kIn]) {
+      const double p = Centered ? static_cast<double>(M::L::load_one(reinterpret_cast<const T*>(x))) : 0.0;
+      Sums sums(RowMomentsArgs{x, dtype, a.len, static_cast<int64_t>(sizeof(T)), p, 1.0, nullptr, nullptr});
+      sums.rest();
+      b.pivot[j / 2][j % 2] = p;
+      b.sum[j / 2][j % 2] = sums.rows.r0.sum;
+      b.sum_sq[j / 2][j % 2] = sums.rows.r0.sum_sq;
+    }
+    if (b.count % 2 != 0) {  // a lone last row in both lanes (finish_two's other lane is unused)
+      const int k = b.count / 2;
+      b.pivot[k][1] = b.pivot[k][0];
+      b.sum[k][1] = b.sum[k][0];
+      b.sum_sq[k][1] = b.sum_sq[k][0];
+    }
+  }
+  __attribute__((noinline)) static void sum_short_batch(DType dtype, const FusedRowsArgs& a, int64_t r, ShortBatch& b) {
+    if (a.centered) sum_short_rows<true>(dtype, a, r, b);
+    else sum_short_rows<false>(dtype, a, r, b);
+  }
+  __attribute__((noinline)) static void finish_short_batch(const FusedRowsArgs& a, const ShortBatch& b) {
+    for (int j = 0; j < b.count; j += 2) {
+      const int two = b.count - j < 2 ? b.count - j : 2;
+      const int unsettled = finish_two(a, b.first + j, two, b.pivot[j / 2], b.sum[j / 2], b.sum_sq[j / 2]);
+      for (int i = 0; i < two; ++i) {
+        if (!(unsettled >> i & 1)) continue;
+        const double p = b.pivot[j / 2][i], s = b.sum[j / 2][i], s2 = b.sum_sq[j / 2][i];
+        a.finish(a.ctx, b.first + j + i, 1, &p, &s, &s2);
+      }
+    }
+  }
+  // Batch b + 1 is summed before batch b is normalized and finished after: from memory, the
+  // normalization then runs while the sums wait for their loads, as the pipeline's reads and
+  // writes overlap.
+  template <class Runs>
+  static void run_short_rows(const NormalizeTask& task, const FusedRowsArgs& a, const Runs& runs) {
+    constexpr int B = kShortBatch;
+    char* q[B][kNumOperands];
+    char* const* rows[B];
+    for (int j = 0; j < B; ++j) rows[j] = q[j];
+    // (Rows in step read row 0's scale and bias: per-channel ones, as instance norm's, run a row at a time.)
+    const bool shared_affine = a.step[kScale] == 0 && a.step[kBias] == 0;
+    ShortBatch batch[2];
+    sum_short_batch(task.dtype, a, 0, batch[0]);
+    finish_short_batch(a, batch[0]);
+    for (int64_t r = 0, k = 0; r < a.rows; r += B, k ^= 1) {
+      const ShortBatch& now = batch[k];
+      ShortBatch& next = batch[k ^ 1];
+      const bool more = r + B < a.rows;
+      if (more) sum_short_batch(task.dtype, a, r + B, next);
+      for (int j = 0; j < now.count; ++j)
+        for (int op = 0; op < kNumOperands; ++op) q[j][op] = a.data[op] + (r + j) * a.step[op];
+      if (now.count == B && shared_affine) {
+        runs.template rows<B>(rows, a.len).finish();
+      } else {
+        for (int j = 0; j < now.count; ++j) runs.template rows<1>(&rows[j], a.len).finish();
+      }
+      if (more) finish_short_batch(a, next);
+    }
+  }
+
   // ---- float16 and bfloat16 rows back to back, as one stream of steps (kernels/row_stream.h) ----
   static constexpr int kStreamBatch = 2;                 // rows finished together
   static constexpr int kStreamLead = kStreamBatch + 2;   // periods the sums run ahead (see run())
@@ -332,6 +449,7 @@ struct FusedRowsKernel {
   static RowsLoop rows_loop(const InnerRun& layout, const NormalizeTask& task, const FusedRowsArgs& a) {
     if (!layout.fusable) return RowsLoop::separate;
     const bool in_l1 = !task.stream_stores && a.len <= kKeptRowMax;
+    if (in_l1 && short_rows(a)) return RowsLoop::short_rows;
     if (kStreamedRows && in_l1 && rows_stream(a)) return RowsLoop::row_stream;
     if (kKeptRows && in_l1) return RowsLoop::pipeline_kept;
     return rows_pair_up(a, layout.affine_vary) ? RowsLoop::pipeline_paired : RowsLoop::pipeline;
@@ -372,6 +490,8 @@ struct FusedRowsKernel {
         return layout.template visit<float>(task,
                                             [&](const auto& runs) { stream_rows(runs, a, rows_ahead, task.l1_bytes); });
     }
+    if (loop == RowsLoop::short_rows)
+      return layout.visit(task, [&](const auto& runs) { run_short_rows(task, a, runs); });
     constexpr int64_t pitch_c = kLinedUpMax + kLineBytes / sizeof(C);
     C affine[N::W > 1 ? 2 * pitch_c : 1];
     if (N::W > 1 && layout.affine_vary && a.step[kScale] == 0 && a.step[kBias] == 0 && a.len <= kLinedUpMax) {

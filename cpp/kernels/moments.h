@@ -61,13 +61,15 @@ struct SumLanes {
       add_d<H * kParts + pi>(part<pi>(x));
     });
   }
-  // The same, read from float32 data at p: each part loaded and widened on its own (an extract fewer).
-  template <int H, bool Scaled>
+  // The same, read from float32 data at p: each part loaded and widened on its own (an extract fewer);
+  // not Shifted: around 0, as add_unshifted.
+  template <int H, bool Scaled, bool Shifted = true>
   SIMDNORM_CURSOR_METHOD void add_widened(const float* p, vd scaled_pivot, vd scale) {
     static_assert(kParts == 2, "float32 data has two parts a vector");
     for_constant<0, kParts>([&](auto part_index) SIMDNORM_INLINE_LAMBDA {
       constexpr int pi = decltype(part_index)::value;
-      add_d<H * kParts + pi>(shifted<Scaled>(vload_widened(p + pi * WD), scaled_pivot, scale));
+      const vd x = vload_widened(p + pi * WD);
+      add_d<H * kParts + pi>(Shifted ? shifted<Scaled>(x, scaled_pivot, scale) : x);
     });
   }
   // Its lanes [0, m) only, at half h.
@@ -123,8 +125,10 @@ struct MomentsKernel {
   // scale of 1 (x * 1 == x exactly: the same bits, one multiply fewer per vector). With Keep, it
   // also stores the row as it reads it, converted, at `keep` (float; room for a vector past n).
   // With Rows > 1 it sums that many runs of n in step (each run's sums are those it would have
-  // alone).
-  template <bool Scaled, bool Keep = false, int Rows = 1>
+  // alone). Not Centered (RMS norm: the pivots must be 0), it takes only the squares and reports
+  // a sum of 0, which such statistics never read: the squares are the same bits, an add and a
+  // subtraction fewer a vector of doubles.
+  template <bool Scaled, bool Keep = false, int Rows = 1, bool Centered = true>
   struct ContiguousSums {
     static_assert(!(Keep && std::is_same<T, float>::value), "float32 rows are read where they lie, never kept");
     struct Row {
@@ -155,17 +159,22 @@ struct MomentsKernel {
     SIMDNORM_CURSOR_METHOD void step() {
       rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
         if constexpr (std::is_same<T, float>::value) {  // (nothing to keep: only 16-bit rows are kept)
-          row.lanes.template add_widened<0, Scaled>(row.x + i, row.pivot, scale);
-          row.lanes.template add_widened<1, Scaled>(row.x + i + W, row.pivot, scale);
+          row.lanes.template add_widened<0, Scaled, Centered>(row.x + i, row.pivot, scale);
+          row.lanes.template add_widened<1, Scaled, Centered>(row.x + i + W, row.pivot, scale);
         } else {
           const V x0 = L::load(row.x + i), x1 = L::load(row.x + i + W);
           kept(row, i, x0);
           kept(row, i + W, x1);
-          row.lanes.template add<0, Scaled>(x0, row.pivot, scale);
-          row.lanes.template add<1, Scaled>(x1, row.pivot, scale);
+          add<0>(row, x0);
+          add<1>(row, x1);
         }
       });
       i += 2 * W;
+    }
+    template <int H>
+    SIMDNORM_CURSOR_METHOD void add(Row& row, V x) const {
+      if constexpr (Centered) row.lanes.template add<H, Scaled>(x, row.pivot, scale);
+      else row.lanes.template add_unshifted<H>(x);
     }
     // The rest of the runs; adds run r's totals to the caller's total[r] and total_sq[r].
     SIMDNORM_CURSOR_METHOD void finish(double* total, double* total_sq) {
@@ -182,7 +191,7 @@ struct MomentsKernel {
         rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
           const V xv = L::load(row.x + i);
           kept(row, i, xv);
-          row.lanes.template add<0, Scaled>(xv, row.pivot, scale);
+          add<0>(row, xv);
         });
         i += W;
       }
@@ -196,7 +205,7 @@ struct MomentsKernel {
         i = n;
       }
       rows.each([&](Row& row, int) SIMDNORM_INLINE_LAMBDA {
-        row.sum = Sums::tree(row.lanes.s1);
+        row.sum = Centered ? Sums::tree(row.lanes.s1) : 0.0;
         row.sum_sq = Sums::tree(row.lanes.s2);
       });
     }

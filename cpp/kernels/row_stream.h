@@ -217,10 +217,9 @@ struct FusedRowsKernel<T>::RowStream {
       c.finished += count;
     }
   }
-  // The statistics of `count` rows from row on, by lane_stats.h's formulas, here (no call to the
-  // op's finish) and a row per lane (a lone last row in both lanes: every row takes the same
-  // instructions, whatever its batch). A row whose first pass does not settle it is left to the
-  // op's finish (settle()).
+  // The statistics of `count` rows from row on, by FusedRowsKernel::finish_two (no call to the op's
+  // finish; a lone last row in both lanes: every row takes the same instructions, whatever its
+  // batch). A row whose first pass does not settle it is left to the op's finish (settle()).
   // It is inlined into run_pair(): reading a's pointers and steps into locals here (the stores
   // may alias a) makes GCC keep two of the pair loop's sums on the stack, loaded and stored every
   // step. After any change near run_pair(), look for rsp in its loop (objdump) before timing it.
@@ -233,20 +232,9 @@ struct FusedRowsKernel<T>::RowStream {
       sum[i] = c.sum[slot];
       sum_sq[i] = c.sum_sq[slot];
     }
-    const auto stats = lane_stats_of<false>(pivot, sum, sum_sq, a.inv_n, a.centered, a.underflow);
-    const double2 inv_std = inv_std_of(stats.var, a.rule);
-    for (int i = 0; i < count; ++i) {
-      const int64_t r = row + i;
-      if (stats.slow[i]) {
-        c.unsettled[c.unsettled_count++] = r;
-        continue;
-      }
-      store_as<C>(a.data[kShift] + r * a.step[kShift], stats.mean[i]);
-      store_as<C>(a.data[kMul] + r * a.step[kMul], inv_std[i]);
-      if (a.stats_out[0] != nullptr) store_as<C>(a.stats_out[0] + r * a.stats_step[0], stats.mean[i]);
-      if (a.stats_out[1] != nullptr) store_as<C>(a.stats_out[1] + r * a.stats_step[1], inv_std[i]);
-      if (a.var_offset != 0) store_as<C>(a.stats_out[1] + r * a.stats_step[1] + a.var_offset, stats.var[i]);
-    }
+    const int unsettled = finish_two(a, row, count, pivot, sum, sum_sq);
+    for (int i = 0; i < count; ++i)
+      if (unsettled >> i & 1) c.unsettled[c.unsettled_count++] = row + i;
   }
   // The caller's finish of the rows finish_rows() left: a second pass, or NaN statistics. Their
   // sums are still in their slots (rows close one an iteration, and this runs in the iteration

@@ -85,7 +85,8 @@ std::string MvnRunner::describe() {
     // as one stream (the first thread's call tells).
     RowsLoop loop = RowsLoop::pipeline;
     if (strategy == RowStrategy::pipelined) {
-      static const char* const kLoops[] = {"separate", "pipeline", "pipeline_paired", "pipeline_kept", "row_stream"};
+      static const char* const kLoops[] = {"separate", "pipeline", "pipeline_paired", "pipeline_kept", "row_stream",
+                                                "short_rows"};
       loop = kernels().rows_loop(task_, fused_rows_args(0, std::min(groups_per_thread(), plan_.groups)));
       d += std::string(" rows_loop=") + kLoops[static_cast<int>(loop)];
     }

@@ -118,6 +118,7 @@ enum class RowsLoop : int {
   pipeline_paired,  // long rows: two normalized in step, sharing each scale and bias load
   pipeline_kept,    // float16: the normalize pass reads the float32 copy the sums pass kept
   row_stream,       // 16-bit rows back to back: one stream of steps (kernels/row_stream.h)
+  short_rows,       // rows of a few vectors: a batch summed, finished, normalized in step
 };
 
 // Group g of an MVN normalized run by run while the first-pass sums of group g + 1 are taken over
