@@ -388,8 +388,8 @@ struct FusedRowsKernel {
   }
   // Batch b + 1 is summed before batch b is normalized and finished after: from memory, the
   // normalization then runs while the sums wait for their loads, as the pipeline's reads and
-  // writes overlap. (Four rows normalized in step, each scale and bias load shared, measured
-  // 0.87-1.13x the time of one row after another and compiled 2.7x the code.)
+  // writes overlap. (Four rows normalized in step, each scale and bias load shared, were no
+  // faster than one row after another, and compiled the loop's code again for every activation.)
   template <class Runs>
   static void run_short_rows(const NormalizeTask& task, const FusedRowsArgs& a, const Runs& runs) {
     ShortBatch batch[2];
