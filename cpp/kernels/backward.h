@@ -569,23 +569,46 @@ struct BackwardKernel {
     const V su_mean = su.mean_c, su_u = su.u_c;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     const int64_t gi = (ps[kStats] - acc.stats_base) / cs, pi = (ps[kParams] - acc.params_base) / cs;
-    for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
+    // Element e of the summed run into the lanes (sgay, sga); element e of the written one.
+    auto sum = [&](int64_t e, V& sgay, V& sga) SIMDNORM_INLINE_LAMBDA {
+      __builtin_prefetch(reinterpret_cast<const char*>(sx + e) + kPairPrefetchBytes, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(sdy + e) + kPairPrefetchBytes, 0, 2);
+      const V ga = L::load(sdy + e);
+      sgay = vfma(ga, (L::load(sx + e) - su_mean) * su_u, sgay), sga = sga + ga;
+    };
+    auto write = [&](int64_t e) SIMDNORM_INLINE_LAMBDA {
+      const V y = (L::load(wx + e) - mean) * u;
+      L::store_or_stream(dx + e, grad_input(u, y, L::load(wdy + e) * scale, c1, c2), stream);
+    };
+    auto flush = [&](V sgay, V sga) SIMDNORM_INLINE_LAMBDA {
+      add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
+                   want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, ps[kParams]);
+    };
+    // Two whole flushes' elements side by side, each into lanes of its own: the adds of one flush
+    // wait on each other (a chain of FMA latencies, which bound the loop), those of two do not.
+    // Each flush's lanes take its elements in order and reach the doubles in order: the same bits.
+    int64_t e0 = 0;
+    for (; e0 + 2 * kSumFlush <= written; e0 += 2 * kSumFlush) {
+      V sgay0 = zero(), sga0 = zero(), sgay1 = zero(), sga1 = zero();
+      for (int64_t e = e0; e < e0 + kSumFlush; e += W) {
+        sum(e, sgay0, sga0);
+        sum(e + kSumFlush, sgay1, sga1);
+        write(e);
+        write(e + kSumFlush);
+      }
+      flush(sgay0, sga0);
+      flush(sgay1, sga1);
+    }
+    for (; e0 < n; e0 += kSumFlush) {
       const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
       const int64_t whole = e0 + (e1 - e0) / W * W, paired = std::min(whole, written);
       V sgay = zero(), sga = zero();
-      auto sum = [&](int64_t e) SIMDNORM_INLINE_LAMBDA {
-        __builtin_prefetch(reinterpret_cast<const char*>(sx + e) + kPairPrefetchBytes, 0, 2);
-        __builtin_prefetch(reinterpret_cast<const char*>(sdy + e) + kPairPrefetchBytes, 0, 2);
-        const V ga = L::load(sdy + e);
-        sgay = vfma(ga, (L::load(sx + e) - su_mean) * su_u, sgay), sga = sga + ga;
-      };
       int64_t e = e0;
       for (; e < paired; e += W) {
-        sum(e);
-        const V y = (L::load(wx + e) - mean) * u;
-        L::store_or_stream(dx + e, grad_input(u, y, L::load(wdy + e) * scale, c1, c2), stream);
+        sum(e, sgay, sga);
+        write(e);
       }
-      for (; e < whole; e += W) sum(e);
+      for (; e < whole; e += W) sum(e, sgay, sga);
       if (e < e1) {  // the summed run's last elements (the written run's are apply_run's, below)
         const int m = static_cast<int>(e1 - e);
         V y, ga, g;
@@ -594,8 +617,7 @@ struct BackwardKernel {
         y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
         sgay = vfma(ga, y, sgay), sga = sga + ga;
       }
-      add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
-                   want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, ps[kParams]);
+      flush(sgay, sga);
     }
     // The written run's edges, [0, head) and what is left after its last whole vector, by apply_run.
     const int64_t end = head + written;
