@@ -458,7 +458,7 @@ struct BackwardKernel {
           s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
         V d, y;
         const V ga = grad_at(r, e, m, s, b, d, y);
-        const V dx = vfma(d, r.a, vfma(ga, s * r.u, r.b));
+        const V dx = grad_input(d, ga, s * r.u, r.a, r.b);
         T* const q = reinterpret_cast<T*>(r.dx + e * es);
         if constexpr (decltype(full)::value) L::store_or_stream(q, dx, stream);
         else if (stream) L::store_partial_stream(q, dx, m);  // (a plain store would read the line)
