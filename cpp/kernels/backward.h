@@ -858,7 +858,7 @@ struct BackwardKernel {
 
   // Rows a step of lanes_sums takes down each vector of lanes: the statistics and slots of those
   // lanes are loaded (and the slots stored) once for all of them; one row at a time, those loads
-  // and stores bound the loop in the caches (4 x 256 x 28 x 28: 0.8x the time).
+  // and stores bound the loop in the caches (measured: docs/BENCHMARKS.md).
   static constexpr int kLaneRows = 4;
 
   // sums_run over a block of such rows: the parameters' sums (sum(ga y), sum(ga)), and the group's
@@ -925,9 +925,8 @@ struct BackwardKernel {
   }
 
   // apply_run over a block of such rows, one after another. Not prefetched, unlike apply_run: the
-  // hardware follows these rows, and 8 x 256 x 56 x 56 went at 0.75-0.85x the time without the
-  // prefetches. (Rows taken side by side, as lanes_sums takes them, ran 1.4-2.1x slower from
-  // memory: the hardware no longer follows them.)
+  // hardware follows these rows better alone. Rows side by side (as lanes_sums takes them) are
+  // interleaved streams in one page, which it does not follow (docs/BENCHMARKS.md).
   static void lanes_apply(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n) {
     auto coef = [&](int array) { return reinterpret_cast<const C*>(p[kStats] + array * t.stats_pitch); };
     const C *const mean = coef(0), *const u = coef(1), *const c1 = coef(2), *const c2 = coef(3);
