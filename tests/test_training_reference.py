@@ -311,6 +311,18 @@ def test_constant_group_reference():
         np.testing.assert_allclose(g.grad_input, inv * (dy - dy.mean(axis=1, keepdims=True)), rtol=1e-14)
 
 
+def test_constant_group_reference_inexact_mean():
+    # 84651 copies of 0.1: the long-double mean rounds off 0.1, so the computed variance is not 0;
+    # the group is still constant, and its outside-epsilon k-term still counts as 0 (not inf * 0)
+    n = 84651
+    p = random_problem(np.random.default_rng(2), "mvn", shape=(1, n), axes=(0, 1), scale=None, bias=None,
+                       epsilon=0.5, epsilon_mode="outside")
+    p.x[...] = 0.1
+    dy = np.random.default_rng(3).standard_normal((1, n))
+    g = p.backward(dy)
+    np.testing.assert_allclose(g.grad_input, 2.0 * (dy - dy.mean()), rtol=1e-12, atol=1e-15)
+
+
 def test_sum_to():
     a = np.arange(24.0).reshape(2, 3, 4)
     np.testing.assert_array_equal(sum_to(a, (4,)), a.sum(axis=(0, 1)))

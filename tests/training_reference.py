@@ -505,7 +505,10 @@ def mvn_backward_ref(dy, x, axes, mean, inv_std, scale=None, bias=None, *, norma
     var_zero = None
     if normalize_variance and epsilon_mode == "outside":
         _, _, var = mvn_stats_ref(xs, red, normalize_mean=normalize_mean, epsilon=epsilon, epsilon_mode="outside")
-        var_zero = np.broadcast_to(var == 0, shp)
+        # A constant group's variance is 0 exactly, though its long-double mean may round off it.
+        top = lambda a: np.max(a, axis=red, keepdims=True, initial=-np.inf)  # noqa: E731 (initial: empty groups)
+        spread = top(xs) + top(-xs) if normalize_mean else top(np.abs(xs))
+        var_zero = np.broadcast_to((var == 0) | (spread == 0), shp)
     s = broadcast_numpy(scale, shp)
     b = broadcast_numpy(bias, shp)
     c = _core(f64(dy), xs, red, m, inv, s, b, None, nm=normalize_mean, nv=normalize_variance, training=True,
