@@ -564,6 +564,44 @@ def test_channels_last_rows_as_general_loops(rng, isa, threads, dtype, channels)
                     np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{what} {other} threads={n} {training=}")
 
 
+# Layer and RMS norm rows sharing their parameters go through blocks of one, two or four rows (four
+# only where a block stays within half an L1, BackwardKernel::rows_stream), the odd rows after. A row
+# alone, or a grad_output whose rows' elements lie apart (the general loops), must give the same
+# grad_input bits: row lengths on both sides of the four-row bound, row counts that leave odd rows, 1
+# and 2 threads. (The parameters' sums take another order in the general loops.)
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("n", [100, 256, 300, 512, 1024])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_row_blocks_as_rows_alone(rng, isa, threads, dtype, n, op):
+    shape = (7, n)
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(0.5, dtype)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    pdt = F64 if dtype == F64 else F32
+    scale, bias = (rand_values(rng, (n,), pdt, scale=1.0) for _ in range(2))
+    dy_apart = np.empty((7, 2 * n), dtype)[:, ::2]
+    dy_apart[...] = dy
+
+    def backward(x, dy):
+        out = np.full(x.shape, np.nan, x.dtype)
+        if op == "layer_norm":
+            _, m, s = simdnorm.layer_norm(x, scale, bias, return_stats=True)
+            simdnorm.layer_norm_backward(dy, x, m, s, scale, bias, out=out)
+        else:
+            _, _, s = simdnorm.rms_norm(x, scale, return_stats=True)
+            simdnorm.rms_norm_backward(dy, x, s, scale, out=out)
+        return out
+
+    for t in (1, 2):
+        threads(t)
+        whole = backward(x, dy)
+        assert not np.isnan(whole).any()
+        for r in range(shape[0]):
+            np.testing.assert_array_equal(bits(whole[r]), bits(backward(x[r:r + 1], dy[r:r + 1])[0]),
+                                          err_msg=f"grad_input row {r} threads={t}")
+        np.testing.assert_array_equal(bits(whole), bits(backward(x, dy_apart)),
+                                      err_msg=f"grad_input general loops threads={t}")
+
+
 # out= for grad_input where it shares memory with an operand: the result is as if it did not
 # (a temporary where the memory overlaps: the kernels decide by byte ranges, numpy exactly), out = the
 # grad_output itself is in place, and out over the input is refused (the backward reads it to the end).

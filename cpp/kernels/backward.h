@@ -87,6 +87,7 @@ template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& f
 enum BackwardStep : int { kConst = 0, kUnit = 1, kAny = 2 };
 constexpr int64_t kSumFlush = 1024;  // elements a target's vector lanes sum before their tree
 constexpr int64_t kOneRowBlockBytes = 512;  // rows_stream: rows from memory this long go one a block
+constexpr int64_t kRowsBlockL1Bytes = 16 << 10;  // rows_stream: four rows a block within this (half an L1)
 
 // The task's rule for c1 and c2, copied: read through the task, its fields cost a load per group
 // (the kernels' stores through char pointers may alias them).
@@ -1105,22 +1106,35 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
         if constexpr (SS == kConst && PS == kUnit) {
           if (!scale_per_group && gs.step[kParams] == 0 && gs.apply) {  // rows sharing their parameters
             // R rows a block share the parameters' loads. A row's state is 4 vectors (mean, u, two
-            // sums): with four rows AVX2's 16 registers spill. On AVX2, float rows from memory of
-            // kOneRowBlockBytes and more go one a block (rows_stream<1>), which measured faster
+            // sums): with four rows AVX2's 16 registers spill. Four rows a block only where the
+            // block (its rows of x and dy, and of dx unless streamed; the parameters' four arrays)
+            // stays within kRowsBlockL1Bytes: rows of a multiple of 4 KB fall on the same L1 sets,
+            // and past that the block's lines evicted each other. On AVX2, float rows from memory
+            // of kOneRowBlockBytes and more go one a block (rows_stream<1>), which measured faster
             // there: its sums read two streams, not four, between the block's writes. 16-bit rows,
             // bound by their conversions rather than by memory, keep the shared loads.
-            constexpr int R = kVectorRegisters >= 32 ? 4 : 2;
-            const bool one =
-                kVectorRegisters < 32 && sizeof(T) >= 4 && t.from_memory && n * static_cast<int64_t>(sizeof(T)) >= kOneRowBlockBytes;
-            const int64_t blocks = one ? 0 : gs.count / R, rest = gs.count - blocks * R;
-            K::template rows_stream<R, false>(t, deriv, g.data, gs.step, n, blocks, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
-              for (int r = 0; r < R; ++r) flush_after(b * R + r);
-            });
-            advance(blocks * R);
-            K::template rows_stream<1, false>(t, deriv, g.data, gs.step, n, rest, s, [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
-              flush_after(blocks * R + b);
-            });
-            return;
+            // (One callback for every R: each rows_stream instantiation is a copy of the loops.)
+            int64_t first = 0, per_block = 1;
+            auto after_block = [&](int64_t b) SIMDNORM_INLINE_LAMBDA {
+              for (int64_t r = 0; r < per_block; ++r) flush_after(first + b * per_block + r);
+            };
+            auto in_blocks = [&](auto rows) SIMDNORM_INLINE_LAMBDA {
+              constexpr int R = decltype(rows)::value;
+              const int64_t blocks = gs.count / R;
+              per_block = R;
+              K::template rows_stream<R, false>(t, deriv, g.data, gs.step, n, blocks, s, after_block);
+              advance(blocks * R);
+              first = blocks * R, per_block = 1;
+              K::template rows_stream<1, false>(t, deriv, g.data, gs.step, n, gs.count - first, s, after_block);
+            };
+            const int64_t es = static_cast<int64_t>(sizeof(T));
+            if constexpr (kVectorRegisters >= 32) {
+              if (4 * n * es * (t.stream_stores ? 2 : 3) + 4 * n * cs <= kRowsBlockL1Bytes)
+                return in_blocks(std::integral_constant<int, 4>{});
+            }
+            if (kVectorRegisters < 32 && es >= 4 && t.from_memory && n * es >= kOneRowBlockBytes)
+              return in_blocks(std::integral_constant<int, 1>{});
+            return in_blocks(std::integral_constant<int, 2>{});
           }
           // Rows each with parameters of their own, apart (group norm of (N, C) data), without an
           // activation: blocks of R rows, the odd row last alone.
