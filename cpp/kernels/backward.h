@@ -495,8 +495,8 @@ struct BackwardKernel {
       sum_block();
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
         const auto c = rule.template set<C>(stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
-        const C u = stat_of(r.stat, 1);
-        r.a = splat<V>(-(u * u) * c.second), r.b = splat<V>(-u * c.first);
+        const V u = splat<V>(stat_of(r.stat, 1));
+        r.a = d_coefficient(u, splat<V>(c.second)), r.b = k_coefficient(u, splat<V>(c.first));
       });
       write_block();
       after_block(k);
