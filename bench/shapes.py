@@ -57,7 +57,8 @@ FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
 # issue: forward-training batch norm (NCHW); the backward of batch norm (NCHW and channels-last), of
 # layer norm (float32 and bfloat16), RMS norm, group norm (32 groups), instance norm and MVN over
 # (0, 2, 3), all float32 unless said, and group norm's of channels-last data (diffusion models'
-# UNets train so); then batch norm and group norm on 7x7 planes. Tagged
+# UNets train so); then batch norm and group norm on 7x7 planes, and batch norm training on
+# 14x14 planes (ResNet-50's third stage: runs of 196 elements, eight to a channel). Tagged
 # "training" (the backward ones also "backward").
 TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nchw", "float32"),
@@ -74,6 +75,7 @@ TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[-1], "nchw", "float32"),
     ("batch_norm_backward", RESNET50_BN_SHAPES[-1], "nchw", "float32"),
     ("group_norm_backward", SPATIAL_NORM_SHAPES[1], "nchw", "float32"),
+    ("batch_norm_training", RESNET50_BN_SHAPES[5], "nchw", "float32"),
 )
 # PyTorch's running-statistics momentum (ONNX's is 1 - this: 0.9) and torch.nn's initial running
 # statistics, for the forward-training case.

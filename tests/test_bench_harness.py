@@ -318,6 +318,7 @@ TRAINING_CASES = {  # name: (op, shape, layout, dtype): the speed goals' shapes,
     "bn-train/8x512x7x7/nchw/f32": ("batch_norm_training", (8, 512, 7, 7), "nchw", "float32"),
     "bn-bwd/8x512x7x7/nchw/f32": ("batch_norm_backward", (8, 512, 7, 7), "nchw", "float32"),
     "group32-bwd/8x512x7x7/f32": ("group_norm_backward", (8, 512, 7, 7), "nchw", "float32"),
+    "bn-train/8x1024x14x14/nchw/f32": ("batch_norm_training", (8, 1024, 14, 14), "nchw", "float32"),
 }
 TRAINING_KINDS = [c for c in KINDS if c.is_training]
 BACKWARD_KINDS = [c for c in TRAINING_KINDS if c.is_backward]

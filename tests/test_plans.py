@@ -250,8 +250,10 @@ def test_mvn_over_the_channels_takes_whole_planes_as_lanes():
 
 
 def test_mvn_over_batch_and_space_groups_each_channel():
-    x = np.zeros((4, 8, 5, 7), np.float32)
-    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=8 lanes=1 group_size=140")
+    x = np.zeros((4, 8, 5, 7), np.float32)  # each channel's four planes a lane group
+    assert mvn_plan(x, (0, 2, 3)).startswith("columns groups=1 lanes=280 group_size=4 lane_group=35")
+    x = np.zeros((4, 8, 21, 20), np.float32)  # planes past 400 elements: a channel's runs a row
+    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=8 lanes=1 group_size=1680")
 
 
 def test_nchw_group_norm_with_affine_on_small_planes_runs_a_group_as_one_row():
@@ -278,14 +280,23 @@ def test_channels_last_group_norm_takes_lane_groups():
     # a short run with more rows than its length outside it: MVN over (0, 2, 3) of 7x7 planes
     x = np.zeros((64, 16, 7, 7), np.float32)
     assert mvn_plan(x, (0, 2, 3)).startswith("columns groups=1 lanes=784 group_size=64 lane_group=49")
-    # a run of a few vectors with 8 rows or more: its runs' fixed costs would outweigh the lanes'
+    # a run of up to 400 elements with 2 rows or more: its runs' fixed costs would outweigh the lanes'
     x = np.zeros((8, 16, 7, 7), np.float32)
-    assert mvn_plan(x, (0, 2, 3)).startswith("columns groups=1 lanes=784 group_size=8 lane_group=49")
-    # fewer rows than the run's length otherwise: each lane's sums would cost more than the runs
-    x = np.zeros((8, 16, 14, 14), np.float32)
-    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=16 lanes=1 group_size=1568")
-    x = np.zeros((4, 16, 7, 7), np.float32)
-    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=16 lanes=1 group_size=196")
+    plan = mvn_plan(x, (0, 2, 3))
+    assert plan.startswith("columns groups=1 lanes=784 group_size=8 lane_group=49")
+    assert "(stats=vary" in plan  # a few vectors: normalized as lanes
+    for dtype in ("float32", "float16", "float64"):
+        x = np.zeros((8, 16, 14, 14), dtype)
+        plan = mvn_plan(x, (0, 2, 3))
+        assert plan.startswith("columns groups=1 lanes=3136 group_size=8 lane_group=196 lane_group_tasks")
+        assert "inner=row_stream(stats=const" in plan or "inner=contiguous(stats=const" in plan  # as runs
+    x = np.zeros((2, 4, 20, 20), np.float32)
+    assert mvn_plan(x, (0, 2, 3)).startswith("columns groups=1 lanes=1600 group_size=2 lane_group=400")
+    # a longer run, or a single one: each lane's sums would cost more than the runs
+    x = np.zeros((8, 4, 401), np.float32)
+    assert mvn_plan(x, (0, 2)).startswith("rows groups=4 lanes=1 group_size=3208")
+    x = np.zeros((1, 16, 7, 7), np.float32)
+    assert mvn_plan(x, (0, 2, 3)).startswith("rows groups=16 lanes=1 group_size=49")
 
 
 def test_a_single_huge_group_is_split_over_blocks():

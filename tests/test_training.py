@@ -1517,6 +1517,36 @@ def test_batch_normalization_training_one_vs_two_threads_bitwise(rng, threads, l
         np.testing.assert_array_equal(bits(a), bits(c), err_msg=f"{name} 1 vs 2 threads ({layout})")
 
 
+
+# NCHW planes of up to 400 elements with 2 rows or more outside them are summed as lane groups
+# (a channel's runs one sequence, or lanes when each run is under two vectors), normalized as
+# runs past 64 elements; longer planes and single rows run as rows. Both sides of each bound,
+# with and without scale and bias: batch norm training and MVN over (0, 2) against the float64
+# reference, the same bits at 1 and 2 threads.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("n, plane", [(8, 64), (8, 65), (8, 196), (8, 400), (8, 401), (2, 9), (3, 100), (1, 100),
+                                      (70, 100)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_planes_around_the_lane_group_bounds(rng, threads, dtype, n, plane, affine):
+    from reference import check_mvn
+
+    shape = (n, 5, plane)
+    x = rand_values(rng, shape, dtype, loc=1.5, scale=2.0)
+    s, b = (rand_values(rng, (5,), dtype, loc=1.0, scale=0.5), rand_values(rng, (5,), dtype)) if affine else (None, None)
+    runs = []
+    for t in (1, 2):
+        threads(t)
+        runs.append(simdnorm.batch_normalization_training(x, s, b, out=make_out(shape, dtype)) +
+                    simdnorm.mean_variance_normalization(x, (0, 2), out=make_out(shape, dtype), return_stats=True))
+    for a, c in zip(*runs):
+        np.testing.assert_array_equal(bits(a), bits(c), err_msg="1 vs 2 threads")
+    ctx = f"{shape} {dtype_id(dtype)} affine={affine}"
+    y, m, v, z, zm, zi = runs[0]
+    r = bn_training_ref(x, s, b)
+    check_batch_stats(m, v, x, r, ctx)
+    check_close(y, r.pre, r.zscale, dtype=dtype, context=ctx)
+    check_mvn(z, x, (0, 2), stats=(zm, zi), context=ctx)
+
 # ----------------------------------------------------------------------------------------------
 # errors
 # ----------------------------------------------------------------------------------------------

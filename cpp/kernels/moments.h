@@ -303,6 +303,11 @@ struct MomentsKernel {
   // NCHW planes), one group at a time: its runs are one sequence whose every run starts at lane 0
   // (element j of a run into lane j mod S), its lanes added in one tree after its last run. So a
   // group's sums depend on its own values and shape only, and need no per-lane scratch.
+  // float64 runs end in a tree each, their totals added in order, as a group's runs are summed as
+  // rows (FusedRowsKernel::execute_group: a group of lane groups is at most 64 x 400 elements, one
+  // block), so that a channel's float64 statistics are the same bits alone as in a batch. Float
+  // data's sums come out the same either way once rounded to float; one tree a group is cheaper.
+  static constexpr bool kTreePerRun = std::is_same<T, double>::value;
   template <bool Scaled>
   static void col_lane_groups(const ColMomentsArgs& a) {
     constexpr int64_t ts = sizeof(T);
@@ -327,6 +332,7 @@ struct MomentsKernel {
       const vd pivot = vbroadcast_vd(Scaled ? a.pivot[g] * a.scale : a.pivot[g]);
       Sums lanes;
       lanes.clear();
+      double sum = 0.0, sum_sq = 0.0;
       // The m elements at x, at half H of a step; a part past them adds nothing and is skipped.
       auto add_tail = [&](auto at_half, const T* x) SIMDNORM_INLINE_LAMBDA {
         const V v = L::load_partial(x, m);
@@ -359,9 +365,19 @@ struct MomentsKernel {
           if (single) add_tail(std::integral_constant<int, 1>{}, x);
           else add_tail(std::integral_constant<int, 0>{}, x);
         }
+        if constexpr (kTreePerRun) {
+          sum += Sums::tree(lanes.s1);
+          sum_sq += Sums::tree(lanes.s2);
+          lanes.clear();
+        }
       }
-      a.sum[g] += Sums::tree(lanes.s1);
-      a.sum_sq[g] += Sums::tree(lanes.s2);
+      if constexpr (kTreePerRun) {
+        a.sum[g] += sum;
+        a.sum_sq[g] += sum_sq;
+      } else {
+        a.sum[g] += Sums::tree(lanes.s1);
+        a.sum_sq[g] += Sums::tree(lanes.s2);
+      }
     }
   }
 

@@ -110,23 +110,32 @@ int64_t product(const DimList& dims) {
 // (group norm on channels-last data: r the channels of a group, k the groups; MVN over (0, 2, 3)
 // and batch norm training of small NCHW planes: r a plane, k the channels), with other reduced
 // dims outside: as rows, each group would be many runs of r, each paying a run's fixed costs (its
-// ends, its sums' tree). k x r merge into one dim of lanes for every operand read or written per
-// element. Each lane then costs its own sums and coefficients, which pay where the rows are at
-// least as many as r's elements, or r is a few vectors and the rows are not few (8x512x5x5 and
-// 16x256x7x7 1.7-1.8x faster than the runs; 4x512x7x7, 8x256x10x10 0.8x).
+// ends, its sums' tree: about 250 cycles). k x r merge into one dim of lanes for every operand read
+// or written per element. Each lane then costs its own sums and coefficients, which pay where the
+// rows are at least as many as r's elements, or (short_groups: the forward, whose column strategy
+// sums a group of few rows as one sequence of its runs) r is at most 400 elements over 2 rows or
+// more: batch norm training of 2-32 x C x 3x3 to 20x20 planes 1.2-3x faster than the runs on Zen 4;
+// planes of 441 to 1024 elements gained in some shapes and lost up to 1.18x in others.
 constexpr int64_t kLaneGroupMaxBytes = 1024;
-constexpr int64_t kShortLaneGroup = 64, kShortLaneGroupRows = 8;
+constexpr int64_t kShortLaneGroup = 400, kShortLaneGroupRows = 2;
 bool lane_groups_fit(const DimList& kept, const DimList& reduced, int64_t itemsize, bool short_groups) {
   if (kept.empty() || reduced.n < 2) return false;
   const Dim& r = reduced.back();
   const Dim& k = kept.back();
-  if (r.stride[kIn] != itemsize || r.size * itemsize > kLaneGroupMaxBytes) return false;
+  if (r.stride[kIn] != itemsize) return false;
   for (Operand op : {kOut, kIn, kScale, kBias})  // (scale and bias may be constant along r: split_lanes)
     if (k.stride[op] != r.size * r.stride[op] && !(short_groups && op >= kScale && r.stride[op] == 0)) return false;
   int64_t rows = 1;
   for (int d = 0; d + 1 < reduced.n; ++d) rows *= reduced.items[d].size;
-  return rows >= r.size || (short_groups && r.size <= kShortLaneGroup && rows >= kShortLaneGroupRows);
+  if (short_groups && r.size <= kShortLaneGroup && rows >= kShortLaneGroupRows) return true;
+  return r.size * itemsize <= kLaneGroupMaxBytes && rows >= r.size;
 }
+
+// Lane groups longer than this, with nothing that varies along their run, are normalized as
+// runs (split_lanes), one shift and mul a run: as lanes, each would read its own (written for
+// every lane), and MVN over (0, 2, 3) of 8x512x9x9 to 16x16 planes ran 1.15-1.3x slower. Shorter
+// runs keep the lanes, whose loop has no run ends.
+constexpr int64_t kLanesNormalizedMax = 64;
 
 }  // namespace
 
@@ -179,6 +188,8 @@ ReductionPlan plan_reduction(const Problem& p, uint32_t reduced_mask, int64_t it
     plan.lanes = true;
     plan.lane_group = r.size;
     for (Operand op : {kScale, kBias}) plan.split_lanes |= k.stride[op] != r.size * r.stride[op];
+    if (short_lane_groups && r.size > kLanesNormalizedMax && r.stride[kScale] == 0 && r.stride[kBias] == 0)
+      plan.split_lanes = true;
     for (int op = 0; op < kNumOperands; ++op) plan.lane_group_strides[op] = k.stride[op];
   }
   if (kept.empty()) kept.push_back(unit_dim(false));
