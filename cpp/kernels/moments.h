@@ -1,8 +1,8 @@
 // Shifted sums for mean-variance normalization statistics. Included inside an ISA namespace.
 // d = (x - pivot) * scale is accumulated in double lanes (SumLanes): element e of a run, counted
 // from the run's first element, goes to lane e mod S of S (two input vectors' worth), and the lanes
-// are added in one fixed tree when the run ends (a lane group's runs, col_lane_groups: when its last
-// run ends). So a run's sums depend only on its values: not on
+// are added in one fixed tree when the run ends (a float lane group's runs, col_lane_groups: when
+// its last run ends). So a run's sums depend only on its values: not on
 // its address, not on the loop that reads it (contiguous, strided, fused with a normalization, the
 // 16-bit row stream), not on how work was split between threads (runs are cut where ops/mvn.cpp's
 // blocks end, whatever the split). In double, float data loses nothing to the subtraction, and its
