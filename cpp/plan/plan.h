@@ -35,8 +35,9 @@ struct ReductionPlan {
   // its lanes' added; the stats operands' lanes stride is per group.
   int64_t lane_group = 1;
   // Scale or bias constant along a group's lanes and not across groups (batch norm training of
-  // NCHW planes: per channel): the normalize pass takes the lanes as (lane_count / lane_group) x
-  // lane_group, the outer dim's strides these (the kept dim's).
+  // NCHW planes: per channel), or, with short_lane_groups, nothing varying along a run of more than
+  // 64 elements: the normalize pass takes the lanes as (lane_count / lane_group) x lane_group, the
+  // outer dim's strides these (the kept dim's).
   bool split_lanes = false;
   int64_t lane_group_strides[kNumOperands] = {};
 };
@@ -47,8 +48,8 @@ struct ReductionPlan {
 // Columns of lane groups (the innermost dim is a short reduced run right inside a kept dim):
 // nest = [kept..., reduced..., kept x run].
 // short_lane_groups (the forward's column strategy takes them): lane groups also where the run is
-// a few vectors with a batch of rows outside it, and with scale and bias constant along the run
-// (split_lanes). The backward's strategies take neither.
+// at most 400 elements with 2 rows or more outside it, and with scale and bias constant along the
+// run (split_lanes). The backward's strategies take neither.
 ReductionPlan plan_reduction(const Problem& problem, uint32_t reduced, int64_t itemsize, bool short_lane_groups = false);
 
 int64_t element_count(const LoopNest& nest);
