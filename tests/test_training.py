@@ -30,6 +30,7 @@ from reference import (
     F64,
     assert_like_empty_like,
     check_close,
+    check_mvn,
     compute_dtype,
     dtype_id,
     f64,
@@ -1517,7 +1518,6 @@ def test_batch_normalization_training_one_vs_two_threads_bitwise(rng, threads, l
         np.testing.assert_array_equal(bits(a), bits(c), err_msg=f"{name} 1 vs 2 threads ({layout})")
 
 
-
 # NCHW planes of up to 400 elements with 2 rows or more outside them are summed as lane groups
 # (a channel's runs one sequence, or lanes when each run is under two vectors), normalized as
 # runs past 64 elements; longer planes and single rows run as rows. Both sides of each bound,
@@ -1528,8 +1528,6 @@ def test_batch_normalization_training_one_vs_two_threads_bitwise(rng, threads, l
                                       (70, 100)])
 @pytest.mark.parametrize("affine", [True, False])
 def test_planes_around_the_lane_group_bounds(rng, threads, dtype, n, plane, affine):
-    from reference import check_mvn
-
     shape = (n, 5, plane)
     x = rand_values(rng, shape, dtype, loc=1.5, scale=2.0)
     s, b = (rand_values(rng, (5,), dtype, loc=1.0, scale=0.5), rand_values(rng, (5,), dtype)) if affine else (None, None)
@@ -1546,6 +1544,7 @@ def test_planes_around_the_lane_group_bounds(rng, threads, dtype, n, plane, affi
     check_batch_stats(m, v, x, r, ctx)
     check_close(y, r.pre, r.zscale, dtype=dtype, context=ctx)
     check_mvn(z, x, (0, 2), stats=(zm, zi), context=ctx)
+
 
 # ----------------------------------------------------------------------------------------------
 # errors

@@ -371,13 +371,8 @@ struct MomentsKernel {
           lanes.clear();
         }
       }
-      if constexpr (kTreePerRun) {
-        a.sum[g] += sum;
-        a.sum_sq[g] += sum_sq;
-      } else {
-        a.sum[g] += Sums::tree(lanes.s1);
-        a.sum_sq[g] += Sums::tree(lanes.s2);
-      }
+      a.sum[g] += kTreePerRun ? sum : Sums::tree(lanes.s1);
+      a.sum_sq[g] += kTreePerRun ? sum_sq : Sums::tree(lanes.s2);
     }
   }
 
