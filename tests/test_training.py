@@ -38,6 +38,7 @@ from reference import (
 from training_reference import (
     AxisError,
     Problem,
+    bn_backward_ref,
     bn_training_ref,
     check_grad,
     check_grads,
@@ -1544,6 +1545,34 @@ def test_planes_around_the_lane_group_bounds(rng, threads, dtype, n, plane, affi
     check_batch_stats(m, v, x, r, ctx)
     check_close(y, r.pre, r.zscale, dtype=dtype, context=ctx)
     check_mvn(z, x, (0, 2), stats=(zm, zi), context=ctx)
+
+
+# Batch norm's backward over small NCHW planes writes grad_input as one stream over the planes back
+# to back, its vectors on grad_input's lines, a vector across two planes taking each lane's
+# coefficients from its plane (BackwardKernel::const_rows_stream); planes apart in memory go plane
+# by plane. The same bits either way, for planes around the vector widths, at any offset of
+# grad_input, and against the float64 reference, with each ISA's kernels.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("plane", [4, 7, 8, 15, 16, 17, 33, 49, 100])
+@pytest.mark.parametrize("training", [True, False])
+def test_backward_planes_back_to_back_as_apart(rng, isa, dtype, plane, training):
+    shape = (3, 7, plane)
+    x = rand_values(rng, shape, dtype, loc=1.5, scale=2.0)
+    dy = rand_values(rng, shape, dtype)
+    s, b = rand_values(rng, (7,), dtype, loc=1.0, scale=0.5), rand_values(rng, (7,), dtype)
+    _, m, v = simdnorm.batch_normalization_training(x, s, b)
+    apart = np.full(shape[:2] + (plane + 5,), np.nan, dtype)[..., :plane]
+    want = simdnorm.batch_normalization_backward(dy, x, m, v, s, b, training=training, out=apart)
+    ctx = f"{shape} {dtype_id(dtype)} training={training}"
+    check_grads(want, bn_backward_ref(dy, x, m, v, s, b, training=training), x=x, scale=s, bias=b, context=ctx)
+    size = np.dtype(dtype).itemsize
+    for offset in list(range(0, 64, size)) + [size // 2]:  # (the last: not on an element boundary)
+        out = empty_past_line(shape, dtype, offset)
+        out[...] = np.nan
+        got = simdnorm.batch_normalization_backward(dy, x, m, v, s, b, training=training, out=out)
+        assert got[0] is out
+        for name, a, c in zip(("grad_input", "grad_scale", "grad_bias"), got, want):
+            np.testing.assert_array_equal(bits(a), bits(c), err_msg=f"{name} {ctx} offset {offset}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -259,7 +259,9 @@ struct BackwardKernel {
   // not depend on the path (alone or in a batch, two passes or grouped).
   SIMDNORM_CURSOR_METHOD static void add_run_sums(V sgay, V sga, double* param0, double* param1, double* group0,
                                                   double* group1, const char* scale) {
-    const double a = static_cast<double>(vreduce_add(sgay)), b = static_cast<double>(vreduce_add(sga));
+    C ra, rb;
+    vreduce_add2(sgay, sga, ra, rb);
+    const double a = static_cast<double>(ra), b = static_cast<double>(rb);
     if (param0 != nullptr) *param0 += a, *param1 += b;
     if (group0 != nullptr) {
       C sc;
@@ -331,8 +333,9 @@ struct BackwardKernel {
         }
       }
       if (want_group && sstep == 0 && !derive) {
-        *ga0 += static_cast<double>(vreduce_add(sg));
-        *ga1 += static_cast<double>(vreduce_add(sgy));
+        C a, b;
+        vreduce_add2(sg, sgy, a, b);
+        *ga0 += static_cast<double>(a), *ga1 += static_cast<double>(b);
       }
       if ((want_param || derive) && pstep == 0)
         add_run_sums(sgay, sga, pa0, pa1, derive ? ga0 : nullptr, ga1, p[kParams]);
@@ -474,8 +477,9 @@ struct BackwardKernel {
         for (; e + W <= e1; e += W) sum_at(e, W);
         if (e < e1) sum_at(e, static_cast<int>(e1 - e));
         rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-          acc.group[0][r.stat] += static_cast<double>(vreduce_add(r.a));
-          acc.group[1][r.stat] += static_cast<double>(vreduce_add(r.b));
+          C a, b;
+          vreduce_add2(r.a, r.b, a, b);
+          acc.group[0][r.stat] += static_cast<double>(a), acc.group[1][r.stat] += static_cast<double>(b);
           r.a = zero(), r.b = zero();
         });
       }
@@ -792,23 +796,29 @@ struct BackwardKernel {
            nest.strides[kX][in] == es && nest.strides[kGradOut][in] == es && (!writes || nest.strides[kGradIn][in] == es) &&
            nest.strides[kStats][in] == 0 && nest.strides[kParams][in] == 0;
   }
+  // (Two passes only: nothing here is written next, so no grad_input is prefetched. Each row's
+  // slots are indices stepped with the rows: the pointer arithmetic of sums_run's per-run setup
+  // and its registers were half this loop's time on 7x7 planes.)
   static void const_rows_sums(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n,
                               const BackwardSums& acc) {
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     if (!want_group && !want_param) return;
+    const int64_t sx = rs[kX], sdy = rs[kGradOut], ss = rs[kStats], sp = rs[kParams], pitch = t.stats_pitch;
     const char *x = first[kX], *dy = first[kGradOut], *stats = first[kStats], *params = first[kParams];
-    for (int64_t r = 0; r < rows; ++r, x += rs[kX], dy += rs[kGradOut], stats += rs[kStats], params += rs[kParams]) {
+    int64_t pi = (params - acc.params_base) / cs, gi = (stats - acc.stats_base) / cs;
+    for (int64_t r = 0; r < rows; ++r, x += sx, dy += sdy, stats += ss, params += sp, pi += sp / cs, gi += ss / cs) {
       V sgay, sga;
       const_run_sums(reinterpret_cast<const T*>(x), reinterpret_cast<const T*>(dy), n,
-                     splat<V>(load_c(stats, 0, t.stats_pitch)), splat<V>(load_c(stats, 1, t.stats_pitch)),
-                     written_next(t, first[kGradIn] + r * rs[kGradIn]), sgay, sga);
-      const int64_t pi = (params - acc.params_base) / cs, gi = (stats - acc.stats_base) / cs;
+                     splat<V>(load_c(stats, 0, pitch)), splat<V>(load_c(stats, 1, pitch)), nullptr, sgay, sga);
       add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
                    want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, params);
     }
   }
   static void const_rows_apply(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n) {
+    const int64_t es = static_cast<int64_t>(sizeof(T));
+    if (rows > 1 && n >= W && rs[kX] == n * es && rs[kGradOut] == n * es && rs[kGradIn] == n * es)
+      return const_rows_stream(t, first, rs, rows, n);
     const char *x = first[kX], *dy = first[kGradOut], *stats = first[kStats], *params = first[kParams];
     char* dx = first[kGradIn];
     for (int64_t r = 0; r < rows; ++r, x += rs[kX], dy += rs[kGradOut], dx += rs[kGradIn], stats += rs[kStats],
@@ -818,6 +828,67 @@ struct BackwardKernel {
                       splat<V>(load_c(stats, 0, t.stats_pitch)), u, splat<V>(load_c(params, 0, t.params_pitch)),
                       splat<V>(load_c(stats, 2, t.stats_pitch)), splat<V>(load_c(stats, 3, t.stats_pitch)));
     }
+  }
+
+  // Such rows of n >= W elements back to back in x, dy and dx (NCHW batch norm's small planes):
+  // one stream of rows * n elements in vectors aligned to dx's lines, a vector across two rows
+  // taking each lane's coefficients from its row (as the forward's run_row_stream). Run by run,
+  // nearly every vector of a 7x7 plane crossed a line and each run ended in a vector written twice.
+  static void const_rows_stream(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n) {
+    struct Coefficients {
+      V mean, scale_u, d_coef, k_coef;
+    };
+    const int64_t ss = rs[kStats], sp = rs[kParams], pitch = t.stats_pitch, ppitch = t.params_pitch;
+    const char *stats = first[kStats], *params = first[kParams];
+    auto coefficients = [&]() SIMDNORM_INLINE_LAMBDA {
+      const V u = splat<V>(load_c(stats, 1, pitch));
+      return Coefficients{splat<V>(load_c(stats, 0, pitch)), splat<V>(load_c(params, 0, ppitch)) * u,
+                          d_coefficient(u, splat<V>(load_c(stats, 3, pitch))),
+                          k_coefficient(u, splat<V>(load_c(stats, 2, pitch)))};
+    };
+    const T* const x = reinterpret_cast<const T*>(first[kX]);
+    const T* const dy = reinterpret_cast<const T*>(first[kGradOut]);
+    T* const dx = reinterpret_cast<T*>(first[kGradIn]);
+    // cur: the coefficients of the row ending at row_end, which holds the next vector's first
+    // element; next: those of the row after it (the last row's own, past the end).
+    Coefficients cur = coefficients(), next = cur;
+    int64_t row_end = n, left = rows - 1;  // rows after cur's
+    auto load_next = [&]() SIMDNORM_INLINE_LAMBDA {
+      if (left > 0) stats += ss, params += sp, next = coefficients();
+    };
+    auto advance = [&]() SIMDNORM_INLINE_LAMBDA {
+      cur = next, row_end += n, --left;
+      load_next();
+    };
+    load_next();
+    auto step = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      if (e == row_end) advance();
+      const V xv = load_up_to<L>(x + e, m), dyv = load_up_to<L>(dy + e, m);
+      V v;
+      if (e + m <= row_end) {
+        v = grad_input(xv - cur.mean, dyv, cur.scale_u, cur.d_coef, cur.k_coef);
+      } else {  // lanes below row_end - e are cur's row, the rest the next one's
+        const auto own = lanes_mask(static_cast<V*>(nullptr), static_cast<int>(row_end - e));
+        v = grad_input(xv - vselect(own, cur.mean, next.mean), dyv, vselect(own, cur.scale_u, next.scale_u),
+                       vselect(own, cur.d_coef, next.d_coef), vselect(own, cur.k_coef, next.k_coef));
+        advance();
+      }
+      store_up_to<L>(dx + e, v, m);
+    };
+    const int64_t total = rows * n;
+    int64_t e = 0;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(dx);
+    if (a % sizeof(T) == 0) {
+      const int64_t head = static_cast<int64_t>((kLineBytes - a % kLineBytes) % kLineBytes / sizeof(T));
+      const int64_t end = head < total ? head : total;
+      while (e < end) {
+        const int m = static_cast<int>(end - e < W ? end - e : W);
+        step(e, m);
+        e += m;
+      }
+    }
+    for (; e + W <= total; e += W) step(e, W);
+    if (e < total) step(e, static_cast<int>(total - e));
   }
 
   // Array `array` of a folded operand's compute-type arrays (`pitch` bytes apart) at q.

@@ -331,6 +331,28 @@ static inline float vreduce_add(vf a) {
   return s;
 #endif
 }
+// vreduce_add(a) and vreduce_add(b), each lane tree as vreduce_add's (the same bits), their
+// shuffles shared: the per-run sums of short runs paid half their time in two separate trees.
+static inline void vreduce_add2(vf a, vf b, float& ra, float& rb) {
+#if defined(__AVX512F__)
+  const __m512 h = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xEE),
+                                 _mm512_shuffle_f32x4((__m512)a, (__m512)b, 0x44));  // a's 8 | b's 8
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(h, h, 0xF5), h);  // 128-bit lanes 0 and 2: 4 each
+  const __m512 p = _mm512_add_ps(q, _mm512_shuffle_ps(q, q, 0x4E));     // lanes 0, 1 of each: 2 each
+  const __m512 s = _mm512_add_ps(p, _mm512_movehdup_ps(p));             // lanes 0 and 8
+  ra = _mm512_cvtss_f32(s);
+  rb = _mm512_cvtss_f32(_mm512_shuffle_f32x4(s, s, 0x02));
+#elif defined(__AVX2__)
+  const __m256 h = _mm256_add_ps(_mm256_permute2f128_ps((__m256)a, (__m256)b, 0x20),
+                                 _mm256_permute2f128_ps((__m256)a, (__m256)b, 0x31));  // a's 4 | b's 4
+  const __m256 p = _mm256_add_ps(h, _mm256_permute_ps(h, 0xEE));
+  const __m256 s = _mm256_add_ps(p, _mm256_movehdup_ps(p));  // lanes 0 and 4
+  ra = _mm256_cvtss_f32(s);
+  rb = _mm_cvtss_f32(_mm256_extractf128_ps(s, 1));
+#else
+  ra = vreduce_add(a), rb = vreduce_add(b);
+#endif
+}
 static inline double vreduce_add(vd a) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_pd((__m512d)a);
@@ -340,6 +362,7 @@ static inline double vreduce_add(vd a) {
   return s;
 #endif
 }
+static inline void vreduce_add2(vd a, vd b, double& ra, double& rb) { ra = vreduce_add(a), rb = vreduce_add(b); }
 
 #include "simd/half.h"
 
