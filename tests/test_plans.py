@@ -171,6 +171,8 @@ def test_layer_norm_rows_of_any_length_run_as_one_pipeline(row):
     ("float32", (64, 64), None, "short_rows"),  # rows under 512 bytes: batches summed, then normalized
     ("float64", (64, 72), 63, "short_rows"),
     ("float16", (64, 255), None, "short_rows"),
+    ("float32", (64, 5), None, "short_rows"),  # shorter than a vector too
+    ("float64", (64, 2), None, "short_rows"),
     ("float32", (64, 128), None, "pipeline"),
     ("bfloat16", (64, 256), None, "row_stream"),
 ])
