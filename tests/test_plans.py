@@ -168,12 +168,14 @@ def test_layer_norm_rows_of_any_length_run_as_one_pipeline(row):
     ("bfloat16", (64, 768), None, "row_stream"),
     ("float16", (64, 776), 768, "pipeline_kept"),  # a gap between rows: the float32 copy kept
     ("bfloat16", (64, 776), 768, "pipeline"),
-    ("float32", (64, 64), None, "short_rows"),  # rows under 512 bytes: batches summed, then normalized
+    ("float32", (64, 64), None, "short_rows"),  # rows under 1 KB (16-bit: 512 bytes): batches summed,
+    ("float32", (64, 255), None, "short_rows"),  # then normalized
     ("float64", (64, 72), 63, "short_rows"),
     ("float16", (64, 255), None, "short_rows"),
     ("float32", (64, 5), None, "short_rows"),  # shorter than a vector too
     ("float64", (64, 2), None, "short_rows"),
-    ("float32", (64, 128), None, "pipeline"),
+    ("float32", (64, 256), None, "pipeline"),
+    ("float64", (64, 128), None, "pipeline"),
     ("bfloat16", (64, 256), None, "row_stream"),
 ])
 def test_layer_norm_rows_name_the_fused_loop_that_runs(dtype, shape, cut, loop):

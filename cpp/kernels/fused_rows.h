@@ -307,13 +307,17 @@ struct FusedRowsKernel {
   // doubles (finish_two; the caller's finish only for a row the first pass leaves unsettled), and
   // normalized one after another while they sit in L1. The sums are the
   // pipeline's; 16-bit rows are read twice, never kept or streamed (those loops lost to this one
-  // on rows under 512 bytes; from 512 bytes, as float32 rows of 128 from memory, the pipeline
-  // won). Rows shorter than a vector too: a row at a time, each a call of the row kernels and of
-  // the caller's finish, they took 1.2-2.5x this loop's time (rows of 4 to 15 elements).
-  static constexpr int64_t kShortRowMaxBytes = 512;
+  // on rows under 512 bytes; from 512 bytes the row stream won). Float32 and float64 rows under
+  // 1 KB (float32 rows of 128 to 192: the pipeline took 1.2-1.5x this loop's time on Zen 4, in
+  // the caches and from memory; at 255 even; at 512 this loop took twice the pipeline's time).
+  // Rows shorter than a vector too: a row at a time, each a call of the row kernels and of
+  // the caller's finish, they took 1.2-2.5x this loop's time (rows of 4 to 15 elements), but
+  // float16's with AVX2 or less, which ran 1.08-1.14x slower here (rows of 3 to 6).
+  static constexpr int64_t kShortRowMaxBytes = sizeof(T) >= 4 ? 1024 : 512;
   static constexpr int kShortBatch = 4;
+  static constexpr bool kShorterThanAVector = !(std::is_same<T, f16_t>::value && N::W < 16);
   static bool short_rows(const FusedRowsArgs& a) {
-    return a.len >= 1 && a.len * static_cast<int64_t>(sizeof(T)) < kShortRowMaxBytes;
+    return a.len >= (kShorterThanAVector ? 1 : N::W) && a.len * static_cast<int64_t>(sizeof(T)) < kShortRowMaxBytes;
   }
 
   // Rows row and row + 1 (count 1 or 2; the lanes past count are ignored) finished by
