@@ -264,6 +264,28 @@ def test_short_rows_pipeline_against_reference_and_threads(isa, rng, threads, dt
     _pipelined_layer_norm_matches_reference_and_threads(rng, threads, x, dtype, f"isa={isa} row={row}")
 
 
+# RMS norm's short rows sum squares only. Rows on both sides of the short rows' bounds (512 bytes
+# for 16-bit data, 1 KB for the others; rows shorter than a vector take them too), against the
+# reference (poisoned output), 1 vs 2 threads bitwise.
+@DT
+@pytest.mark.parametrize("row", [3, 100, 128, 255, 256])
+def test_rms_norm_rows_around_the_short_rows_bounds(isa, rng, threads, dtype, row):
+    rows = 70000 // row + 3
+    x = make_input(rng, (rows, row), dtype, loc=3.0, scale=3.0)
+    g = make_input(rng, (row,), dtype)
+    results = []
+    for n in (1, 2):
+        threads(n)
+        out = make_out(x.shape, dtype)
+        y, _, inv_rms = simdnorm.rms_norm(x, g, out=out, return_stats=True)
+        assert y is out
+        check_mvn(y, x, (1,), g, normalize_mean=False, stats=(None, inv_rms),
+                  context=f"isa={isa} row={row} threads={n}")
+        results.append((y, inv_rms))
+    for a, c in zip(*results):
+        np.testing.assert_array_equal(bits(a), bits(c))
+
+
 def _pipelined_layer_norm_matches_reference_and_threads(rng, threads, x, dtype, context):
     """Layer norm of x over its last axis runs the rows pipeline: against the reference (poisoned
     output), 1 vs 2 threads bitwise."""
