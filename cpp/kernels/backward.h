@@ -796,9 +796,8 @@ struct BackwardKernel {
            nest.strides[kX][in] == es && nest.strides[kGradOut][in] == es && (!writes || nest.strides[kGradIn][in] == es) &&
            nest.strides[kStats][in] == 0 && nest.strides[kParams][in] == 0;
   }
-  // (Two passes only: nothing here is written next, so no grad_input is prefetched. Each row's
-  // slots are indices stepped with the rows: the pointer arithmetic of sums_run's per-run setup
-  // and its registers were half this loop's time on 7x7 planes.)
+  // (Two passes only: nothing here is written next, so no grad_input is prefetched, and no
+  // vector tests for it. Each row's slots are indices stepped with the rows.)
   static void const_rows_sums(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n,
                               const BackwardSums& acc) {
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C));

@@ -332,7 +332,7 @@ static inline float vreduce_add(vf a) {
 #endif
 }
 // vreduce_add(a) and vreduce_add(b), each lane tree as vreduce_add's (the same bits), their
-// shuffles shared: the per-run sums of short runs paid half their time in two separate trees.
+// shuffles shared: the backward reduces two sums a run, a tree each per run on short runs.
 static inline void vreduce_add2(vf a, vf b, float& ra, float& rb) {
 #if defined(__AVX512F__)
   const __m512 h = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)a, (__m512)b, 0xEE),
