@@ -481,3 +481,30 @@ def test_checker_rejects_wrong_semantics(rng):
         check_mvn(good, x, axes, stats=((mean + 1e-3 * 2.0).astype(F32), inv.astype(F32)))
     with pytest.raises(AssertionError):
         check_mvn(good, x, axes, stats=(mean.astype(F32), (inv * (1 + 1e-3)).astype(F32)))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_kernel_takes_statistics_equal_up_to_size_one_dims(rng, n):
+    # The torch route hands group norm's (N, G) statistics to the kernel as they are, for the split
+    # view's (N, G, 1, 1, 1): any rank whose shape agrees once size-1 dims are dropped, any strides;
+    # a shape that does not agree is refused, never read as another.
+    from simdnorm import _core
+    from reference import group_norm_ref
+
+    g, x = 4, make_input(rng, (n, 8, 5, 3), F32, loc=2.0)
+    y_ref, m_ref, s_ref = group_norm_ref(x, g)
+    args = lambda out, m, s: (x, (2, 3, 4), None, None, out, 1e-5, True, True, False, (0, 0.0, 0.0), m, s, 1,  # noqa: E731
+                              False, None, g)
+    kept = [np.full((n, g), np.nan, F32), np.full((g, n), np.nan, F32).T, np.full((1, n, 1, g, 1), np.nan, F32)]
+    if n == 1:
+        kept.append(np.full((g,), np.nan, F32))
+    for m in kept:
+        s, out = np.full_like(m, np.nan), np.full_like(x, np.nan)
+        _core.mvn(*args(out, m, s))
+        np.testing.assert_allclose(out, y_ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(m.reshape(n, g), m_ref, rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(s.reshape(n, g), s_ref, rtol=2e-6)
+    for shape in [(g, n) if n > 1 else (g, 2), (n, g, 2), (n * g + 1,), (n, 2 * g)]:
+        m = np.full(shape, np.nan, F32)
+        with pytest.raises(ValueError, match="reduced dims 1"):
+            _core.mvn(*args(np.full_like(x, np.nan), m, None))

@@ -258,6 +258,29 @@ TensorView split_dim(const TensorView& v, int d, int64_t groups) {
   return s;
 }
 
+// A statistics array of the input's shape with the reduced dims 1, as a view of the input's rank:
+// any shape that agrees with that once the size-1 dims of both are dropped (the torch route hands
+// group norm's (N, G) over for the split view's (N, G, 1, 1, 1), as it returns them).
+TensorView kept_view(const TensorView& v, const TensorView& input, uint32_t reduced, const char* name) {
+  const auto refuse = [name] {
+    throw py::value_error(std::string(name) + ": must have the input's shape with reduced dims 1");
+  };
+  TensorView k = v;
+  k.ndim = input.ndim;
+  int from = 0;  // v's next dim
+  for (int d = 0; d < input.ndim; ++d) {
+    k.sizes[d] = (reduced >> d) & 1u ? 1 : input.sizes[d];
+    k.strides[d] = 0;
+    if (k.sizes[d] == 1) continue;
+    while (from < v.ndim && v.sizes[from] == 1) ++from;
+    if (from == v.ndim || v.sizes[from] != k.sizes[d]) refuse();
+    k.strides[d] = v.strides[from++];
+  }
+  for (; from < v.ndim; ++from)
+    if (v.sizes[from] != 1) refuse();
+  return k;
+}
+
 bool py_mvn(PyObject* const* args, std::string* explain) {
   const py::handle x = args[0], axes = args[1], scale = args[2], bias = args[3], out = args[4], epsilon = args[5],
                    normalize_mean = args[6], normalize_variance = args[7], epsilon_outside = args[8],
@@ -299,11 +322,7 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
     if (v.dtype != stats)
       throw py::type_error(std::string(name) + (a.statistics_only ? ": must be float64 (statistics only)"
                                                                   : ": must be float32 (float64 for float64 input)"));
-    check_same_shape(a.input, v, name, false);
-    for (int d = 0; d < v.ndim; ++d)
-      if (v.sizes[d] != ((a.reduced >> d) & 1u ? 1 : a.input.sizes[d]))
-        throw py::value_error(std::string(name) + ": must have the input's shape with reduced dims 1");
-    return v;
+    return kept_view(v, a.input, a.reduced, name);
   };
   a.mean_out = stats_view(mean_out, "mean_out");
   a.inv_std_out = stats_view(inv_std_out, "inv_std_out");

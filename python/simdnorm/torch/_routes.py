@@ -90,18 +90,27 @@ def _readable(x: Tensor, *params: Optional[Tensor]) -> bool:
     return True
 
 
-def _mvn_into(x: Tensor, plan: tuple, scale: Optional[Tensor], bias: Optional[Tensor], stats: bool, ca: int = -1,
+def _mvn_route(x: Tensor, mvn: tuple, stats_shape: Any = None) -> tuple:
+    """A route's cached plan: the MVN plan and two empty tensors whose ``empty_like`` makes the
+    statistics (mean, inv_std) of the shape the op returns (by default the plan's), the cheapest
+    allocation torch has; a statistic the plan does not take is an empty tensor."""
+    sd = _F64 if x.dtype is _F64 else _F32
+    shape = mvn[1] if stats_shape is None else stats_shape
+    stats = _empty(shape, dtype=sd)
+    return mvn, stats if mvn[4] else _empty((0,), dtype=sd), stats
+
+
+def _mvn_into(x: Tensor, route: tuple, scale: Optional[Tensor], bias: Optional[Tensor], stats: bool, ca: int = -1,
               groups: Optional[int] = None) -> Result:
-    """The MVN kernel into torch.empty_like(x); with stats also (out, mean, inv_std), new tensors of
-    the plan's statistics shape (an empty one for a statistic the plan does not take)."""
-    axes, stats_shape, _, eps, nm, nv, eo, act = plan
+    """The MVN kernel into torch.empty_like(x); with stats also (out, mean, inv_std), new tensors
+    shaped as the route's templates (the kernel takes them in any shape equal up to size-1 dims)."""
+    (axes, _, _, eps, nm, nv, eo, act), mean_like, inv_like = route
     res = _empty_like(x)
     if not stats:
         _mvn(x, axes, scale, bias, res, eps, nm, nv, eo, act, None, None, ca, False, None, groups)
         return res
-    sd = _F64 if x.dtype is _F64 else _F32
-    mo = _empty(stats_shape, dtype=sd) if nm else x.new_empty((0,), dtype=sd)
-    so = _empty(stats_shape, dtype=sd)
+    mo = _empty_like(mean_like)
+    so = _empty_like(inv_like)
     _mvn(x, axes, scale, bias, res, eps, nm, nv, eo, act, mo if nm else None, so, ca, False, None, groups)
     return res, mo, so
 
@@ -119,8 +128,8 @@ def layer_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], axis: int, e
         if module is not None and (not trailing(x, module) or not takes(x, w, b)):
             return None
         xn = _ops._as_numpy(x)
-        plan = _store(key, lambda: mvn_plan(None, xn, trailing_axes_rule(xn, axis), _ops._opt(w), _ops._opt(b),
-                                            not rms, True, eps, "inside", None))
+        plan = _store(key, lambda: _mvn_route(x, mvn_plan(None, xn, trailing_axes_rule(xn, axis), _ops._opt(w),
+                                                          _ops._opt(b), not rms, True, eps, "inside", None)))
     if not _readable(x, w, b):
         return None
     return _mvn_into(x, plan, w, b, stats)
@@ -137,17 +146,29 @@ def instance_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: floa
     if plan is _MISS:
         if module and (x.dim() < 3 or not takes(x, w, b)):
             return None
-        plan = _store(key, lambda: instance_plan(_ops._as_numpy(x), _ops._opt(w), _ops._opt(b), eps, ca, None))
+        plan = _store(key, lambda: _instance_route(x, instance_plan(_ops._as_numpy(x), _ops._opt(w), _ops._opt(b),
+                                                                    eps, ca, None)))
     if not _readable(x, w, b):
         return None
+    channel_axis, route = plan
+    return _mvn_into(x, route, w, b, stats, channel_axis)
+
+
+def _instance_route(x: Tensor, plan: tuple) -> tuple:
     channel_axis, mvn = plan
-    return _mvn_into(x, mvn, w, b, stats, channel_axis)
+    return channel_axis, _mvn_route(x, mvn)
+
+
+def _group_route(x: Tensor, plan: tuple) -> tuple:
+    channel_axis, g, _, _, _, mvn, nshape = plan
+    return channel_axis, g, _mvn_route(x, mvn, nshape)
 
 
 def group_norm(x: Tensor, num_groups: int, w: Optional[Tensor], b: Optional[Tensor], eps: float, ca: int = 1,
                stats: bool = False, module: bool = False) -> Optional[Result]:
     """Group norm: the kernel splits the channel dim of x, of the result and of the (C,) parameters
-    into (G, C/G) itself (a torch view costs more than the call). The statistics: (N, G)."""
+    into (G, C/G) itself (a torch view costs more than the call). The statistics: (N, G), which
+    the kernel takes as they are for the split view's (N, G, 1, ...)."""
     key = ("group", x.shape, x.dtype, None if w is None else (w.shape, w.dtype),
            None if b is None else (b.shape, b.dtype), num_groups, num_groups.__class__, eps, eps.__class__, ca,
            ca.__class__, module)
@@ -159,13 +180,12 @@ def group_norm(x: Tensor, num_groups: int, w: Optional[Tensor], b: Optional[Tens
         if module and (x.dim() < 2 or x.shape[1] % num_groups != 0 or not takes(x, w, b) or any(
                 p is not None and tuple(p.shape) != (x.shape[1],) for p in (w, b))):
             return None
-        plan = _store(key, lambda: group_plan(_ops._as_numpy(x), num_groups, _ops._opt(w), _ops._opt(b), eps, ca,
-                                              None))
+        plan = _store(key, lambda: _group_route(x, group_plan(_ops._as_numpy(x), num_groups, _ops._opt(w), _ops._opt(b),
+                                                              eps, ca, None)))
     if not _readable(x, w, b):
         return None
-    channel_axis, g, _, _, _, mvn, nshape = plan
-    r = _mvn_into(x, mvn, w, b, stats, channel_axis, g)
-    return (r[0], r[1].view(nshape), r[2].view(nshape)) if stats else r
+    channel_axis, g, route = plan
+    return _mvn_into(x, route, w, b, stats, channel_axis, g)
 
 
 def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float,
