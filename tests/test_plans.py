@@ -428,3 +428,25 @@ def test_backward_statistics_follow_the_input_memory_order():
     plan = _core.mvn_backward(x, x, (2,), st, st, p, p, None, np.empty_like(x), *sums, 1e-5, True, True, False,
                               IDENTITY, True, False, -1, True, False)
     assert plan.startswith("two-pass groups=24 ") and " nest=sizes=(40,24) " in plan and " mul=(0,4) " in plan, plan
+
+
+def test_backward_two_passes_go_in_slabs_only_from_memory_and_apart():
+    # From memory, the two passes go slab by slab (each summed, then written from the L2): slabs of
+    # whole samples where the statistics are per sample (instance norm of channels-last data), any
+    # range without statistics terms (global statistics). Never in the caches, nor where every
+    # slab would reach every statistic (batch norm's batch statistics), nor samples past the L2.
+    def plan(shape, axes, per_sample, terms=True):
+        x = np.zeros(shape, np.float32)
+        stats = np.ones((shape[0] if per_sample else 1, 1, 1, shape[-1]), np.float32)
+        c = np.ones(shape[-1], np.float32)
+        sums = [np.zeros(shape[-1], np.float64) for _ in range(2)]
+        return _core.mvn_backward(x, x, axes, stats, stats, c, c, None, np.empty_like(x), *sums, 1e-5, True, True,
+                                  False, IDENTITY, terms, False, -1, True, False)
+
+    n = _core.stream_threshold_bytes() // (3 * 4 * 8 * 8 * 64) + 1
+    assert "slab=" in plan((n, 8, 8, 64), (1, 2), True)
+    assert "slab=" not in plan((2, 8, 8, 64), (1, 2), True)  # in the caches
+    assert "slab=" not in plan((n, 8, 8, 64), (0, 1, 2), False)  # batch statistics
+    assert "slab=" in plan((n, 8, 8, 64), (0, 1, 2), False, terms=False)  # global statistics
+    big = _core.stream_threshold_bytes() // (3 * 4 * 64) + 1  # one sample past the L2: no slab
+    assert "slab=" not in plan((2, big // 128, 64, 64), (1, 2), True)

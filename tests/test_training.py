@@ -1764,3 +1764,91 @@ def test_exported():
                  "instance_norm_backward", "group_norm_backward"):
         assert callable(getattr(simdnorm, name)), name
         assert name in simdnorm.__all__, name
+
+
+# From memory, the two passes go slab by slab (ops/backward.cpp, run_slabs): a slab of whole
+# samples (whole statistics elements) is summed, then written while it is in the L2; without
+# statistics terms (batch norm with global statistics), any range. A tail slab shorter than the
+# others, a slab boundary inside a run (global statistics over 100 channels), statistics taken from
+# the parameters' sums (instance norm) or lanes folded into groups (group norm of channels-last
+# data): every gradient against the reference, and 1 vs 2 threads bitwise.
+def backward_plans(fn):
+    """The plans (as text) of the backward kernel calls fn makes, which run as explain instead."""
+    import simdnorm._training as training
+
+    real, plans = training._core, []
+
+    class Explain:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def mvn_backward(self, *args):
+            args = list(args)
+            args[19] = True
+            plans.append(real.mvn_backward(*args))
+
+    training._core = Explain()
+    try:
+        fn()
+    finally:
+        training._core = real
+    return plans
+
+
+SLABS = ["group_norm_nhwc", "instance_norm_nhwc", "instance_norm_nhwc_flipped", "mvn12_nhwc", "bn_global_nhwc",
+         "bn_global_nchw"]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("op", SLABS)
+def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
+    from simdnorm import _core
+    from training_reference import bn_backward_ref, group_norm_backward_ref, instance_norm_backward_ref, mvn_backward_ref
+
+    rng_state = rng.bit_generator.state  # (run() draws batch norm's statistics: the same each call)
+    inner = (12, 10, 100) if op.startswith("bn_global") else (16, 8, 64)
+    n = _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * int(np.prod(inner))) + 3
+    x = rand_values(rng, (n, *inner), dtype, scale=2.0) + np.asarray(3.0, dtype)
+    dy = rand_values(rng, x.shape, dtype, scale=1.0)
+    c = inner[-1]
+    scale, bias = (rand_values(rng, (c,), dtype, scale=1.0) for _ in range(2))
+    if op == "bn_global_nchw":
+        x, dy = (np.ascontiguousarray(a.transpose(0, 3, 1, 2)) for a in (x, dy))
+    if op.endswith("_flipped"):  # samples in reverse memory order, rows reversed, a gap past each sample
+        op = op[:-len("_flipped")]
+        x, dy = (np.concatenate([a, a[:, :1]], axis=1)[::-1, -2::-1] for a in (x, dy))
+    ca = 1 if op == "bn_global_nchw" else -1
+
+    def run():
+        if op == "group_norm_nhwc":
+            _, m, s = simdnorm.group_norm(x, 16, scale, bias, channel_axis=-1, return_stats=True)
+            res = simdnorm.group_norm_backward(dy, x, 16, m, s, scale, bias, channel_axis=-1)
+            return res, lambda: group_norm_backward_ref(dy, x, 16, m, s, scale, bias, channel_axis=-1)
+        if op == "instance_norm_nhwc":
+            _, m, s = simdnorm.instance_norm(x, scale, bias, channel_axis=-1, return_stats=True)
+            res = simdnorm.instance_norm_backward(dy, x, m, s, scale, bias, channel_axis=-1)
+            return res, lambda: instance_norm_backward_ref(dy, x, m, s, scale, bias, channel_axis=-1)
+        if op == "mvn12_nhwc":  # no parameters: the statistics' own sums
+            _, m, s = simdnorm.mean_variance_normalization(x, (1, 2), return_stats=True)
+            res = simdnorm.mean_variance_normalization_backward(dy, x, (1, 2), m, s)
+            return res, lambda: mvn_backward_ref(dy, x, (1, 2), m, s)
+        rng.bit_generator.state = rng_state
+        mean = rand_values(rng, (c,), dtype, scale=1.0)
+        var = (np.abs(rand_values(rng, (c,), dtype, scale=1.0)) + np.asarray(0.5, dtype)).astype(dtype)
+        res = simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, channel_axis=ca, training=False)
+        return res, lambda: bn_backward_ref(dy, x, mean, var, scale, bias, channel_axis=ca, training=False)
+
+    threads(1)
+    one, reference = run()
+    plans = backward_plans(run)
+    assert len(plans) == 1 and "slab=" in plans[0], plans
+    threads(2)
+    two = run()[0]
+    for a, b in zip(one, two):
+        if a is not None:
+            np.testing.assert_array_equal(bits(a), bits(b))
+    ref = reference()
+    check_grad(one[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=op)
+    if op != "mvn12_nhwc":
+        check_grad(one[1], ref.grad_scale, ref.e_scale, name="grad_scale", context=op)
+        check_grad(one[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=op)

@@ -51,6 +51,9 @@ constexpr int64_t kMinChunkElements = int64_t(1) << 16;
 constexpr int64_t kMinGroupsPerBlock = 16, kMinGroupBlocks = 8;
 // Runs of a group at most this long, scattered (scattered_short_runs), take the two passes.
 constexpr int64_t kScatteredRunBytes = 1024, kScatteredRunBytesFromMemory = 4096;
+// The two passes' slabs (BackwardRunner::slab_elements): x and dy of a slab of about kSlabBytes
+// (half a 1 MB L2), whole statistics elements up to kMaxSlabBytes (the L2).
+constexpr int64_t kSlabBytes = int64_t(512) << 10, kMaxSlabBytes = int64_t(1) << 20;
 // Runs (groups) a compute-type slot sums before it is added into its double.
 constexpr int64_t kFlushRuns = 32;
 // Group norm's channels-last runs of a group's channels up to this many bytes have their statistics
@@ -120,6 +123,9 @@ class BackwardRunner {
                  " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : two_pass) +
                  (param_of_stat_.empty() ? std::string() : " params-per-statistic") +
                  (task_.stream_stores ? " streaming-stores" : "");
+      const bool derive = want_group_ && shared_layout();
+      const int64_t slab = grouped ? total : slab_elements(two_pass, total, want_group_ && !derive, want_params_ || derive);
+      if (slab < total) *explain += " slab=" + std::to_string(slab);
       return;
     }
     task_.grouped = grouped;
@@ -441,12 +447,12 @@ class BackwardRunner {
   }
 
   // Each group's sums (group[i] and group[ns + i], lanes [g K, g K + K) after spread_over_short_runs)
-  // added in lane order, from 0, and given to all its lanes.
-  void fold_lanes(std::vector<double>& group, int64_t ns) const {
+  // added in lane order, from 0, and given to all its lanes: the groups of statistics elements r.
+  void fold_lanes(std::vector<double>& group, int64_t ns, Slots r) const {
     const int64_t k = lane_fold_;
     for (int64_t half = 0; half < 2; ++half) {
       double* s = group.data() + half * ns;
-      for (int64_t g = 0; g < ns; g += k) {
+      for (int64_t g = r.lo - r.lo % k; g < r.hi; g += k) {
         double t = 0.0;
         for (int64_t j = 0; j < k; ++j) t += s[g + j];
         std::fill_n(s + g, k, t);
@@ -487,28 +493,105 @@ class BackwardRunner {
     return true;
   }
 
-  // The partials' parameter sums (2 np of them), added in the partials' order (as merged_group's,
+  // The partials' parameter sums (2 np of them), added in the partials' order (as merge_group's,
   // the elements a partial does not hold have nothing to add).
-  std::vector<double> merged_params(const std::vector<Partial>& partials) const {
+  void merge_params(const Partial* p, size_t n, std::vector<double>& m) const {
     const int64_t np = params_->count();
-    std::vector<double> m(static_cast<size_t>(2 * np), 0.0);
-    for (const Partial& p : partials)
+    for (size_t j = 0; j < n; ++j)
       for (int64_t k = 0; k < 2; ++k)
-        for (int64_t i = 0; i < p.param_count; ++i)
-          m[static_cast<size_t>(k * np + p.param_lo + i)] +=
-              p.sums[static_cast<size_t>(2 * p.group_count + k * p.param_count + i)];
+        for (int64_t i = 0; i < p[j].param_count; ++i)
+          m[static_cast<size_t>(k * np + p[j].param_lo + i)] +=
+              p[j].sums[static_cast<size_t>(2 * p[j].group_count + k * p[j].param_count + i)];
+  }
+  std::vector<double> merged_params(const std::vector<Partial>& partials) const {
+    std::vector<double> m(static_cast<size_t>(2 * params_->count()), 0.0);
+    merge_params(partials.data(), partials.size(), m);
     return m;
   }
-  // The partials' group sums, each its statistics elements', added in the partials' order (the
-  // elements a partial does not hold have nothing to add: their sums are +0, never -0).
-  std::vector<double> merged_group(const std::vector<Partial>& partials) const {
+  // The partials' group sums (n of them, from p) into m's statistics elements of r, each its
+  // statistics elements', added in the partials' order (the elements a partial does not hold
+  // have nothing to add: their sums are +0, never -0).
+  void merge_group(const Partial* p, size_t n, std::vector<double>& m, Slots r) const {
     const int64_t ns = stats_->count();
-    std::vector<double> m(static_cast<size_t>(2 * ns), 0.0);
-    for (const Partial& p : partials)
+    for (size_t j = 0; j < n; ++j)
       for (int64_t k = 0; k < 2; ++k)
-        for (int64_t i = 0; i < p.group_count; ++i)
-          m[static_cast<size_t>(k * ns + p.group_lo + i)] += p.sums[static_cast<size_t>(k * p.group_count + i)];
-    return m;
+        for (int64_t i = std::max(r.lo, p[j].group_lo); i < std::min(r.hi, p[j].group_lo + p[j].group_count); ++i)
+          m[static_cast<size_t>(k * ns + i)] += p[j].sums[static_cast<size_t>(k * p[j].group_count + i - p[j].group_lo)];
+  }
+
+  // Elements a slab of the two passes holds (total: none). From memory, the second pass would
+  // read x and dy from memory again; a slab is summed, then written while they are in the L2.
+  // Where the write needs coefficients (want_group_), a slab holds whole statistics elements: it
+  // is a run of indices of the nest's outer dims along which the statistics vary (group and
+  // instance norm of channels-last data: whole samples); else any range. Its x and dy of about
+  // kSlabBytes, all the slabs' partial sums within kMaxPartialBytes.
+  int64_t slab_elements(const LoopNest& nest, int64_t total, bool group_sums, bool param_sums) const {
+    if (!task_.from_memory || !a_.grad_input || !(group_sums || param_sums)) return total;
+    const int64_t per_element = itemsize(a_.input.dtype) + itemsize(a_.grad_output.dtype);
+    const int64_t most = std::max<int64_t>(1, kSlabBytes / per_element);
+    int64_t unit = want_group_ ? total : 1;  // elements of one index of the outer dims the statistics vary along
+    for (int d = 0; want_group_ && d < nest.ndim && nest.strides[kStats][d] != 0; ++d) unit /= nest.sizes[d];
+    if (unit >= total || unit * per_element > kMaxSlabBytes) return total;
+    const int64_t slab = unit * std::max<int64_t>(1, most / unit);
+    int64_t bytes = 0;
+    for (int64_t b = 0, prev_hi = 0; b < total; b += slab) {
+      const int64_t e = std::min(total, b + slab);
+      const Slots r = want_group_ ? reached(kStats, nest, b, e) : Slots{};
+      const Slots q = param_sums ? reached(kParams, nest, b, e) : Slots{};
+      // (statistics shared between slabs, or a group's lanes split: not this layout)
+      if (r.lo < prev_hi || r.lo % lane_fold_ != 0 || r.hi % lane_fold_ != 0) return total;
+      prev_hi = r.hi;
+      bytes += ((group_sums ? 2 * (r.hi - r.lo) : 0) + 2 * (q.hi - q.lo)) * (8 + csize_);
+      if (bytes > kMaxPartialBytes) return total;
+    }
+    return slab;
+  }
+
+  // The two passes slab by slab, each slab by one thread: its sums, its statistics' coefficients,
+  // its grad_input. The parameters' sums are each slab's, added in the slabs' order. derive: the
+  // group sums are the scale times the parameters' (shared_layout), which the slab holds whole.
+  void run_slabs(const LoopNest& nest, int64_t total, int64_t slab, bool group_sums, bool param_sums, bool derive,
+                 int64_t flush_every) {
+    const KernelTable& k = kernels();
+    const int64_t ns = stats_->count(), slabs = (total + slab - 1) / slab;
+    std::vector<double> group(want_group_ ? static_cast<size_t>(2 * ns) : 0, 0.0);
+    std::vector<Partial> partials;
+    for (int64_t b = 0; b < total; b += slab) {
+      const int64_t e = std::min(total, b + slab);
+      partials.push_back(partial(group_sums, param_sums, group_sums ? reached(kStats, nest, b, e) : Slots{},
+                                 param_sums ? reached(kParams, nest, b, e) : Slots{}));
+    }
+    for_parts(slabs, total, [&](int i) {
+      const int64_t s0 = i * slab, s1 = std::min(total, s0 + slab);
+      Partial& mine = partials[static_cast<size_t>(i)];
+      const BackwardSums s = sums_of(mine, group_sums, param_sums);
+      for (int64_t b = s0; b < s1; b += flush_every) {
+        const int64_t e = std::min(s1, b + flush_every);
+        k.backward_sums(task_, nest, b, e, s);
+        flush_reached(mine, group_sums, param_sums, nest, b, e);
+      }
+      if (want_group_) {
+        const Slots r = reached(kStats, nest, s0, s1);
+        if (derive) {
+          SIMDNORM_CHECK(mine.param_lo <= r.lo && r.hi <= mine.param_lo + mine.param_count);
+          const size_t pc = static_cast<size_t>(mine.param_count);
+          for (int64_t j = r.lo; j < r.hi; ++j) {
+            const double scale = load_scalar(compute_, params_->data(0) + j * csize_);
+            const size_t at = static_cast<size_t>(j - mine.param_lo);
+            group[static_cast<size_t>(j)] = scale * (0.0 + mine.sums[pc + at]);  // (as merged from 0)
+            group[static_cast<size_t>(ns + j)] = scale * (0.0 + mine.sums[at]);
+          }
+        } else {
+          merge_group(&mine, 1, group, r);
+        }
+        if (lane_fold_ > 1) fold_lanes(group, ns, r);
+        k.backward_coefficients(task_, stats_->data(0) + r.lo * csize_, group.data() + r.lo, group.data() + ns + r.lo,
+                                r.hi - r.lo);
+      }
+      k.backward_apply(task_, nest, s0, s1);
+      if (task_.stream_stores) fence_streaming_stores();
+    });
+    write_param_sums(param_sums ? merged_params(partials) : std::vector<double>());
   }
 
   void run_two_pass(const LoopNest& nest, int64_t total) {
@@ -516,16 +599,18 @@ class BackwardRunner {
     const int64_t ns = stats_->count(), np = params_->count();
     const bool derive = want_group_ && shared_layout();
     const bool group_sums = want_group_ && !derive, param_sums = want_params_ || derive;
+    // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest; where
+    // no target varies along the runs, the slots stay empty and are flushed once.
+    const int in = nest.ndim - 1;
+    const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
+    const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
+    const int64_t slab = slab_elements(nest, total, group_sums, param_sums);
+    if (slab < total) return run_slabs(nest, total, slab, group_sums, param_sums, derive, flush_every);
     if (group_sums || param_sums) {
       const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
       // (A chunk holds only the slots it reaches; the bound is for the chunks that reach them all.)
       const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
       const int64_t per = (total + chunks - 1) / chunks;
-      // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest; where
-      // no target varies along the runs, the slots stay empty and are flushed once.
-      const int in = nest.ndim - 1;
-      const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
-      const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
       std::vector<Partial> partials;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t b = c * per, e = std::min(total, (c + 1) * per);
@@ -544,15 +629,17 @@ class BackwardRunner {
       });
       const std::vector<double> params = param_sums ? merged_params(partials) : std::vector<double>();
       if (want_group_) {
-        std::vector<double> group = derive ? std::vector<double>(static_cast<size_t>(2 * ns)) : merged_group(partials);
+        std::vector<double> group(static_cast<size_t>(2 * ns), 0.0);
         if (derive) {
           for (int64_t i = 0; i < ns; ++i) {
             const double scale = load_scalar(compute_, params_->data(0) + i * csize_);
             group[static_cast<size_t>(i)] = scale * params[static_cast<size_t>(np + i)];
             group[static_cast<size_t>(ns + i)] = scale * params[static_cast<size_t>(i)];
           }
+        } else {
+          merge_group(partials.data(), partials.size(), group, {0, ns});
         }
-        if (lane_fold_ > 1) fold_lanes(group, ns);
+        if (lane_fold_ > 1) fold_lanes(group, ns, {0, ns});
         k.backward_coefficients(task_, stats_->data(0), group.data(), group.data() + ns, ns);
       }
       write_param_sums(params);
