@@ -1812,6 +1812,7 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
     dy = rand_values(rng, x.shape, dtype, scale=1.0)
     c = inner[-1]
     scale, bias = (rand_values(rng, (c,), dtype, scale=1.0) for _ in range(2))
+    fused = rand_values(rng, x.shape, dtype, scale=1.0)
     if op == "bn_global_nchw":
         x, dy = (np.ascontiguousarray(a.transpose(0, 3, 1, 2)) for a in (x, dy))
     if op.endswith("_flipped"):  # samples in reverse memory order, rows reversed, a gap past each sample
@@ -1835,19 +1836,25 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
         rng.bit_generator.state = rng_state
         mean = rand_values(rng, (c,), dtype, scale=1.0)
         var = (np.abs(rand_values(rng, (c,), dtype, scale=1.0)) + np.asarray(0.5, dtype)).astype(dtype)
-        res = simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, channel_axis=ca, training=False)
-        return res, lambda: bn_backward_ref(dy, x, mean, var, scale, bias, channel_axis=ca, training=False)
+        # (NHWC: with a fused add and an activation, whose derivative is taken where the add is)
+        kw = {} if ca == 1 else {"fused_add": fused, "activation": "silu"}
+        res = simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, channel_axis=ca, training=False,
+                                                    **kw)
+        return res, lambda: bn_backward_ref(dy, x, mean, var, scale, bias, channel_axis=ca, training=False, **kw)
 
     threads(1)
     one, reference = run()
     plans = backward_plans(run)
-    assert len(plans) == 1 and "slab=" in plans[0], plans
+    assert "slab=" in plans[0], plans  # (a fused add's ga, a call of its own, has no sums: one pass)
     threads(2)
     two = run()[0]
+    assert len(one) == len(two)
     for a, b in zip(one, two):
         if a is not None:
             np.testing.assert_array_equal(bits(a), bits(b))
     ref = reference()
+    if len(one) == 4:  # the fused add's gradient: ga
+        check_grad(one[3], ref.grad_fused_add, ref.e_fused_add, dtype=dtype, name="grad_fused_add", context=op)
     check_grad(one[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=op)
     if op != "mvn12_nhwc":
         check_grad(one[1], ref.grad_scale, ref.e_scale, name="grad_scale", context=op)
