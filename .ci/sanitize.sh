@@ -12,6 +12,9 @@
 #                                       benchmark harness (space-separated; slow tests never run)
 #              SIMDNORM_SANITIZE_JOBS   test files run at once (default: the number of cores)
 #              SIMDNORM_SANITIZE_KEEP=1 keep the work directory (venv, reports) for inspection
+#              SIMDNORM_SANITIZE_PHASE  "build": only build into SIMDNORM_SANITIZE_WORK; "test": only
+#                                       the tests, on what that build left there (.ci/run builds
+#                                       while the plain suite runs on one core); default both
 set -euo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
@@ -27,34 +30,48 @@ for lib in "$asan_lib" "$ubsan_lib"; do
   fi
 done
 
-work="$(mktemp -d)"
-cleanup() { if [[ "${SIMDNORM_SANITIZE_KEEP:-0}" != 1 ]]; then rm -rf "$work"; else echo "kept $work"; fi; }
-trap cleanup EXIT
-venv="$work/venv"
-python3 -m venv "$venv"
-py="$venv/bin/python"
-"$py" -m pip install --quiet --upgrade pip
-
-# Only the ISA units this CPU runs (the dispatcher's conditions, from /proc/cpuinfo's flags): the
-# suite could run no other unit's kernels here, and instrumented they are most of the build's time.
-# Without /proc/cpuinfo, every unit.
-isas=""
-if [[ -r /proc/cpuinfo ]]; then
-  flags=" $(grep -m1 -E '^(flags|Features)' /proc/cpuinfo | cut -d: -f2) "
-  has() { local f; for f in "$@"; do [[ "$flags" == *" $f "* ]] || return 1; done; }
-  isas="baseline"
-  if has avx2 fma f16c; then isas+=";avx2"; fi
-  if has avx512f avx512bw avx512dq avx512vl; then isas+=";avx512"; fi
-  if has avx512f avx512bw avx512dq avx512vl avx512_bf16; then isas+=";avx512bf16"; fi
+phase="${SIMDNORM_SANITIZE_PHASE:-all}"
+if [[ "$phase" != all ]]; then
+  work="${SIMDNORM_SANITIZE_WORK:?SIMDNORM_SANITIZE_PHASE needs SIMDNORM_SANITIZE_WORK}"
+  mkdir -p "$work"
+else
+  work="$(mktemp -d)"
 fi
-stamp "building the sanitized package (build dir build/sanitize; ISA units: ${isas:-all})"
-export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-# RelWithDebInfo and no install strip: pybind11 strips Release modules, and reports need symbols
-# (the SIMDNORM_SANITIZE flags come after the build type's and set -O1 -g1)
-"$py" -m pip install --quiet ".[test]" \
-  -Ccmake.define.SIMDNORM_SANITIZE=ON -Cbuild-dir=build/sanitize -Ccmake.build-type=RelWithDebInfo \
-  -Cinstall.strip=false -Ccmake.define.SIMDNORM_ONLY_ISAS="$isas"
-stamp "built"
+cleanup() { if [[ "${SIMDNORM_SANITIZE_KEEP:-0}" != 1 ]]; then rm -rf "$work"; else echo "kept $work"; fi; }
+if [[ "$phase" != build ]]; then trap cleanup EXIT; fi
+venv="$work/venv"
+py="$venv/bin/python"
+build_sanitized() {  # the sanitized package, into its own venv in $work
+  python3 -m venv "$venv"
+  "$py" -m pip install --quiet --upgrade pip
+
+  # Only the ISA units this CPU runs (the dispatcher's conditions, from /proc/cpuinfo's flags): the
+  # suite could run no other unit's kernels here, and instrumented they are most of the build's time.
+  # Without /proc/cpuinfo, every unit.
+  isas=""
+  if [[ -r /proc/cpuinfo ]]; then
+    flags=" $(grep -m1 -E '^(flags|Features)' /proc/cpuinfo | cut -d: -f2) "
+    has() { local f; for f in "$@"; do [[ "$flags" == *" $f "* ]] || return 1; done; }
+    isas="baseline"
+    if has avx2 fma f16c; then isas+=";avx2"; fi
+    if has avx512f avx512bw avx512dq avx512vl; then isas+=";avx512"; fi
+    if has avx512f avx512bw avx512dq avx512vl avx512_bf16; then isas+=";avx512bf16"; fi
+  fi
+  stamp "building the sanitized package (build dir build/sanitize; ISA units: ${isas:-all})"
+  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+  # RelWithDebInfo and no install strip: pybind11 strips Release modules, and reports need symbols
+  # (the SIMDNORM_SANITIZE flags come after the build type's and set -O1 -g1)
+  "$py" -m pip install --quiet ".[test]" \
+    -Ccmake.define.SIMDNORM_SANITIZE=ON -Cbuild-dir=build/sanitize -Ccmake.build-type=RelWithDebInfo \
+    -Cinstall.strip=false -Ccmake.define.SIMDNORM_ONLY_ISAS="$isas"
+  stamp "built"
+}
+if [[ "$phase" != test ]]; then build_sanitized; fi
+if [[ "$phase" == build ]]; then exit 0; fi
+if [[ ! -x "$py" ]]; then
+  echo "sanitize: no sanitized build in $work (SIMDNORM_SANITIZE_PHASE=build first)" >&2
+  exit 2
+fi
 
 reports="$work/reports"
 mkdir -p "$reports" "$work/canary"
