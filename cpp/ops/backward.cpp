@@ -123,8 +123,7 @@ class BackwardRunner {
                  " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : two_pass) +
                  (param_of_stat_.empty() ? std::string() : " params-per-statistic") +
                  (task_.stream_stores ? " streaming-stores" : "");
-      const bool derive = want_group_ && shared_layout();
-      const int64_t slab = grouped ? total : slab_elements(two_pass, total, want_group_ && !derive, want_params_ || derive);
+      const int64_t slab = grouped ? total : slab_elements(two_pass, total, sum_targets());
       if (slab < total) *explain += " slab=" + std::to_string(slab);
       return;
     }
@@ -519,14 +518,40 @@ class BackwardRunner {
           m[static_cast<size_t>(k * ns + i)] += p[j].sums[static_cast<size_t>(k * p[j].group_count + i - p[j].group_lo)];
   }
 
+  // What the two passes sum: derive, the statistics' sums are the scale times the parameters'
+  // (shared_layout: only those are summed); group, the statistics' own; params, the parameters'.
+  struct SumTargets {
+    bool derive, group, params;
+  };
+  SumTargets sum_targets() const {
+    const bool derive = want_group_ && shared_layout();
+    return {derive, want_group_ && !derive, want_params_ || derive};
+  }
+
+  // The partial sums of elements [b, e) of the nest: the slots they reach.
+  Partial partial_for(const SumTargets& t, const LoopNest& nest, int64_t b, int64_t e) const {
+    return partial(t.group, t.params, t.group ? reached(kStats, nest, b, e) : Slots{},
+                   t.params ? reached(kParams, nest, b, e) : Slots{});
+  }
+  // Partial p's sums of elements [begin, end) of the nest, flushed every flush_every elements.
+  void sum_range(Partial& p, const SumTargets& t, const LoopNest& nest, int64_t begin, int64_t end,
+                 int64_t flush_every) const {
+    const BackwardSums s = sums_of(p, t.group, t.params);
+    for (int64_t b = begin; b < end; b += flush_every) {
+      const int64_t e = std::min(end, b + flush_every);
+      kernels().backward_sums(task_, nest, b, e, s);
+      flush_reached(p, t.group, t.params, nest, b, e);
+    }
+  }
+
   // Elements a slab of the two passes holds (total: none). From memory, the second pass would
   // read x and dy from memory again; a slab is summed, then written while they are in the L2.
   // Where the write needs coefficients (want_group_), a slab holds whole statistics elements: it
   // is a run of indices of the nest's outer dims along which the statistics vary (group and
   // instance norm of channels-last data: whole samples); else any range. Its x and dy of about
   // kSlabBytes, all the slabs' partial sums within kMaxPartialBytes.
-  int64_t slab_elements(const LoopNest& nest, int64_t total, bool group_sums, bool param_sums) const {
-    if (!task_.from_memory || !a_.grad_input || !(group_sums || param_sums)) return total;
+  int64_t slab_elements(const LoopNest& nest, int64_t total, const SumTargets& t) const {
+    if (!task_.from_memory || !a_.grad_input || !(t.group || t.params)) return total;
     const int64_t per_element = itemsize(a_.input.dtype) + itemsize(a_.grad_output.dtype);
     const int64_t most = std::max<int64_t>(1, kSlabBytes / per_element);
     int64_t unit = want_group_ ? total : 1;  // elements of one index of the outer dims the statistics vary along
@@ -537,11 +562,11 @@ class BackwardRunner {
     for (int64_t b = 0, prev_hi = 0; b < total; b += slab) {
       const int64_t e = std::min(total, b + slab);
       const Slots r = want_group_ ? reached(kStats, nest, b, e) : Slots{};
-      const Slots q = param_sums ? reached(kParams, nest, b, e) : Slots{};
+      const Slots q = t.params ? reached(kParams, nest, b, e) : Slots{};
       // (statistics shared between slabs, or a group's lanes split: not this layout)
       if (r.lo < prev_hi || r.lo % lane_fold_ != 0 || r.hi % lane_fold_ != 0) return total;
       prev_hi = r.hi;
-      bytes += ((group_sums ? 2 * (r.hi - r.lo) : 0) + 2 * (q.hi - q.lo)) * (8 + csize_);
+      bytes += ((t.group ? 2 * (r.hi - r.lo) : 0) + 2 * (q.hi - q.lo)) * (8 + csize_);
       if (bytes > kMaxPartialBytes) return total;
     }
     return slab;
@@ -550,29 +575,19 @@ class BackwardRunner {
   // The two passes slab by slab, each slab by one thread: its sums, its statistics' coefficients,
   // its grad_input. The parameters' sums are each slab's, added in the slabs' order. derive: the
   // group sums are the scale times the parameters' (shared_layout), which the slab holds whole.
-  void run_slabs(const LoopNest& nest, int64_t total, int64_t slab, bool group_sums, bool param_sums, bool derive,
-                 int64_t flush_every) {
+  void run_slabs(const LoopNest& nest, int64_t total, int64_t slab, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count(), slabs = (total + slab - 1) / slab;
     std::vector<double> group(want_group_ ? static_cast<size_t>(2 * ns) : 0, 0.0);
     std::vector<Partial> partials;
-    for (int64_t b = 0; b < total; b += slab) {
-      const int64_t e = std::min(total, b + slab);
-      partials.push_back(partial(group_sums, param_sums, group_sums ? reached(kStats, nest, b, e) : Slots{},
-                                 param_sums ? reached(kParams, nest, b, e) : Slots{}));
-    }
+    for (int64_t b = 0; b < total; b += slab) partials.push_back(partial_for(t, nest, b, std::min(total, b + slab)));
     for_parts(slabs, total, [&](int i) {
       const int64_t s0 = i * slab, s1 = std::min(total, s0 + slab);
       Partial& mine = partials[static_cast<size_t>(i)];
-      const BackwardSums s = sums_of(mine, group_sums, param_sums);
-      for (int64_t b = s0; b < s1; b += flush_every) {
-        const int64_t e = std::min(s1, b + flush_every);
-        k.backward_sums(task_, nest, b, e, s);
-        flush_reached(mine, group_sums, param_sums, nest, b, e);
-      }
+      sum_range(mine, t, nest, s0, s1, flush_every);
       if (want_group_) {
         const Slots r = reached(kStats, nest, s0, s1);
-        if (derive) {
+        if (t.derive) {
           SIMDNORM_CHECK(mine.param_lo <= r.lo && r.hi <= mine.param_lo + mine.param_count);
           const size_t pc = static_cast<size_t>(mine.param_count);
           for (int64_t j = r.lo; j < r.hi; ++j) {
@@ -591,41 +606,31 @@ class BackwardRunner {
       k.backward_apply(task_, nest, s0, s1);
       if (task_.stream_stores) fence_streaming_stores();
     });
-    write_param_sums(param_sums ? merged_params(partials) : std::vector<double>());
+    write_param_sums(t.params ? merged_params(partials) : std::vector<double>());
   }
 
   void run_two_pass(const LoopNest& nest, int64_t total) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count(), np = params_->count();
-    const bool derive = want_group_ && shared_layout();
-    const bool group_sums = want_group_ && !derive, param_sums = want_params_ || derive;
+    const SumTargets t = sum_targets();
+    const bool derive = t.derive, group_sums = t.group, param_sums = t.params;
     // Each chunk's varying sums flushed into its doubles every kFlushRuns runs of the nest; where
     // no target varies along the runs, the slots stay empty and are flushed once.
     const int in = nest.ndim - 1;
     const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
     const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
-    const int64_t slab = slab_elements(nest, total, group_sums, param_sums);
-    if (slab < total) return run_slabs(nest, total, slab, group_sums, param_sums, derive, flush_every);
+    const int64_t slab = slab_elements(nest, total, t);
+    if (slab < total) return run_slabs(nest, total, slab, t, flush_every);
     if (group_sums || param_sums) {
       const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
       // (A chunk holds only the slots it reaches; the bound is for the chunks that reach them all.)
       const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
       const int64_t per = (total + chunks - 1) / chunks;
       std::vector<Partial> partials;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t b = c * per, e = std::min(total, (c + 1) * per);
-        partials.push_back(partial(group_sums, param_sums, group_sums ? reached(kStats, nest, b, e) : Slots{},
-                                   param_sums ? reached(kParams, nest, b, e) : Slots{}));
-      }
+      for (int64_t c = 0; c < chunks; ++c)
+        partials.push_back(partial_for(t, nest, c * per, std::min(total, (c + 1) * per)));
       for_parts(chunks, total, [&](int c) {
-        Partial& mine = partials[static_cast<size_t>(c)];
-        const BackwardSums s = sums_of(mine, group_sums, param_sums);
-        const int64_t end = std::min(total, (c + 1) * per);
-        for (int64_t b = c * per; b < end; b += flush_every) {
-          const int64_t e = std::min(end, b + flush_every);
-          k.backward_sums(task_, nest, b, e, s);
-          flush_reached(mine, group_sums, param_sums, nest, b, e);
-        }
+        sum_range(partials[static_cast<size_t>(c)], t, nest, c * per, std::min(total, (c + 1) * per), flush_every);
       });
       const std::vector<double> params = param_sums ? merged_params(partials) : std::vector<double>();
       if (want_group_) {
