@@ -163,8 +163,12 @@ def _training_reference(data: CaseData) -> Expected:
     pshape = (-1,) if forward_op(case.op) in ("layer_norm", "rms_norm") else (1, -1) + (1,) * (nd - 2)
     xv, axes = _grouped(case, x)
     center = forward_op(case.op) != "rms_norm"
-    m = xv.mean(axis=axes, keepdims=True) if center else 0.0
-    var = ((xv - m) ** 2).mean(axis=axes, keepdims=True)  # the mean square for RMS norm
+    given = case.op == "batch_norm_eval_backward"  # the statistics are the given ones, constants
+    if given:
+        m, var = p["mean"].reshape(pshape), p["var"].reshape(pshape)
+    else:
+        m = xv.mean(axis=axes, keepdims=True) if center else 0.0
+        var = ((xv - m) ** 2).mean(axis=axes, keepdims=True)  # the mean square for RMS norm
     inv = 1.0 / np.sqrt(var + eps)
     y = ((xv - m) * inv).reshape(x.shape)  # the normalized value
     scale = p["scale"].reshape(pshape) if "scale" in p else 1.0
@@ -182,12 +186,16 @@ def _training_reference(data: CaseData) -> Expected:
             # ONNX BatchNormalization-15 (momentum 1 - m): the population variance
             "running_var_onnx": keep * RUNNING_VAR_INIT + MOMENTUM * v,
         }, "out")
-    # backward: grad_input = inv_std * (g - M(g) - y * M(g * y)), g = grad_output * scale (SPEC §9)
+    # backward: grad_input = inv_std * (g - M(g) - y * M(g * y)), g = grad_output * scale (SPEC §9);
+    # with given statistics (training=False) grad_input = g * inv_std
     dy = data.dy.astype(np.float64)
     g = dy * scale
-    gv, yv = _grouped(case, g)[0], _grouped(case, y)[0]
-    gi = gv - (gv.mean(axis=axes, keepdims=True) if center else 0.0)
-    gi = (gi - yv * (gv * yv).mean(axis=axes, keepdims=True)) * inv
+    if given:
+        gi = g * inv
+    else:
+        gv, yv = _grouped(case, g)[0], _grouped(case, y)[0]
+        gi = gv - (gv.mean(axis=axes, keepdims=True) if center else 0.0)
+        gi = (gi - yv * (gv * yv).mean(axis=axes, keepdims=True)) * inv
     values = {"grad_input": gi.reshape(x.shape)}
     norms = {}
     paxes = _param_axes(case, nd)

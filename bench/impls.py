@@ -398,6 +398,9 @@ class SimdnormImpl(Impl):
             _, mean, var = sn.batch_normalization_training(x, scale, bias, epsilon=eps)
             fn = partial(sn.batch_normalization_backward, dy, x, mean, var, scale, bias, epsilon=eps,
                          training=True, out=out)
+        elif op == "batch_norm_eval_backward":  # the given statistics, as an eval-mode model's
+            fn = partial(sn.batch_normalization_backward, dy, x, p["mean"], p["var"], scale, bias, epsilon=eps,
+                         training=False, out=out)
         elif op == "layer_norm_backward":
             _, mean, inv = sn.layer_norm(x, scale, bias, epsilon=eps, return_stats=True)
             fn = partial(sn.layer_norm_backward, dy, x, mean, inv, scale, bias, epsilon=eps, out=out)

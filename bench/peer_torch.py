@@ -48,7 +48,8 @@ class TorchImpl(LazyPeerImpl):
     footnote = ("torch: torch.nn.functional on zero-copy views; allocates its output (no out= in F.*); "
                 "bn-train: F.batch_norm(training=True) with running statistics; *-bwd: "
                 "torch.autograd.grad(y, (x, weight, bias), grad_output, retain_graph=True) of the "
-                "F.* forward graph built before the timing; its outputs are fresh each call, and "
+                "F.* forward graph built before the timing (bn-bwd-eval: F.batch_norm(training=False) "
+                "with the given statistics); its outputs are fresh each call, and "
                 "whether their pages fault depends on the C heap's state, so its samples can be "
                 "bimodal (bn-bwd NHWC here: 5.7 ms, or ~23 ms with 6272 page faults): see min..max")
     requires = "torch"
@@ -124,12 +125,16 @@ class TorchImpl(LazyPeerImpl):
             return fn, run_training, note
         if case.is_backward:
             xg = xt.detach().requires_grad_()  # a leaf sharing x's memory
-            wrt = [xg] + [p[k].clone().requires_grad_() for k in case.params]
-            pg = dict(zip(case.params, wrt[1:]))
+            wrt = [xg] + [p[k].clone().requires_grad_() for k in case.grad_params]
+            pg = dict(zip(case.grad_params, wrt[1:]))
             if case.op == "batch_norm_backward":  # training mode: the batch's statistics
                 if case.layout == "nhwc":
                     assert xg.is_contiguous(memory_format=torch.channels_last)
                 fwd = functools.partial(F.batch_norm, xg, None, None, pg["scale"], pg["bias"], True,
+                                        0.0, case.epsilon)
+                note = "channels_last" if case.layout == "nhwc" else ""
+            elif case.op == "batch_norm_eval_backward":  # eval mode: the given statistics
+                fwd = functools.partial(F.batch_norm, xg, p["mean"], p["var"], pg["scale"], pg["bias"], False,
                                         0.0, case.epsilon)
                 note = "channels_last" if case.layout == "nhwc" else ""
             else:
@@ -139,7 +144,7 @@ class TorchImpl(LazyPeerImpl):
                 y = fwd()  # the graph: built once, outside the timing
             dyt = to_torch(torch, data.dy)
             fn = functools.partial(torch.autograd.grad, y, wrt, dyt, retain_graph=True)
-            names = ("grad_input",) + tuple(f"grad_{k}" for k in case.params)
+            names = ("grad_input",) + tuple(f"grad_{k}" for k in case.grad_params)
 
             def run_backward():
                 return {k: to_numpy(torch, g, x) for k, g in zip(names, fn())}

@@ -58,8 +58,9 @@ FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
 # layer norm (float32 and bfloat16), RMS norm, group norm (32 groups), instance norm and MVN over
 # (0, 2, 3), all float32 unless said, and group norm's of channels-last data (diffusion models'
 # UNets train so); then batch norm and group norm on 7x7 planes, and batch norm training on
-# 14x14 planes (ResNet-50's third stage: runs of 196 elements, eight to a channel). Tagged
-# "training" (the backward ones also "backward").
+# 14x14 planes (ResNet-50's third stage: runs of 196 elements, eight to a channel); last, batch
+# norm's backward with given statistics (training=False: a frozen batch norm while fine-tuning),
+# NCHW and channels-last. Tagged "training" (the backward ones also "backward").
 TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nchw", "float32"),
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
@@ -76,6 +77,8 @@ TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_backward", RESNET50_BN_SHAPES[-1], "nchw", "float32"),
     ("group_norm_backward", SPATIAL_NORM_SHAPES[1], "nchw", "float32"),
     ("batch_norm_training", RESNET50_BN_SHAPES[5], "nchw", "float32"),
+    ("batch_norm_eval_backward", RESNET50_BN_SHAPES[1], "nchw", "float32"),
+    ("batch_norm_eval_backward", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
 )
 # PyTorch's running-statistics momentum (ONNX's is 1 - this: 0.9) and torch.nn's initial running
 # statistics, for the forward-training case.
@@ -108,6 +111,8 @@ OP_DESCRIPTIONS = {
                            "statistics (PyTorch's momentum 0.1 and unbiased variance)",
     "batch_norm_backward": "grad_input, grad_scale, grad_bias of training-mode batch norm given "
                            "grad_output and the forward's mean and variance",
+    "batch_norm_eval_backward": "grad_input, grad_scale, grad_bias of batch norm with given statistics "
+                                "(training=False: frozen running statistics) given grad_output",
     "instance_norm_backward": "grad_input, grad_scale, grad_bias of instance norm given grad_output "
                               "and the forward's mean and inv_std",
     "group_norm_backward": "grad_input, grad_scale, grad_bias of group norm given grad_output and "
@@ -123,7 +128,10 @@ BACKWARD_OPS = frozenset(op for op in OP_DESCRIPTIONS if op.endswith("_backward"
 
 def forward_op(op: str) -> str:
     """The forward op a backward op differentiates ("layer_norm" for "layer_norm_backward"; batch norm
-    in training mode for "batch_norm_backward"); the op itself otherwise."""
+    in training mode for "batch_norm_backward", with its given statistics for
+    "batch_norm_eval_backward"); the op itself otherwise."""
+    if op == "batch_norm_eval_backward":
+        return "batch_norm"
     return op[: -len("_backward")] if op.endswith("_backward") else op
 
 
@@ -193,12 +201,18 @@ class Case:
             # batch statistics, not given ones: scale and bias only
             "batch_norm_training": ("scale", "bias"),
             "batch_norm_backward": ("scale", "bias"),
+            "batch_norm_eval_backward": ("mean", "var", "scale", "bias"),
             "instance_norm_backward": ("scale", "bias"),
             "group_norm_backward": ("scale", "bias"),
             "mvn_backward": (),
             "layer_norm_backward": ("scale", "bias"),
             "rms_norm_backward": ("scale",),
         }[self.op]
+
+    @property
+    def grad_params(self) -> tuple[str, ...]:
+        """The parameters a backward op returns the gradient of (given statistics are constants)."""
+        return tuple(k for k in self.params if k not in ("mean", "var"))
 
     def describe(self) -> str:
         extra = []
@@ -249,7 +263,7 @@ def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled
         "rms_norm": "rms",
     }[fwd]
     if op != fwd:
-        short += "-bwd"
+        short += "-bwd-eval" if op == "batch_norm_eval_backward" else "-bwd"
     if fwd == "batch_norm" or layout == "nhwc":  # (the other ops' cases are NCHW but for this one)
         return f"{short}/{s}/{layout}/{d}"
     return f"{short}/{s}/{d}"

@@ -319,12 +319,15 @@ TRAINING_CASES = {  # name: (op, shape, layout, dtype): the speed goals' shapes,
     "bn-bwd/8x512x7x7/nchw/f32": ("batch_norm_backward", (8, 512, 7, 7), "nchw", "float32"),
     "group32-bwd/8x512x7x7/f32": ("group_norm_backward", (8, 512, 7, 7), "nchw", "float32"),
     "bn-train/8x1024x14x14/nchw/f32": ("batch_norm_training", (8, 1024, 14, 14), "nchw", "float32"),
+    "bn-bwd-eval/8x256x56x56/nchw/f32": ("batch_norm_eval_backward", (8, 256, 56, 56), "nchw", "float32"),
+    "bn-bwd-eval/8x256x56x56/nhwc/f32": ("batch_norm_eval_backward", (8, 256, 56, 56), "nhwc", "float32"),
 }
 TRAINING_KINDS = [c for c in KINDS if c.is_training]
 BACKWARD_KINDS = [c for c in TRAINING_KINDS if c.is_backward]
 # what simdnorm's row calls (the timed callable), by op
 SIMDNORM_CALL = {"batch_norm_training": "batch_normalization_training",
                  "batch_norm_backward": "batch_normalization_backward",
+                 "batch_norm_eval_backward": "batch_normalization_backward",
                  "mvn_backward": "mean_variance_normalization_backward"}
 
 
@@ -332,7 +335,7 @@ def _output_names(case):
     """The outputs an implementation of a training case returns at least."""
     if case.op == "batch_norm_training":
         return {"out", "running_mean"}
-    return {"grad_input"} | {f"grad_{k}" for k in case.params}
+    return {"grad_input"} | {f"grad_{k}" for k in case.grad_params}
 
 
 def test_training_cases_come_last_with_the_issues_shapes():
@@ -349,6 +352,8 @@ def test_training_cases_come_last_with_the_issues_shapes():
     assert shapes.get_case("group32-bwd/8x256x56x56/f32").groups == 32
     assert shapes.get_case("mvn023-bwd/8x256x56x56/f32").axes == (0, 2, 3)
     assert shapes.get_case("bn-bwd/8x256x56x56/nhwc/f32").params == ("scale", "bias")
+    eval_bwd = shapes.get_case("bn-bwd-eval/8x256x56x56/nhwc/f32")
+    assert eval_bwd.params == ("mean", "var", "scale", "bias") and eval_bwd.grad_params == ("scale", "bias")
     assert shapes.get_case("rms-bwd/8x512x768/f32").params == ("scale",)
     assert [c.name for c in shapes.select(quick=True) if c.is_training] == ["layer-bwd/8x512x768/f32"]
     assert not any(c.is_training for c in shapes.CASES if c.name not in TRAINING_CASES)
@@ -381,6 +386,9 @@ def _forward_out(case, x, params):
     if case.op == "batch_norm_backward":
         fwd = dataclasses.replace(case, op="batch_norm_training")
         return bcases.reference(bcases.CaseData(fwd, x, params)).values["out"]
+    if case.op == "batch_norm_eval_backward":  # inference batch norm: mean and var are constants
+        fwd = dataclasses.replace(case, op="batch_norm")
+        return bcases.reference(bcases.CaseData(fwd, x, params))
     fwd = dataclasses.replace(case, op=shapes.forward_op(case.op))
     return bcases.reference(bcases.CaseData(fwd, x, params))
 
@@ -412,7 +420,7 @@ def test_backward_reference_is_the_gradient_by_finite_differences(case):
             a[i] = v
         return g
 
-    for name, a in [("grad_input", x)] + [(f"grad_{k}", p[k]) for k in case.params]:
+    for name, a in [("grad_input", x)] + [(f"grad_{k}", p[k]) for k in case.grad_params]:
         np.testing.assert_allclose(ref.values[name], numeric(a), rtol=1e-6, atol=1e-6, err_msg=name)
 
 
@@ -531,7 +539,7 @@ def test_add_floor_really_adds(threads, name, shape):
 
 def test_add_floor_is_in_the_backward_cases_only():
     add = impls.AddImpl()
-    assert [c.name for c in shapes.CASES if add.applies(c)] == [n for n in TRAINING_CASES if "-bwd/" in n]
+    assert [c.name for c in shapes.CASES if add.applies(c)] == [n for n in TRAINING_CASES if "-bwd" in n]
     fwd = shapes.get_case("bn-train/8x256x56x56/nchw/f32").scaled((2, 24, 5, 7))
     res = runner.run_case(fwd, [impls.CopyImpl(), add], rounds=1, min_sample_ns=1e4, warmup_ns=0).results
     assert set(res) == {"copy"}
@@ -727,6 +735,9 @@ def test_simdnorm_training_rows_time_the_named_call(case):
         params = fn.args[len(fn.args) - len(case.params):]
         assert [a is data.params[k] for a, k in zip(params, case.params)] == [True] * len(case.params)
         stats = [a for a in fn.args[2:len(fn.args) - len(case.params)] if isinstance(a, np.ndarray)]
+        if case.op == "batch_norm_eval_backward":  # the given statistics are parameters of the case
+            stats = list(params[:2])
+            assert fn.keywords["training"] is False
         assert len(stats) == (1 if case.op == "rms_norm_backward" else 2)  # mean and inv_std/variance
         assert all(a.dtype == np.float32 for a in stats)
         want = _output_names(case)
@@ -872,7 +883,7 @@ def test_torch_backward_times_autograd_grad_of_a_graph_built_before():
         assert fn.func is torch.autograd.grad and fn.keywords == {"retain_graph": True}
         y, wrt, dy = fn.args
         assert y.grad_fn is not None and y.shape == data.x.shape  # the forward ran before
-        assert len(wrt) == 1 + len(case.params) and all(t.requires_grad and t.is_leaf for t in wrt)
+        assert len(wrt) == 1 + len(case.grad_params) and all(t.requires_grad and t.is_leaf for t in wrt)
         assert wrt[0].data_ptr() == data.x.ctypes.data and dy.data_ptr() == data.dy.ctypes.data
         assert set(prep.run_once()) == _output_names(case)
     case = shapes.get_case("bn-train/8x256x56x56/nchw/f32").scaled((2, 24, 5, 7))
