@@ -433,7 +433,8 @@ def test_backward_statistics_follow_the_input_memory_order():
 def test_backward_two_passes_go_in_slabs_only_from_memory_and_apart():
     # From memory, the two passes go slab by slab (each summed, then written from the L2): slabs of
     # whole samples where the statistics are per sample (instance norm of channels-last data), any
-    # range without statistics terms (global statistics). Never in the caches, nor where every
+    # range where grad_input needs the sums (without statistics terms it is written in the sums
+    # pass: one pass). Never in the caches, nor where every
     # slab would reach every statistic (batch norm's batch statistics), nor samples past the L2.
     def plan(shape, axes, per_sample, terms=True):
         x = np.zeros(shape, np.float32)
@@ -447,6 +448,10 @@ def test_backward_two_passes_go_in_slabs_only_from_memory_and_apart():
     assert "slab=" in plan((n, 8, 8, 64), (1, 2), True)
     assert "slab=" not in plan((2, 8, 8, 64), (1, 2), True)  # in the caches
     assert "slab=" not in plan((n, 8, 8, 64), (0, 1, 2), False)  # batch statistics
-    assert "slab=" in plan((n, 8, 8, 64), (0, 1, 2), False, terms=False)  # global statistics
+    # global statistics: no slabs, the sums pass writes grad_input too, from memory or not
+    for rows in (n, 2):
+        got = plan((rows, 8, 8, 64), (0, 1, 2), False, terms=False)
+        assert "sums-write" in got and "slab=" not in got, got
+    assert "sums-write" not in plan((n, 8, 8, 64), (1, 2), True)
     big = _core.stream_threshold_bytes() // (3 * 4 * 64) + 1  # one sample past the L2: no slab
     assert "slab=" not in plan((2, big // 128, 64, 64), (1, 2), True)

@@ -1768,10 +1768,11 @@ def test_exported():
 
 # From memory, the two passes go slab by slab (ops/backward.cpp, run_slabs): a slab of whole
 # samples (whole statistics elements) is summed, then written while it is in the L2; without
-# statistics terms (batch norm with global statistics), any range. A tail slab shorter than the
-# others, a slab boundary inside a run (global statistics over 100 channels), statistics taken from
-# the parameters' sums (instance norm) or lanes folded into groups (group norm of channels-last
-# data): every gradient against the reference, and 1 vs 2 threads bitwise.
+# statistics terms (batch norm with global statistics) the sums pass writes grad_input itself
+# (sums_write), in chunks that may end inside a run (global statistics over 100 channels). A tail
+# slab shorter than the others, statistics taken from the parameters' sums (instance norm) or lanes
+# folded into groups (group norm of channels-last data): every gradient against the reference,
+# and 1 vs 2 threads bitwise.
 def backward_plans(fn):
     """The plans (as text) of the backward kernel calls fn makes, which run as explain instead."""
     import simdnorm._training as training
@@ -1845,7 +1846,9 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
     threads(1)
     one, reference = run()
     plans = backward_plans(run)
-    assert "slab=" in plans[0], plans  # (a fused add's ga, a call of its own, has no sums: one pass)
+    # (global statistics: one pass, the sums pass writing grad_input; a fused add's ga, a call of its
+    # own, has no sums)
+    assert ("sums-write" if op.startswith("bn_global") else "slab=") in plans[0], plans
     threads(2)
     two = run()[0]
     assert len(one) == len(two)
@@ -1859,6 +1862,67 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
     if op != "mvn12_nhwc":
         check_grad(one[1], ref.grad_scale, ref.e_scale, name="grad_scale", context=op)
         check_grad(one[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=op)
+
+
+# Without statistics terms the sums pass writes grad_input as it goes (one pass: sums_write). Its
+# grad_input must be the elementwise pass's, bit for bit (the call that asks for grad_input alone),
+# and its parameter sums those of the sums pass alone (the call that asks for no grad_input), in
+# the caches and from memory, for every loop that takes it: channels-last rows (lanes_sums), NCHW
+# runs, strided runs, and a fused add with an activation (gathered runs).
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("layout", ["nhwc", "nchw", "strided", "nhwc_fused_silu"])
+@pytest.mark.parametrize("where", ["cache", "memory"])
+def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, threads, dtype, layout, where):
+    from simdnorm import _core
+    from training_reference import bn_backward_ref
+
+    if where == "memory" and dtype in (F16, F64):
+        pytest.skip("from memory: float32 and bfloat16 (the loops are the same for every dtype)")
+    inner = (6, 10, 100)
+    n = 2 if where == "cache" else _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * 600) + 2
+    x = rand_values(rng, (n, *inner), dtype, scale=2.0) + np.asarray(3.0, dtype)
+    dy = rand_values(rng, x.shape, dtype, scale=1.0)
+    c = inner[-1]
+    scale, bias, mean = (rand_values(rng, (c,), dtype, scale=1.0) for _ in range(3))
+    var = (np.abs(rand_values(rng, (c,), dtype, scale=1.0)) + np.asarray(0.5, dtype)).astype(dtype)
+    kw = {"channel_axis": -1, "training": False}
+    if layout == "nchw":
+        x, dy = (np.ascontiguousarray(a.transpose(0, 3, 1, 2)) for a in (x, dy))
+        kw["channel_axis"] = 1
+    elif layout == "strided":  # every other row, the channels reversed; grad_input laid out alike
+        x, dy, kw["out"] = (np.concatenate([a, a], axis=2)[:, :, ::2, ::-1] for a in (x, dy, np.empty_like(x)))
+    elif layout == "nhwc_fused_silu":
+        kw.update(fused_add=rand_values(rng, x.shape, dtype, scale=1.0), activation="silu")
+    kw.setdefault("out", np.empty_like(x))
+
+    def call(**flags):
+        out = kw.get("out") if flags.get("grad_input", True) else None
+        args = {**kw, "out": out}
+        if out is not None:
+            out.fill(np.nan)  # (poisoned: every element must be written)
+        res = simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, **args, **flags)
+        return tuple(r.copy() if r is out and r is not None else r for r in res)
+
+    plans = backward_plans(lambda: call())
+    assert "sums-write" in plans[0], plans  # (a fused add's ga is a call of its own, without sums)
+    assert all("sums-write" not in p for p in backward_plans(lambda: call(grad_scale=False, grad_bias=False))), plans
+    threads(1)
+    full = call()
+    alone = call(grad_scale=False, grad_bias=False)[0]
+    sums = call(grad_input=False, grad_scale=True, grad_bias=True)
+    np.testing.assert_array_equal(bits(full[0]), bits(alone))
+    np.testing.assert_array_equal(bits(full[1]), bits(sums[1]))
+    np.testing.assert_array_equal(bits(full[2]), bits(sums[2]))
+    threads(2)
+    for a, b in zip(full, call()):
+        if a is not None:
+            np.testing.assert_array_equal(bits(a), bits(b))
+    if where == "memory":  # (the same loops as in the caches, checked there against the reference)
+        return
+    ref = bn_backward_ref(dy, x, mean, var, scale, bias, **{k: v for k, v in kw.items() if k != "out"})
+    check_grad(full[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=layout)
+    check_grad(full[1], ref.grad_scale, ref.e_scale, name="grad_scale", context=layout)
+    check_grad(full[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=layout)
 
 
 @pytest.mark.parametrize("op", ["instance_norm_nhwc", "bn_global_nchw"])

@@ -237,7 +237,27 @@ struct BackwardKernel {
       }
       g = ga * scale;
     }
+    // grad_input at element e from d = x - mean and ga (every path's formula: grad_input()).
+    SIMDNORM_CURSOR_METHOD V dx_at(int64_t e, int m, V d, V ga) const {
+      const V u = stat(e, 1, m);
+      return grad_input(d, ga, param(e, 0, m) * u, d_coefficient(u, stat(e, 3, m)), k_coefficient(u, stat(e, 2, m)));
+    }
   };
+
+  // m elements of grad_input at out: contiguous (Unit; whole vectors streamed when asked, edges
+  // streamed in pieces), else sdx bytes apart.
+  template <bool Unit>
+  SIMDNORM_CURSOR_METHOD static void store_dx(char* out, int64_t sdx, V dx, int m, bool stream) {
+    if constexpr (Unit) {
+      if (m == W) L::store_or_stream(reinterpret_cast<T*>(out), dx, stream);
+      else if (stream) L::store_partial_stream(reinterpret_cast<T*>(out), dx, m);  // (a plain store would read the line)
+      else L::store_partial(reinterpret_cast<T*>(out), dx, m);
+    } else {
+      T b[W];
+      L::store_partial(b, dx, m);
+      for (int k = 0; k < m; ++k) std::memcpy(out + k * sdx, &b[k], sizeof(T));
+    }
+  }
 
   // Adds the m lanes of v to a target that varies along the run (element k at acc[k * step]).
   template <int Step>
@@ -276,11 +296,15 @@ struct BackwardKernel {
     return t.grouped && !t.stream_stores ? dx : nullptr;
   }
 
-  // The sums pass over one run of n elements.
-  template <int SStep, int PStep, class D>
+  // The sums pass over one run of n elements. Write (BackwardTask::sums_write): grad_input too, in
+  // the same loop, as apply_run writes it (streamed where the run's grad_input starts aligned).
+  template <int SStep, int PStep, class D, bool Write = false>
   static void sums_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n,
                        const BackwardSums& acc) {
     const Element<SStep, PStep, D> el(t, deriv, p, s, kPrefetchAheadBytes);
+    constexpr bool unit = SStep != kAny && PStep != kAny;
+    char* const dx_base = p[kGradIn];
+    const bool stream = Write && unit && t.stream_stores && stream_head(dx_base, n) == 0;
     const int64_t cs = static_cast<int64_t>(sizeof(C));
     char* const own_out = SStep != kAny && PStep != kAny ? written_next(t, p[kGradIn]) : nullptr;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
@@ -304,9 +328,14 @@ struct BackwardKernel {
       V sg = zero(), sgy = zero(), sgay = zero(), sga = zero();
       for (int64_t e = e0; e < e1; e += W) {
         const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
-        V y, ga, g;
+        V d, y, ga, g;
         if (own_out != nullptr) __builtin_prefetch(own_out + e * static_cast<int64_t>(sizeof(T)), 1);
-        el.at(e, m, y, ga, g);
+        el.at_with_d(e, m, d, y, ga, g);
+        if constexpr (Write) {
+          char* const out = dx_base + e * s[kGradIn];
+          if (unit && !stream) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
+          store_dx<unit>(out, s[kGradIn], el.dx_at(e, m, d, ga), m, stream);
+        }
         if (m < W) {
           const auto own = lanes_mask(static_cast<V*>(nullptr), m);
           y = vselect(own, y, zero());
@@ -543,18 +572,7 @@ struct BackwardKernel {
         for (int k = 0; k < m; ++k) std::memcpy(out + k * sdx, &b[k], sizeof(C));
         continue;
       }
-      const V u = el.stat(e, 1, m);
-      const V dx = grad_input(d, ga, el.param(e, 0, m) * u, d_coefficient(u, el.stat(e, 3, m)),
-                              k_coefficient(u, el.stat(e, 2, m)));
-      if (unit) {
-        if (m == W) L::store_or_stream(reinterpret_cast<T*>(out), dx, stream);
-        else if (stream) L::store_partial_stream(reinterpret_cast<T*>(out), dx, m);  // (as rows_stream's edges)
-        else L::store_partial(reinterpret_cast<T*>(out), dx, m);
-      } else {
-        T b[W];
-        L::store_partial(b, dx, m);
-        for (int k = 0; k < m; ++k) std::memcpy(out + k * sdx, &b[k], sizeof(T));
-      }
+      store_dx<unit>(out, sdx, el.dx_at(e, m, d, ga), m, stream);
     }
   }
 
@@ -936,18 +954,27 @@ struct BackwardKernel {
   // where asked for (sum(g), sum(g y): instance norm and channels-last group norm, whose statistics
   // vary along the row; batch norm's are derived from the parameters', ops/backward.cpp). Each
   // slot adds its rows' values one after another in row order, as sums_run's do: the same bits.
+  // With t.sums_write (no group sums), each row's grad_input is written as lanes_apply writes it,
+  // in the same loop.
   static void lanes_sums(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n,
                          const BackwardSums& acc) {
+    if (t.sums_write) return lanes_sums_of<false, true>(t, p, rs, rows, n, acc);
     if (acc.group[0] != nullptr) return lanes_sums_of<true>(t, p, rs, rows, n, acc);
     lanes_sums_of<false>(t, p, rs, rows, n, acc);
   }
-  template <bool Group>
+  template <bool Group, bool Write = false>
   static void lanes_sums_of(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n,
                             const BackwardSums& acc) {
+    static_assert(!(Group && Write), "a write in the sums pass needs none of the group's sums");
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C)), es = static_cast<int64_t>(sizeof(T));
     const C* const mean = reinterpret_cast<const C*>(p[kStats]);
     const C* const u = reinterpret_cast<const C*>(p[kStats] + t.stats_pitch);
+    const C* const c1 = reinterpret_cast<const C*>(p[kStats] + 2 * t.stats_pitch);
+    const C* const c2 = reinterpret_cast<const C*>(p[kStats] + 3 * t.stats_pitch);
     const C* const scale = reinterpret_cast<const C*>(p[kParams]);
+    // Streamed where every row's grad_input starts on a vector (and a vector is a whole line).
+    const bool stream = Write && t.stream_stores && rs[kGradIn] % L::kVectorBytes == 0 &&
+                        stream_head(p[kGradIn], n) == 0;
     const int64_t pi = (p[kParams] - acc.params_base) / cs, gi = (p[kStats] - acc.stats_base) / cs;
     const bool want_param = acc.param[0] != nullptr;
     C* const sum_gay = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
@@ -959,14 +986,23 @@ struct BackwardKernel {
       constexpr int R = decltype(count)::value;
       const char* x[R];
       const char* dy[R];
-      for (int j = 0; j < R; ++j) x[j] = p[kX] + (r0 + j) * rs[kX], dy[j] = p[kGradOut] + (r0 + j) * rs[kGradOut];
+      char* dx[R];
+      for (int j = 0; j < R; ++j) {
+        x[j] = p[kX] + (r0 + j) * rs[kX], dy[j] = p[kGradOut] + (r0 + j) * rs[kGradOut];
+        dx[j] = p[kGradIn] + (r0 + j) * rs[kGradIn];
+      }
       // m elements of each row from e (a whole vector, or the rows' last m < W).
       auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
         const V mv = load_up_to<LC>(mean + e, m), uv = load_up_to<LC>(u + e, m);
-        V sv = zero(), s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero();
+        V sv = zero(), s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero(), scale_u = zero(), d_coef = zero(),
+          k_coef = zero();
         if constexpr (Group) {
           sv = load_up_to<LC>(scale + e, m);
           s0 = load_up_to<LC>(sum_g + e, m), s1 = load_up_to<LC>(sum_gy + e, m);
+        }
+        if constexpr (Write) {  // (lanes_apply's coefficients)
+          scale_u = load_up_to<LC>(scale + e, m) * uv;
+          d_coef = d_coefficient(uv, load_up_to<LC>(c2 + e, m)), k_coef = k_coefficient(uv, load_up_to<LC>(c1 + e, m));
         }
         if (want_param) s2 = load_up_to<LC>(sum_gay + e, m), s3 = load_up_to<LC>(sum_ga + e, m);
         for (int j = 0; j < R; ++j) {
@@ -975,8 +1011,10 @@ struct BackwardKernel {
             __builtin_prefetch(x[j] + e * es + kPrefetchAheadBytes, 0, 2);
             __builtin_prefetch(dy[j] + e * es + kPrefetchAheadBytes, 0, 2);
           }
-          const V y = (load_up_to<L>(reinterpret_cast<const T*>(x[j]) + e, m) - mv) * uv;
+          const V d = load_up_to<L>(reinterpret_cast<const T*>(x[j]) + e, m) - mv;
+          const V y = d * uv;
           const V ga = load_up_to<L>(reinterpret_cast<const T*>(dy[j]) + e, m);
+          if constexpr (Write) store_dx<true>(dx[j] + e * es, es, grad_input(d, ga, scale_u, d_coef, k_coef), m, stream);
           if constexpr (Group) {  // (sums_run's: g = ga scale; g and g y added to their slots)
             const V g = ga * sv;
             s0 = s0 + g, s1 = s1 + g * y;
@@ -1028,23 +1066,28 @@ struct BackwardKernel {
     }
   }
 
+  // The sums pass over elements [begin, end) of the nest; with t.sums_write, their grad_input too.
   static void sums(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end, const BackwardSums& acc) {
-    if (const_rows(t, nest, false)) {
+    const bool write = t.sums_write;
+    if (!write && const_rows(t, nest, false)) {
       for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
         const_rows_sums(t, p, rs, rows, n, acc);
       });
       return;
     }
-    if ((acc.group[0] != nullptr || acc.param[0] != nullptr) && lanes_rows(t, nest, false)) {
+    if ((acc.group[0] != nullptr || acc.param[0] != nullptr) && lanes_rows(t, nest, write)) {
       for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
         lanes_sums(t, p, rs, rows, n, acc);
       });
       return;
     }
     visit_derivative<V>(t.act, [&](const auto& deriv) {
+      using D = std::decay_t<decltype(deriv)>;
       for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
-        visit_layout(t, s, false, [&](auto ss, auto ps) {
-          sums_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, p, s, len, acc);
+        visit_layout(t, s, write, [&](auto ss, auto ps) {
+          constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
+          if (write) sums_run<SS, PS, D, true>(t, deriv, p, s, len, acc);
+          else sums_run<SS, PS, D>(t, deriv, p, s, len, acc);
         });
       });
     });

@@ -11,7 +11,8 @@
 //             and group norm): each group is summed, its c1 and c2 set, and its dx written while its
 //             runs are still in cache; groups go in fixed blocks, each with its own parameter sums.
 //   two pass  anything else (channels last, a single group): one pass of sums over fixed chunks of
-//             the elementwise nest, each chunk with its own sums, then one elementwise pass.
+//             the elementwise nest, each chunk with its own sums, then one elementwise pass; where
+//             the write needs none of the sums (no statistics terms), the sums pass writes too.
 // The blocks and chunks are fixed by the shapes and their sums merged in their order, so the result
 // is bitwise the same for any number of threads.
 #include <algorithm>
@@ -123,7 +124,10 @@ class BackwardRunner {
                  " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : two_pass) +
                  (param_of_stat_.empty() ? std::string() : " params-per-statistic") +
                  (task_.stream_stores ? " streaming-stores" : "");
-      const int64_t slab = grouped ? total : slab_elements(two_pass, total, sum_targets());
+      const SumTargets t = sum_targets();
+      const bool one_pass = !grouped && write_in_sums(t);
+      const int64_t slab = grouped || one_pass ? total : slab_elements(two_pass, total, t);
+      if (one_pass) *explain += " sums-write";
       if (slab < total) *explain += " slab=" + std::to_string(slab);
       return;
     }
@@ -533,6 +537,11 @@ class BackwardRunner {
     return partial(t.group, t.params, t.group ? reached(kStats, nest, b, e) : Slots{},
                    t.params ? reached(kParams, nest, b, e) : Slots{});
   }
+  // Without statistics terms (batch norm's training=False) the write needs none of the sums: the
+  // sums pass writes grad_input too (BackwardTask::sums_write), and x and dy are read once.
+  bool write_in_sums(const SumTargets& t) const {
+    return a_.grad_input && !a_.write_ga && !want_group_ && t.params;
+  }
   // Partial p's sums of elements [begin, end) of the nest, flushed every flush_every elements.
   void sum_range(Partial& p, const SumTargets& t, const LoopNest& nest, int64_t begin, int64_t end,
                  int64_t flush_every) const {
@@ -619,7 +628,8 @@ class BackwardRunner {
     const int in = nest.ndim - 1;
     const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
     const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
-    const int64_t slab = slab_elements(nest, total, t);
+    task_.sums_write = write_in_sums(t);
+    const int64_t slab = task_.sums_write ? total : slab_elements(nest, total, t);
     if (slab < total) return run_slabs(nest, total, slab, t, flush_every);
     if (group_sums || param_sums) {
       const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
@@ -631,6 +641,7 @@ class BackwardRunner {
         partials.push_back(partial_for(t, nest, c * per, std::min(total, (c + 1) * per)));
       for_parts(chunks, total, [&](int c) {
         sum_range(partials[static_cast<size_t>(c)], t, nest, c * per, std::min(total, (c + 1) * per), flush_every);
+        if (task_.sums_write && task_.stream_stores) fence_streaming_stores();
       });
       const std::vector<double> params = param_sums ? merged_params(partials) : std::vector<double>();
       if (want_group_) {
@@ -651,7 +662,7 @@ class BackwardRunner {
     } else {
       write_param_sums({});
     }
-    if (!a_.grad_input) return;
+    if (!a_.grad_input || task_.sums_write) return;
     for_element_ranges(total, [&](int64_t begin, int64_t end) {
       k.backward_apply(task_, nest, begin, end);
       if (task_.stream_stores) fence_streaming_stores();

@@ -149,6 +149,9 @@ struct BackwardTask {
   bool grouped = false;                 // each group's sums, then its apply (BackwardGroups)
   bool stream_stores = false;           // grad_input written with non-temporal stores (the caller fences)
   bool from_memory = false;             // the operands together pass the caches (streamed or not)
+  // The sums pass writes grad_input as well, in the same loop (without statistics terms, where the
+  // write needs none of the sums: x and dy are read once).
+  bool sums_write = false;
   int64_t stats_pitch = 0, params_pitch = 0;
   // The coefficients' rule: c1 = mean(g) [normalize_mean], c2 = k mean(g y) [normalize_variance],
   // k = 1 / (1 - epsilon u) with epsilon outside the root; both 0 without statistics terms.
