@@ -1868,9 +1868,10 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
 # grad_input must be the elementwise pass's, bit for bit (the call that asks for grad_input alone),
 # and its parameter sums those of the sums pass alone (the call that asks for no grad_input), in
 # the caches and from memory, for every loop that takes it: channels-last rows (lanes_sums), NCHW
-# runs, strided runs, and a fused add with an activation (gathered runs).
+# planes of a few lines (const_rows_sums_write) and longer (sums_run), strided runs, and a fused add
+# with an activation (gathered runs, summed then written run by run).
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
-@pytest.mark.parametrize("layout", ["nhwc", "nchw", "strided", "nhwc_fused_silu"])
+@pytest.mark.parametrize("layout", ["nhwc", "nchw", "nchw_long", "strided", "nhwc_fused_silu"])
 @pytest.mark.parametrize("where", ["cache", "memory"])
 def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, threads, dtype, layout, where):
     from simdnorm import _core
@@ -1878,15 +1879,16 @@ def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, thre
 
     if where == "memory" and dtype in (F16, F64):
         pytest.skip("from memory: float32 and bfloat16 (the loops are the same for every dtype)")
-    inner = (6, 10, 100)
-    n = 2 if where == "cache" else _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * 600) + 2
+    inner = (40, 40, 8) if layout == "nchw_long" else (6, 10, 100)  # (planes of 1600: past kSumFlush)
+    per = int(np.prod(inner))
+    n = 2 if where == "cache" else _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * per) + 2
     x = rand_values(rng, (n, *inner), dtype, scale=2.0) + np.asarray(3.0, dtype)
     dy = rand_values(rng, x.shape, dtype, scale=1.0)
     c = inner[-1]
     scale, bias, mean = (rand_values(rng, (c,), dtype, scale=1.0) for _ in range(3))
     var = (np.abs(rand_values(rng, (c,), dtype, scale=1.0)) + np.asarray(0.5, dtype)).astype(dtype)
     kw = {"channel_axis": -1, "training": False}
-    if layout == "nchw":
+    if layout.startswith("nchw"):
         x, dy = (np.ascontiguousarray(a.transpose(0, 3, 1, 2)) for a in (x, dy))
         kw["channel_axis"] = 1
     elif layout == "strided":  # every other row, the channels reversed; grad_input laid out alike
@@ -1905,6 +1907,7 @@ def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, thre
 
     plans = backward_plans(lambda: call())
     assert "sums-write" in plans[0], plans  # (a fused add's ga is a call of its own, without sums)
+    assert ("streaming-stores" in plans[0]) == (where == "memory" and dtype in (F32, F64)), plans
     assert all("sums-write" not in p for p in backward_plans(lambda: call(grad_scale=False, grad_bias=False))), plans
     threads(1)
     full = call()

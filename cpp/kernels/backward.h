@@ -326,8 +326,8 @@ struct BackwardKernel {
     for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
       const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
       V sg = zero(), sgy = zero(), sgay = zero(), sga = zero();
-      for (int64_t e = e0; e < e1; e += W) {
-        const int m = static_cast<int>(e1 - e < W ? e1 - e : W);
+      // m elements from e (W: whole vectors, in a loop of their own without the masks).
+      auto step = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
         V d, y, ga, g;
         if (own_out != nullptr) __builtin_prefetch(own_out + e * static_cast<int64_t>(sizeof(T)), 1);
         el.at_with_d(e, m, d, y, ga, g);
@@ -342,7 +342,7 @@ struct BackwardKernel {
           ga = vselect(own, ga, zero());
           g = vselect(own, g, zero());
         }
-        if (want_group && !derive) {
+        if (!Write && want_group && !derive) {  // (writing, there are no group sums)
           if (SStep == kConst || (SStep == kAny && sstep == 0)) {
             sg = sg + g;
             sgy = vfma(g, y, sgy);
@@ -360,7 +360,10 @@ struct BackwardKernel {
             add_varying<PStep>(pv1 + e * pstep, pstep, ga, m);
           }
         }
-      }
+      };
+      int64_t e = e0;
+      for (; e + W <= e1; e += W) step(e, W);
+      if (e < e1) step(e, static_cast<int>(e1 - e));
       if (want_group && sstep == 0 && !derive) {
         C a, b;
         vreduce_add2(sg, sgy, a, b);
@@ -832,6 +835,34 @@ struct BackwardKernel {
                    want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, params);
     }
   }
+  // const_rows_sums with sums_write: a few rows at a time (kWriteRowsBytes of x and dy) summed,
+  // then written while in the L2, by const_rows_apply's loops (streamed: apply_run's, row by row).
+  static constexpr int64_t kWriteRowsBytes = 256 << 10;
+  static void const_rows_sums_write(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows,
+                                    int64_t n, const BackwardSums& acc) {
+    const int64_t es = static_cast<int64_t>(sizeof(T));
+    const int64_t per = std::max<int64_t>(1, kWriteRowsBytes / (2 * n * es));
+    int64_t steps[kNumOperands] = {};  // (along a row: the data's elements; the coefficients constant)
+    steps[kX] = steps[kGradOut] = steps[kGradIn] = es;
+    const DerivIdentity<V> deriv(t.act);
+    char* q[kNumOperands];
+    for (int op = 0; op < kNumOperands; ++op) q[op] = first[op];
+    for (int64_t r = 0; r < rows; r += per) {
+      const int64_t k = std::min(per, rows - r);
+      const_rows_sums(t, q, rs, k, n, acc);
+      if (!t.stream_stores) {
+        const_rows_apply(t, q, rs, k, n);
+      } else {
+        char* row[kNumOperands];
+        for (int op = 0; op < kNumOperands; ++op) row[op] = q[op];
+        for (int64_t j = 0; j < k; ++j) {
+          apply_run<kConst, kConst>(t, deriv, row, steps, n);
+          for (int op = 0; op < kNumOperands; ++op) row[op] += rs[op];
+        }
+      }
+      for (int op = 0; op < kNumOperands; ++op) q[op] += k * rs[op];
+    }
+  }
   static void const_rows_apply(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n) {
     const int64_t es = static_cast<int64_t>(sizeof(T));
     if (rows > 1 && n >= W && rs[kX] == n * es && rs[kGradOut] == n * es && rs[kGradIn] == n * es)
@@ -1028,8 +1059,11 @@ struct BackwardKernel {
       for (; e + W <= n; e += W) at(e, W);
       if (e < n) at(e, static_cast<int>(n - e));
     };
+    // Writing, a row at a time: four rows side by side are four interleaved streams of writes in
+    // one page, which from memory cost more than the slots' loads and stores a row saves.
+    constexpr int kRows = Write ? 1 : kLaneRows;
     int64_t r = 0;
-    for (; r + kLaneRows <= rows; r += kLaneRows) block(std::integral_constant<int, kLaneRows>{}, r);
+    for (; r + kRows <= rows; r += kRows) block(std::integral_constant<int, kRows>{}, r);
     for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
   }
 
@@ -1069,8 +1103,9 @@ struct BackwardKernel {
   // The sums pass over elements [begin, end) of the nest; with t.sums_write, their grad_input too.
   static void sums(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end, const BackwardSums& acc) {
     const bool write = t.sums_write;
-    if (!write && const_rows(t, nest, false)) {
+    if (const_rows(t, nest, write)) {
       for_each_block(nest, begin, end, [&](int64_t rows, int64_t n, char* const* p, const int64_t*, const int64_t* rs) {
+        if (write) return const_rows_sums_write(t, p, rs, rows, n, acc);
         const_rows_sums(t, p, rs, rows, n, acc);
       });
       return;
@@ -1086,8 +1121,14 @@ struct BackwardKernel {
       for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
         visit_layout(t, s, write, [&](auto ss, auto ps) {
           constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
-          if (write) sums_run<SS, PS, D, true>(t, deriv, p, s, len, acc);
-          else sums_run<SS, PS, D>(t, deriv, p, s, len, acc);
+          if constexpr (SS == kAny) {  // gathered runs: summed, then written (no copy of their loops)
+            sums_run<SS, PS, D>(t, deriv, p, s, len, acc);
+            if (write) apply_run<SS, PS>(t, deriv, p, s, len);
+          } else if (write) {
+            sums_run<SS, PS, D, true>(t, deriv, p, s, len, acc);
+          } else {
+            sums_run<SS, PS, D>(t, deriv, p, s, len, acc);
+          }
         });
       });
     });
