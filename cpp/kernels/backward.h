@@ -1120,14 +1120,16 @@ struct BackwardKernel {
       using D = std::decay_t<decltype(deriv)>;
       for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
         visit_layout(t, s, write, [&](auto ss, auto ps) {
+          // Writing, runs with constant coefficients and no activation (NCHW planes past
+          // kSumFlush) are written as they are summed; the others are summed, then written from
+          // the L1 or L2 (measured as fast or faster there, and no copy of their loops).
           constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
-          if constexpr (SS == kAny) {  // gathered runs: summed, then written (no copy of their loops)
-            sums_run<SS, PS, D>(t, deriv, p, s, len, acc);
-            if (write) apply_run<SS, PS>(t, deriv, p, s, len);
-          } else if (write) {
-            sums_run<SS, PS, D, true>(t, deriv, p, s, len, acc);
+          constexpr bool fused = SS == kConst && PS == kConst && std::is_same<D, DerivIdentity<V>>::value;
+          if (fused && write) {
+            sums_run<SS, PS, D, fused>(t, deriv, p, s, len, acc);
           } else {
             sums_run<SS, PS, D>(t, deriv, p, s, len, acc);
+            if (write) apply_run<SS, PS>(t, deriv, p, s, len);
           }
         });
       });

@@ -555,22 +555,23 @@ class BackwardRunner {
 
   // Elements a slab of the two passes holds (total: none). From memory, the second pass would
   // read x and dy from memory again; a slab is summed, then written while they are in the L2.
-  // Where the write needs coefficients (want_group_), a slab holds whole statistics elements: it
-  // is a run of indices of the nest's outer dims along which the statistics vary (group and
-  // instance norm of channels-last data: whole samples); else any range. Its x and dy of about
-  // kSlabBytes, all the slabs' partial sums within kMaxPartialBytes.
+  // The write needs the slab's coefficients (want_group_; without, the sums pass writes:
+  // write_in_sums), so a slab holds whole statistics elements: it is a run of indices of the
+  // nest's outer dims along which the statistics vary (group and instance norm of channels-last
+  // data: whole samples). Its x and dy of about kSlabBytes, all the slabs' partial sums within
+  // kMaxPartialBytes.
   int64_t slab_elements(const LoopNest& nest, int64_t total, const SumTargets& t) const {
-    if (!task_.from_memory || !a_.grad_input || !(t.group || t.params)) return total;
+    if (!task_.from_memory || !a_.grad_input || !want_group_) return total;
     const int64_t per_element = itemsize(a_.input.dtype) + itemsize(a_.grad_output.dtype);
     const int64_t most = std::max<int64_t>(1, kSlabBytes / per_element);
-    int64_t unit = want_group_ ? total : 1;  // elements of one index of the outer dims the statistics vary along
-    for (int d = 0; want_group_ && d < nest.ndim && nest.strides[kStats][d] != 0; ++d) unit /= nest.sizes[d];
+    int64_t unit = total;  // elements of one index of the outer dims the statistics vary along
+    for (int d = 0; d < nest.ndim && nest.strides[kStats][d] != 0; ++d) unit /= nest.sizes[d];
     if (unit >= total || unit * per_element > kMaxSlabBytes) return total;
     const int64_t slab = unit * std::max<int64_t>(1, most / unit);
     int64_t bytes = 0;
     for (int64_t b = 0, prev_hi = 0; b < total; b += slab) {
       const int64_t e = std::min(total, b + slab);
-      const Slots r = want_group_ ? reached(kStats, nest, b, e) : Slots{};
+      const Slots r = reached(kStats, nest, b, e);
       const Slots q = t.params ? reached(kParams, nest, b, e) : Slots{};
       // (statistics shared between slabs, or a group's lanes split: not this layout)
       if (r.lo < prev_hi || r.lo % lane_fold_ != 0 || r.hi % lane_fold_ != 0) return total;
@@ -587,31 +588,29 @@ class BackwardRunner {
   void run_slabs(const LoopNest& nest, int64_t total, int64_t slab, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count(), slabs = (total + slab - 1) / slab;
-    std::vector<double> group(want_group_ ? static_cast<size_t>(2 * ns) : 0, 0.0);
+    std::vector<double> group(static_cast<size_t>(2 * ns), 0.0);
     std::vector<Partial> partials;
     for (int64_t b = 0; b < total; b += slab) partials.push_back(partial_for(t, nest, b, std::min(total, b + slab)));
     for_parts(slabs, total, [&](int i) {
       const int64_t s0 = i * slab, s1 = std::min(total, s0 + slab);
       Partial& mine = partials[static_cast<size_t>(i)];
       sum_range(mine, t, nest, s0, s1, flush_every);
-      if (want_group_) {
-        const Slots r = reached(kStats, nest, s0, s1);
-        if (t.derive) {
-          SIMDNORM_CHECK(mine.param_lo <= r.lo && r.hi <= mine.param_lo + mine.param_count);
-          const size_t pc = static_cast<size_t>(mine.param_count);
-          for (int64_t j = r.lo; j < r.hi; ++j) {
-            const double scale = load_scalar(compute_, params_->data(0) + j * csize_);
-            const size_t at = static_cast<size_t>(j - mine.param_lo);
-            group[static_cast<size_t>(j)] = scale * (0.0 + mine.sums[pc + at]);  // (as merged from 0)
-            group[static_cast<size_t>(ns + j)] = scale * (0.0 + mine.sums[at]);
-          }
-        } else {
-          merge_group(&mine, 1, group, r);
+      const Slots r = reached(kStats, nest, s0, s1);
+      if (t.derive) {
+        SIMDNORM_CHECK(mine.param_lo <= r.lo && r.hi <= mine.param_lo + mine.param_count);
+        const size_t pc = static_cast<size_t>(mine.param_count);
+        for (int64_t j = r.lo; j < r.hi; ++j) {
+          const double scale = load_scalar(compute_, params_->data(0) + j * csize_);
+          const size_t at = static_cast<size_t>(j - mine.param_lo);
+          group[static_cast<size_t>(j)] = scale * (0.0 + mine.sums[pc + at]);  // (as merged from 0)
+          group[static_cast<size_t>(ns + j)] = scale * (0.0 + mine.sums[at]);
         }
-        if (lane_fold_ > 1) fold_lanes(group, ns, r);
-        k.backward_coefficients(task_, stats_->data(0) + r.lo * csize_, group.data() + r.lo, group.data() + ns + r.lo,
-                                r.hi - r.lo);
+      } else {
+        merge_group(&mine, 1, group, r);
       }
+      if (lane_fold_ > 1) fold_lanes(group, ns, r);
+      k.backward_coefficients(task_, stats_->data(0) + r.lo * csize_, group.data() + r.lo, group.data() + ns + r.lo,
+                              r.hi - r.lo);
       k.backward_apply(task_, nest, s0, s1);
       if (task_.stream_stores) fence_streaming_stores();
     });
