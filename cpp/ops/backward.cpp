@@ -125,9 +125,8 @@ class BackwardRunner {
                  (param_of_stat_.empty() ? std::string() : " params-per-statistic") +
                  (task_.stream_stores ? " streaming-stores" : "");
       const SumTargets t = sum_targets();
-      const bool one_pass = !grouped && write_in_sums(t);
-      const int64_t slab = grouped || one_pass ? total : slab_elements(two_pass, total, t);
-      if (one_pass) *explain += " sums-write";
+      if (!grouped && write_in_sums(t)) *explain += " sums-write";
+      const int64_t slab = grouped ? total : slab_elements(two_pass, total, t);
       if (slab < total) *explain += " slab=" + std::to_string(slab);
       return;
     }
@@ -628,7 +627,7 @@ class BackwardRunner {
     const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
     const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
     task_.sums_write = write_in_sums(t);
-    const int64_t slab = task_.sums_write ? total : slab_elements(nest, total, t);
+    const int64_t slab = slab_elements(nest, total, t);  // (none where the sums pass writes)
     if (slab < total) return run_slabs(nest, total, slab, t, flush_every);
     if (group_sums || param_sums) {
       const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
