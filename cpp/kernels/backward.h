@@ -1086,9 +1086,7 @@ struct BackwardKernel {
         const V v = grad_input(load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m), load_up_to<L>(dy + e, m),
                                load_up_to<LC>(scale + e, m) * uv, d_coefficient(uv, load_up_to<LC>(c2 + e, m)),
                                k_coefficient(uv, load_up_to<LC>(c1 + e, m)));
-        if (m == W) L::store_or_stream(dx + e, v, stream);
-        else if (stream) L::store_partial_stream(dx + e, v, m);  // (as apply_run's)
-        else L::store_partial(dx + e, v, m);
+        store_dx<true>(reinterpret_cast<char*>(dx + e), sizeof(T), v, m, stream);
       };
       int64_t e = stream ? head : 0;
       if (e > 0) at(0, static_cast<int>(e));
