@@ -17,6 +17,10 @@ median of the rounds' samples, the garbage collector off), the ratio = torch.nn'
   the span between a hook on ``y``'s gradient and one on ``h``'s, i.e. every autograd node of the
   norm): "norm inside" is the median over the rounds of that per-call time.
 
+The ``.../eval/...`` rows: BatchNorm2d in eval mode under autograd (fine-tuning with frozen
+statistics: the running statistics normalize, and the backward treats them as constants), the two
+backward measures only.
+
 The per-call rows (``tiny/...``, (1, 16, 8, 8)-sized tensors, times in us): eval-mode module forward
 under ``torch.no_grad()``, and ``torch.ops.simdnorm.*`` called raw against ``torch.nn.functional.*``.
 
@@ -90,6 +94,7 @@ class ModuleCase:
     channels_last: bool = False
     groups: int = 0  # GroupNorm's
     tiny: bool = False  # a per-call row: eval mode, forward under no_grad only, times in us
+    frozen: bool = False  # (bn) eval mode under autograd: fine-tuning with frozen statistics
     raw_op: bool = False  # (tiny) torch.ops.simdnorm.<op> against F.<fn>, not the modules
     quick: bool = False  # in --quick
 
@@ -100,6 +105,8 @@ class ModuleCase:
         parts.append("x".join(map(str, self.shape)))
         if self.kind == "bn" and not self.tiny:
             parts.append("nhwc" if self.channels_last else "nchw")
+        if self.frozen:
+            parts.append("eval")
         parts.append(_SHORT[self.dtype])
         return "/".join(parts)
 
@@ -115,7 +122,7 @@ class ModuleCase:
         if self.dtype != "float32":
             s += f".to({self.dtype})"
         if self.kind == "bn":
-            s += ".eval()" if self.tiny else ".train()"
+            s += ".eval()" if self.tiny or self.frozen else ".train()"
         if self.channels_last:
             s += ", channels_last input"
         return s
@@ -127,6 +134,8 @@ class ModuleCase:
         return self.module_text()
 
     def measures(self) -> tuple[str, ...]:
+        if self.frozen:  # (its forward alone is the inference the other benchmark times)
+            return tuple(m for m in MEASURES if m.endswith("bwd"))
         return ("call",) if self.tiny else MEASURES
 
 
@@ -137,6 +146,8 @@ TINY_SEQ = (1, 16, 64)  # the same 1024 elements, normalized over 64
 CASES: list[ModuleCase] = [
     ModuleCase("bn", BN_SHAPE, quick=True),
     ModuleCase("bn", BN_SHAPE, channels_last=True),
+    ModuleCase("bn", BN_SHAPE, frozen=True),
+    ModuleCase("bn", BN_SHAPE, channels_last=True, frozen=True),
     ModuleCase("layer", SEQ_SHAPE, quick=True),
     ModuleCase("layer", SEQ_SHAPE, "bfloat16"),
     ModuleCase("rms", SEQ_SHAPE),
@@ -219,7 +230,7 @@ def make_module(torch, case: ModuleCase, gen):
             m.running_mean.copy_(0.2 * torch.randn(m.running_mean.shape, generator=gen))
             m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=gen))
     m = m.to(getattr(torch, case.dtype))
-    return m.eval() if case.tiny else m.train()
+    return m.eval() if case.tiny or case.frozen else m.train()
 
 
 def make_twin(sntorch, module):
