@@ -118,8 +118,8 @@ stamp "self-test: ASan caught the canary read and write"
 if [[ -n "${SIMDNORM_SANITIZE_TESTS:-}" ]]; then
   read -r -a groups <<<"$SIMDNORM_SANITIZE_TESTS"
 else
-  # The files that take longest under the sanitizers first (80-130 s each where most take seconds),
-  # so that the two at a time finish together rather than one long file running alone at the end.
+  # The files that take longest under the sanitizers first, so that the files run side by side end
+  # together rather than one long file running alone at the end.
   groups=()
   for f in tests/test_layouts.py tests/test_training.py tests/test_crash_repros.py tests/test_threads_isa.py \
            tests/test_dask.py; do
