@@ -1012,6 +1012,18 @@ struct BackwardKernel {
     C* const sum_ga = want_param ? static_cast<C*>(acc.param_vary[1]) + pi : nullptr;
     C* const sum_g = Group ? static_cast<C*>(acc.group_vary[0]) + gi : nullptr;
     C* const sum_gy = Group ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
+    // Writing, a row at a time: four rows side by side are four interleaved streams of writes in
+    // one page, which from memory cost more than the slots' loads and stores a row saves.
+    constexpr int kRows = Write ? 1 : kLaneRows;
+    // Rows back to back, a whole block's rows of x and dy are each one run of lines: the runs
+    // ahead are prefetched in order, shared out evenly between the vectors' steps. Line by line
+    // down the rows (as Element::at), the same lines came in slower (docs/BENCHMARKS.md).
+    const int64_t steps = n / W;  // whole vectors of a row
+    const bool one_run = rs[kX] == n * es && rs[kGradOut] == n * es && steps > 0;
+    const int64_t block_bytes = kRows * n * es;
+    const int64_t run_ahead = block_bytes * ((kPrefetchAheadBytes + block_bytes - 1) / block_bytes);
+    const int64_t run_lines = (block_bytes + kLineBytes - 1) / kLineBytes + 1;  // (+1: a run off its lines)
+    const int64_t run_share = one_run ? (run_lines + steps - 1) / steps : 0;  // lines a step
     // R rows from r0, each vector of lanes down all of them.
     auto block = [&](auto count, int64_t r0) SIMDNORM_INLINE_LAMBDA {
       constexpr int R = decltype(count)::value;
@@ -1036,9 +1048,15 @@ struct BackwardKernel {
           d_coef = d_coefficient(uv, load_up_to<LC>(c2 + e, m)), k_coef = k_coefficient(uv, load_up_to<LC>(c1 + e, m));
         }
         if (want_param) s2 = load_up_to<LC>(sum_gay + e, m), s3 = load_up_to<LC>(sum_ga + e, m);
+        if (one_run && m == W) {
+          for (int64_t b = (e / W) * run_share, end = std::min(run_lines, b + run_share); b < end; ++b) {
+            __builtin_prefetch(x[0] + run_ahead + b * kLineBytes, 0, 2);
+            __builtin_prefetch(dy[0] + run_ahead + b * kLineBytes, 0, 2);
+          }
+        }
         for (int j = 0; j < R; ++j) {
-          // A line of each row a line's step, into the L2 (as Element::at).
-          if (m == W && (e * es) % kLineBytes < W * es) {
+          // Otherwise a line of each row a line's step, into the L2 (as Element::at).
+          if (!one_run && m == W && (e * es) % kLineBytes < W * es) {
             __builtin_prefetch(x[j] + e * es + kPrefetchAheadBytes, 0, 2);
             __builtin_prefetch(dy[j] + e * es + kPrefetchAheadBytes, 0, 2);
           }
@@ -1059,9 +1077,6 @@ struct BackwardKernel {
       for (; e + W <= n; e += W) at(e, W);
       if (e < n) at(e, static_cast<int>(n - e));
     };
-    // Writing, a row at a time: four rows side by side are four interleaved streams of writes in
-    // one page, which from memory cost more than the slots' loads and stores a row saves.
-    constexpr int kRows = Write ? 1 : kLaneRows;
     int64_t r = 0;
     for (; r + kRows <= rows; r += kRows) block(std::integral_constant<int, kRows>{}, r);
     for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
