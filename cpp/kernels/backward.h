@@ -1012,15 +1012,19 @@ struct BackwardKernel {
     C* const sum_ga = want_param ? static_cast<C*>(acc.param_vary[1]) + pi : nullptr;
     C* const sum_g = Group ? static_cast<C*>(acc.group_vary[0]) + gi : nullptr;
     C* const sum_gy = Group ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
-    // Writing, a row at a time: four rows side by side are four interleaved streams of writes in
-    // one page, which from memory cost more than the slots' loads and stores a row saves.
-    constexpr int kRows = Write ? 1 : kLaneRows;
+    // A row at a time where writing (four rows side by side are four interleaved streams of writes
+    // in one page), and on AVX2 for float rows from memory (their reads are then one stream, which
+    // the hardware follows): from memory both cost more than the slots' loads and stores a row
+    // saves. 16-bit rows, bound by their conversions, keep the shared loads; so does AVX-512, not
+    // measured with one row.
+    const bool one_row_reads = kVectorRegisters < 32 && t.from_memory && es >= 4;
+    const int rows_a_block = Write || one_row_reads ? 1 : kLaneRows;
     // Rows back to back, a whole block's rows of x and dy are each one run of lines: the runs
     // ahead are prefetched in order, shared out evenly between the vectors' steps. Line by line
     // down the rows (as Element::at), the same lines came in slower (docs/BENCHMARKS.md).
     const int64_t steps = n / W;  // whole vectors of a row
     const bool one_run = rs[kX] == n * es && rs[kGradOut] == n * es && steps > 0;
-    const int64_t block_bytes = kRows * n * es;
+    const int64_t block_bytes = rows_a_block * n * es;
     const int64_t run_ahead = block_bytes * ((kPrefetchAheadBytes + block_bytes - 1) / block_bytes);
     const int64_t run_lines = (block_bytes + kLineBytes - 1) / kLineBytes + 1;  // (+1: a run off its lines)
     const int64_t run_share = one_run ? (run_lines + steps - 1) / steps : 0;  // lines a step
@@ -1078,7 +1082,10 @@ struct BackwardKernel {
       if (e < n) at(e, static_cast<int>(n - e));
     };
     int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows) block(std::integral_constant<int, kRows>{}, r);
+    if constexpr (!Write) {  // (no copy of the block's loop for four rows that never run)
+      if (rows_a_block == kLaneRows)
+        for (; r + kLaneRows <= rows; r += kLaneRows) block(std::integral_constant<int, kLaneRows>{}, r);
+    }
     for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
   }
 
