@@ -194,22 +194,37 @@ template <class Act, class V> __attribute__((noinline)) V apply_activation(const
   return (*static_cast<const Act*>(act))(x);
 }
 
-// Whether a functor type is the out-of-line call (the kinds kActInline leaves out).
+// Whether a functor type is the out-of-line call.
 template <class Act> constexpr bool kRunsOutOfLine = false;
 template <class V> constexpr bool kRunsOutOfLine<ActOutOfLine<V>> = true;
+
+// The fallback unit of an x86 build (SIMDNORM_FALLBACK_UNIT: the baseline, for CPUs without AVX2)
+// runs relu and the piecewise-linear activations out of line too: its loops compiled once per
+// formula rather than three times, for a CPU few run it on.
+#if defined(SIMDNORM_FALLBACK_UNIT)
+constexpr bool kFewInline = true;
+#else
+constexpr bool kFewInline = false;
+#endif
+// Whether this unit's loops take the activation inline: the planners' table (kActInline), or
+// identity alone in the fallback unit; the fused rows loops are compiled for these only.
+constexpr bool inline_here(ActKind kind) {
+  return kind == ActKind::identity || (!kFewInline && kActInline[static_cast<int>(kind)]);
+}
 constexpr bool inline_kinds_match_table() {
   for (int k = 0; k < kNumActs; ++k) {
     const ActKind kind = static_cast<ActKind>(k);
-    const bool inline_functor = kind == ActKind::identity || kind == ActKind::relu || ActPiecewiseLinear<vf>::covers(kind);
+    const bool inline_functor =
+        kind == ActKind::identity || kind == ActKind::relu || ActPiecewiseLinear<vf>::covers(kind);
     if (inline_functor != kActInline[k]) return false;
   }
   return true;
 }
 static_assert(inline_kinds_match_table(), "visit_activation takes inline exactly the kinds kActInline lists");
 
-// Calls fn(functor): ActIdentity, ActRelu, ActPiecewiseLinear or ActOutOfLine.
+// Calls fn(functor): ActIdentity, ActRelu, ActPiecewiseLinear or ActOutOfLine (inline_here says
+// which).
 template <class V, class Fn> void visit_activation(const Activation& act, Fn&& fn) {
-  if (ActPiecewiseLinear<V>::covers(act.kind)) return fn(ActPiecewiseLinear<V>(act));
   auto out_of_line = [&](const auto& functor) {
     using Act = std::decay_t<decltype(functor)>;
     V (*apply)(const void*, V) = &apply_activation<Act, V>;
@@ -218,8 +233,14 @@ template <class V, class Fn> void visit_activation(const Activation& act, Fn&& f
     __asm__("" : "+r"(apply));
     fn(ActOutOfLine<V>{apply, &functor});
   };
+  if (ActPiecewiseLinear<V>::covers(act.kind)) {
+    if constexpr (kFewInline) return out_of_line(ActPiecewiseLinear<V>(act));
+    else return fn(ActPiecewiseLinear<V>(act));
+  }
   switch (act.kind) {
-    case ActKind::relu: return fn(ActRelu<V>(act));
+    case ActKind::relu:
+      if constexpr (kFewInline) return out_of_line(ActRelu<V>(act));
+      else return fn(ActRelu<V>(act));
     case ActKind::thresholded_relu: return out_of_line(ActThresholdedRelu<V>(act));
     case ActKind::elu: return out_of_line(ActElu<V>(act));
     case ActKind::celu: return out_of_line(ActCelu<V>(act));

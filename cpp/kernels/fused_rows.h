@@ -75,7 +75,7 @@ struct FusedRowsKernel {
   };
 
   // The layouts the fused loops take: contiguous data, one mean and 1/std per run, scale and bias
-  // constant or read beside the data, an activation applied inline (kActInline; anything else runs
+  // constant or read beside the data, an activation applied inline (inline_here; anything else runs
   // the two loops one after the other).
   struct InnerRun {
     bool fusable, affine_vary;
@@ -86,7 +86,7 @@ struct FusedRowsKernel {
       const bool affine_const = stride(kScale) == 0 && stride(kBias) == 0;
       affine_vary = stride(kScale) == cs && stride(kBias) == cs;
       fusable = stride(kIn) == ts && stride(kOut) == ts && stride(kShift) == 0 && stride(kMul) == 0 &&
-                (affine_const || affine_vary) && kActInline[static_cast<int>(task.act.kind)];
+                (affine_const || affine_vary) && inline_here(task.act.kind);
     }
     // Calls fn(runs) with the RunMaker of the task's activation and layout (fusable only).
     // Float16 rows read from their float32 copy fold the shift into the multiply (Formula): the
@@ -161,8 +161,8 @@ struct FusedRowsKernel {
     const InnerRun layout(task);
     if (!layout.fusable || in_stride != static_cast<int64_t>(sizeof(T)) || a.scale != 1.0) {
       return each_piece([&](char* const* p, int64_t n, const RowMomentsArgs& next, const char*) {
-        N::execute_run(task, p, n);
-        M::row(next);
+        normalize_run_kernel(task, p, n);
+        row_moments_kernel(next);
       });
     }
     layout.visit(task, [&](const auto& maker) {
@@ -462,11 +462,11 @@ struct FusedRowsKernel {
       for (int64_t r = 0; r < a.rows; ++r) {
         double sum = 0.0, sum_sq = 0.0;
         const RowMomentsArgs m = first_pass(task, a, r, &sum, &sum_sq);
-        M::row(m);
+        row_moments_kernel(m);
         a.finish(a.ctx, r, 1, &m.pivot, &sum, &sum_sq);
         char* q[kNumOperands];
         for (int op = 0; op < kNumOperands; ++op) q[op] = a.data[op] + r * a.step[op];
-        N::execute_run(task, q, a.len);
+        normalize_run_kernel(task, q, a.len);
       }
       return;
     }

@@ -1,7 +1,9 @@
 // One kernel source, compiled once per instruction set (CMake builds this file with
-// -DSIMDNORM_ISA_NS=<isa> and that ISA's flags), in two parts: the backward kernels
-// (-DSIMDNORM_BACKWARD_PART) and the rest with the table, which points at the backward part's
-// entries. The two compile side by side: one unit was most of the build's time on two cores.
+// -DSIMDNORM_ISA_NS=<isa> and that ISA's flags), in three parts that compile side by side (one
+// unit was most of the build's time on two cores): the backward kernels (-DSIMDNORM_BACKWARD_PART),
+// the fused rows loops of layer norm and group norm (-DSIMDNORM_FUSED_PART), and the rest with the
+// table, which points at the other parts' entries. A part calls another's entries, never its
+// templates: each template is compiled in one part only.
 // Everything each part includes lands in an anonymous
 // namespace inside simdnorm::<isa>, so no inline or template code compiled here can be merged by the
 // linker with a copy compiled for another ISA; only the constant-initialized table is exported
@@ -27,6 +29,13 @@ void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, 
 void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g);
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n);
 #endif
+// The fused part's entries, and the two of the forward part's that the fused loops call for rows
+// they do not fuse.
+void normalize_rows_fused_kernel(const NormalizeTask& t, const FusedRowsArgs& a);
+RowsLoop rows_loop_kernel(const NormalizeTask& t, const FusedRowsArgs& a);
+void normalize_group_and_sum_kernel(const NormalizeTask& t, const GroupPairArgs& a);
+void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n);
+void row_moments_kernel(const RowMomentsArgs& a);
 
 namespace {
 #include "simd/vec.h"
@@ -35,12 +44,16 @@ namespace {
 #include "kernels/iterate.h"
 #if defined(SIMDNORM_BACKWARD_PART)
 #include "kernels/backward.h"
-#else
+#elif defined(SIMDNORM_FUSED_PART)
 #include "kernels/normalize.h"
 #include "kernels/moments.h"
 #include "kernels/lane_stats.h"
 #include "kernels/fused_rows.h"
 #include "kernels/row_stream.h"
+#else
+#include "kernels/normalize.h"
+#include "kernels/moments.h"
+#include "kernels/lane_stats.h"
 #endif
 }  // namespace
 
@@ -55,34 +68,45 @@ void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g) { ba
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n) {
   backward_coefficients_entry(t, st, g, gy, n);
 }
+#elif defined(SIMDNORM_FUSED_PART)
+#if defined(SIMDNORM_DELEGATE_NS)
+// (A unit that delegates fuses only bfloat16's rows: see the forward part below.)
+namespace base = ::simdnorm::SIMDNORM_DELEGATE_NS;
+void normalize_rows_fused_kernel(const NormalizeTask& t, const FusedRowsArgs& a) {
+  if (t.dtype == DType::bf16) normalize_rows_fused_entry(t, a);
+  else base::kernel_table.normalize_rows_fused(t, a);
+}
+RowsLoop rows_loop_kernel(const NormalizeTask& t, const FusedRowsArgs& a) {
+  return t.dtype == DType::bf16 ? rows_loop_entry(t, a) : base::kernel_table.rows_loop(t, a);
+}
+void normalize_group_and_sum_kernel(const NormalizeTask& t, const GroupPairArgs& a) {
+  if (t.dtype == DType::bf16) normalize_group_and_sum_entry(t, a);
+  else base::kernel_table.normalize_group_and_sum(t, a);
+}
+#else
+void normalize_rows_fused_kernel(const NormalizeTask& t, const FusedRowsArgs& a) { normalize_rows_fused_entry(t, a); }
+RowsLoop rows_loop_kernel(const NormalizeTask& t, const FusedRowsArgs& a) { return rows_loop_entry(t, a); }
+void normalize_group_and_sum_kernel(const NormalizeTask& t, const GroupPairArgs& a) {
+  normalize_group_and_sum_entry(t, a);
+}
+#endif
 #else
 extern const KernelTable kernel_table;
 #if defined(SIMDNORM_DELEGATE_NS)
 // A unit whose flags change only bfloat16's output conversion (avx512bf16) holds only bfloat16's
 // normalize kernels; every other kernel is the unit it extends (SIMDNORM_DELEGATE_NS, whose flags
 // it has too): the rest of its code would be that unit's again.
+void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) {
+  if (t.dtype == DType::bf16) normalize_run_entry(t, p, n);
+  else SIMDNORM_DELEGATE_NS::kernel_table.normalize_run(t, p, n);
+}
+void row_moments_kernel(const RowMomentsArgs& a) { SIMDNORM_DELEGATE_NS::kernel_table.row_moments(a); }
 namespace {
 namespace base = ::simdnorm::SIMDNORM_DELEGATE_NS;
 void normalize_bf16(const NormalizeTask& t, int64_t begin, int64_t end) {
   if (t.dtype == DType::bf16) normalize_entry(t, begin, end);
   else base::kernel_table.normalize(t, begin, end);
 }
-void normalize_run_bf16(const NormalizeTask& t, char* const* p, int64_t n) {
-  if (t.dtype == DType::bf16) normalize_run_entry(t, p, n);
-  else base::kernel_table.normalize_run(t, p, n);
-}
-void normalize_group_and_sum_bf16(const NormalizeTask& t, const GroupPairArgs& a) {
-  if (t.dtype == DType::bf16) normalize_group_and_sum_entry(t, a);
-  else base::kernel_table.normalize_group_and_sum(t, a);
-}
-void normalize_rows_fused_bf16(const NormalizeTask& t, const FusedRowsArgs& a) {
-  if (t.dtype == DType::bf16) normalize_rows_fused_entry(t, a);
-  else base::kernel_table.normalize_rows_fused(t, a);
-}
-RowsLoop rows_loop_bf16(const NormalizeTask& t, const FusedRowsArgs& a) {
-  return t.dtype == DType::bf16 ? rows_loop_entry(t, a) : base::kernel_table.rows_loop(t, a);
-}
-void row_moments_base(const RowMomentsArgs& a) { base::kernel_table.row_moments(a); }
 void col_moments_base(const ColMomentsArgs& a) { base::kernel_table.col_moments(a); }
 int64_t lane_stats_base(const LaneStatsArgs& a) { return base::kernel_table.lane_stats(a); }
 void inv_std_lanes_base(const double* var, double* out, int64_t n, int64_t step, const InvStdRule& rule) {
@@ -104,20 +128,22 @@ void backward_coefficients_base(const BackwardTask& t, char* st, const double* g
 }
 }  // namespace
 const KernelTable kernel_table = {kIsaName,          kWidth,           normalize_bf16,
-                                  normalize_run_bf16, row_moments_base, col_moments_base,
-                                  normalize_group_and_sum_bf16, normalize_rows_fused_bf16, rows_loop_bf16,
+                                  normalize_run_kernel, row_moments_kernel, col_moments_base,
+                                  normalize_group_and_sum_kernel, normalize_rows_fused_kernel, rows_loop_kernel,
                                   lane_stats_base,
                                   inv_std_lanes_base, scale_over_std_lanes_base,
                                   backward_sums_base, backward_apply_base,
                                   backward_groups_base, backward_coefficients_base};
 #else
-const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_entry,
-                                   row_moments_entry, col_moments_entry, normalize_group_and_sum_entry,
-                                   normalize_rows_fused_entry, rows_loop_entry, lane_stats_entry,
+void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) { normalize_run_entry(t, p, n); }
+void row_moments_kernel(const RowMomentsArgs& a) { row_moments_entry(a); }
+const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_kernel,
+                                   row_moments_kernel, col_moments_entry, normalize_group_and_sum_kernel,
+                                   normalize_rows_fused_kernel, rows_loop_kernel, lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry, backward_sums_kernel,
                                    backward_apply_kernel, backward_groups_kernel, backward_coefficients_kernel};
 #endif
-#endif  // SIMDNORM_BACKWARD_PART
+#endif  // the parts
 
 }  // namespace SIMDNORM_ISA_NS
 }  // namespace simdnorm
