@@ -5,6 +5,7 @@ from many Python threads at once."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -240,6 +241,38 @@ def test_cli_info():
     assert lines[1] == f"isa: {simdnorm.available_isas()[0]}"
     assert lines[2] == f"available isas: {', '.join(simdnorm.available_isas())}"
     assert lines[3] == "threads: 2"
+    built = simdnorm._core.built_isas.split(",")
+    assert lines[4] == f"built isas: {', '.join(built)} (SIMDNORM_ISAS={simdnorm._core.isas_setting})"
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def test_build_holds_the_units_this_cpu_runs():
+    """The default build (SIMDNORM_ISAS=host) compiles exactly the units this CPU runs, by the
+    dispatcher's conditions, which /proc/cpuinfo's flags mirror (Linux lists AVX-512 only where the
+    OS saves its registers): a probe that missed one would leave the machine on slower kernels."""
+    built = simdnorm._core.built_isas.split(",")
+    assert "baseline" in built
+    assert set(simdnorm.available_isas()) <= set(built)
+    if simdnorm._core.isas_setting != "host":
+        pytest.skip(f"built with SIMDNORM_ISAS={simdnorm._core.isas_setting}, not for this host")
+    flags = _cpu_flags()
+    if flags is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs /proc/cpuinfo on x86-64")
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = avx2 and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+    expected = ["baseline"] + ["avx2"] * avx2 + ["avx512"] * avx512 + ["avx512bf16"] * (avx512 and "avx512_bf16" in flags)
+    assert sorted(built) == sorted(expected)
+    assert sorted(simdnorm.available_isas()) == sorted(expected)
 
 
 def test_cli_usage_and_unknown_command(capsys):

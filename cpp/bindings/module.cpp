@@ -932,6 +932,9 @@ PyMethodDef g_dlpack_methods[] = {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "simdnorm kernels (see the simdnorm package for the public API)";
   m.attr("__version__") = SIMDNORM_VERSION;
+  // The ISA units compiled in (comma-separated) and the build's SIMDNORM_ISAS (host, all or a list)
+  m.attr("built_isas") = SIMDNORM_BUILT_ISAS;
+  m.attr("isas_setting") = SIMDNORM_ISAS_SETTING;
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0 || PyModule_AddFunctions(m.ptr(), g_dlpack_methods) != 0)
     throw py::error_already_set();
   m.def("isa", &active_isa, "The active instruction set.");

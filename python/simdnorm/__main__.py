@@ -25,6 +25,7 @@ def info() -> int:
     print(f"isa: {simdnorm.isa()}")
     print(f"available isas: {', '.join(simdnorm.available_isas())}")
     print(f"threads: {simdnorm.get_num_threads()}")
+    print(f"built isas: {simdnorm._core.built_isas.replace(',', ', ')} (SIMDNORM_ISAS={simdnorm._core.isas_setting})")
     print(f"python {platform.python_version()}, numpy {np.__version__}, ml_dtypes {ml_dtypes.__version__}")
     return 0
 
