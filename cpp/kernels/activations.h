@@ -143,9 +143,10 @@ template <class V> struct ActHardSwish {
   }
 };
 
-// The piecewise-linear activations, in one inline functor of up to four steps, each taken or
-// skipped by a flag (a branch every call predicts): x -> a x + b, then x >= 0 ? x : s x, then
-// max(lo, x), then min(hi, x).
+// The piecewise-linear activations, in one inline functor of four steps, each made exact identity
+// where a kind does not use it (a = 1, b = -0: x * 1 + -0 is x, -0 included; s = 1; lo = -inf, hi =
+// +inf), so that every vector takes the same six operations and no branch: x -> a x + b, then
+// x >= 0 ? x : s x, then max(lo, x), then min(hi, x).
 //   linear(p0 = alpha, p1 = beta): alpha * x + beta
 //   leaky_relu(p0 = alpha): x >= 0 ? x : alpha * x
 //   hard_sigmoid(p0 = alpha, p1 = beta): max(0, min(alpha * x + beta, 1)) (clamped in the other
@@ -153,14 +154,13 @@ template <class V> struct ActHardSwish {
 //   clip(p0 = min, p1 = max): min(max(x, lo), hi)
 template <class V> struct ActPiecewiseLinear {
   V a, b, s, lo, hi;
-  bool affine = false, leaky = false, floor = false, ceiling = false;
   explicit ActPiecewiseLinear(const Activation& act) {
-    double pa = 1.0, pb = 0.0, ps = 1.0, plo = 0.0, phi = 0.0;
+    double pa = 1.0, pb = -0.0, ps = 1.0, plo = -HUGE_VAL, phi = HUGE_VAL;
     switch (act.kind) {
-      case ActKind::linear: affine = true, pa = act.p0, pb = act.p1; break;
-      case ActKind::leaky_relu: leaky = true, ps = act.p0; break;
-      case ActKind::hard_sigmoid: affine = floor = ceiling = true, pa = act.p0, pb = act.p1, phi = 1.0; break;
-      case ActKind::clip: floor = ceiling = true, plo = act.p0, phi = act.p1; break;
+      case ActKind::linear: pa = act.p0, pb = act.p1; break;
+      case ActKind::leaky_relu: ps = act.p0; break;
+      case ActKind::hard_sigmoid: pa = act.p0, pb = act.p1, plo = 0.0, phi = 1.0; break;
+      case ActKind::clip: plo = act.p0, phi = act.p1; break;
       default: break;
     }
     a = splat<V>(pa), b = splat<V>(pb), s = splat<V>(ps), lo = splat<V>(plo), hi = splat<V>(phi);
@@ -170,11 +170,9 @@ template <class V> struct ActPiecewiseLinear {
            kind == ActKind::clip;
   }
   V operator()(V x) const {
-    if (affine) x = vfma(a, x, b);
-    if (leaky) x = vselect(x >= splat<V>(0.0), x, s * x);
-    if (floor) x = vmax(lo, x);
-    if (ceiling) x = vmin(hi, x);
-    return x;
+    x = vfma(a, x, b);
+    x = vselect(x >= splat<V>(0.0), x, s * x);
+    return vmin(hi, vmax(lo, x));
   }
 };
 
