@@ -183,13 +183,22 @@ template <class V> struct ActPiecewiseLinear {
 // operation a vector shows; relu among their flags was up to 1.3x its own loops' time), inline;
 // any other, through the pointer. An activation costs its own small function per ISA, whatever
 // the number of loops.
+// Contiguous runs (NormalizeKernel::run_contiguous_blocks) call it once for a block of vectors
+// instead: inline over the block, the activation's long dependency chains overlap and no call
+// spills the loop's registers.
 template <class V> struct ActOutOfLine {
   V (*apply)(const void* act, V x);
+  void (*apply_block)(const void* act, V* v, int count);
   const void* act;  // the functor, alive for the call that visits it
   V operator()(V x) const { return apply(act, x); }
+  void operator()(V* v, int count) const { apply_block(act, v, count); }
 };
 template <class Act, class V> __attribute__((noinline)) V apply_activation(const void* act, V x) {
   return (*static_cast<const Act*>(act))(x);
+}
+template <class Act, class V> __attribute__((noinline)) void apply_activation_block(const void* act, V* v, int count) {
+  const Act& a = *static_cast<const Act*>(act);
+  for (int k = 0; k < count; ++k) v[k] = a(v[k]);
 }
 
 // Whether a functor type is the out-of-line call.
@@ -226,10 +235,11 @@ template <class V, class Fn> void visit_activation(const Activation& act, Fn&& f
   auto out_of_line = [&](const auto& functor) {
     using Act = std::decay_t<decltype(functor)>;
     V (*apply)(const void*, V) = &apply_activation<Act, V>;
+    void (*apply_block)(const void*, V*, int) = &apply_activation_block<Act, V>;
     // Opaque to the optimizer: a constant pointer could be propagated into clones of the loops,
     // one per activation, which is what this type exists to avoid.
-    __asm__("" : "+r"(apply));
-    fn(ActOutOfLine<V>{apply, &functor});
+    __asm__("" : "+r"(apply), "+r"(apply_block));
+    fn(ActOutOfLine<V>{apply, apply_block, &functor});
   };
   if (ActPiecewiseLinear<V>::covers(act.kind)) {
     if constexpr (kFewInline) return out_of_line(ActPiecewiseLinear<V>(act));

@@ -30,14 +30,16 @@ struct NormalizeKernel {
     // The periodic stream and the fused rows loops are compiled for inline activations only.
     static constexpr bool kInline = !kRunsOutOfLine<Act>;
     Act act;
-    V operator()(V x, V shift, V mul, V scale, V bias) const {
+    V operator()(V x, V shift, V mul, V scale, V bias) const { return act(affine(x, shift, mul, scale, bias)); }
+    // The value the activation takes.
+    static V affine(V x, V shift, V mul, V scale, V bias) {
       if constexpr (kScaleFolded) {
         (void)scale;
-        return act(vfma(x - shift, mul, bias));
+        return vfma(x - shift, mul, bias);
       } else if constexpr (kShiftFolded) {
-        return act(vfma(vfma(x, mul, shift), scale, bias));
+        return vfma(vfma(x, mul, shift), scale, bias);
       } else {
-        return act(vfma((x - shift) * mul, scale, bias));
+        return vfma((x - shift) * mul, scale, bias);
       }
     }
     // Fold::shift: a run's shift as operator() takes it.
@@ -266,7 +268,52 @@ struct NormalizeKernel {
 
   template <bool StatsVary, bool AffineVary, class F>
   static void run_contiguous(const F& f, int64_t n, char* const* p, bool stream, bool peel = true) {
-    ContiguousRun<StatsVary, AffineVary, F>(f, n, p, stream, peel).finish();
+    if constexpr (F::kInline) ContiguousRun<StatsVary, AffineVary, F>(f, n, p, stream, peel).finish();
+    else run_contiguous_blocks<StatsVary, AffineVary>(f, n, p, stream);
+  }
+
+  // A contiguous run whose activation runs out of line (ActOutOfLine): blocks of vectors are
+  // computed up to the activation into a buffer, the activation takes each block in one call, and
+  // the block is stored. A head up to the first 64-byte line of the output goes first where the run
+  // streams, so that the streamed pairs cover whole lines.
+  template <bool StatsVary, bool AffineVary, class F>
+  static void run_contiguous_blocks(const F& f, int64_t n, char* const* p, bool stream) {
+    constexpr int kBlock = 16;  // vectors: 512 bytes of float lanes on AVX2, 1 KB on AVX-512
+    T* const y = reinterpret_cast<T*>(p[kOut]);
+    const T* const x = reinterpret_cast<const T*>(p[kIn]);
+    const Pair<StatsVary> st(p[kShift], p[kMul]);
+    const Pair<AffineVary, !F::kScaleFolded> af(p[kScale], p[kBias]);
+    stream = stream && reinterpret_cast<uintptr_t>(y) % sizeof(T) == 0;
+    V v[kBlock];
+    // The vectors of [i, end) (whole ones but maybe the last), at most kBlock of them.
+    auto block = [&](int64_t i, int64_t end) {
+      int count = 0;
+      for (int64_t at = i; at < end; at += W, ++count) {
+        const int m = static_cast<int>(end - at < W ? end - at : W);
+        if (m == W)
+          v[count] = F::affine(L::load(x + at), st.first(at), st.second(at), af.first(at), af.second(at));
+        else
+          v[count] = F::affine(L::load_partial(x + at, m), st.first(at, m), st.second(at, m), af.first(at, m),
+                               af.second(at, m));
+      }
+      f.act(v, count);
+      int k = 0;
+      int64_t at = i;
+      for (; at + 2 * W <= end; at += 2 * W, k += 2) {
+        if (stream)
+          L::store2_stream(y + at, v[k], v[k + 1]);
+        else
+          L::store2(y + at, v[k], v[k + 1]);
+      }
+      for (; at < end; at += W, ++k) store_up_to<L>(y + at, v[k], static_cast<int>(end - at < W ? end - at : W));
+    };
+    int64_t i = 0;
+    if (stream) {
+      const int64_t head = head_to_line(y);
+      i = head < n ? head : n;
+      if (i > 0) block(0, i);
+    }
+    for (; i < n; i += kBlock * W) block(i, n - i < kBlock * W ? n : i + kBlock * W);
   }
 
   // Stores `total` elements at y, read from x through `c`, a cursor over the stream: c.up(i, m)
