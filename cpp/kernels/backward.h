@@ -21,14 +21,17 @@ template <class V> struct DerivIdentity {
 };
 
 // relu' = (pre > 0), leaky_relu' = (pre > 0 ? 1 : alpha): at 0 the left slope, as PyTorch takes it;
-// a NaN pre takes the left branch too. relu multiplies nothing by its 0, so an infinite dy gives 0.
+// a NaN pre takes the left branch too. relu multiplies nothing by its 0, so an infinite dy gives 0:
+// the left branch is alpha dy masked to +0 (no branch: the functor runs inline).
 template <class V> struct DerivPiecewise {
+  using Bits = decltype(vbits(V{}));
   V alpha;
-  bool leaky;
-  explicit DerivPiecewise(const Activation& a) : alpha(splat<V>(a.p0)), leaky(a.kind == ActKind::leaky_relu) {}
+  Bits left_kept;  // all ones for leaky_relu, zero for relu
+  static constexpr bool kUsesPre = true;
+  explicit DerivPiecewise(const Activation& a)
+      : alpha(splat<V>(a.p0)), left_kept(vbits(splat<V>(0.0)) - (a.kind == ActKind::leaky_relu ? 1 : 0)) {}
   V operator()(V pre, V dy) const {
-    const V left = leaky ? alpha * dy : splat<V>(0.0);
-    return vselect(pre > splat<V>(0.0), dy, left);
+    return vselect(pre > splat<V>(0.0), dy, vfrom_bits(vbits(alpha * dy) & left_kept));
   }
 };
 
@@ -53,8 +56,9 @@ template <class V> struct DerivSmooth {
   }
 };
 
-// Every activation but identity runs out of line, a call a vector: the backward's loops are
-// compiled twice, not three times (the module has a size budget: .ci/run).
+// Every activation but identity, relu and leaky_relu runs out of line, a call a vector: the
+// backward's loops are compiled three times, not once per activation (the build has a time budget:
+// .ci/run). The x86 fallback unit (kFewInline) takes identity alone inline.
 template <class V> struct DerivOutOfLine {
   V (*apply)(const void* deriv, V pre, V dy);
   const void* deriv;  // the functor, alive for the call that visits it
@@ -65,7 +69,7 @@ template <class Deriv, class V> __attribute__((noinline)) V apply_derivative(con
   return (*static_cast<const Deriv*>(d))(pre, dy);
 }
 
-// Calls fn(functor): DerivIdentity, or DerivOutOfLine for the others.
+// Calls fn(functor): DerivIdentity, DerivPiecewise (relu, leaky_relu) or DerivOutOfLine.
 template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& fn) {
   auto out_of_line = [&](const auto& functor) {
     using Deriv = std::decay_t<decltype(functor)>;
@@ -75,7 +79,9 @@ template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& f
   };
   switch (act.kind) {
     case ActKind::relu:
-    case ActKind::leaky_relu: return out_of_line(DerivPiecewise<V>(act));
+    case ActKind::leaky_relu:
+      if constexpr (kFewInline) return out_of_line(DerivPiecewise<V>(act));
+      else return fn(DerivPiecewise<V>(act));
     case ActKind::silu:
     case ActKind::gelu: return out_of_line(DerivSmooth<V>(act));
     default: return fn(DerivIdentity<V>(act));
