@@ -5,6 +5,8 @@ numeric test; these tests catch that."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 
@@ -70,6 +72,19 @@ def test_out_of_line_activations_take_each_run_on_its_own(kind, inline):
     plan = _core.explain_mvn(x, (1,), None, None, np.empty_like(x), 1e-5, True, True, False, act, None, None, -1,
                              False)
     assert (" rows_loop=pipeline " if inline else " rows_loop=separate ") in plan, plan
+
+
+@pytest.mark.parametrize("kind", [0, 2, 3, 17, 8])
+def test_the_periodic_stream_is_planned_for_what_the_unit_runs_inline(isa, kind):
+    # The x86 fallback unit (baseline) takes identity alone inline: relu and the piecewise-linear
+    # kinds are calls there, and its planner must not choose the stream compiled for inline ones.
+    act = (kind, 0.1, 0.5)
+    x = np.zeros((2, 16, 16, 64), np.float32).transpose(0, 3, 1, 2)
+    p = np.ones((1, 64, 1, 1), np.float32)
+    plan = _core.explain_batch_norm(x, p, p, p, p, np.empty_like(x), 1e-5, act, 0, False)
+    fallback = isa == "baseline" and platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    inline = kind == 0 or (kind != 8 and not fallback)
+    assert ("inner=periodic_stream(" if inline else "inner=contiguous(stats=vary,affine=vary)") in plan, plan
 
 
 def test_channels_last_runs_are_lengthened_by_a_divisor_of_the_pixel_count():

@@ -218,6 +218,12 @@ constexpr bool kFewInline = false;
 constexpr bool inline_here(ActKind kind) {
   return kind == ActKind::identity || (!kFewInline && kActInline[static_cast<int>(kind)]);
 }
+// The same, one bit a kind, for the planners (KernelTable::inline_activations).
+constexpr uint32_t inline_activation_bits() {
+  uint32_t bits = 0;
+  for (int k = 0; k < kNumActs; ++k) bits |= inline_here(static_cast<ActKind>(k)) ? 1u << k : 0u;
+  return bits;
+}
 constexpr bool inline_kinds_match_table() {
   for (int k = 0; k < kNumActs; ++k) {
     const ActKind kind = static_cast<ActKind>(k);

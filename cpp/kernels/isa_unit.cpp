@@ -127,7 +127,7 @@ void backward_coefficients_base(const BackwardTask& t, char* st, const double* g
   base::kernel_table.backward_coefficients(t, st, g, gy, n);
 }
 }  // namespace
-const KernelTable kernel_table = {kIsaName,          kWidth,           normalize_bf16,
+const KernelTable kernel_table = {kIsaName,          kWidth,           inline_activation_bits(), normalize_bf16,
                                   normalize_run_kernel, row_moments_kernel, col_moments_base,
                                   normalize_group_and_sum_kernel, normalize_rows_fused_kernel, rows_loop_kernel,
                                   lane_stats_base,
@@ -137,7 +137,7 @@ const KernelTable kernel_table = {kIsaName,          kWidth,           normalize
 #else
 void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) { normalize_run_entry(t, p, n); }
 void row_moments_kernel(const RowMomentsArgs& a) { row_moments_entry(a); }
-const KernelTable kernel_table = {kIsaName,        kWidth,            normalize_entry,   normalize_run_kernel,
+const KernelTable kernel_table = {kIsaName,        kWidth,            inline_activation_bits(), normalize_entry, normalize_run_kernel,
                                    row_moments_kernel, col_moments_entry, normalize_group_and_sum_kernel,
                                    normalize_rows_fused_kernel, rows_loop_kernel, lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry, backward_sums_kernel,

@@ -439,8 +439,9 @@ void plan_inner_loop(NormalizeTask& task) {
   }
   bool shared = true;  // every run reads the same coefficients
   for (int op = kShift; op <= kBias; ++op) shared = shared && rs(op) == 0;
-  // (Not for out-of-line activations, a call a vector: the stream is not compiled for them.)
-  if (back_to_back && shared && n >= 2 * lanes && n <= kPeriodicMaxRun && kActInline[static_cast<int>(task.act.kind)])
+  // (Not for activations the unit calls: the stream is not compiled for them.)
+  const bool act_inline = kernels().inline_activations >> static_cast<int>(task.act.kind) & 1u;
+  if (back_to_back && shared && n >= 2 * lanes && n <= kPeriodicMaxRun && act_inline)
     plan.loop = InnerLoop::periodic_stream;
 }
 

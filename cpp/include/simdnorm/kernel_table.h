@@ -190,6 +190,9 @@ struct BackwardGroups {
 struct KernelTable {
   const char* name;
   int float_lanes;  // floats in the ISA's vector (its lanes of doubles: half)
+  // Bit k set: the unit's loops apply ActKind k inline (every loop); the others are calls, and
+  // have no periodic stream and no fused rows (kernels/activations.h).
+  uint32_t inline_activations;
   // out = act(fma((in - shift) * mul, scale, bias)) over the flat index range [begin, end) of the nest.
   void (*normalize)(const NormalizeTask& task, int64_t begin, int64_t end);
   // The same over one run of n elements at `pointers` (one per Operand), with the nest's innermost

@@ -29,9 +29,10 @@ enum class ActKind : int {
 };
 constexpr int kNumActs = 20;
 // The activations the kernels apply inline, in every loop (kernels/activations.h): identity, relu
-// and the piecewise-linear ones. Each other one is a call a vector and bounds its loop by itself
-// (gelu: 16x relu's time, hard_swish 4x): those run in fewer loops (no periodic stream across
-// runs, no fused rows), which the planners choose by this table.
+// and the piecewise-linear ones. Each other one is a call (a vector, or a block of vectors) and
+// bounds its loop by itself (gelu: 7-10x relu's time): those run in fewer loops (no periodic
+// stream across runs, no fused rows). A unit may take fewer inline (the x86 fallback unit):
+// the planners read the unit's KernelTable::inline_activations.
 constexpr bool kActInline[kNumActs] = {
     true,   // identity
     true,   // linear
