@@ -69,6 +69,11 @@ template <class Deriv, class V> __attribute__((noinline)) V apply_derivative(con
   return (*static_cast<const Deriv*>(d))(pre, dy);
 }
 
+// Whether this unit's loops take the derivative of `kind` inline.
+constexpr bool derivative_inline(ActKind kind) {
+  return kind == ActKind::identity || (!kFewInline && (kind == ActKind::relu || kind == ActKind::leaky_relu));
+}
+
 // Calls fn(functor): DerivIdentity, DerivPiecewise (relu, leaky_relu) or DerivOutOfLine.
 template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& fn) {
   auto out_of_line = [&](const auto& functor) {
@@ -80,8 +85,8 @@ template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& f
   switch (act.kind) {
     case ActKind::relu:
     case ActKind::leaky_relu:
-      if constexpr (kFewInline) return out_of_line(DerivPiecewise<V>(act));
-      else return fn(DerivPiecewise<V>(act));
+      if constexpr (derivative_inline(ActKind::relu)) return fn(DerivPiecewise<V>(act));
+      else return out_of_line(DerivPiecewise<V>(act));
     case ActKind::silu:
     case ActKind::gelu: return out_of_line(DerivSmooth<V>(act));
     default: return fn(DerivIdentity<V>(act));
@@ -616,14 +621,20 @@ struct BackwardKernel {
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     const int64_t gi = (ps[kStats] - acc.stats_base) / cs, pi = (ps[kParams] - acc.params_base) / cs;
     // Element e of the summed run into the lanes (sgay, sga); element e of the written one.
+    // (pre and ga as Element::at_with_d computes them: the same bits.)
     auto sum = [&](int64_t e, V& sgay, V& sga) SIMDNORM_INLINE_LAMBDA {
       __builtin_prefetch(reinterpret_cast<const char*>(sx + e) + kPairPrefetchBytes, 0, 2);
       __builtin_prefetch(reinterpret_cast<const char*>(sdy + e) + kPairPrefetchBytes, 0, 2);
-      const V ga = L::load(sdy + e);
-      sgay = vfma(ga, (L::load(sx + e) - su_mean) * su_u, sgay), sga = sga + ga;
+      const V y = (L::load(sx + e) - su_mean) * su_u;
+      V ga = L::load(sdy + e);
+      if constexpr (D::kUsesPre) ga = deriv(vfma(y, su.scale_c, su.bias_c), ga);
+      sgay = vfma(ga, y, sgay), sga = sga + ga;
     };
     auto write = [&](int64_t e) SIMDNORM_INLINE_LAMBDA {
-      L::store_or_stream(dx + e, grad_input(L::load(wx + e) - mean, L::load(wdy + e), scale_u, d_coef, k_coef), stream);
+      const V d = L::load(wx + e) - mean;
+      V ga = L::load(wdy + e);
+      if constexpr (D::kUsesPre) ga = deriv(vfma(d * wr.u_c, wr.scale_c, wr.bias_c), ga);
+      L::store_or_stream(dx + e, grad_input(d, ga, scale_u, d_coef, k_coef), stream);
     };
     auto flush = [&](V sgay, V sga) SIMDNORM_INLINE_LAMBDA {
       add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
@@ -675,12 +686,12 @@ struct BackwardKernel {
   }
 
   // Whether pair_run takes the runs of `group`: pair_run's layout, no fused_add, grad_input written,
-  // no activation (the module has a size budget: .ci/run; an activation's derivative is a call a
-  // vector anyway).
+  // an activation whose derivative runs inline (relu's backward is as common as the plain one;
+  // the others' derivatives bound their loops by themselves).
   static bool pairs(const BackwardTask& t, const LoopNest& group) {
     const int in = group.ndim - 1;
     const int64_t es = static_cast<int64_t>(sizeof(T));
-    return t.act.kind == ActKind::identity && !t.write_ga && !t.has_fused_add && group.strides[kX][in] == es &&
+    return derivative_inline(t.act.kind) && !t.write_ga && !t.has_fused_add && group.strides[kX][in] == es &&
            group.strides[kGradOut][in] == es && group.strides[kGradIn][in] == es && group.strides[kStats][in] == 0 &&
            group.strides[kParams][in] == 0;
   }
@@ -694,16 +705,21 @@ struct BackwardKernel {
     for (int d = 0; d < in; ++d) runs *= written.sizes[d];
     int64_t steps[kNumOperands];
     for (int op = 0; op < kNumOperands; ++op) steps[op] = written.strides[op][in];
-    RunOdometer at(written, 0, in);
-    const DerivIdentity<V> deriv(t.act);
-    for (int64_t j = 0; j < runs; ++j, at.advance()) {
-      char *pa[kNumOperands], *ps[kNumOperands];
-      for (int op = 0; op < kNumOperands; ++op) {
-        pa[op] = written.data[op] + at.off[op];
-        ps[op] = summed.data[op] + at.off[op];
+    visit_derivative<V>(t.act, [&](const auto& deriv) {
+      if constexpr (std::is_same<std::decay_t<decltype(deriv)>, DerivOutOfLine<V>>::value) {
+        check_failed("an out-of-line derivative reached pair_groups", __FILE__, __LINE__);
+      } else {
+        RunOdometer at(written, 0, in);
+        for (int64_t j = 0; j < runs; ++j, at.advance()) {
+          char *pa[kNumOperands], *ps[kNumOperands];
+          for (int op = 0; op < kNumOperands; ++op) {
+            pa[op] = written.data[op] + at.off[op];
+            ps[op] = summed.data[op] + at.off[op];
+          }
+          pair_run(t, deriv, pa, ps, steps, written.sizes[in], acc);
+        }
       }
-      pair_run(t, deriv, pa, ps, steps, written.sizes[in], acc);
-    }
+    });
   }
 
   // Groups of runs of at most kSumFlush elements, each run's statistics and parameters constant
@@ -717,7 +733,8 @@ struct BackwardKernel {
   static constexpr int64_t kShortRun = 64;
   static bool short_runs(const BackwardTask& t, const LoopNest& group) {
     const int in = group.ndim - 1;
-    return group.ndim >= 1 && group.sizes[in] <= (t.from_memory ? kShortRun : kSumFlush) && pairs(t, group);
+    return t.act.kind == ActKind::identity && group.ndim >= 1 &&
+           group.sizes[in] <= (t.from_memory ? kShortRun : kSumFlush) && pairs(t, group);
   }
 
   // fn(pointers) for each run of g, in order.
