@@ -206,12 +206,26 @@ def _training_reference(data: CaseData) -> Expected:
     return Expected(values, "grad_input", norms)
 
 
+# The fused activations (shapes.ACTIVATION_DESCRIPTIONS) in float64, applied to the op's output.
+ACTIVATIONS = {
+    "relu": lambda y: np.maximum(y, 0.0),
+    "silu": lambda y: y / (1.0 + np.exp(-y)),
+}
+
+
 def reference(data: CaseData) -> Union[np.ndarray, Expected]:
-    """The case's op in float64 numpy, on the case's arrays (logical shape); an :class:`Expected`
-    for a training case."""
+    """The case's op in float64 numpy, on the case's arrays (logical shape), then its activation if
+    it names one; an :class:`Expected` for a training case."""
     case = data.case
     if case.is_training:
         return _training_reference(data)
+    y = _forward_reference(data)
+    return ACTIVATIONS[case.activation](y) if case.activation else y
+
+
+def _forward_reference(data: CaseData) -> np.ndarray:
+    """The forward op alone, in float64."""
+    case = data.case
     x = data.x.astype(np.float64)
     p = {k: v.astype(np.float64) for k, v in data.params.items()}
     eps = case.epsilon

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -175,6 +175,28 @@ class AddImpl(CopyImpl):
 
 
 # -------------------------------------------------------------------------------------------- numpy
+def numpy_activation(name: str, work: np.ndarray) -> Callable[[np.ndarray, np.ndarray], Any]:
+    """act(src, dst): the activation `name` of `src` (an array like `work`: the work type, float32
+    or float64) into `dst`, rounded once to dst's dtype; `dst` may be `src`. Silu's temporary is
+    allocated here, before the timing."""
+    wt = work.dtype.type
+    if name == "relu":
+        zero = wt(0.0)
+        return lambda src, dst: np.maximum(src, zero, out=dst, dtype=wt)
+    if name == "silu":  # x / (1 + exp(-x))
+        t = np.empty_like(work)
+        one = wt(1.0)
+
+        def silu(src: np.ndarray, dst: np.ndarray) -> None:
+            np.negative(src, out=t)
+            np.exp(t, out=t)
+            np.add(t, one, out=t)
+            np.divide(src, t, out=dst, dtype=wt)
+
+        return silu
+    raise NotAvailable(f"no numpy version of activation {name!r}")
+
+
 class NumpyImpl(Impl):
     """numpy written the obvious way: float32 work (float64 for float64 data), preallocated
     temporaries, rounded once."""
@@ -182,7 +204,8 @@ class NumpyImpl(Impl):
     name = "numpy"
     kind = "numpy"
     footnote = ("numpy: the obvious ufunc code, float32 work (float64 work and parameters for "
-                "float64 data) with preallocated temporaries, rounded once; always one thread")
+                "float64 data) with preallocated temporaries, rounded once (after the activation, "
+                "if any: maximum, or negative/exp/add/divide for silu); always one thread")
 
     def __init__(self) -> None:
         self.threads = 1
@@ -208,12 +231,17 @@ class NumpyImpl(Impl):
             mean, var, scale, bias = (params[k].reshape(bshape)
                                       for k in ("mean", "var", "scale", "bias"))
             tmp = out if in_wt else np.empty_like(x, dtype=wt)
+            # with an activation the norm stays in the work type (tmp) until the activation rounds it
+            act = numpy_activation(case.activation, tmp) if case.activation else None
+            norm_out = tmp if act else out
 
             def fn() -> None:
                 a = scale / np.sqrt(var + eps)
                 b = bias - mean * a
                 np.multiply(x, a, out=tmp, dtype=wt)
-                np.add(tmp, b, out=out, dtype=wt)
+                np.add(tmp, b, out=norm_out, dtype=wt)
+                if act:
+                    act(tmp, out)
 
             return prepared_out(fn, out, note)
 
@@ -242,8 +270,11 @@ class NumpyImpl(Impl):
         sq = np.empty_like(xv, dtype=wt)
         center = case.op != "rms_norm"
         one = wt(1.0)
+        # with an activation the norm stays in the work type (d) until the activation rounds it
+        act = numpy_activation(case.activation, d) if case.activation else None
+        norm_out = d if act else ov_
 
-        def fn() -> None:
+        def normalize() -> None:
             if center:
                 mean = np.mean(xv, axis=axes, keepdims=True, dtype=wt)
                 np.subtract(xv, mean, out=d, dtype=wt)
@@ -254,16 +285,23 @@ class NumpyImpl(Impl):
             var = np.mean(sq, axis=axes, keepdims=True)
             inv = one / np.sqrt(var + eps)
             if scale is None and bias is None:
-                np.multiply(src, inv, out=ov_, dtype=wt)
+                np.multiply(src, inv, out=norm_out, dtype=wt)
                 return
             np.multiply(src, inv, out=d, dtype=wt)
             if bias is None:
-                np.multiply(d, scale, out=ov_, dtype=wt)
+                np.multiply(d, scale, out=norm_out, dtype=wt)
             else:
                 np.multiply(d, scale, out=d)
-                np.add(d, bias, out=ov_, dtype=wt)
+                np.add(d, bias, out=norm_out, dtype=wt)
 
-        return prepared_out(fn, out, note)
+        if not act:
+            return prepared_out(normalize, out, note)
+
+        def normalize_then_activate() -> None:
+            normalize()
+            act(d, ov_)
+
+        return prepared_out(normalize_then_activate, out, note)
 
 
 # ----------------------------------------------------------------------------------------- simdnorm
@@ -287,7 +325,8 @@ class SimdnormImpl(Impl):
     name = "simdnorm"
     kind = "simdnorm"
     footnote = ("simdnorm: the functional call with out= (tiny/bn-compiled: simdnorm.compile(desc)), "
-                "float32 (C,) parameters (float64 ones for float64 data); training: "
+                "float32 (C,) parameters (float64 ones for float64 data), a +activation case's "
+                "activation fused (activation=\"relu\"/\"silu\"); training: "
                 "batch_normalization_training with running statistics, and the backward ops with "
                 "out= for grad_input, given the statistics of the forward run with return_stats "
                 "before the timing")
@@ -331,6 +370,9 @@ class SimdnormImpl(Impl):
         # 1-D, float32 (mixed precision for float16/bfloat16 inputs) or float64 for float64 data
         p = data.user_params()
         eps = case.epsilon
+        # activation= only where the case fuses one: the other cases' calls stay as they were
+        # (the tiny ones time the per-call cost)
+        act = {"activation": case.activation} if case.activation else {}
         partial = functools.partial
         if case.op == "batch_norm" and case.compiled:
             TensorDesc = self._need(sn, "TensorDesc")
@@ -340,28 +382,28 @@ class SimdnormImpl(Impl):
             strides = None if x.flags.c_contiguous else tuple(s // item for s in x.strides)
             xdesc = TensorDesc(x.dtype, tuple(x.shape), strides)
             pdesc = [TensorDesc(data.param_dtype, (case.param_len,)) for _ in range(4)]
-            desc = BND(xdesc, *pdesc, epsilon=eps)
+            desc = BND(xdesc, *pdesc, epsilon=eps, **act)
             op = compile_(desc)
             fn = partial(op, x, p["mean"], p["var"], p["scale"], p["bias"], out=out)
             return prepared_out(fn, out, "compile(desc)")
         if case.op == "batch_norm":
             f = self._need(sn, "batch_normalization")
-            fn = partial(f, x, p["mean"], p["var"], p["scale"], p["bias"], epsilon=eps, out=out)
+            fn = partial(f, x, p["mean"], p["var"], p["scale"], p["bias"], epsilon=eps, out=out, **act)
         elif case.op == "instance_norm":
             f = self._need(sn, "instance_norm")
-            fn = partial(f, x, p["scale"], p["bias"], epsilon=eps, out=out)
+            fn = partial(f, x, p["scale"], p["bias"], epsilon=eps, out=out, **act)
         elif case.op == "group_norm":
             f = self._need(sn, "group_norm")
-            fn = partial(f, x, case.groups, p["scale"], p["bias"], epsilon=eps, out=out)
+            fn = partial(f, x, case.groups, p["scale"], p["bias"], epsilon=eps, out=out, **act)
         elif case.op == "mvn":
             f = self._need(sn, "mean_variance_normalization")
-            fn = partial(f, x, tuple(case.axes), epsilon=eps, out=out)
+            fn = partial(f, x, tuple(case.axes), epsilon=eps, out=out, **act)
         elif case.op == "layer_norm":
             f = self._need(sn, "layer_norm")
-            fn = partial(f, x, p["scale"], p["bias"], epsilon=eps, out=out)
+            fn = partial(f, x, p["scale"], p["bias"], epsilon=eps, out=out, **act)
         elif case.op == "rms_norm":
             f = self._need(sn, "rms_norm")
-            fn = partial(f, x, p["scale"], epsilon=eps, out=out)
+            fn = partial(f, x, p["scale"], epsilon=eps, out=out, **act)
         else:
             raise NotAvailable(f"unknown op {case.op}")
         return prepared_out(fn, out)

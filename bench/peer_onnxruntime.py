@@ -3,7 +3,9 @@ onto preallocated numpy arrays.
 
 The optimized graph ORT actually runs is inspected once per case: if ORT inserted casts to float32
 because it lacks a kernel for the dtype, the case is n/a (we do not time a cast); if ORT expanded the
-op into several nodes (an ONNX function body), the table says so.
+op into several nodes (an ONNX function body), the table says so. A case with a fused activation
+gets the activation's nodes after the norm (:data:`ONNX_ACTIVATION`); the note says what ORT ran
+for them.
 
 Training: forward-training batch norm is BatchNormalization-15 with training_mode=1 (Y and the
 updated running statistics as outputs, ONNX's momentum convention), which ORT's CPU inference
@@ -35,6 +37,17 @@ ONNX_OP = {
 }
 
 
+# Each fused activation as the ONNX nodes (op type, inputs, outputs) that follow the norm, whose
+# output is then NORM_OUT; the last writes Y. SiLU as Sigmoid and Mul: ORT fuses the pair into its
+# com.microsoft QuickGelu kernel (alpha 1: x * sigmoid(x)), while ONNX's own Swish (opset 24) runs
+# in ORT 1.32 as its function body, Mul, Sigmoid, Mul, unfused.
+NORM_OUT = "N"
+ONNX_ACTIVATION = {
+    "relu": (("Relu", [NORM_OUT], ["Y"]),),
+    "silu": (("Sigmoid", [NORM_OUT], ["sigmoid_N"]), ("Mul", [NORM_OUT, "sigmoid_N"], ["Y"])),
+}
+
+
 def _import():
     import onnx
     import onnxruntime as ort
@@ -58,7 +71,8 @@ def _elem_type(TensorProto, dtype_name: str) -> int:
 class OnnxRuntimeImpl(LazyPeerImpl):
     name = "onnxruntime"
     footnote = ("onnxruntime: in-memory ONNX model (parameters as initializers), CPU EP, io binding "
-                "onto preallocated numpy arrays")
+                "onto preallocated numpy arrays; +relu: a Relu node after the norm, +silu: Sigmoid "
+                "and Mul, which ORT fuses into com.microsoft QuickGelu (the note says what ran)")
     requires = "onnxruntime/onnx"
 
     def _import(self):
@@ -209,10 +223,37 @@ class OnnxRuntimeImpl(LazyPeerImpl):
                                           stash_type=1))
         else:
             raise NotAvailable(f"unknown op {case.op}")
+        if case.activation:  # the norm writes NORM_OUT, the activation's nodes Y
+            assert list(nodes[-1].output) == ["Y"]
+            nodes[-1].output[0] = NORM_OUT
+            nodes += [helper.make_node(t, i, o) for t, i, o in ONNX_ACTIVATION[case.activation]]
         graph = helper.make_graph(nodes, "bench", [X], outputs, initializer=inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
         model.ir_version = 10
         return model, note, keep
+
+    @staticmethod
+    def _ops_built(case, keep: Optional[str]) -> str:
+        """What the model runs, in words: the norm op (or "these ops"), then its activation's nodes."""
+        norm = ONNX_OP[case.op] if keep else "these ops"
+        if not case.activation:
+            return norm
+        return "+".join([norm] + [t for t, _, _ in ONNX_ACTIVATION[case.activation]])
+
+    @staticmethod
+    def _split_activation(case, ran_nodes) -> tuple[list[str], Optional[str]]:
+        """(op types of the nodes ORT runs for the norm, a note on the activation's or None): the
+        activation's nodes are those after the one that writes NORM_OUT."""
+        op_types = [n.op_type for n in ran_nodes]
+        if not case.activation:
+            return op_types, None
+        ends = [i for i, n in enumerate(ran_nodes) if NORM_OUT in n.output]
+        if not ends:  # ORT merged the norm's last node with the activation's
+            return op_types, f"ORT fused the norm and {case.activation}: ran {'+'.join(op_types)}"
+        norm, act = op_types[:ends[0] + 1], op_types[ends[0] + 1:]
+        built = [t for t, _, _ in ONNX_ACTIVATION[case.activation]]
+        act_note = f"then {'+'.join(act)}" + ("" if act == built else f" (built as {'+'.join(built)})")
+        return norm, act_note
 
     def prepare(self, data: CaseData) -> Prepared:
         onnx, ort, *_ = self._load()
@@ -235,7 +276,7 @@ class OnnxRuntimeImpl(LazyPeerImpl):
                 msg = str(e).split(":")[-1].strip() or type(e).__name__
                 if "NOT_IMPLEMENTED" in str(e):  # no CPU kernel registered for this op and type
                     raise NotAvailable(f"ORT CPU has no {case.dtype} kernel for "
-                                       f"{ONNX_OP[case.op] if keep else 'these ops'} "
+                                       f"{self._ops_built(case, keep)} "
                                        f"(NOT_IMPLEMENTED: {msg[:100]})") from None
                 raise NotAvailable(f"ORT: {msg[:120]}") from None
             ran = onnx.load(opt_path)
@@ -248,10 +289,12 @@ class OnnxRuntimeImpl(LazyPeerImpl):
         inserted = [n for n in ran_nodes if n.op_type == "Cast" and "InsertedPrecisionFreeCast" in n.name]
         if inserted:
             raise NotAvailable(f"ORT CPU has no {case.dtype} kernel for "
-                               f"{ONNX_OP[case.op] if keep else 'these ops'} (it inserts casts to float32)")
-        op_types = [n.op_type for n in ran_nodes]
+                               f"{self._ops_built(case, keep)} (it inserts casts to float32)")
+        op_types, act_note = self._split_activation(case, ran_nodes)
         if keep is not None and op_types != [keep]:
             note = f"ORT expands {keep} into {len(op_types)} nodes (no kernel)"
+        if act_note:
+            note = f"{note}; {act_note}" if note else act_note
         if case.dtype == "float64" and keep is not None:
             # ONNX attributes are float32: epsilon 1e-5 is 9.99999975e-06 (~1e-12 off the
             # reference, within the float64 tolerance; against that epsilon ~1e-15)

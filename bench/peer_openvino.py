@@ -52,7 +52,8 @@ class OpenVinoImpl(LazyPeerImpl):
     name = "openvino"
     footnote = ("openvino: opset model, CPU plugin, INFERENCE_PRECISION_HINT=f32, shared-memory "
                 "tensors, one reused infer request; 'exec:' lists the layers it ran; n/a on float64 "
-                "(the CPU plugin computes f64 models in f32)")
+                "(the CPU plugin computes f64 models in f32); +relu/+silu: a Relu/Swish op after the "
+                "norm, for the plugin to fuse as it can")
     requires = "openvino"
 
     def __init__(self) -> None:
@@ -126,6 +127,12 @@ class OpenVinoImpl(LazyPeerImpl):
             y = ops.multiply(ops.multiply(x, r), c(p["scale"]))
         else:
             raise NotAvailable(f"unknown op {case.op}")
+        if case.activation == "relu":
+            y = ops.relu(y)
+        elif case.activation == "silu":  # OpenVINO's Swish: x * sigmoid(beta * x), beta 1
+            y = ops.swish(y, c(1.0))  # beta in the input's type (its default is an f32 constant)
+        elif case.activation:
+            raise NotAvailable(f"no OpenVINO op for activation {case.activation!r}")
         model = ov.Model([y], [x], "bench")
         return model, note
 

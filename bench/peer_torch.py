@@ -43,10 +43,24 @@ def to_numpy(torch, t, like: np.ndarray) -> np.ndarray:
     return t.numpy()
 
 
+def _then_activation(F, name: str, norm):
+    """The norm, then F.relu / F.silu on its output: the unfused pair a torch model runs. In place
+    (inplace=True, as torchvision's ResNet writes nn.ReLU): the norm's output is a fresh tensor, so
+    torch is not charged a second output allocation that its users avoid."""
+    act = getattr(F, name)
+
+    def norm_then_activation():
+        return act(norm(), inplace=True)
+
+    return norm_then_activation
+
+
 class TorchImpl(LazyPeerImpl):
     name = "torch"
     footnote = ("torch: torch.nn.functional on zero-copy views; allocates its output (no out= in F.*); "
-                "bn-train: F.batch_norm(training=True) with running statistics; *-bwd: "
+                "bn-train: F.batch_norm(training=True) with running statistics; "
+                "+relu/+silu: the F.* op, then F.relu/F.silu(inplace=True) on its output (unfused, "
+                "as torch models run them); *-bwd: "
                 "torch.autograd.grad(y, (x, weight, bias), grad_output, retain_graph=True) of the "
                 "F.* forward graph built before the timing (bn-bwd-eval: F.batch_norm(training=False) "
                 "with the given statistics); its outputs are fresh each call, and "
@@ -151,6 +165,8 @@ class TorchImpl(LazyPeerImpl):
 
             return fn, run_backward, note
         fn, note = cls._forward(torch, F, case, xt, p)
+        if case.activation:
+            fn = _then_activation(F, case.activation, fn)
 
         def run_forward():
             return to_numpy(torch, fn(), x)

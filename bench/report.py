@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 from .impl_base import FLOORS
 from .runner import OK, CaseResult, summary
-from .shapes import OP_DESCRIPTIONS
+from .shapes import ACTIVATION_DESCRIPTIONS, OP_DESCRIPTIONS
 
 JSON_SCHEMA = 1
 
@@ -205,6 +205,7 @@ def json_document(results: Sequence[CaseResult], impls, config: dict[str, Any]) 
         "versions": versions(impls),
         "config": config,
         "ops": OP_DESCRIPTIONS,
+        "activations": ACTIVATION_DESCRIPTIONS,
         "notes": [getattr(i, "footnote") for i in impls if getattr(i, "footnote", None)],
         "cases": [cr.to_json() for cr in results],
     }

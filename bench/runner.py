@@ -11,7 +11,7 @@ import numpy as np
 
 from .cases import TOLERANCE, CaseData, Expected, NotAvailable, check, check_each, make_data, reference
 from .impl_base import FLOORS, Impl, Prepared
-from .shapes import OP_DESCRIPTIONS, Case
+from .shapes import ACTIVATION_DESCRIPTIONS, OP_DESCRIPTIONS, Case
 from .timing import measure
 
 OK, NA, ERROR, WRONG = "ok", "n/a", "error", "WRONG"
@@ -61,7 +61,9 @@ class CaseResult:
             "name": c.name,
             "op": c.op,
             "description": c.describe(),
-            "definition": OP_DESCRIPTIONS[c.op],
+            "definition": OP_DESCRIPTIONS[c.op] + (
+                f"; then {c.activation}: {ACTIVATION_DESCRIPTIONS[c.activation]}" if c.activation else ""),
+            "activation": c.activation,
             "shape": list(c.shape),
             "dtype": c.dtype,
             "layout": c.layout,

@@ -10,6 +10,11 @@ Layouts (4-D cases only):
   same logical shape (N, C, H, W), channel_axis=1, with the channels innermost in memory.
 - ``"contig"``: a C-contiguous array (the sequence cases, e.g. (batch, tokens, hidden)).
 
+Fused activations: a forward case may name an ``activation`` ("relu", "silu") applied to its op's
+output, as simdnorm fuses it (``simdnorm.group_norm(x, 32, g, b, activation="silu")``) and the
+peers run it after the norm; those cases are named ``<short>+<activation>/...``
+(:data:`ACTIVATION_CASES`).
+
 Training ops (SPEC §9): ``batch_norm_training`` (batch statistics, running statistics updated) and the
 backward ops ``<op>_backward`` (grad_input, grad_scale and grad_bias of the forward op from
 grad_output, given the statistics its forward returned). Their cases are listed after the others
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from math import prod
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 # ResNet-50's batch-norm layers at batch 8 (oneDNN benchdnn's resnet_50 bnorm list, mb=8).
 RESNET50_BN_SHAPES: tuple[tuple[int, int, int, int], ...] = (
@@ -51,6 +56,17 @@ FLOAT64_CASES: tuple[tuple[str, tuple[int, ...], str], ...] = (
     ("layer_norm", SEQUENCE_NORM_SHAPES[0], "contig"),
     ("batch_norm", RESNET50_BN_SHAPES[0], "nchw"),
     ("instance_norm", SPATIAL_NORM_SHAPES[0], "nchw"),
+)
+# Stable Diffusion's UNet (SD 1.x at 512x512): 64x64 latents, batch 2 (classifier-free guidance's
+# conditioned and unconditioned halves), its first blocks' 320 channels.
+SD_UNET_GROUP_NORM_SHAPE: tuple[int, int, int, int] = (2, 320, 64, 64)
+# A norm with the activation models run right after it, fused into the one call (op, shape, layout,
+# dtype, activation): ResNet-50's conv-bn-relu (batch norm with given statistics, its first stage's
+# shape) and the UNet's GroupNorm(32) + SiLU, in float32 and in bfloat16. Named "<short>+<activation>/...".
+ACTIVATION_CASES: tuple[tuple[str, tuple[int, ...], str, str, str], ...] = (
+    ("batch_norm", RESNET50_BN_SHAPES[1], "nchw", "float32", "relu"),
+    ("group_norm", SD_UNET_GROUP_NORM_SHAPE, "nchw", "float32", "silu"),
+    ("group_norm", SD_UNET_GROUP_NORM_SHAPE, "nchw", "bfloat16", "silu"),
 )
 
 # Training ops: (op, shape, layout, dtype). The shapes and dtypes of the speed goals of the training
@@ -122,6 +138,11 @@ OP_DESCRIPTIONS = {
                            "the forward's mean and inv_std",
     "rms_norm_backward": "grad_input, grad_scale of RMS norm given grad_output and the forward's inv_rms",
 }
+# The activations a case may fuse after its op, in words (the float64 reference: bench/cases.py).
+ACTIVATION_DESCRIPTIONS = {
+    "relu": "max(y, 0)",
+    "silu": "y / (1 + exp(-y))",
+}
 TRAINING_OPS = frozenset(op for op in OP_DESCRIPTIONS if op == "batch_norm_training" or op.endswith("_backward"))
 BACKWARD_OPS = frozenset(op for op in OP_DESCRIPTIONS if op.endswith("_backward"))
 
@@ -148,6 +169,7 @@ class Case:
     groups: int = 0  # group_norm only
     compiled: bool = False  # simdnorm runs it through simdnorm.compile(desc)
     epsilon: float = EPSILON
+    activation: Optional[str] = None  # one of ACTIVATION_DESCRIPTIONS, applied to the op's output
     tags: frozenset[str] = field(default_factory=frozenset)
 
     @property
@@ -220,6 +242,8 @@ class Case:
             extra.append(f"axes={self.axes}")
         if self.groups:
             extra.append(f"groups={self.groups}")
+        if self.activation:
+            extra.append(f"then {self.activation}")
         if self.compiled:
             extra.append("simdnorm via compile(desc)")
         tail = f" [{', '.join(extra)}]" if extra else ""
@@ -231,7 +255,7 @@ class Case:
         if len(shape) != len(self.shape):
             raise ValueError(f"scaled shape {shape} must have {len(self.shape)} dims")
         name = make_name(self.op, shape, self.dtype, self.layout, self.groups, self.compiled,
-                         tiny="tiny" in self.tags)
+                         tiny="tiny" in self.tags, activation=self.activation)
         return replace(self, name=name, shape=shape)
 
 
@@ -246,7 +270,7 @@ def bytes_moved(shape: Sequence[int], dtype: str, op: str = "") -> int:
 
 
 def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled: bool = False,
-              tiny: bool = False) -> str:
+              tiny: bool = False, activation: Optional[str] = None) -> str:
     d = DTYPE_SHORT[dtype]
     s = shape_str(shape)
     if tiny:
@@ -264,6 +288,8 @@ def make_name(op: str, shape, dtype: str, layout: str, groups: int = 0, compiled
     }[fwd]
     if op != fwd:
         short += "-bwd-eval" if op == "batch_norm_eval_backward" else "-bwd"
+    if activation:
+        short += f"+{activation}"
     if fwd == "batch_norm" or layout == "nhwc":  # (the other ops' cases are NCHW but for this one)
         return f"{short}/{s}/{layout}/{d}"
     return f"{short}/{s}/{d}"
@@ -310,6 +336,18 @@ def _build_cases() -> tuple[Case, ...]:
             axes, tags = (len(shape) - 1,), {"sequence"}
         out.append(Case(make_name(op, shape, "float64", layout), op, shape, "float64", layout,
                         axes=axes, tags=frozenset(tags | {"float64"})))
+    for op, shape, layout, dtype, activation in ACTIVATION_CASES:
+        if op == "batch_norm":
+            axes, groups, tags = (0, 2, 3), 0, {"bn", layout}
+        else:  # group_norm
+            axes, groups, tags = (2, 3), GROUP_NORM_GROUPS, {"spatial"}
+        tags |= {dtype, "activation"}
+        # --quick gets one: the UNet's float32 SiLU, whose exp per element costs more than ReLU's max
+        if (op, dtype) == ("group_norm", "float32"):
+            tags.add("quick")
+        out.append(Case(make_name(op, shape, dtype, layout, groups, activation=activation), op, shape,
+                        dtype, layout, axes=axes, groups=groups, activation=activation,
+                        tags=frozenset(tags)))
     for op, shape, layout, dtype in TRAINING_CASES:
         fwd = forward_op(op)
         groups = GROUP_NORM_GROUPS if fwd == "group_norm" else 0

@@ -67,10 +67,10 @@ def small_shape(case):
 
 
 def _kinds():
-    """One scaled case per distinct (op, dtype, layout, compiled) of the suite."""
+    """One scaled case per distinct (op, dtype, layout, compiled, activation) of the suite."""
     seen = {}
     for c in shapes.CASES:
-        key = (c.op, c.dtype, c.layout, c.compiled)
+        key = (c.op, c.dtype, c.layout, c.compiled, c.activation)
         if key not in seen:
             seen[key] = c.scaled(small_shape(c))
     return list(seen.values())
@@ -115,7 +115,7 @@ def test_named_shape_lists():
         (s, lay, d) for s in shapes.RESNET50_BN_SHAPES for lay in ("nchw", "nhwc")
         for d in ("float32", "float16", "bfloat16")}
     for op in ("instance_norm", "group_norm", "mvn"):
-        cs = [c for c in shapes.CASES if c.op == op]
+        cs = [c for c in shapes.CASES if c.op == op and not c.activation]  # those: ACTIVATION_CASES
         assert cs and {c.shape for c in cs} == {(8, 256, 56, 56), (8, 512, 7, 7)}
     assert all(c.groups == 32 for c in shapes.CASES if c.op == "group_norm")
     assert all(c.axes == (0, 2, 3) for c in shapes.CASES if c.op == "mvn")
@@ -152,8 +152,8 @@ FLOAT64_CASES = {  # name: (op, shape, layout, axes, tags)
 def test_float64_cases_are_added_beside_the_others():
     names = [c.name for c in shapes.CASES]
     assert len(CASES_BEFORE_FLOAT64) == 92
-    assert [n for n in names if not n.endswith("/f64") and not shapes.get_case(n).is_training] \
-        == CASES_BEFORE_FLOAT64
+    assert [n for n in names if not n.endswith("/f64") and not shapes.get_case(n).is_training
+            and not shapes.get_case(n).activation] == CASES_BEFORE_FLOAT64
     f64 = [c for c in shapes.CASES if c.dtype == "float64"]
     assert [c.name for c in f64] == list(FLOAT64_CASES) == [c.name for c in shapes.select(filters=["f64"])]
     for c in f64:
@@ -300,6 +300,121 @@ def test_float64_tolerance_catches_float32_work(name):
                           warmup_ns=0).results
     assert res["copy"].status == runner.OK
     assert res["f32work"].status == runner.WRONG and 1e-9 < res["f32work"].max_abs_err < 1e-5
+
+
+# ---------------------------------------------------------------------------- fused activations
+ACTIVATION_CASES = {  # name: (op, shape, layout, dtype, activation), after the float64 cases
+    "bn+relu/8x256x56x56/nchw/f32": ("batch_norm", (8, 256, 56, 56), "nchw", "float32", "relu"),
+    "group32+silu/2x320x64x64/f32": ("group_norm", (2, 320, 64, 64), "nchw", "float32", "silu"),
+    "group32+silu/2x320x64x64/bf16": ("group_norm", (2, 320, 64, 64), "nchw", "bfloat16", "silu"),
+}
+ACTIVATION_KINDS = [c for c in KINDS if c.activation]
+
+
+def test_activation_cases_are_named_for_their_activation():
+    names = [c.name for c in shapes.CASES]
+    acts = [c for c in shapes.CASES if c.activation]
+    assert [c.name for c in acts] == list(ACTIVATION_CASES)
+    first, last = names.index(acts[0].name), names.index(acts[-1].name)
+    assert names[first - 1].endswith("/f64") and shapes.CASES[last + 1].is_training
+    for c in acts:
+        op, shape, layout, dtype, activation = ACTIVATION_CASES[c.name]
+        assert (c.op, c.shape, c.layout, c.dtype, c.activation) == (op, shape, layout, dtype, activation)
+        assert c.groups == (32 if op == "group_norm" else 0) and not c.compiled and not c.is_training
+        assert c.params == {"batch_norm": ("mean", "var", "scale", "bias"),  # the op's own, none added
+                            "group_norm": ("scale", "bias")}[op]
+        assert c.bytes_moved == 2 * c.nbytes and {"activation", dtype} <= c.tags
+        assert c.describe().startswith(f"{op} {shapes.shape_str(shape)} {dtype} {layout}")
+        assert f"then {activation}" in c.describe()
+        assert c.scaled(small_shape(c)).name == c.name.replace(shapes.shape_str(shape),
+                                                               shapes.shape_str(small_shape(c)))
+    assert [c.name for c in shapes.select(filters=["+relu", "+silu"])] == list(ACTIVATION_CASES)
+    assert [c.name for c in shapes.select(quick=True) if c.activation] == ["group32+silu/2x320x64x64/f32"]
+    assert not any(c.activation for c in shapes.select(filters=["bn/", "group32/"]))
+
+
+@pytest.mark.parametrize("case", ACTIVATION_KINDS, ids=[c.name for c in ACTIVATION_KINDS])
+def test_activation_reference_is_the_norm_then_the_activation(case):
+    _needs_ml_dtypes(case)
+    d = bcases.make_data(case)
+    ref = bcases.reference(d)
+    norm = bcases.reference(bcases.CaseData(dataclasses.replace(case, activation=None), d.x, d.params))
+    assert ref.shape == norm.shape == case.shape and ref.dtype == np.float64
+    assert 0.2 < np.mean(norm < 0) < 0.8  # the activation has negative inputs to act on
+    act = {"relu": lambda v: max(v, 0.0), "silu": lambda v: v / (1.0 + math.exp(-v))}[case.activation]
+    for got, y in zip(ref.flat, norm.flat):
+        assert got == pytest.approx(act(y), rel=1e-12, abs=1e-15)
+
+
+class _NormWithoutActivation(impls.NumpyImpl):
+    """numpy's norm, without the case's activation: what an activation case must catch."""
+    name = "noact"
+
+    def prepare(self, data):
+        plain = dataclasses.replace(data.case, activation=None)
+        return super().prepare(bcases.CaseData(plain, data.x, data.params))
+
+
+@pytest.mark.parametrize("case", ACTIVATION_KINDS, ids=[c.name for c in ACTIVATION_KINDS])
+def test_runner_flags_a_result_without_the_activation(case):
+    _needs_ml_dtypes(case)
+    cr = runner.run_case(case, [impls.CopyImpl(), impls.NumpyImpl(), _NormWithoutActivation()], rounds=1,
+                         min_sample_ns=1e4, warmup_ns=0)
+    res = cr.results
+    assert res["numpy"].status == runner.OK
+    assert res["noact"].status == runner.WRONG and res["noact"].median_ns is None
+    assert "float64 reference" in res["noact"].reason
+    doc = json.loads(json.dumps(cr.to_json()))
+    assert doc["activation"] == case.activation and doc["name"] == case.name
+    assert doc["definition"].endswith(f"; then {case.activation}: "
+                                      f"{shapes.ACTIVATION_DESCRIPTIONS[case.activation]}")
+
+
+@pytest.mark.parametrize("case", ACTIVATION_KINDS, ids=[c.name for c in ACTIVATION_KINDS])
+def test_simdnorm_fuses_the_activation_into_its_call(case):
+    """simdnorm's timed call passes activation= and meets the float64 reference of the norm then
+    the activation; the same call without it does not."""
+    _simdnorm_or_skip()
+    _needs_ml_dtypes(case)
+    data = bcases.make_data(case)
+    ref = bcases.reference(data)
+    prep = impls.SimdnormImpl().prepare(data)
+    assert prep.fn.keywords["activation"] == case.activation
+    _check_timed_callable(case, prep, ref)
+    plain = impls.SimdnormImpl().prepare(bcases.CaseData(dataclasses.replace(case, activation=None),
+                                                         data.x, data.params))
+    assert "activation" not in plain.fn.keywords  # the other cases' calls are as they were
+    assert not bcases.check(case, plain.run_once(), ref)[0]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_peers_run_the_activation_after_the_norm():
+    """ONNX Runtime's model is the norm, then Relu or Sigmoid+Mul, and its note says what ORT ran
+    for them; OpenVINO's model ends in Relu or Swish; torch's result has the activation too."""
+    f32 = [c for c in ACTIVATION_KINDS if c.dtype == "float32"]
+    assert {c.activation for c in f32} == {"relu", "silu"}
+    if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx"):
+        ort_impl = _peer("onnxruntime")
+        for case in f32:
+            data = bcases.make_data(case)
+            model, _, keep = ort_impl.build_model(data)
+            want = {"relu": ["Relu"], "silu": ["Sigmoid", "Mul"]}[case.activation]
+            assert [n.op_type for n in model.graph.node] == [keep] + want
+            prep = ort_impl.prepare(data)
+            assert "then " in prep.note
+            _check_timed_callable(case, prep, bcases.reference(data))
+    if importlib.util.find_spec("openvino"):
+        ov_impl = _peer("openvino")
+        for case in f32:
+            model, _ = ov_impl.build_model(bcases.make_data(case))
+            last = model.get_results()[0].input_value(0).get_node()
+            assert last.get_type_name() == {"relu": "Relu", "silu": "Swish"}[case.activation]
+    if importlib.util.find_spec("torch"):
+        torch_impl = _peer("torch")
+        for case in f32:
+            data = bcases.make_data(case)
+            _check_timed_callable(case, torch_impl.prepare(data), bcases.reference(data))
 
 
 # ---------------------------------------------------------------------------- training cases
@@ -710,7 +825,7 @@ def test_simdnorm_tiny_batch_norm_in_float64(compiled):
 
 @pytest.mark.parametrize("name", ["tiny/bn/1x16x8x8/f32", "tiny/bn-compiled/1x16x8x8/f32",
                                   "bn/8x512x7x7/nhwc/f16", "layer/8x512x768/f32",
-                                  "layer/8x512x768/f64"])
+                                  "layer/8x512x768/f64", "group32+silu/2x320x64x64/bf16"])
 def test_simdnorm_real_cases(name):
     _simdnorm_or_skip()
     case = shapes.get_case(name)
@@ -1052,6 +1167,10 @@ def test_list(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines] == list(FLOAT64_CASES)
     assert "float64" in lines[0] and "(50.3 MB moved)" in lines[0]  # 2 x 8 x 512 x 768 x 8 bytes
+    assert B.main(["--list", "--filter", "+relu", "--filter", "+silu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(ACTIVATION_CASES)
+    assert "then relu" in lines[0] and "(51.4 MB moved)" in lines[0]  # 2 x 8x256x56x56x4: the output once
     assert B.main(["--list", "--filter", "train", "--filter", "bwd"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines] == list(TRAINING_CASES)
