@@ -133,11 +133,15 @@ def test_set_isa_errors(name, msg):
 
 
 def test_set_isa_unavailable():
+    cpu = simdnorm._core.cpu_isas()
+    assert cpu[-1] == "baseline" and set(simdnorm.available_isas()) <= set(cpu)
     missing = [n for n in ("avx512bf16", "avx512", "avx2") if n not in simdnorm.available_isas()]
     if not missing:
         pytest.skip("every known ISA is available here")
-    with pytest.raises(ValueError, match=rf"'{missing[0]}' is not available on this CPU"):
-        simdnorm.set_isa(missing[0])
+    for name in missing:
+        what = "not built into this install" if name in cpu else "not available on this CPU"
+        with pytest.raises(ValueError, match=rf"'{name}' is {what}"):
+            simdnorm.set_isa(name)
 
 
 def test_set_isa_is_case_insensitive():
@@ -166,6 +170,15 @@ def test_bad_simdnorm_isa_warns_and_uses_best(value):
     assert "RuntimeWarning" in err and f"SIMDNORM_ISA={value!r} is not valid" in err
     assert f"valid values: {', '.join(avail.split(','))}" in err
     assert f"using the best available, {active!r}" in err
+
+
+def test_simdnorm_isa_env_names_a_unit_not_built():
+    unbuilt = [n for n in simdnorm._core.cpu_isas() if n not in simdnorm.available_isas()]
+    if not unbuilt:
+        pytest.skip("every unit this CPU runs is built")
+    out, err = run_py(CODE_ISA, {"SIMDNORM_ISA": unbuilt[0]})
+    assert out.split()[0] == simdnorm.available_isas()[0]
+    assert f"SIMDNORM_ISA={unbuilt[0]!r} is not built into this install" in err
 
 
 def test_bad_simdnorm_isa_is_an_error_under_strict_warnings():
@@ -256,10 +269,11 @@ def _cpu_flags():
     return None
 
 
-def test_build_holds_the_units_this_cpu_runs():
-    """The default build (SIMDNORM_ISAS=host) compiles exactly the units this CPU runs, by the
-    dispatcher's conditions, which /proc/cpuinfo's flags mirror (Linux lists AVX-512 only where the
-    OS saves its registers): a probe that missed one would leave the machine on slower kernels."""
+def test_build_holds_the_unit_the_dispatcher_picks_here():
+    """The default build (SIMDNORM_ISAS=host) compiles the baseline and the unit the dispatcher picks
+    on this CPU (avx512 with avx512bf16, which delegates to it), by the dispatcher's conditions, which
+    /proc/cpuinfo's flags mirror (Linux lists AVX-512 only where the OS saves its registers): a probe
+    that missed one would leave the machine on slower kernels."""
     built = simdnorm._core.built_isas.split(",")
     assert "baseline" in built
     assert set(simdnorm.available_isas()) <= set(built)
@@ -270,7 +284,9 @@ def test_build_holds_the_units_this_cpu_runs():
         pytest.skip("needs /proc/cpuinfo on x86-64")
     avx2 = {"avx2", "fma", "f16c"} <= flags
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
-    expected = ["baseline"] + ["avx2"] * avx2 + ["avx512"] * avx512 + ["avx512bf16"] * (avx512 and "avx512_bf16" in flags)
+    runs = ["baseline"] + ["avx2"] * avx2 + ["avx512"] * avx512 + ["avx512bf16"] * (avx512 and "avx512_bf16" in flags)
+    assert sorted(simdnorm._core.cpu_isas()) == sorted(runs)
+    expected = ["baseline"] + (["avx512"] + ["avx512bf16"] * ("avx512_bf16" in flags) if avx512 else ["avx2"] * avx2)
     assert sorted(built) == sorted(expected)
     assert sorted(simdnorm.available_isas()) == sorted(expected)
 

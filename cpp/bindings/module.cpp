@@ -938,7 +938,8 @@ PYBIND11_MODULE(_core, m) {
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0 || PyModule_AddFunctions(m.ptr(), g_dlpack_methods) != 0)
     throw py::error_already_set();
   m.def("isa", &active_isa, "The active instruction set.");
-  m.def("available_isas", &available_isas, "Instruction sets this CPU and OS run, best first.");
+  m.def("available_isas", &available_isas, "The built units this CPU and OS run, best first.");
+  m.def("cpu_isas", &cpu_isas, "The units this CPU and OS run, built or not, best first.");
   m.def(
       "set_isa",
       [](const std::string& name) {

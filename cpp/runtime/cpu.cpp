@@ -66,6 +66,17 @@ const std::vector<std::string>& available_isas() {
   return names;
 }
 
+std::vector<std::string> cpu_isas() {
+  std::vector<std::string> v;
+#if defined(__x86_64__) || defined(__i386__)
+  if (features().avx512_bf16) v.emplace_back("avx512bf16");
+  if (features().avx512) v.emplace_back("avx512");
+  if (features().avx2_fma_f16c) v.emplace_back("avx2");
+#endif
+  v.emplace_back("baseline");
+  return v;
+}
+
 const KernelTable& kernels() { return *active().load(std::memory_order_acquire)->table; }
 
 std::string active_isa() { return active().load(std::memory_order_acquire)->name; }

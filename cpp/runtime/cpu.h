@@ -8,8 +8,10 @@
 
 namespace simdnorm {
 
-// Names of the ISAs this CPU and OS can run, best first ("avx512", "avx2", "baseline").
+// Names of the built units this CPU and OS run, best first ("avx512", "baseline").
 const std::vector<std::string>& available_isas();
+// Names of the units this CPU and OS run, best first, whether this module built them or not.
+std::vector<std::string> cpu_isas();
 // The active table (the best available until set_isa is called).
 const KernelTable& kernels();
 std::string active_isa();

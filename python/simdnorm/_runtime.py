@@ -120,7 +120,9 @@ def isa() -> str:
 
 
 def available_isas() -> List[str]:
-    """The instruction sets this CPU and OS run, best first (e.g. ``['avx512bf16', 'avx512', 'avx2', 'baseline']``)."""
+    """The instruction sets this CPU and OS run among those built into this install, best first
+    (e.g. ``['avx512bf16', 'avx512', 'baseline']``). A default install builds the best this CPU runs
+    and the baseline; one built with ``SIMDNORM_ISAS=all`` offers every unit the CPU runs."""
     return list(_core.available_isas())
 
 
@@ -140,7 +142,11 @@ def set_isa(name: str) -> str:
         raise TypeError(f"set_isa: name must be a str, got {type(name).__name__}; {_valid_names()}")
     key = name.strip().lower()
     if key not in available_isas():
-        what = "not available on this CPU" if key in KNOWN_ISAS else "unknown"
+        if key in _core.cpu_isas():
+            what = (f"not built into this install (SIMDNORM_ISAS={_core.isas_setting}; "
+                    "SIMDNORM_ISAS=all builds every unit)")
+        else:
+            what = "not available on this CPU" if key in KNOWN_ISAS else "unknown"
         raise ValueError(f"set_isa: {name!r} is {what}; {_valid_names()}")
     previous = _core.isa()
     _core.set_isa(key)
@@ -193,8 +199,10 @@ def apply_isa_env() -> None:
         return
     best = available_isas()[0]
     _core.set_isa(best)
+    why = (f"not built into this install (SIMDNORM_ISAS={_core.isas_setting})" if key in _core.cpu_isas()
+           else "not valid on this machine")
     warnings.warn(
-        f"SIMDNORM_ISA={raw!r} is not valid on this machine; valid values: {', '.join(available_isas())} "
+        f"SIMDNORM_ISA={raw!r} is {why}; valid values: {', '.join(available_isas())} "
         f"(known: {', '.join(KNOWN_ISAS)}); using the best available, {best!r}",
         RuntimeWarning,
         stacklevel=3,
