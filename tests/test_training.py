@@ -533,11 +533,12 @@ def test_backward_groups_in_pairs_as_alone(rng, op, shape, act, dtype):
 # Channels-last batch norm's rows of contiguous channels take loops of their own (BackwardKernel::
 # lanes_sums, lanes_apply); a grad_output or grad_input whose channels lie apart in memory sends the
 # call to the general loops, over the same plan. The bits must be the same: channel counts that end
-# inside a vector, thread ranges that start and end inside a row, global statistics (training=False)
-# and the parameters' gradients.
+# inside a vector, thread ranges that start and end inside a row, global statistics (training=False),
+# the parameters' gradients, and the activations whose derivatives those loops take inline.
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
 @pytest.mark.parametrize("channels", [3, 13, 64, 100])
-def test_channels_last_rows_as_general_loops(rng, isa, threads, dtype, channels):
+@pytest.mark.parametrize("act", [None, "relu", simdnorm.Activation("leaky_relu", alpha=0.3)], ids=str)
+def test_channels_last_rows_as_general_loops(rng, isa, threads, dtype, channels, act):
     shape = (3, 7, 9, channels)
     x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(1.5, dtype)
     dy = rand_values(rng, shape, dtype, scale=1.0)
@@ -558,7 +559,7 @@ def test_channels_last_rows_as_general_loops(rng, isa, threads, dtype, channels)
                                    ("general apply", dy, apart())):
                 out[...] = np.nan
                 gs, gb = simdnorm.batch_normalization_backward(dys, x, m, v, scale, bias, channel_axis=-1,
-                                                               training=training, out=out)[1:]
+                                                               training=training, activation=act, out=out)[1:]
                 res[name] = (out, gs, gb)
             assert not np.isnan(res["rows"][0]).any()
             for other in ("general", "general apply"):
@@ -755,10 +756,11 @@ def test_group_norm_backward_channels_last_groups(rng, threads, dtype, k):
 # passes give every statistics element its own copy of its parameters (one sum slot pair an element,
 # not two), and the parameters' sums add their statistics elements' (tests/test_plans.py checks
 # which calls do). Over two chunks of the sums pass split inside a sample; against the float64
-# reference, with an activation and without, 1 vs 2 threads bitwise.
+# reference, without an activation, with one inline (relu) and one out of line (silu), 1 vs 2
+# threads bitwise.
 @pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=dtype_id)
 @pytest.mark.parametrize("op", ["instance_norm", "group_norm"])
-@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("act", [None, "relu", "silu"])
 def test_channels_last_parameters_spread_over_statistics(rng, threads, dtype, op, act):
     from training_reference import group_norm_backward_ref, instance_norm_backward_ref
 

@@ -93,6 +93,18 @@ template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& f
   }
 }
 
+// Calls fn(functor) with the derivatives this unit runs inline (DerivIdentity, DerivPiecewise), for
+// loops compiled for those alone; their callers have checked derivative_inline.
+template <class V, class Fn> void visit_inline_derivative(const Activation& act, Fn&& fn) {
+  visit_derivative<V>(act, [&](const auto& deriv) {
+    if constexpr (std::is_same<std::decay_t<decltype(deriv)>, DerivOutOfLine<V>>::value) {
+      check_failed("an out-of-line derivative reached a loop compiled for the inline ones", __FILE__, __LINE__);
+    } else {
+      fn(deriv);
+    }
+  });
+}
+
 // How a run reads its operands: kUnit, every array along the run (data contiguous, coefficient
 // arrays each constant (kConst) or contiguous (kUnit)); kAny, anything (gathered a vector at a time).
 enum BackwardStep : int { kConst = 0, kUnit = 1, kAny = 2 };
@@ -705,19 +717,15 @@ struct BackwardKernel {
     for (int d = 0; d < in; ++d) runs *= written.sizes[d];
     int64_t steps[kNumOperands];
     for (int op = 0; op < kNumOperands; ++op) steps[op] = written.strides[op][in];
-    visit_derivative<V>(t.act, [&](const auto& deriv) {
-      if constexpr (std::is_same<std::decay_t<decltype(deriv)>, DerivOutOfLine<V>>::value) {
-        check_failed("an out-of-line derivative reached pair_groups", __FILE__, __LINE__);
-      } else {
-        RunOdometer at(written, 0, in);
-        for (int64_t j = 0; j < runs; ++j, at.advance()) {
-          char *pa[kNumOperands], *ps[kNumOperands];
-          for (int op = 0; op < kNumOperands; ++op) {
-            pa[op] = written.data[op] + at.off[op];
-            ps[op] = summed.data[op] + at.off[op];
-          }
-          pair_run(t, deriv, pa, ps, steps, written.sizes[in], acc);
+    visit_inline_derivative<V>(t.act, [&](const auto& deriv) {
+      RunOdometer at(written, 0, in);
+      for (int64_t j = 0; j < runs; ++j, at.advance()) {
+        char *pa[kNumOperands], *ps[kNumOperands];
+        for (int op = 0; op < kNumOperands; ++op) {
+          pa[op] = written.data[op] + at.off[op];
+          ps[op] = summed.data[op] + at.off[op];
         }
+        pair_run(t, deriv, pa, ps, steps, written.sizes[in], acc);
       }
     });
   }
@@ -986,14 +994,15 @@ struct BackwardKernel {
 
   // Channels-last rows (batch norm's rows of C channels; instance norm's and, spread, group norm's
   // of a sample): rows of the nest that share their statistics and parameters, every operand
-  // contiguous along the run, no activation. Here the general loops' setup per run and their tests
-  // per vector cost 1.3-1.9x (8 x 56 x 56 x 256 and x 64, Zen 3), so these rows take lanes_sums
-  // and lanes_apply: per element the arithmetic and the order of the adds are sums_run's and
-  // apply_run's, and so are the bits.
+  // contiguous along the run, an activation whose derivative runs inline, no fused_add. Here the
+  // general loops' setup per run and their tests per vector cost 1.3-1.9x (8 x 56 x 56 x 256 and
+  // x 64, Zen 3), so these rows take lanes_sums and lanes_apply: per element the arithmetic and the
+  // order of the adds are sums_run's and apply_run's, and so are the bits.
   static bool lanes_rows(const BackwardTask& t, const LoopNest& nest, bool writes) {
     const int in = nest.ndim - 1, row = nest.ndim - 2;
     const int64_t es = static_cast<int64_t>(sizeof(T)), cs = static_cast<int64_t>(sizeof(C));
-    return row >= 0 && t.act.kind == ActKind::identity && !t.write_ga && nest.strides[kX][in] == es &&
+    return row >= 0 && derivative_inline(t.act.kind) && !t.has_fused_add && !t.write_ga &&
+           nest.strides[kX][in] == es &&
            nest.strides[kGradOut][in] == es && (!writes || nest.strides[kGradIn][in] == es) &&
            nest.strides[kStats][in] == cs && nest.strides[kParams][in] == cs && nest.strides[kStats][row] == 0 &&
            nest.strides[kParams][row] == 0;
@@ -1012,13 +1021,15 @@ struct BackwardKernel {
   // in the same loop.
   static void lanes_sums(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n,
                          const BackwardSums& acc) {
-    if (t.sums_write) return lanes_sums_of<false, true>(t, p, rs, rows, n, acc);
-    if (acc.group[0] != nullptr) return lanes_sums_of<true>(t, p, rs, rows, n, acc);
-    lanes_sums_of<false>(t, p, rs, rows, n, acc);
+    visit_inline_derivative<V>(t.act, [&](const auto& deriv) {
+      if (t.sums_write) return lanes_sums_of<false, true>(t, deriv, p, rs, rows, n, acc);
+      if (acc.group[0] != nullptr) return lanes_sums_of<true>(t, deriv, p, rs, rows, n, acc);
+      lanes_sums_of<false>(t, deriv, p, rs, rows, n, acc);
+    });
   }
-  template <bool Group, bool Write = false>
-  static void lanes_sums_of(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n,
-                            const BackwardSums& acc) {
+  template <bool Group, bool Write = false, class D>
+  static void lanes_sums_of(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* rs, int64_t rows,
+                            int64_t n, const BackwardSums& acc) {
     static_assert(!(Group && Write), "a write in the sums pass needs none of the group's sums");
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C)), es = static_cast<int64_t>(sizeof(T));
     const C* const mean = reinterpret_cast<const C*>(p[kStats]);
@@ -1026,6 +1037,7 @@ struct BackwardKernel {
     const C* const c1 = reinterpret_cast<const C*>(p[kStats] + 2 * t.stats_pitch);
     const C* const c2 = reinterpret_cast<const C*>(p[kStats] + 3 * t.stats_pitch);
     const C* const scale = reinterpret_cast<const C*>(p[kParams]);
+    const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
     // Streamed where every row's grad_input starts on a vector (and a vector is a whole line).
     const bool stream = Write && t.stream_stores && rs[kGradIn] % L::kVectorBytes == 0 &&
                         stream_head(p[kGradIn], n) == 0;
@@ -1064,14 +1076,13 @@ struct BackwardKernel {
       // m elements of each row from e (a whole vector, or the rows' last m < W).
       auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
         const V mv = load_up_to<LC>(mean + e, m), uv = load_up_to<LC>(u + e, m);
-        V sv = zero(), s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero(), scale_u = zero(), d_coef = zero(),
-          k_coef = zero();
-        if constexpr (Group) {
-          sv = load_up_to<LC>(scale + e, m);
-          s0 = load_up_to<LC>(sum_g + e, m), s1 = load_up_to<LC>(sum_gy + e, m);
-        }
+        V sv = zero(), bv = zero(), s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero(), scale_u = zero(),
+          d_coef = zero(), k_coef = zero();
+        if constexpr (Group || Write || D::kUsesPre) sv = load_up_to<LC>(scale + e, m);
+        if constexpr (D::kUsesPre) bv = load_up_to<LC>(bias + e, m);
+        if constexpr (Group) s0 = load_up_to<LC>(sum_g + e, m), s1 = load_up_to<LC>(sum_gy + e, m);
         if constexpr (Write) {  // (lanes_apply's coefficients)
-          scale_u = load_up_to<LC>(scale + e, m) * uv;
+          scale_u = sv * uv;
           d_coef = d_coefficient(uv, load_up_to<LC>(c2 + e, m)), k_coef = k_coefficient(uv, load_up_to<LC>(c1 + e, m));
         }
         if (want_param) s2 = load_up_to<LC>(sum_gay + e, m), s3 = load_up_to<LC>(sum_ga + e, m);
@@ -1089,7 +1100,8 @@ struct BackwardKernel {
           }
           const V d = load_up_to<L>(reinterpret_cast<const T*>(x[j]) + e, m) - mv;
           const V y = d * uv;
-          const V ga = load_up_to<L>(reinterpret_cast<const T*>(dy[j]) + e, m);
+          V ga = load_up_to<L>(reinterpret_cast<const T*>(dy[j]) + e, m);
+          if constexpr (D::kUsesPre) ga = deriv(vfma(y, sv, bv), ga);  // (Element::at's pre and ga)
           if constexpr (Write) store_dx<true>(dx[j] + e * es, es, grad_input(d, ga, scale_u, d_coef, k_coef), m, stream);
           if constexpr (Group) {  // (sums_run's: g = ga scale; g and g y added to their slots)
             const V g = ga * sv;
@@ -1116,9 +1128,15 @@ struct BackwardKernel {
   // hardware follows these rows better alone. Rows side by side (as lanes_sums takes them) are
   // interleaved streams in one page, which it does not follow (docs/BENCHMARKS.md).
   static void lanes_apply(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n) {
+    visit_inline_derivative<V>(t.act, [&](const auto& deriv) { lanes_apply_of(t, deriv, p, rs, rows, n); });
+  }
+  template <class D>
+  static void lanes_apply_of(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* rs, int64_t rows,
+                             int64_t n) {
     auto coef = [&](int array) { return reinterpret_cast<const C*>(p[kStats] + array * t.stats_pitch); };
     const C *const mean = coef(0), *const u = coef(1), *const c1 = coef(2), *const c2 = coef(3);
     const C* const scale = reinterpret_cast<const C*>(p[kParams]);
+    const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
     const T* x = reinterpret_cast<const T*>(p[kX]);
     const T* dy = reinterpret_cast<const T*>(p[kGradOut]);
     T* dx = reinterpret_cast<T*>(p[kGradIn]);
@@ -1127,9 +1145,11 @@ struct BackwardKernel {
       const bool stream = head >= 0;
       // m elements from e: a whole vector (streamed when asked), or an edge of m < W.
       auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-        const V uv = load_up_to<LC>(u + e, m);
-        const V v = grad_input(load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m), load_up_to<L>(dy + e, m),
-                               load_up_to<LC>(scale + e, m) * uv, d_coefficient(uv, load_up_to<LC>(c2 + e, m)),
+        const V uv = load_up_to<LC>(u + e, m), sv = load_up_to<LC>(scale + e, m);
+        const V d = load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m);
+        V ga = load_up_to<L>(dy + e, m);
+        if constexpr (D::kUsesPre) ga = deriv(vfma(d * uv, sv, load_up_to<LC>(bias + e, m)), ga);
+        const V v = grad_input(d, ga, sv * uv, d_coefficient(uv, load_up_to<LC>(c2 + e, m)),
                                k_coefficient(uv, load_up_to<LC>(c1 + e, m)));
         store_dx<true>(reinterpret_cast<char*>(dx + e), sizeof(T), v, m, stream);
       };
