@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import math
 import re
+import textwrap
 from decimal import Decimal
 from fractions import Fraction
 
@@ -113,6 +114,45 @@ def test_non_native_byte_order_is_named():
     x = np.ones((2, 4), np.dtype(">f4"))
     with pytest.raises(TypeError, match=r"non-native byte order"):
         bn(x, np.ones(4, F32), np.ones(4, F32))
+
+
+# ml_dtypes takes most of a second to import, so `import simdnorm` does not import it: until something
+# has, no array holds bfloat16. Then bfloat16 arrays are recognised by the functions (Python) and the
+# binding (C++); a DLPack bfloat16 tensor, whose result is such an array, imports it. In a child
+# process, whose modules start empty.
+def test_bfloat16_recognised_without_importing_ml_dtypes_first():
+    import os
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import simdnorm
+        from dlpack_producers import BFLOAT, Producer
+        assert "ml_dtypes" not in sys.modules, "import simdnorm imported ml_dtypes"
+        x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+        want = simdnorm.layer_norm(x)
+        try:
+            simdnorm.layer_norm(x.astype(np.int16))
+        except TypeError as e:
+            assert "bfloat16" in str(e), e
+        assert "ml_dtypes" not in sys.modules, "a float32 call or a refused dtype imported ml_dtypes"
+        bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # x truncated to bfloat16, as raw bits
+        got = simdnorm.layer_norm(Producer(bits, dtype=(BFLOAT, 16, 1)))
+        assert got.dtype.name == "bfloat16" and "ml_dtypes" in sys.modules, got.dtype
+        import ml_dtypes
+        xb = x.astype(ml_dtypes.bfloat16)
+        out = np.full(x.shape, 1536.0, ml_dtypes.bfloat16)
+        simdnorm.layer_norm(xb, out=out)
+        for y in (got, out):
+            assert np.abs(y.astype(np.float32) - want).max() < 0.05, np.abs(y.astype(np.float32) - want).max()
+        print("ok")
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("name,call", CALLS, ids=CALL_IDS)

@@ -26,7 +26,19 @@ using namespace simdnorm;
 
 namespace {
 
-int g_bfloat16_num = -1;  // numpy type number of ml_dtypes.bfloat16, registered at import
+// numpy's type number of ml_dtypes.bfloat16, -1 until known. simdnorm does not import ml_dtypes
+// (its import takes most of a second): until something has, no array holds its type. A DLPack
+// bfloat16 tensor, which becomes such an array, imports it.
+int g_bfloat16_num = -1;
+int bfloat16_num(bool import) {
+  if (g_bfloat16_num < 0) {
+    py::object ml = import ? py::module_::import("ml_dtypes")
+                           : py::reinterpret_steal<py::object>(PyImport_GetModule(py::str("ml_dtypes").ptr()));
+    if (!ml && PyErr_Occurred()) throw py::error_already_set();
+    if (ml) g_bfloat16_num = py::dtype::from_args(ml.attr("bfloat16")).num();
+  }
+  return g_bfloat16_num;
+}
 
 // Reads the array struct directly (pybind11's numpy proxies): a call stays free of reference
 // counting and temporary objects, which is most of the per-call cost for small inputs.
@@ -37,7 +49,7 @@ DType dtype_of(const py::handle& arr, const char* name) {
   if (num == py::detail::npy_api::NPY_FLOAT_) return DType::f32;
   if (num == py::detail::npy_api::NPY_DOUBLE_) return DType::f64;
   if (num == 23 /* NPY_HALF */) return DType::f16;
-  if (num == g_bfloat16_num && g_bfloat16_num >= 0) return DType::bf16;
+  if (num >= 0 && num == bfloat16_num(false)) return DType::bf16;
   throw py::type_error(std::string(name) + ": unsupported dtype " +
                        py::str(py::reinterpret_borrow<py::array>(arr).dtype()).cast<std::string>() +
                        " (accepted: float32, float16, bfloat16, float64)");
@@ -664,7 +676,7 @@ int numpy_type_of(const dl::DLDataType& t, const char* name) {
     num = t.bits == 16 ? 23 /* NPY_HALF */ : t.bits == 32 ? py::detail::npy_api::NPY_FLOAT_
                                            : t.bits == 64 ? py::detail::npy_api::NPY_DOUBLE_ : -1;
   else if (t.lanes == 1 && t.code == dl::kDLBfloat && t.bits == 16)
-    num = g_bfloat16_num;
+    num = bfloat16_num(true);
   if (num < 0)
     throw_type(std::string(name) + ": dtype " + dtype_text(t) +
                " is not supported; accepted: float32, float16, bfloat16, float64");
@@ -995,6 +1007,4 @@ PYBIND11_MODULE(_core, m) {
   m.def("use_own_threads", &use_own_threads, "Parallel calls on simdnorm's own pool again.");
   m.def("sharing_openmp_team", &sharing_openmp_team);
   m.def("caller_threads", &caller_threads, "The thread count the calling thread's calls use.");
-  m.def(
-      "set_bfloat16_dtype", [](const py::dtype& dt) { g_bfloat16_num = dt.num(); }, py::arg("dtype"));
 }

@@ -14,13 +14,7 @@ DirectML-style descriptors: :class:`TensorDesc`, :class:`BatchNormalizationDesc`
 turned into operators by :func:`compile`. Runtime: :func:`set_num_threads`, :func:`get_num_threads`,
 :func:`isa`, :func:`available_isas`, :func:`set_isa` (and ``SIMDNORM_NUM_THREADS``, ``SIMDNORM_ISA``).
 """
-import ml_dtypes as _ml_dtypes
-import numpy as _np
-
-from . import _core
-
-_core.set_bfloat16_dtype(_np.dtype(_ml_dtypes.bfloat16))
-
+from . import _core  # noqa: F401  (ml_dtypes is not imported: _descriptors.is_bfloat16)
 from ._activation import ACTIVATIONS, Activation, ActivationLike  # noqa: E402
 from ._api import (  # noqa: E402
     batch_normalization,

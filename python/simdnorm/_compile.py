@@ -23,7 +23,6 @@ import functools
 import sys
 from typing import Any, Callable, Optional, Tuple
 
-import ml_dtypes
 import numpy as np
 
 from . import _core
@@ -37,6 +36,7 @@ from ._descriptors import (
     MVNInfo,
     TensorDesc,
     ACCEPTED_DTYPES,
+    is_bfloat16,
     DescriptorTypeError,
     dtype_name,
     stats_dtype,
@@ -134,13 +134,10 @@ def is_foreign_out(out: Any) -> bool:
     return out.__class__ is not _nd and not isinstance(out, _nd) and hasattr(out, "__dlpack__")
 
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
 def _to_torch(a: np.ndarray, torch: Any) -> Any:
     """A new result array as a torch tensor over the same memory (bfloat16 through an int16 view:
     torch.from_numpy does not know ml_dtypes' type)."""
-    if a.dtype == _BF16:
+    if is_bfloat16(a.dtype):
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 

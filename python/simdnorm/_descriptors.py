@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
-import ml_dtypes
 import numpy as np
 
 from ._activation import Activation, ActivationLike, beyond_float64, resolve as _resolve_activation, value_text
@@ -55,8 +55,20 @@ VIEW_MAX_DIMS = MAX_DIMS + 1
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
 F64 = np.dtype(np.float64)
-BF16 = np.dtype(ml_dtypes.bfloat16)
-SUPPORTED_DTYPES = (F32, F16, BF16, F64)
+NUMPY_DTYPES = (F32, F16, F64)  # the four but bfloat16
+
+
+def is_bfloat16(dt: Any) -> bool:
+    """Whether dtype dt is ml_dtypes' bfloat16. simdnorm does not import ml_dtypes (its import takes
+    most of a second); until something has, no array holds its type."""
+    ml = sys.modules.get("ml_dtypes")
+    return ml is not None and dt == ml.bfloat16
+
+
+def supported_dtype(dt: np.dtype) -> bool:
+    """Whether the input and output may hold dtype dt (one of the four, native byte order)."""
+    return dt in NUMPY_DTYPES or is_bfloat16(dt)
+
 ACCEPTED_DTYPES = "float32, float16, bfloat16 (ml_dtypes.bfloat16), float64, in native byte order"
 
 
@@ -234,7 +246,7 @@ class TensorDesc:
             raise DescriptorTypeError(
                 f"{name}.dtype: {value_text(dt)} is not a numpy dtype; accepted: {ACCEPTED_DTYPES}"
             )
-        if role == "data" and dt not in SUPPORTED_DTYPES:
+        if role == "data" and not supported_dtype(dt):
             raise DescriptorTypeError(f"{name}: dtype {dtype_name(dt)} is not supported; accepted: {ACCEPTED_DTYPES}")
         sizes = self.sizes
         if not isinstance(sizes, tuple):
