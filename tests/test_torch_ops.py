@@ -151,6 +151,20 @@ def test_import_simdnorm_does_not_import_torch():
     assert run.stdout.strip() == "False"
 
 
+def test_bfloat16_tensors_without_importing_ml_dtypes_first():
+    # ml_dtypes (numpy's bfloat16) is imported at the first bfloat16 tensor, not with simdnorm.torch
+    code = ("import sys, torch, simdnorm.torch as st\n"
+            "assert 'ml_dtypes' not in sys.modules, 'import simdnorm.torch imported ml_dtypes'\n"
+            "x = torch.randn(4, 8, dtype=torch.bfloat16)\n"
+            "y = torch.ops.simdnorm.layer_norm(x)[0]\n"
+            "want = torch.nn.functional.layer_norm(x.float(), [8])\n"
+            "assert y.dtype == torch.bfloat16 and (y.float() - want).abs().max() < 0.05\n"
+            "print('ml_dtypes' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "True"
+
+
 def test_one_op_per_function_under_its_name():
     for name in FORWARD + BACKWARD:
         assert callable(getattr(simdnorm, name))  # the function the op is named after

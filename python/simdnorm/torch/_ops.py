@@ -23,13 +23,14 @@ itself stays functional.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from .._compile import resolved_negative
+from .._descriptors import is_bfloat16
 from .._training import update_running
 from .. import (
     ACTIVATIONS,
@@ -57,9 +58,18 @@ _LIB = torch.library.Library("simdnorm", "DEF")
 # tensors <-> numpy: every conversion is here, so that the binding's own DLPack path can replace it
 
 _BF16 = torch.bfloat16
-_NP_BF16 = np.dtype(ml_dtypes.bfloat16)
 _ACCEPTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _from_numpy = torch.from_numpy
+
+
+@functools.lru_cache(maxsize=None)
+def _np_bf16() -> np.dtype:
+    """numpy's bfloat16 (ml_dtypes'), imported at the first bfloat16 tensor: its import takes most
+    of a second."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
 
 
 def _as_numpy(t: torch.Tensor, writeable: bool = False, name: str = "input") -> np.ndarray:
@@ -74,7 +84,7 @@ def _as_numpy(t: torch.Tensor, writeable: bool = False, name: str = "input") -> 
         if t.dtype is _BF16:
             if t.is_neg():
                 return _as_numpy(resolved_negative(t, name, writeable), writeable, name)
-            return t.view(torch.int16).numpy().view(_NP_BF16)
+            return t.view(torch.int16).numpy().view(_np_bf16())
         raise TypeError(f"dtype {t.dtype} is not accepted: simdnorm takes "
                         f"{', '.join(map(str, _ACCEPTED))}") from None
     except RuntimeError:  # requires grad (a caller outside the Autograd kernel), or the negative bit
@@ -99,7 +109,7 @@ def _as_tensor(a: Optional[np.ndarray], like: torch.Tensor, dtype: torch.dtype) 
     """A result array as a tensor (no copy); None, a result not asked for, as an empty tensor."""
     if a is None:
         return like.new_empty((0,), dtype=dtype)
-    if a.dtype == _NP_BF16:
+    if is_bfloat16(a.dtype):
         return _from_numpy(a.view(np.int16)).view(_BF16)
     return _from_numpy(a)
 
@@ -910,7 +920,7 @@ def _tensor_arg(v: Any, like: torch.Tensor) -> Any:
 
 
 def _as_numpy_dtype(t: torch.Tensor) -> Any:
-    return _NP_BF16 if t.dtype is _BF16 else torch.empty((), dtype=t.dtype).numpy().dtype
+    return _np_bf16() if t.dtype is _BF16 else torch.empty((), dtype=t.dtype).numpy().dtype
 
 
 def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
