@@ -1056,9 +1056,12 @@ struct BackwardKernel {
     const int rows_a_block = Write || one_row_reads ? 1 : kLaneRows;
     // Rows back to back, a whole block's rows of x and dy are each one run of lines: the runs
     // ahead are prefetched in order, shared out evenly between the vectors' steps. Line by line
-    // down the rows (as Element::at), the same lines came in slower (docs/BENCHMARKS.md).
+    // down the rows (as Element::at), the same lines came in slower (docs/BENCHMARKS.md). Writing,
+    // a row at a time, nothing is prefetched: as in lanes_apply, the hardware follows a row alone
+    // better (measured: docs/BENCHMARKS.md).
+    constexpr bool prefetch = !Write;
     const int64_t steps = n / W;  // whole vectors of a row
-    const bool one_run = rs[kX] == n * es && rs[kGradOut] == n * es && steps > 0;
+    const bool one_run = prefetch && rs[kX] == n * es && rs[kGradOut] == n * es && steps > 0;
     const int64_t block_bytes = rows_a_block * n * es;
     const int64_t run_ahead = block_bytes * ((kPrefetchAheadBytes + block_bytes - 1) / block_bytes);
     const int64_t run_lines = (block_bytes + kLineBytes - 1) / kLineBytes + 1;  // (+1: a run off its lines)
@@ -1094,7 +1097,7 @@ struct BackwardKernel {
         }
         for (int j = 0; j < R; ++j) {
           // Otherwise a line of each row a line's step, into the L2 (as Element::at).
-          if (!one_run && m == W && (e * es) % kLineBytes < W * es) {
+          if (prefetch && !one_run && m == W && (e * es) % kLineBytes < W * es) {
             __builtin_prefetch(x[j] + e * es + kPrefetchAheadBytes, 0, 2);
             __builtin_prefetch(dy[j] + e * es + kPrefetchAheadBytes, 0, 2);
           }
