@@ -1866,6 +1866,47 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
         check_grad(one[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=op)
 
 
+# An activation whose derivative the kernels call out of line (silu, gelu) is taken once: ga = dy *
+# act'(pre) is written into grad_input (float32 and float64 data), then the backward without the
+# activation reads it there. So the result is, bit for bit, the identity backward of ga, which the
+# fused add's gradient returns (fused_add of x's shape: ga itself, in float32 exactly): grad_input,
+# the parameters' gradients, training and global statistics, in place over grad_output too. Relu
+# (inline), 16-bit data and a call without grad_input keep the two passes.
+@pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
+@pytest.mark.parametrize("act", ["silu", "gelu", "relu"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_out_of_line_derivative_taken_first(rng, threads, dtype, act, layout):
+    shape = (3, 16, 7, 9) if layout == "nchw" else (3, 7, 9, 16)
+    ca = 1 if layout == "nchw" else 3
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(0.5, dtype)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    pdt = F64 if dtype == F64 else F32
+    scale, bias = (rand_values(rng, (16,), pdt, scale=1.0) for _ in range(2))
+    fa = rand_values(rng, shape, dtype, scale=1.0)
+    first = act != "relu" and dtype != BF16
+    for training in (True, False):
+        kw = dict(channel_axis=ca, training=training)
+        _, m, v = simdnorm.batch_normalization_training(x, scale, bias, fused_add=fa, activation=act, channel_axis=ca)
+        plans = backward_plans(lambda: simdnorm.batch_normalization_backward(
+            dy, x, m, v, scale, bias, activation=act, fused_add=fa, **kw))
+        assert ("derivative-first" in plans[0]) == first, plans
+        assert not any("derivative-first" in p for p in backward_plans(lambda: simdnorm.batch_normalization_backward(
+            dy, x, m, v, scale, bias, activation=act, grad_input=False, **kw))), plans
+        if not first:
+            continue
+        for n in (1, 2):
+            threads(n)
+            gi, gs, gb, ga = simdnorm.batch_normalization_backward(dy, x, m, v, scale, bias, activation=act,
+                                                                   fused_add=fa, **kw)
+            want = simdnorm.batch_normalization_backward(ga, x, m, v, scale, bias, **kw)
+            for name, a, b in zip(("grad_input", "grad_scale", "grad_bias"), (gi, gs, gb), want):
+                np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{name} threads={n} {training=}")
+            dy2 = dy.copy()  # in place over grad_output
+            simdnorm.batch_normalization_backward(dy2, x, m, v, scale, bias, activation=act, fused_add=fa, out=dy2,
+                                                  **kw)
+            np.testing.assert_array_equal(bits(dy2), bits(gi), err_msg=f"in place threads={n} {training=}")
+
+
 # Without statistics terms the sums pass writes grad_input as it goes (one pass: sums_write). Its
 # grad_input must be the elementwise pass's, bit for bit (the call that asks for grad_input alone),
 # and its parameter sums those of the sums pass alone (the call that asks for no grad_input), in
@@ -1909,7 +1950,11 @@ def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, thre
 
     plans = backward_plans(lambda: call())
     assert "sums-write" in plans[0], plans  # (a fused add's ga is a call of its own, without sums)
-    assert ("streaming-stores" in plans[0]) == (where == "memory" and dtype in (F32, F64)), plans
+    # (silu's ga, float32 and float64, is written into grad_input first, then read there in place:
+    # derivative-first, not streamed)
+    first = layout == "nhwc_fused_silu" and dtype in (F32, F64)
+    assert ("derivative-first" in plans[0]) == first, plans
+    assert ("streaming-stores" in plans[0]) == (where == "memory" and dtype in (F32, F64) and not first), plans
     assert all("sums-write" not in p for p in backward_plans(lambda: call(grad_scale=False, grad_bias=False))), plans
     threads(1)
     full = call()

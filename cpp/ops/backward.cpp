@@ -14,7 +14,10 @@
 //             the elementwise nest, each chunk with its own sums, then one elementwise pass; where
 //             the write needs none of the sums (no statistics terms), the sums pass writes too.
 // The blocks and chunks are fixed by the shapes and their sums merged in their order, so the result
-// is bitwise the same for any number of threads.
+// is bitwise the same for any number of threads. An activation whose derivative the kernels call
+// out of line (silu, gelu) is taken once, not in both passes: a first pass writes ga = dy * act'(pre)
+// into grad_input, then the backward without the activation reads it there as its grad_output
+// (derivative_first); the same ga, so the same bits.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -680,8 +683,65 @@ class BackwardRunner {
   std::vector<int64_t> param_index_;  // each parameter element's row-major index, where not its own
 };
 
+// The bytes [lo, hi) a view may touch.
+struct ByteSpan {
+  uintptr_t lo, hi;
+};
+ByteSpan span_of(const TensorView& v) {
+  uintptr_t lo = reinterpret_cast<uintptr_t>(v.data), hi = lo;
+  for (int d = 0; d < v.ndim; ++d) {
+    if (v.sizes[d] == 0) return {0, 0};
+    const int64_t reach = (v.sizes[d] - 1) * v.strides[d];
+    if (reach < 0) lo -= static_cast<uintptr_t>(-reach);
+    else hi += static_cast<uintptr_t>(reach);
+  }
+  return {lo, hi + static_cast<uintptr_t>(itemsize(v.dtype))};
+}
+bool apart(const TensorView& a, const std::optional<TensorView>& b) {
+  if (!b) return true;
+  const ByteSpan x = span_of(a), y = span_of(*b);
+  return x.hi <= y.lo || y.hi <= x.lo || x.lo == x.hi || y.lo == y.hi;
+}
+bool same_view(const TensorView& a, const TensorView& b) {
+  bool same = a.data == b.data && a.ndim == b.ndim;
+  for (int d = 0; same && d < a.ndim; ++d) same = a.sizes[d] == b.sizes[d] && (a.sizes[d] < 2 || a.strides[d] == b.strides[d]);
+  return same;
+}
+
+// Whether the backward writes ga = dy * act'(pre) into grad_input first, then runs without the
+// activation on it: where the unit calls the derivative out of line (a call and a transcendental
+// a vector, 7-10x relu's time), twice in the two passes, and grad_input can hold ga (the compute
+// type: float32 and float64 data) apart from everything else the backward reads (or in place of
+// grad_output, which the first pass reads element by element before it writes there).
+bool derivative_first(const MvnBackwardArgs& a) {
+  if (!a.grad_input || a.write_ga || a.activation.kind == ActKind::identity ||
+      (kernels().inline_activations >> static_cast<int>(a.activation.kind) & 1u) ||
+      compute_type(a.input.dtype) != a.input.dtype || a.grad_input->dtype != a.input.dtype)
+    return false;
+  const TensorView& dx = *a.grad_input;
+  return apart(dx, a.input) && apart(dx, a.mean) && apart(dx, a.inv_std) && apart(dx, a.scale) &&
+         apart(dx, a.bias) && apart(dx, a.fused_add) && apart(dx, a.param_sums[0]) && apart(dx, a.param_sums[1]) &&
+         (apart(dx, a.grad_output) || same_view(dx, a.grad_output));
+}
+
 }  // namespace
 
-void mvn_backward(const MvnBackwardArgs& args, std::string* explain) { BackwardRunner(args).run(explain); }
+void mvn_backward(const MvnBackwardArgs& args, std::string* explain) {
+  if (!derivative_first(args)) return BackwardRunner(args).run(explain);
+  MvnBackwardArgs ga = args;
+  ga.write_ga = true;
+  ga.param_sums[0].reset(), ga.param_sums[1].reset();
+  MvnBackwardArgs rest = args;
+  rest.grad_output = *args.grad_input;
+  rest.activation = Activation{};
+  rest.fused_add.reset();
+  if (explain != nullptr) {
+    BackwardRunner(rest).run(explain);
+    *explain = "derivative-first " + *explain;
+    return;
+  }
+  BackwardRunner(ga).run(nullptr);
+  BackwardRunner(rest).run(nullptr);
+}
 
 }  // namespace simdnorm
