@@ -59,23 +59,14 @@ template <class V> struct DerivSmooth {
 // Every activation but identity, relu and leaky_relu runs out of line, a call a vector: the
 // backward's loops are compiled three times, not once per activation (the build has a time budget:
 // .ci/run). The x86 fallback unit (kFewInline) takes identity alone inline.
-// A block of count vectors a call (pre[k] becomes dy[k] * act'(pre[k])) where the loop can gather
-// them (BackwardKernel::ga_run): one call, and the vectors' chains overlap.
 template <class V> struct DerivOutOfLine {
   V (*apply)(const void* deriv, V pre, V dy);
-  void (*apply_block)(const void* deriv, V* pre, const V* dy, int count);
   const void* deriv;  // the functor, alive for the call that visits it
   static constexpr bool kUsesPre = true;
   V operator()(V pre, V dy) const { return apply(deriv, pre, dy); }
-  void operator()(V* pre, const V* dy, int count) const { apply_block(deriv, pre, dy, count); }
 };
 template <class Deriv, class V> __attribute__((noinline)) V apply_derivative(const void* d, V pre, V dy) {
   return (*static_cast<const Deriv*>(d))(pre, dy);
-}
-template <class Deriv, class V>
-__attribute__((noinline)) void apply_derivative_block(const void* d, V* pre, const V* dy, int count) {
-  const Deriv& f = *static_cast<const Deriv*>(d);
-  for (int k = 0; k < count; ++k) pre[k] = f(pre[k], dy[k]);
 }
 
 // Whether this unit's loops take the derivative of `kind` inline.
@@ -88,9 +79,8 @@ template <class V, class Fn> void visit_derivative(const Activation& act, Fn&& f
   auto out_of_line = [&](const auto& functor) {
     using Deriv = std::decay_t<decltype(functor)>;
     V (*apply)(const void*, V, V) = &apply_derivative<Deriv, V>;
-    void (*apply_block)(const void*, V*, const V*, int) = &apply_derivative_block<Deriv, V>;
-    __asm__("" : "+r"(apply), "+r"(apply_block));  // opaque: no clone of the loops per activation
-    fn(DerivOutOfLine<V>{apply, apply_block, &functor});
+    __asm__("" : "+r"(apply));  // opaque: no clone of the loops per activation
+    fn(DerivOutOfLine<V>{apply, &functor});
   };
   switch (act.kind) {
     case ActKind::relu:
@@ -613,47 +603,6 @@ struct BackwardKernel {
         continue;
       }
       store_dx<unit>(out, sdx, el.dx_at(e, m, d, ga), m, stream);
-    }
-  }
-
-  // The ga pass (t.write_ga) over one run: ga = dy * act'(pre) in the compute type, for the caller
-  // (grad_fused_add's sums; the backward's derivative taken once, ops/backward.cpp). An out-of-line
-  // derivative takes kDerivBlock vectors a call (pre computed as Element::at does: the same bits).
-  static constexpr int kDerivBlock = 16;
-  template <int SStep, int PStep, class D>
-  static void ga_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n) {
-    if constexpr (!std::is_same<D, DerivOutOfLine<V>>::value) {
-      apply_run<SStep, PStep>(t, deriv, p, s, n);
-    } else {
-      if (t.has_fused_add) return apply_run<SStep, PStep>(t, deriv, p, s, n);  // (pre gathers it)
-      const DerivIdentity<V> plain(t.act);
-      const Element<SStep, PStep, DerivIdentity<V>> el(t, plain, p, s, kPrefetchAheadBytes);
-      constexpr bool unit = SStep != kAny && PStep != kAny;
-      char* const out = p[kGradIn];
-      const int64_t sdx = s[kGradIn];
-      V pre[kDerivBlock], dys[kDerivBlock];
-      for (int64_t e0 = 0; e0 < n; e0 += kDerivBlock * W) {
-        const int64_t e1 = std::min(n, e0 + kDerivBlock * W);
-        int k = 0;
-        for (int64_t e = e0; e < e1; e += W, ++k) {
-          const int m = static_cast<int>(std::min<int64_t>(W, e1 - e));
-          V d, y, dyv, g;
-          el.at_with_d(e, m, d, y, dyv, g);
-          pre[k] = vfma(y, el.param(e, 0, m), el.param(e, 1, m)), dys[k] = dyv;
-        }
-        deriv(pre, dys, k);
-        k = 0;
-        for (int64_t e = e0; e < e1; e += W, ++k) {
-          const int m = static_cast<int>(std::min<int64_t>(W, e1 - e));
-          if constexpr (std::is_same<T, C>::value) {
-            store_dx<unit>(out + e * sdx, sdx, pre[k], m, false);
-          } else {
-            C b[W];
-            LC::store_partial(b, pre[k], m);
-            for (int j = 0; j < m; ++j) std::memcpy(out + (e + j) * sdx, &b[j], sizeof(C));
-          }
-        }
-      }
     }
   }
 
@@ -1273,9 +1222,7 @@ struct BackwardKernel {
     visit_derivative<V>(t.act, [&](const auto& deriv) {
       for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
         visit_layout(t, s, true, [&](auto ss, auto ps) {
-          constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
-          if (t.write_ga) ga_run<SS, PS>(t, deriv, p, s, len);
-          else apply_run<SS, PS>(t, deriv, p, s, len);
+          apply_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, p, s, len);
         });
       });
     });
