@@ -186,9 +186,11 @@ def _training_reference(data: CaseData) -> Expected:
             # ONNX BatchNormalization-15 (momentum 1 - m): the population variance
             "running_var_onnx": keep * RUNNING_VAR_INIT + MOMENTUM * v,
         }, "out")
-    # backward: grad_input = inv_std * (g - M(g) - y * M(g * y)), g = grad_output * scale (SPEC §9);
-    # with given statistics (training=False) grad_input = g * inv_std
+    # backward: grad_input = inv_std * (g - M(g) - y * M(g * y)), g = ga * scale, ga = grad_output *
+    # act'(y * scale + bias) (SPEC §9); with given statistics (training=False) grad_input = g * inv_std
     dy = data.dy.astype(np.float64)
+    if case.activation:
+        dy = dy * ACTIVATION_DERIVATIVES[case.activation](y * scale + p["bias"].reshape(pshape))
     g = dy * scale
     if given:
         gi = g * inv
@@ -206,10 +208,15 @@ def _training_reference(data: CaseData) -> Expected:
     return Expected(values, "grad_input", norms)
 
 
-# The fused activations (shapes.ACTIVATION_DESCRIPTIONS) in float64, applied to the op's output.
+# The fused activations (shapes.ACTIVATION_DESCRIPTIONS) in float64, applied to the op's output, and
+# their derivatives (relu's 0 at 0, as PyTorch's).
 ACTIVATIONS = {
     "relu": lambda y: np.maximum(y, 0.0),
     "silu": lambda y: y / (1.0 + np.exp(-y)),
+}
+ACTIVATION_DERIVATIVES = {
+    "relu": lambda y: (y > 0.0).astype(np.float64),
+    "silu": lambda y: (1.0 / (1.0 + np.exp(-y))) * (1.0 + y * (1.0 - 1.0 / (1.0 + np.exp(-y)))),
 }
 
 

@@ -326,7 +326,7 @@ class SimdnormImpl(Impl):
     kind = "simdnorm"
     footnote = ("simdnorm: the functional call with out= (tiny/bn-compiled: simdnorm.compile(desc)), "
                 "float32 (C,) parameters (float64 ones for float64 data), a +activation case's "
-                "activation fused (activation=\"relu\"/\"silu\"); training: "
+                "activation fused (activation=\"relu\"/\"silu\"; a -bwd+ case's backward takes it too); training: "
                 "batch_normalization_training with running statistics, and the backward ops with "
                 "out= for grad_input, given the statistics of the forward run with return_stats "
                 "before the timing")
@@ -436,31 +436,34 @@ class SimdnormImpl(Impl):
                         "running_var": rv.copy()}
 
             return Prepared(fn, run_training, out=out)
+        # a -bwd+<activation> case's gradient through its forward's activation (activation= only
+        # there: the other calls stay as they were)
+        act = {"activation": case.activation} if case.activation else {}
         if op == "batch_norm_backward":
             _, mean, var = sn.batch_normalization_training(x, scale, bias, epsilon=eps)
             fn = partial(sn.batch_normalization_backward, dy, x, mean, var, scale, bias, epsilon=eps,
-                         training=True, out=out)
+                         training=True, out=out, **act)
         elif op == "batch_norm_eval_backward":  # the given statistics, as an eval-mode model's
             fn = partial(sn.batch_normalization_backward, dy, x, p["mean"], p["var"], scale, bias, epsilon=eps,
-                         training=False, out=out)
+                         training=False, out=out, **act)
         elif op == "layer_norm_backward":
             _, mean, inv = sn.layer_norm(x, scale, bias, epsilon=eps, return_stats=True)
-            fn = partial(sn.layer_norm_backward, dy, x, mean, inv, scale, bias, epsilon=eps, out=out)
+            fn = partial(sn.layer_norm_backward, dy, x, mean, inv, scale, bias, epsilon=eps, out=out, **act)
         elif op == "rms_norm_backward":
             _, _, inv = sn.rms_norm(x, scale, epsilon=eps, return_stats=True)
-            fn = partial(sn.rms_norm_backward, dy, x, inv, scale, epsilon=eps, out=out)
+            fn = partial(sn.rms_norm_backward, dy, x, inv, scale, epsilon=eps, out=out, **act)
         elif op == "group_norm_backward":
             g = case.groups
             _, mean, inv = sn.group_norm(x, g, scale, bias, epsilon=eps, return_stats=True)
-            fn = partial(sn.group_norm_backward, dy, x, g, mean, inv, scale, bias, epsilon=eps, out=out)
+            fn = partial(sn.group_norm_backward, dy, x, g, mean, inv, scale, bias, epsilon=eps, out=out, **act)
         elif op == "instance_norm_backward":
             _, mean, inv = sn.instance_norm(x, scale, bias, epsilon=eps, return_stats=True)
-            fn = partial(sn.instance_norm_backward, dy, x, mean, inv, scale, bias, epsilon=eps, out=out)
+            fn = partial(sn.instance_norm_backward, dy, x, mean, inv, scale, bias, epsilon=eps, out=out, **act)
         elif op == "mvn_backward":
             axes = tuple(case.axes)
             _, mean, inv = sn.mean_variance_normalization(x, axes, epsilon=eps, return_stats=True)
             fn = partial(sn.mean_variance_normalization_backward, dy, x, axes, mean, inv, epsilon=eps,
-                         out=out)
+                         out=out, **act)
         else:
             raise NotAvailable(f"unknown op {op}")
 

@@ -63,7 +63,7 @@ class TorchImpl(LazyPeerImpl):
                 "as torch models run them); *-bwd: "
                 "torch.autograd.grad(y, (x, weight, bias), grad_output, retain_graph=True) of the "
                 "F.* forward graph built before the timing (bn-bwd-eval: F.batch_norm(training=False) "
-                "with the given statistics); its outputs are fresh each call, and "
+                "with the given statistics; *-bwd+relu/+silu: F.relu/F.silu(y) in the graph); its outputs are fresh each call, and "
                 "whether their pages fault depends on the C heap's state, so its samples can be "
                 "bimodal (bn-bwd NHWC here: 5.7 ms, or ~23 ms with 6272 page faults): see min..max")
     requires = "torch"
@@ -156,6 +156,8 @@ class TorchImpl(LazyPeerImpl):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 y = fwd()  # the graph: built once, outside the timing
+                if case.activation:  # -bwd+<activation>: the gradient through it too
+                    y = getattr(F, case.activation)(y)
             dyt = to_torch(torch, data.dy)
             fn = functools.partial(torch.autograd.grad, y, wrt, dyt, retain_graph=True)
             names = ("grad_input",) + tuple(f"grad_{k}" for k in case.grad_params)

@@ -18,7 +18,8 @@ peers run it after the norm; those cases are named ``<short>+<activation>/...``
 Training ops (SPEC §9): ``batch_norm_training`` (batch statistics, running statistics updated) and the
 backward ops ``<op>_backward`` (grad_input, grad_scale and grad_bias of the forward op from
 grad_output, given the statistics its forward returned). Their cases are listed after the others
-(:data:`TRAINING_CASES`), named ``bn-train/...`` and ``<short>-bwd/...``.
+(:data:`TRAINING_CASES`), named ``bn-train/...`` and ``<short>-bwd/...``; backward ops through their
+forward's activation (:data:`ACTIVATION_BACKWARD_CASES`), ``<short>-bwd+<activation>/...``.
 """
 from __future__ import annotations
 
@@ -96,6 +97,15 @@ TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_eval_backward", RESNET50_BN_SHAPES[1], "nchw", "float32"),
     ("batch_norm_eval_backward", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
 )
+# Backward ops through the activation their forward fused (op, shape, layout, dtype, activation), as
+# training runs them: ResNet-50's batch norm + relu (batch statistics), the UNet's GroupNorm(32) +
+# SiLU in float32 and bfloat16. Named "<short>-bwd+<activation>/...", tagged "training", "backward"
+# and "activation".
+ACTIVATION_BACKWARD_CASES: tuple[tuple[str, tuple[int, ...], str, str, str], ...] = (
+    ("batch_norm_backward", RESNET50_BN_SHAPES[1], "nchw", "float32", "relu"),
+    ("group_norm_backward", SD_UNET_GROUP_NORM_SHAPE, "nchw", "float32", "silu"),
+    ("group_norm_backward", SD_UNET_GROUP_NORM_SHAPE, "nchw", "bfloat16", "silu"),
+)
 # PyTorch's running-statistics momentum (ONNX's is 1 - this: 0.9) and torch.nn's initial running
 # statistics, for the forward-training case.
 MOMENTUM = 0.1
@@ -169,7 +179,9 @@ class Case:
     groups: int = 0  # group_norm only
     compiled: bool = False  # simdnorm runs it through simdnorm.compile(desc)
     epsilon: float = EPSILON
-    activation: Optional[str] = None  # one of ACTIVATION_DESCRIPTIONS, applied to the op's output
+    # one of ACTIVATION_DESCRIPTIONS, applied to the op's output (a backward op's forward's: its
+    # gradient taken through it)
+    activation: Optional[str] = None
     tags: frozenset[str] = field(default_factory=frozenset)
 
     @property
@@ -243,7 +255,7 @@ class Case:
         if self.groups:
             extra.append(f"groups={self.groups}")
         if self.activation:
-            extra.append(f"then {self.activation}")
+            extra.append(f"{'through' if self.is_backward else 'then'} {self.activation}")
         if self.compiled:
             extra.append("simdnorm via compile(desc)")
         tail = f" [{', '.join(extra)}]" if extra else ""
@@ -348,7 +360,7 @@ def _build_cases() -> tuple[Case, ...]:
         out.append(Case(make_name(op, shape, dtype, layout, groups, activation=activation), op, shape,
                         dtype, layout, axes=axes, groups=groups, activation=activation,
                         tags=frozenset(tags)))
-    for op, shape, layout, dtype in TRAINING_CASES:
+    for op, shape, layout, dtype, activation in (*((*c, None) for c in TRAINING_CASES), *ACTIVATION_BACKWARD_CASES):
         fwd = forward_op(op)
         groups = GROUP_NORM_GROUPS if fwd == "group_norm" else 0
         if fwd in ("batch_norm", "batch_norm_training", "mvn"):
@@ -358,10 +370,12 @@ def _build_cases() -> tuple[Case, ...]:
         else:  # layer_norm, rms_norm
             axes = (len(shape) - 1,)
         tags = {"training", dtype} | ({"backward"} if op in BACKWARD_OPS else set())
-        if (op, dtype) == ("layer_norm_backward", "float32"):
+        if activation:
+            tags.add("activation")
+        elif (op, dtype) == ("layer_norm_backward", "float32"):
             tags.add("quick")
-        out.append(Case(make_name(op, shape, dtype, layout, groups), op, shape, dtype, layout,
-                        axes=axes, groups=groups, tags=frozenset(tags)))
+        out.append(Case(make_name(op, shape, dtype, layout, groups, activation=activation), op, shape, dtype,
+                        layout, axes=axes, groups=groups, activation=activation, tags=frozenset(tags)))
     names = [c.name for c in out]
     assert len(names) == len(set(names)), "case names must be unique"
     return tuple(out)

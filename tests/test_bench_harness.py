@@ -308,12 +308,12 @@ ACTIVATION_CASES = {  # name: (op, shape, layout, dtype, activation), after the 
     "group32+silu/2x320x64x64/f32": ("group_norm", (2, 320, 64, 64), "nchw", "float32", "silu"),
     "group32+silu/2x320x64x64/bf16": ("group_norm", (2, 320, 64, 64), "nchw", "bfloat16", "silu"),
 }
-ACTIVATION_KINDS = [c for c in KINDS if c.activation]
+ACTIVATION_KINDS = [c for c in KINDS if c.activation and not c.is_training]  # (forward ones)
 
 
 def test_activation_cases_are_named_for_their_activation():
     names = [c.name for c in shapes.CASES]
-    acts = [c for c in shapes.CASES if c.activation]
+    acts = [c for c in shapes.CASES if c.activation and not c.is_training]
     assert [c.name for c in acts] == list(ACTIVATION_CASES)
     first, last = names.index(acts[0].name), names.index(acts[-1].name)
     assert names[first - 1].endswith("/f64") and shapes.CASES[last + 1].is_training
@@ -328,7 +328,7 @@ def test_activation_cases_are_named_for_their_activation():
         assert f"then {activation}" in c.describe()
         assert c.scaled(small_shape(c)).name == c.name.replace(shapes.shape_str(shape),
                                                                shapes.shape_str(small_shape(c)))
-    assert [c.name for c in shapes.select(filters=["+relu", "+silu"])] == list(ACTIVATION_CASES)
+    assert [c.name for c in shapes.select(filters=["+relu", "+silu"]) if not c.is_training] == list(ACTIVATION_CASES)
     assert [c.name for c in shapes.select(quick=True) if c.activation] == ["group32+silu/2x320x64x64/f32"]
     assert not any(c.activation for c in shapes.select(filters=["bn/", "group32/"]))
 
@@ -436,7 +436,13 @@ TRAINING_CASES = {  # name: (op, shape, layout, dtype): the speed goals' shapes,
     "bn-train/8x1024x14x14/nchw/f32": ("batch_norm_training", (8, 1024, 14, 14), "nchw", "float32"),
     "bn-bwd-eval/8x256x56x56/nchw/f32": ("batch_norm_eval_backward", (8, 256, 56, 56), "nchw", "float32"),
     "bn-bwd-eval/8x256x56x56/nhwc/f32": ("batch_norm_eval_backward", (8, 256, 56, 56), "nhwc", "float32"),
+    # through the activation the forward fused (ACTIVATION_BACKWARD below)
+    "bn-bwd+relu/8x256x56x56/nchw/f32": ("batch_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
+    "group32-bwd+silu/2x320x64x64/f32": ("group_norm_backward", (2, 320, 64, 64), "nchw", "float32"),
+    "group32-bwd+silu/2x320x64x64/bf16": ("group_norm_backward", (2, 320, 64, 64), "nchw", "bfloat16"),
 }
+ACTIVATION_BACKWARD = {"bn-bwd+relu/8x256x56x56/nchw/f32": "relu", "group32-bwd+silu/2x320x64x64/f32": "silu",
+                       "group32-bwd+silu/2x320x64x64/bf16": "silu"}
 TRAINING_KINDS = [c for c in KINDS if c.is_training]
 BACKWARD_KINDS = [c for c in TRAINING_KINDS if c.is_backward]
 # what simdnorm's row calls (the timed callable), by op
@@ -464,6 +470,10 @@ def test_training_cases_come_last_with_the_issues_shapes():
         assert c.is_backward == ("backward" in c.tags) == (op != "batch_norm_training")
         assert c.describe().startswith(f"{op} {shapes.shape_str(shape)} {dtype} {layout}")
         assert c.scaled(small_shape(c)).op == op
+        assert c.activation == ACTIVATION_BACKWARD.get(name) and ("activation" in c.tags) == (name in ACTIVATION_BACKWARD)
+        if c.activation:
+            assert f"through {c.activation}" in c.describe()
+    assert [c.name for c in shapes.select(filters=["bwd+"])] == list(ACTIVATION_BACKWARD)
     assert shapes.get_case("group32-bwd/8x256x56x56/f32").groups == 32
     assert shapes.get_case("mvn023-bwd/8x256x56x56/f32").axes == (0, 2, 3)
     assert shapes.get_case("bn-bwd/8x256x56x56/nhwc/f32").params == ("scale", "bias")
@@ -497,15 +507,17 @@ def _fd_case(case):
 
 def _forward_out(case, x, params):
     """The backward case's forward op in float64 (batch norm: in training mode, with the batch's
-    statistics), from the suite's forward references."""
+    statistics), from the suite's forward references, then the case's activation if it names one."""
+    plain = dataclasses.replace(case, activation=None)
     if case.op == "batch_norm_backward":
-        fwd = dataclasses.replace(case, op="batch_norm_training")
-        return bcases.reference(bcases.CaseData(fwd, x, params)).values["out"]
-    if case.op == "batch_norm_eval_backward":  # inference batch norm: mean and var are constants
-        fwd = dataclasses.replace(case, op="batch_norm")
-        return bcases.reference(bcases.CaseData(fwd, x, params))
-    fwd = dataclasses.replace(case, op=shapes.forward_op(case.op))
-    return bcases.reference(bcases.CaseData(fwd, x, params))
+        fwd = dataclasses.replace(plain, op="batch_norm_training")
+        y = bcases.reference(bcases.CaseData(fwd, x, params)).values["out"]
+    elif case.op == "batch_norm_eval_backward":  # inference batch norm: mean and var are constants
+        y = bcases.reference(bcases.CaseData(dataclasses.replace(plain, op="batch_norm"), x, params))
+    else:
+        y = bcases.reference(bcases.CaseData(dataclasses.replace(plain, op=shapes.forward_op(case.op)), x, params))
+    act = {"relu": lambda v: np.maximum(v, 0.0), "silu": lambda v: v / (1.0 + np.exp(-v))}
+    return act[case.activation](y) if case.activation else y
 
 
 @pytest.mark.parametrize("case", BACKWARD_KINDS, ids=[c.name for c in BACKWARD_KINDS])
@@ -845,6 +857,7 @@ def test_simdnorm_training_rows_time_the_named_call(case):
     fn = prep.fn
     assert fn.func is getattr(sn, SIMDNORM_CALL.get(case.op, case.op))
     assert fn.keywords["out"] is prep.out and fn.keywords["epsilon"] == case.epsilon
+    assert fn.keywords.get("activation") == case.activation
     if case.is_backward:
         assert fn.args[0] is data.dy and fn.args[1] is data.x
         params = fn.args[len(fn.args) - len(case.params):]
@@ -1169,7 +1182,7 @@ def test_list(capsys):
     assert "float64" in lines[0] and "(50.3 MB moved)" in lines[0]  # 2 x 8 x 512 x 768 x 8 bytes
     assert B.main(["--list", "--filter", "+relu", "--filter", "+silu"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split()[0] for ln in lines] == list(ACTIVATION_CASES)
+    assert [ln.split()[0] for ln in lines] == list(ACTIVATION_CASES) + list(ACTIVATION_BACKWARD)
     assert "then relu" in lines[0] and "(51.4 MB moved)" in lines[0]  # 2 x 8x256x56x56x4: the output once
     assert B.main(["--list", "--filter", "train", "--filter", "bwd"]) == 0
     lines = capsys.readouterr().out.splitlines()
