@@ -16,6 +16,8 @@ random-layout fuzzer, each case in a child process, is tests/test_training_fuzz.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -1428,6 +1430,38 @@ def test_activation_derivative_at_zero(rng, op, act, params, slope):
     assert np.count_nonzero(p.pre_activation() == 0) >= 2
     res = sn_backward(p, dy, stats)
     check_grads(res, ref, x=x, bias=p.bias, want=("input", "bias"), context=f"{op} {act} at 0 (slope {slope})")
+
+
+# silu' and gelu' to a few ulps over their whole range, the tails included: read through the fused
+# add's gradient (of x's shape: dy * act'(pre) itself), with x = mean = bias = 0 and the fused add
+# the points, so that pre is each point exactly. gelu' = Phi + p phi takes Phi from erfc below 0
+# (1 + erf cancelled there: at p = -5.5 the result was 20% off, at -8.4 in float64 wholly), and
+# near each derivative's root (-1.2785, -0.7518) the error is bounded in absolute terms instead.
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_smooth_derivatives_to_a_few_ulps(dtype, act):
+    p = np.concatenate([np.linspace(-30, 30, 24001), -np.geomspace(1e-30, 100, 2001), np.geomspace(1e-30, 100, 2001)])
+    p = p.astype(dtype).reshape(-1, 1)  # (N, C = 1)
+    z = np.zeros_like(p)
+    one = np.ones(1, dtype)
+    _, _, _, got = simdnorm.batch_normalization_backward(
+        np.ones_like(p), z, np.zeros(1, dtype), one - np.asarray(1e-5, dtype), one, np.zeros(1, dtype),
+        training=False, fused_add=p, activation=act)
+    x = p.astype(np.float64).ravel()
+    if act == "silu":
+        s = 1.0 / (1.0 + np.exp(-x))
+        want = s * (1.0 + x * (1.0 - s))
+        root = -1.2784645
+    else:
+        want = 0.5 * np.vectorize(math.erfc)(-x / math.sqrt(2.0)) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        root = -0.7517915
+    err = np.abs(got.astype(np.float64).ravel() - want)
+    tiny = np.finfo(dtype).tiny
+    ulps = err / np.maximum(np.spacing(np.abs(want).astype(dtype)).astype(np.float64), np.finfo(dtype).smallest_subnormal)
+    away = np.abs(x - root) > 0.25
+    worst = np.argmax(np.where(away & (np.abs(want) > tiny), ulps, 0))
+    assert ulps[away & (np.abs(want) > tiny)].max() <= 64, (x[worst], got.ravel()[worst], want[worst])
+    assert err[~away].max() <= 4 * np.finfo(dtype).eps, err[~away].max()
 
 
 # ----------------------------------------------------------------------------------------------

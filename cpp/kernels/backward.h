@@ -43,10 +43,15 @@ template <class V> V silu_derivative(V p) {
   return s * vfma(p, splat<V>(1.0) - s, splat<V>(1.0));
 }
 template <class V> V gelu_derivative(V p) {
-  p = vmin(splat<V>(40.0), vmax(splat<V>(-40.0), p));
-  const V cdf = splat<V>(0.5) * (splat<V>(1.0) + verf(p * splat<V>(0.70710678118654752440)));
-  const V pdf = vexp(splat<V>(-0.5) * p * p) * splat<V>(0.39894228040143267794);
-  return vfma(p, pdf, cdf);
+  if constexpr (std::is_same<V, vf>::value) {
+    return vgelu_derivative(p);  // (one exp for both terms, x < 0 without cancellation)
+  } else {  // Phi(p) = gelu(p) / p below -1, where 1 + erf would cancel
+    p = vmin(splat<V>(40.0), vmax(splat<V>(-40.0), p));
+    const V erf_cdf = splat<V>(0.5) * (splat<V>(1.0) + verf(p * splat<V>(0.70710678118654752440)));
+    const V cdf = vselect(p < splat<V>(-1.0), vgelu(p) / p, erf_cdf);
+    const V pdf = vexp(splat<V>(-0.5) * p * p) * splat<V>(0.39894228040143267794);
+    return vfma(p, pdf, cdf);
+  }
 }
 template <class V> struct DerivSmooth {
   ActKind kind;

@@ -8,6 +8,7 @@
 //
 // Public:   vexp vexpm1 vlog1p vtanh verf      (the functions themselves)
 //           vsigmoid vsilu vgelu vlog1p_exp_negabs  (activations that need care at the edges)
+//           vgelu_derivative                   (float only: the backward's gelu')
 //           vprod_err                          (rounding error of a product, for callers' arguments)
 // Contract: NaN in -> NaN out; +-inf and overflow/underflow give the limits (exp(+big) = inf,
 //           exp(-big) = 0 through the subnormals, tanh/erf/sigmoid saturate exactly to +-1 / 0 / 1).
@@ -152,12 +153,15 @@ static inline vf vm_erf_small(vf x) {
 // here; up to 2.1 with the classic t = 1 / (1 + a/2)), hence 0.75. a^2 = sq_hi + sq_lo must come
 // split (sq_hi exact): a^2 reaches 106, and one rounding of it would cost up to 106 * 2^-24 relative
 // in erfc. Returns m with erfc = m * 2^n (see vm_scale).
-static inline vf vm_erfc_tail(vf a, vf sq_hi, vf sq_lo, vi& n) {
+static inline vf vm_erfc_th(vf a) {  // t H(t): erfc(a) = t H(t) exp(-a^2)
   const vf t = vbroadcast(1.0f) / vfma(a, vbroadcast(0.75f), vbroadcast(1.0f));
   const vf h = vhorner(t, -0.40212515f, 1.70234048f, -2.87010598f, 2.19611526f, -0.403201848f,
                        -0.273148119f, -0.159116626f, 0.0573047288f, 0.305344343f, 0.423056483f,
                        0.423144668f);
-  const vf th = t * h;
+  return t * h;
+}
+static inline vf vm_erfc_tail(vf a, vf sq_hi, vf sq_lo, vi& n) {
+  const vf th = vm_erfc_th(a);
   const vf q = vm_expm1_core<true>(vbroadcast(0.0f) - sq_hi, vbroadcast(0.0f) - sq_lo, n);
   return vfma(q, th, th);
 }
@@ -235,6 +239,27 @@ static inline vf vgelu(vf x) {
   const vf neg_small = half * x * (one + es);
   const vf neg_tail = vm_scale(half * xt * m, n);
   return vselect(neg, vselect(a < half, neg_small, neg_tail), half * x * pos2);
+}
+
+// gelu'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi) (the backward's derivative).
+// Phi as vgelu takes it (1 + erf for small |x|, else from the erfc tail, which keeps x < 0's
+// relative accuracy), and x phi from the same tail's exp(-x^2/2) = 2^n (1 + q): one exp for both.
+// Past |x| = 14.5 the limits, 1 and 0 (x phi and Phi are below float's smallest there).
+static inline vf vgelu_derivative(vf x) {
+  const vf half = vbroadcast(0.5f), one = vbroadcast(1.0f);
+  const vf xt = vmin(vbroadcast(14.5f), vmax(vbroadcast(-14.5f), x));  // NaN survives
+  const vf at = vabs(xt) * vbroadcast(0.707106781f);
+  const vf xh = vm_hi12(xt), xl = xt - xh;
+  vi n;
+  const vf q = vm_expm1_core<true>(vbroadcast(0.0f) - half * (xh * xh), vbroadcast(0.0f) - xl * vfma(xl, half, xh), n);
+  const vf th = vm_erfc_th(at);
+  const vf half_erfc = vm_scale(half * vfma(q, th, th), n);  // erfc(at) / 2
+  const vf small = half * (one + vm_erf_small(xt * vbroadcast(0.707106781f)));
+  const vi neg = x < vbroadcast(0.0f);
+  const vf cdf = vselect(neg, vselect(at < half, small, half_erfc),
+                         vselect(at < vbroadcast(0.921875f), small, one - half_erfc));
+  const vf x_pdf = vm_scale(vfma(q, xt, xt) * vbroadcast(0.398942280f), n);
+  return vselect(vabs(x) > vbroadcast(14.5f), vselect(neg, vf{}, one), cdf + x_pdf);
 }
 
 // ---------------------------------------------------------------------------------------------
