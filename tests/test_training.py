@@ -1803,7 +1803,8 @@ def test_exported():
 
 
 # From memory, the two passes go slab by slab (ops/backward.cpp, run_slabs): a slab of whole
-# samples (whole statistics elements) is summed, then written while it is in the L2; without
+# samples (whole statistics elements) is summed, then written while it is in the L2 (a sample too
+# large for it: in the L3); without
 # statistics terms (batch norm with global statistics) the sums pass writes grad_input itself
 # (sums_write), in chunks that may end inside a run (global statistics over 100 channels). A tail
 # slab shorter than the others, statistics taken from the parameters' sums (instance norm) or lanes
@@ -1832,8 +1833,8 @@ def backward_plans(fn):
     return plans
 
 
-SLABS = ["group_norm_nhwc", "instance_norm_nhwc", "instance_norm_nhwc_flipped", "mvn12_nhwc", "bn_global_nhwc",
-         "bn_global_nchw"]
+SLABS = ["group_norm_nhwc", "group_norm_nhwc_large", "instance_norm_nhwc", "instance_norm_nhwc_flipped", "mvn12_nhwc",
+         "bn_global_nhwc", "bn_global_nchw"]
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
@@ -1843,7 +1844,8 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
     from training_reference import bn_backward_ref, group_norm_backward_ref, instance_norm_backward_ref, mvn_backward_ref
 
     rng_state = rng.bit_generator.state  # (run() draws batch norm's statistics: the same each call)
-    inner = (12, 10, 100) if op.startswith("bn_global") else (16, 8, 64)
+    # (_large: a sample's x and dy pass the L2, a slab of one sample each, read again from the L3)
+    inner = (12, 10, 100) if op.startswith("bn_global") else (64, 48, 64) if op.endswith("_large") else (16, 8, 64)
     n = _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * int(np.prod(inner))) + 3
     x = rand_values(rng, (n, *inner), dtype, scale=2.0) + np.asarray(3.0, dtype)
     dy = rand_values(rng, x.shape, dtype, scale=1.0)
@@ -1856,6 +1858,7 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
         op = op[:-len("_flipped")]
         x, dy = (np.concatenate([a, a[:, :1]], axis=1)[::-1, -2::-1] for a in (x, dy))
     ca = 1 if op == "bn_global_nchw" else -1
+    op = op.replace("_large", "")
 
     def run():
         if op == "group_norm_nhwc":

@@ -56,8 +56,9 @@ constexpr int64_t kMinGroupsPerBlock = 16, kMinGroupBlocks = 8;
 // Runs of a group at most this long, scattered (scattered_short_runs), take the two passes.
 constexpr int64_t kScatteredRunBytes = 1024, kScatteredRunBytesFromMemory = 4096;
 // The two passes' slabs (BackwardRunner::slab_elements): x and dy of a slab of about kSlabBytes
-// (half a 1 MB L2), whole statistics elements up to kMaxSlabBytes (the L2).
-constexpr int64_t kSlabBytes = int64_t(512) << 10, kMaxSlabBytes = int64_t(1) << 20;
+// (half a 1 MB L2), whole statistics elements up to half the streaming threshold (a quarter of
+// the L3: two threads' slabs then read their second pass from it).
+constexpr int64_t kSlabBytes = int64_t(512) << 10;
 // Runs (groups) a compute-type slot sums before it is added into its double.
 constexpr int64_t kFlushRuns = 32;
 // Group norm's channels-last runs of a group's channels up to this many bytes have their statistics
@@ -556,7 +557,8 @@ class BackwardRunner {
   }
 
   // Elements a slab of the two passes holds (total: none). From memory, the second pass would
-  // read x and dy from memory again; a slab is summed, then written while they are in the L2.
+  // read x and dy from memory again; a slab is summed, then written while they are in the L2 (or,
+  // a sample of channels-last data too large for it, in the L3).
   // The write needs the slab's coefficients (want_group_; without, the sums pass writes:
   // write_in_sums), so a slab holds whole statistics elements: it is a run of indices of the
   // nest's outer dims along which the statistics vary (group and instance norm of channels-last
@@ -568,7 +570,7 @@ class BackwardRunner {
     const int64_t most = std::max<int64_t>(1, kSlabBytes / per_element);
     int64_t unit = total;  // elements of one index of the outer dims the statistics vary along
     for (int d = 0; d < nest.ndim && nest.strides[kStats][d] != 0; ++d) unit /= nest.sizes[d];
-    if (unit >= total || unit * per_element > kMaxSlabBytes) return total;
+    if (unit >= total || unit * per_element > stream_threshold_bytes() / 2) return total;
     const int64_t slab = unit * std::max<int64_t>(1, most / unit);
     int64_t bytes = 0;
     for (int64_t b = 0, prev_hi = 0; b < total; b += slab) {
