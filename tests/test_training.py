@@ -1440,7 +1440,10 @@ def test_activation_derivative_at_zero(rng, op, act, params, slope):
 @pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_smooth_derivatives_to_a_few_ulps(dtype, act):
-    p = np.concatenate([np.linspace(-30, 30, 24001), -np.geomspace(1e-30, 100, 2001), np.geomspace(1e-30, 100, 2001)])
+    p = np.concatenate([np.linspace(-30, 30, 24001), -np.geomspace(1e-30, 100, 2001), np.geomspace(1e-30, 100, 2001),
+                        np.linspace(-100, -70, 3001)])  # (float32 silu' changes formula at -80)
+    if dtype == F64:  # (silu' results are normal doubles down to -708)
+        p = np.concatenate([p, np.linspace(-705, -100, 6051)])
     p = p.astype(dtype).reshape(-1, 1)  # (N, C = 1)
     z = np.zeros_like(p)
     one = np.ones(1, dtype)
@@ -1449,8 +1452,9 @@ def test_smooth_derivatives_to_a_few_ulps(dtype, act):
         training=False, fused_add=p, activation=act)
     x = p.astype(np.float64).ravel()
     if act == "silu":
-        s = 1.0 / (1.0 + np.exp(-x))
-        want = s * (1.0 + x * (1.0 - s))
+        e = np.exp(-np.abs(x))  # (s and 1 - s each without cancellation or overflow)
+        s, rest = np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)), np.where(x >= 0, e / (1.0 + e), 1.0 / (1.0 + e))
+        want = s * (1.0 + x * rest)
         root = -1.2784645
     else:
         want = 0.5 * np.vectorize(math.erfc)(-x / math.sqrt(2.0)) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
@@ -1460,7 +1464,7 @@ def test_smooth_derivatives_to_a_few_ulps(dtype, act):
     ulps = err / np.maximum(np.spacing(np.abs(want).astype(dtype)).astype(np.float64), np.finfo(dtype).smallest_subnormal)
     away = np.abs(x - root) > 0.25
     worst = np.argmax(np.where(away & (np.abs(want) > tiny), ulps, 0))
-    assert ulps[away & (np.abs(want) > tiny)].max() <= 64, (x[worst], got.ravel()[worst], want[worst])
+    assert ulps[away & (np.abs(want) > tiny)].max() <= 24, (x[worst], got.ravel()[worst], want[worst])
     assert err[~away].max() <= 4 * np.finfo(dtype).eps, err[~away].max()
 
 

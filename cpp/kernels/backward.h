@@ -35,13 +35,8 @@ template <class V> struct DerivPiecewise {
   }
 };
 
-// silu' = s (1 + p (1 - s)), s = sigmoid(p); gelu' = Phi(p) + p phi(p). p is clamped where the
-// derivative has reached its limit (0 or 1) so that the limits of +-inf come out, not inf * 0.
-template <class V> V silu_derivative(V p) {
-  p = vmin(splat<V>(100.0), vmax(splat<V>(-100.0), p));
-  const V s = vsigmoid(p);
-  return s * vfma(p, splat<V>(1.0) - s, splat<V>(1.0));
-}
+// silu' = s (1 + p (1 - s)), s = sigmoid(p) (vmath.h); gelu' = Phi(p) + p phi(p), p clamped in
+// float64 where it has reached its limit (0 or 1) so that the limits of +-inf come out, not inf * 0.
 template <class V> V gelu_derivative(V p) {
   if constexpr (std::is_same<V, vf>::value) {
     return vgelu_derivative(p);  // (one exp for both terms, x < 0 without cancellation)
@@ -57,7 +52,7 @@ template <class V> struct DerivSmooth {
   ActKind kind;
   explicit DerivSmooth(const Activation& a) : kind(a.kind) {}
   V operator()(V pre, V dy) const {
-    return dy * (kind == ActKind::gelu ? gelu_derivative(pre) : silu_derivative(pre));
+    return dy * (kind == ActKind::gelu ? gelu_derivative(pre) : vsilu_derivative(pre));
   }
 };
 

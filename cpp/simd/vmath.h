@@ -8,7 +8,7 @@
 //
 // Public:   vexp vexpm1 vlog1p vtanh verf      (the functions themselves)
 //           vsigmoid vsilu vgelu vlog1p_exp_negabs  (activations that need care at the edges)
-//           vgelu_derivative                   (float only: the backward's gelu')
+//           vsilu_derivative vgelu_derivative  (the backward's silu' and gelu'; gelu' float only)
 //           vprod_err                          (rounding error of a product, for callers' arguments)
 // Contract: NaN in -> NaN out; +-inf and overflow/underflow give the limits (exp(+big) = inf,
 //           exp(-big) = 0 through the subnormals, tanh/erf/sigmoid saturate exactly to +-1 / 0 / 1).
@@ -239,6 +239,28 @@ static inline vf vgelu(vf x) {
   const vf neg_small = half * x * (one + es);
   const vf neg_tail = vm_scale(half * xt * m, n);
   return vselect(neg, vselect(a < half, neg_small, neg_tail), half * x * pos2);
+}
+
+// silu'(x) = s (1 + x (1 - s)), s = sigmoid(x) (the backward's derivative). For |x| < 80, e = exp(-x)
+// is a normal float, s = 1 / (1 + e) and 1 - s = e s (no cancellation): one exp, one division.
+// Past 80 (lane by lane, so that a result does not depend on its vector's other lanes) the limit 1,
+// and below -80 exp(x) (1 + x) (s = exp(x) to float's precision there) with its 2^n applied last,
+// so that the results in the subnormals are rounded once.
+static inline vf vsilu_derivative(vf x) {
+  const vf one = vbroadcast(1.0f), edge = vbroadcast(80.0f);
+  vi n;
+  const vf q = vm_expm1_core<false>(vmin(edge, vmax(vbroadcast(-80.0f), vbroadcast(0.0f) - x)), vf{}, n);
+  const vf pow2 = vm_pow2i(n);
+  const vf e = vfma(q, pow2, pow2);
+  const vf s = one / (one + e);
+  const vf near = s * vfma(x, e * s, one);
+  if (__builtin_expect(!vany_ge(vabs(x), edge), 1)) return near;
+  const vf xt = vmin(vbroadcast(-80.0f), vmax(vbroadcast(-120.0f), x));  // (x < -120: 0 either way)
+  vi nt;
+  const vf qt = vm_expm1_core<false>(xt, vf{}, nt);
+  const vf t = one + xt;
+  const vf left = vm_scale(vfma(qt, t, t), nt);
+  return vselect(vabs(x) >= edge, vselect(x > vbroadcast(0.0f), one, left), near);
 }
 
 // gelu'(x) = Phi(x) + x phi(x), phi(x) = exp(-x^2/2) / sqrt(2 pi) (the backward's derivative).
@@ -482,6 +504,22 @@ static inline VmSigmoidParts vm_sigmoid_parts(vd x) {
 static inline vd vsigmoid(vd x) {
   const VmSigmoidParts p = vm_sigmoid_parts(x);
   return vselect(x < splat<vd>(0.0), vm_exp_finish(p.q0, p.cneg, p.k), p.rec + p.cpos);
+}
+
+// silu'(x) = s (1 + x (1 - s)) (the backward's derivative), s and 1 - s from the same parts: x >= 0:
+// (rec + cpos) (1 + x 2^k (q0 + cneg)); x < 0: 2^k (q0 + cneg) (1 + x (rec + cpos)), the 2^k applied
+// last so that results below 2^-1022 are rounded once. |x| clamped at 760, where the limits 1 and 0
+// are reached (so that +-inf give them, not inf * 0).
+static inline vd vsilu_derivative(vd x) {
+  const VmSigmoidParts p = vm_sigmoid_parts(x);
+  const vd one = splat<vd>(1.0);
+  const vd xc = vmin(splat<vd>(760.0), vmax(splat<vd>(-760.0), x));
+  const vd f = vfma(xc, p.rec, one) + xc * p.cpos;  // 1 + x (1 - s), x < 0
+  const vd fa = vabs(f), hi = p.q0 * fa;
+  const vl neg = x < splat<vd>(0.0);
+  // 2^k (q0 + cneg) |f| for x < 0, 2^k (q0 + cneg) = 1 - s for x >= 0: one scaling for both
+  const vd scaled = vm_exp_finish(vselect(neg, hi, p.q0), vselect(neg, vfma(p.q0, fa, -hi) + p.cneg * fa, p.cneg), p.k);
+  return vselect(neg, vm_with_sign_of(scaled, f), (p.rec + p.cpos) * vfma(xc, scaled, one));
 }
 
 // silu = x sigmoid(x): x >= 0: x (rec + cpos) with one rounding (cpos times x clamped, so that x = inf
