@@ -211,14 +211,23 @@ static inline vf vsigmoid(vf x) {
   return vselect(x < vbroadcast(0.0f), vm_scale(vfma(q, rd, rd), n), rd);
 }
 
-// silu = x * sigmoid(x), same scheme; x < -120 computes as -120 (result 0 either way), so that
-// -inf gives the limit -0 instead of -inf * 0.
+// silu = x * sigmoid(x). For |x| < 80, x / (1 + e) with e = exp(-x) a normal float: one exp, one
+// division. Past 80 (lane by lane: a result does not depend on its vector's other lanes) the
+// sigmoid's scheme, 2^n applied last for x < 0; x < -120 computes as -120 (result 0 either way), so
+// that -inf gives the limit -0 instead of -inf * 0.
 static inline vf vsilu(vf x) {
+  const vf one = vbroadcast(1.0f), edge = vbroadcast(80.0f);
   vi n;
+  const vf q = vm_expm1_core<false>(vmin(edge, vmax(vbroadcast(-80.0f), vbroadcast(0.0f) - x)), vf{}, n);
+  const vf pow2 = vm_pow2i(n);
+  const vf near = x / (one + vfma(q, pow2, pow2));
+  if (__builtin_expect(!vany_ge(vabs(x), edge), 1)) return near;
+  vi nt;
   const vf xn = vmax(vbroadcast(-120.0f), x);
-  const vf q = vm_expm1_core<false>(vmax(vbroadcast(-120.0f), vbroadcast(0.0f) - vabs(x)), vf{}, n);
-  const vf rd = vbroadcast(1.0f) / (vbroadcast(1.0f) + vm_exp_finish(q, n));
-  return vselect(x < vbroadcast(0.0f), vm_scale(xn * vfma(q, rd, rd), n), x * rd);
+  const vf qt = vm_expm1_core<false>(vmax(vbroadcast(-120.0f), vbroadcast(0.0f) - vabs(x)), vf{}, nt);
+  const vf rd = one / (one + vm_exp_finish(qt, nt));
+  const vf far = vselect(x < vbroadcast(0.0f), vm_scale(xn * vfma(qt, rd, rd), nt), x * rd);
+  return vselect(vabs(x) >= edge, far, near);
 }
 
 // gelu = x Phi(x) = 0.5 x (1 + erf(x / sqrt2)). For x < 0 this is 0.5 x erfc(|x| / sqrt2), taken from
