@@ -211,16 +211,22 @@ static inline vf vsigmoid(vf x) {
   return vselect(x < vbroadcast(0.0f), vm_scale(vfma(q, rd, rd), n), rd);
 }
 
+// exp(-x) for |x| <= 80 (x clamped there), a normal float: one power of two, no final scaling step.
+// silu and silu' take their values there from it, and lanes past 80 from their tails.
+static inline vf vm_exp_neg_near(vf x) {
+  vi n;
+  const vf q = vm_expm1_core<false>(vmin(vbroadcast(80.0f), vmax(vbroadcast(-80.0f), vbroadcast(0.0f) - x)), vf{}, n);
+  const vf pow2 = vm_pow2i(n);
+  return vfma(q, pow2, pow2);
+}
+
 // silu = x * sigmoid(x). For |x| < 80, x / (1 + e) with e = exp(-x) a normal float: one exp, one
 // division. Past 80 (lane by lane: a result does not depend on its vector's other lanes) the
 // sigmoid's scheme, 2^n applied last for x < 0; x < -120 computes as -120 (result 0 either way), so
 // that -inf gives the limit -0 instead of -inf * 0.
 static inline vf vsilu(vf x) {
   const vf one = vbroadcast(1.0f), edge = vbroadcast(80.0f);
-  vi n;
-  const vf q = vm_expm1_core<false>(vmin(edge, vmax(vbroadcast(-80.0f), vbroadcast(0.0f) - x)), vf{}, n);
-  const vf pow2 = vm_pow2i(n);
-  const vf near = x / (one + vfma(q, pow2, pow2));
+  const vf near = x / (one + vm_exp_neg_near(x));
   if (__builtin_expect(!vany_ge(vabs(x), edge), 1)) return near;
   vi nt;
   const vf xn = vmax(vbroadcast(-120.0f), x);
@@ -257,10 +263,7 @@ static inline vf vgelu(vf x) {
 // so that the results in the subnormals are rounded once.
 static inline vf vsilu_derivative(vf x) {
   const vf one = vbroadcast(1.0f), edge = vbroadcast(80.0f);
-  vi n;
-  const vf q = vm_expm1_core<false>(vmin(edge, vmax(vbroadcast(-80.0f), vbroadcast(0.0f) - x)), vf{}, n);
-  const vf pow2 = vm_pow2i(n);
-  const vf e = vfma(q, pow2, pow2);
+  const vf e = vm_exp_neg_near(x);
   const vf s = one / (one + e);
   const vf near = s * vfma(x, e * s, one);
   if (__builtin_expect(!vany_ge(vabs(x), edge), 1)) return near;
