@@ -202,22 +202,26 @@ static inline vf vlog1p_exp_negabs(vf zh, vf zl) {
   return vlog1p(vm_exp_finish(q, n));
 }
 
-// sigmoid without overflow: e = exp(-|x|); x >= 0: 1 / (1 + e); x < 0: e / (1 + e), with e's
-// 2^n applied last so that results down to the subnormals (x > -103.9) keep their precision.
-static inline vf vsigmoid(vf x) {
-  vi n;
-  const vf q = vm_expm1_core<false>(vmax(vbroadcast(-120.0f), vbroadcast(0.0f) - vabs(x)), vf{}, n);
-  const vf rd = vbroadcast(1.0f) / (vbroadcast(1.0f) + vm_exp_finish(q, n));
-  return vselect(x < vbroadcast(0.0f), vm_scale(vfma(q, rd, rd), n), rd);
-}
-
 // exp(-x) for |x| <= 80 (x clamped there), a normal float: one power of two, no final scaling step.
-// silu and silu' take their values there from it, and lanes past 80 from their tails.
+// sigmoid, silu and silu' take their values there from it, and lanes past 80 from their tails.
 static inline vf vm_exp_neg_near(vf x) {
   vi n;
   const vf q = vm_expm1_core<false>(vmin(vbroadcast(80.0f), vmax(vbroadcast(-80.0f), vbroadcast(0.0f) - x)), vf{}, n);
   const vf pow2 = vm_pow2i(n);
   return vfma(q, pow2, pow2);
+}
+
+// sigmoid: for |x| < 80, 1 / (1 + e) with e = exp(-x) a normal float (vm_exp_neg_near). Past 80
+// (lane by lane) without overflow: e = exp(-|x|); x >= 0: 1 / (1 + e); x < 0: e / (1 + e), with e's
+// 2^n applied last so that results down to the subnormals (x > -103.9) keep their precision.
+static inline vf vsigmoid(vf x) {
+  const vf one = vbroadcast(1.0f), edge = vbroadcast(80.0f);
+  const vf near = one / (one + vm_exp_neg_near(x));
+  if (__builtin_expect(!vany_ge(vabs(x), edge), 1)) return near;
+  vi n;
+  const vf q = vm_expm1_core<false>(vmax(vbroadcast(-120.0f), vbroadcast(0.0f) - vabs(x)), vf{}, n);
+  const vf rd = one / (one + vm_exp_finish(q, n));
+  return vselect(vabs(x) >= edge, vselect(x < vbroadcast(0.0f), vm_scale(vfma(q, rd, rd), n), rd), near);
 }
 
 // silu = x * sigmoid(x). For |x| < 80, x / (1 + e) with e = exp(-x) a normal float: one exp, one
