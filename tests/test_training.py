@@ -1948,6 +1948,52 @@ def test_out_of_line_derivative_taken_first(rng, threads, dtype, act, layout):
             np.testing.assert_array_equal(bits(dy2), bits(gi), err_msg=f"in place threads={n} {training=}")
 
 
+# 16-bit data cannot hold ga in grad_input, so they keep the two passes with silu and gelu; grouped,
+# each group's sums pass saves its ga (float32) for its apply, and the derivative is taken once an
+# element ("saved-ga"): groups of runs (NCHW group norm, its channels reversed and every other row,
+# MVN whose parameters repeat along the group, summed in chunks), layer norm's rows in blocks, and a
+# group past the buffer's bound (2^18 elements), which recomputes ga. Against the float64
+# reference, 1 vs 2 threads bitwise; relu (inline) saves nothing.
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+@pytest.mark.parametrize("act", ["silu", "gelu", "relu"])
+@pytest.mark.parametrize("case", ["group_nchw", "group_strided", "mvn_chunks", "layer_rows", "past_bound"])
+def test_16_bit_groups_save_their_ga(rng, threads, dtype, act, case):
+    from training_reference import group_norm_backward_ref, layer_norm_backward_ref, mvn_backward_ref
+
+    shape = {"group_nchw": (4, 32, 9, 11), "group_strided": (4, 32, 18, 11), "mvn_chunks": (6, 50, 60),
+             "layer_rows": (64, 300), "past_bound": (2, 2, 400, 350)}[case]
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(0.5, dtype)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    if case == "group_strided":
+        x, dy = x[:, ::-1, ::2], dy[:, ::-1, ::2]
+    if case == "mvn_chunks":
+        # (each parameter reached by 50 runs a group: summed in chunks of 32 runs, kFlushRuns)
+        sc, b = rand_values(rng, shape[-1:], F32, scale=1.0), rand_values(rng, shape[-1:], F32, scale=1.0)
+        _, m, s = simdnorm.mean_variance_normalization(x, (1, 2), sc, b, activation=act, return_stats=True)
+        run = lambda: simdnorm.mean_variance_normalization_backward(  # noqa: E731
+            dy, x, (1, 2), m, s, sc, b, activation=act, out=np.full(x.shape, np.nan, dtype))
+        ref = lambda: mvn_backward_ref(dy, x, (1, 2), m, s, sc, b, activation=act)  # noqa: E731
+    elif case == "layer_rows":
+        sc, b = rand_values(rng, shape[-1:], F32, scale=1.0), rand_values(rng, shape[-1:], F32, scale=1.0)
+        _, m, s = simdnorm.layer_norm(x, sc, b, activation=act, return_stats=True)
+        run = lambda: simdnorm.layer_norm_backward(  # noqa: E731
+            dy, x, m, s, sc, b, activation=act, out=np.full(x.shape, np.nan, dtype))
+        ref = lambda: layer_norm_backward_ref(dy, x, m, s, sc, b, activation=act)  # noqa: E731
+    else:
+        groups = 1 if case == "past_bound" else 8
+        c = x.shape[1]
+        sc, b = rand_values(rng, (c,), F32, scale=1.0), rand_values(rng, (c,), F32, scale=1.0)
+        _, m, s = simdnorm.group_norm(x, groups, sc, b, activation=act, return_stats=True)
+        run = lambda: simdnorm.group_norm_backward(  # noqa: E731
+            dy, x, groups, m, s, sc, b, activation=act, out=np.full(x.shape, np.nan, dtype))
+        ref = lambda: group_norm_backward_ref(dy, x, groups, m, s, sc, b, activation=act)  # noqa: E731
+    plans = backward_plans(run)
+    assert plans[0].startswith("groups"), plans
+    assert ("saved-ga" in plans[0]) == (act != "relu" and case != "past_bound"), plans
+    res = at_one_and_two_threads(threads, run)
+    check_grads(res, ref(), x=x, scale=sc, bias=b, want=("input", "scale", "bias"))
+
+
 # Without statistics terms the sums pass writes grad_input as it goes (one pass: sums_write). Its
 # grad_input must be the elementwise pass's, bit for bit (the call that asks for grad_input alone),
 # and its parameter sums those of the sums pass alone (the call that asks for no grad_input), in

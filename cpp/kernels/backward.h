@@ -159,6 +159,8 @@ struct BackwardKernel {
   static constexpr int W = L::W;
 
   static V zero() { return splat<V>(0.0); }
+  // Whether a group's ga may be saved for its apply (BackwardTask::ga_buffer): 16-bit data only.
+  static constexpr bool kSavesGa = !std::is_same<T, C>::value;
 
   // With streaming stores (t.stream_stores), the elements of a run at p before its first
   // vector-aligned one, at most n; -1 where its elements are not aligned to their size, or where
@@ -260,6 +262,8 @@ struct BackwardKernel {
       }
       g = ga * scale;
     }
+    // d = x - mean at element e (the apply's, where ga comes saved: BackwardTask::ga_buffer).
+    SIMDNORM_CURSOR_METHOD V d_at(int64_t e, int m) const { return load<DStep, T>(x + e * sx, sx, m) - stat(e, 0, m); }
     // grad_input at element e from d = x - mean and ga (every path's formula: grad_input()).
     SIMDNORM_CURSOR_METHOD V dx_at(int64_t e, int m, V d, V ga) const {
       const V u = stat(e, 1, m);
@@ -323,7 +327,7 @@ struct BackwardKernel {
   // the same loop, as apply_run writes it (streamed where the run's grad_input starts aligned).
   template <int SStep, int PStep, class D, bool Write = false>
   static void sums_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n,
-                       const BackwardSums& acc) {
+                       const BackwardSums& acc, C* ga_out = nullptr) {
     const Element<SStep, PStep, D> el(t, deriv, p, s, kPrefetchAheadBytes);
     constexpr bool unit = SStep != kAny && PStep != kAny;
     char* const dx_base = p[kGradIn];
@@ -354,6 +358,7 @@ struct BackwardKernel {
         V d, y, ga, g;
         if (own_out != nullptr) __builtin_prefetch(own_out + e * static_cast<int64_t>(sizeof(T)), 1);
         el.at_with_d(e, m, d, y, ga, g);
+        if constexpr (kSavesGa) if (ga_out != nullptr) store_up_to<LC>(ga_out + e, ga, m);
         if constexpr (Write) {
           char* const out = dx_base + e * s[kGradIn];
           if (unit && !stream) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
@@ -414,6 +419,7 @@ struct BackwardKernel {
     int64_t stat;  // the row's statistics element
     V mean, u, a, b;  // a, b: sum(g), sum(g y) while summed; then -u^2 c2 and -u c1
   };
+  static constexpr int kMaxBlockRows = 4;
   template <int R, bool OwnParams, class D, class AfterBlock>
   static void rows_stream(const BackwardTask& t, const D& deriv, char* const* first, const int64_t* step, int64_t n,
                           int64_t blocks, const BackwardSums& acc, AfterBlock&& after_block) {
@@ -449,7 +455,12 @@ struct BackwardKernel {
       if constexpr (D::kUsesPre) return deriv(vfma(y, s, b), dyv);
       else return dyv;
     };
+    static_assert(R <= kMaxBlockRows, "a block's rows of saved ga");
     RowsOf<RowState, R> rows;
+    // (a block's R rows of ga saved at once; only out-of-line derivatives)
+    constexpr bool kSaves = kSavesGa && std::is_same<D, DerivOutOfLine<V>>::value;
+    const bool saves_ga = kSaves && t.ga_buffer != nullptr;
+    C* const saved_ga = static_cast<C*>(t.ga_buffer);  // (row j of the block's at j n)
     using Yes = std::true_type;
     using No = std::false_type;
     // Every row streams alike when the rows' step keeps their alignment.
@@ -481,7 +492,7 @@ struct BackwardKernel {
         s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
         if (want_param) p0 = load_c(pv0 + e, m), p1 = load_c(pv1 + e, m);
       }
-      rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+      rows.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
         if constexpr (OwnParams) {
           s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
           if (want_param) p0 = load_c(r.pv0 + e, m), p1 = load_c(r.pv1 + e, m);
@@ -493,6 +504,7 @@ struct BackwardKernel {
         }
         V d, y;
         V ga = grad_at(r, e, m, s, b, d, y);
+        if constexpr (kSaves) if (saves_ga) store_up_to<LC>(saved_ga + j * n + e, ga, m);
         if (m < W) {
           const auto own = lanes_mask(static_cast<V*>(nullptr), m);
           y = vselect(own, y, zero()), ga = vselect(own, ga, zero());
@@ -512,11 +524,13 @@ struct BackwardKernel {
     auto write_at = [&](auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero();
       if constexpr (!OwnParams) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
-      rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+      rows.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
         if constexpr (OwnParams)
           s = load_c(r.scale + e, m), b = D::kUsesPre ? load_c(r.scale + bias_at + e, m) : zero();
         V d, y;
-        const V ga = grad_at(r, e, m, s, b, d, y);
+        V ga;
+        if (kSaves && saves_ga) d = load_t(r.x + e * es, m) - r.mean, ga = load_c(saved_ga + j * n + e, m);
+        else ga = grad_at(r, e, m, s, b, d, y);
         const V dx = grad_input(d, ga, s * r.u, r.a, r.b);
         T* const q = reinterpret_cast<T*>(r.dx + e * es);
         if constexpr (decltype(full)::value) L::store_or_stream(q, dx, stream);
@@ -576,7 +590,8 @@ struct BackwardKernel {
   // The apply pass over one run: dx = u ((g - c1) - y c2) (grad_input). Streamed, the first step takes the
   // elements before the first aligned vector (streamed in pieces, as the last step's).
   template <int SStep, int PStep, class D>
-  static void apply_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n) {
+  static void apply_run(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* s, int64_t n,
+                        const C* ga_in = nullptr) {
     // Grouped, the sums pass has just read the group: its data are in the L1.
     const bool grouped = t.grouped, write_ga = t.write_ga;
     const Element<SStep, PStep, D> el(t, deriv, p, s, (grouped ? 2 : 1) * kPrefetchAheadBytes);
@@ -591,7 +606,8 @@ struct BackwardKernel {
       V d, y, ga, g;
       char* out = dx_base + e * sdx;
       if (unit && !grouped && !stream) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
-      el.at_with_d(e, m, d, y, ga, g);
+      if (kSavesGa && ga_in != nullptr) d = el.d_at(e, m), ga = load_up_to<LC>(ga_in + e, m);
+      else el.at_with_d(e, m, d, y, ga, g);
       if (write_ga) {  // in the compute type (the storage type's for float32 and float64 data)
         if constexpr (std::is_same<T, C>::value) {
           store_dx<unit>(out, sdx, ga, m, false);
@@ -1188,7 +1204,10 @@ struct BackwardKernel {
     }
     visit_derivative<V>(t.act, [&](const auto& deriv) {
       using D = std::decay_t<decltype(deriv)>;
+      C* ga_out = t.ga_buffer != nullptr ? static_cast<C*>(t.ga_buffer) + begin : nullptr;  // (the next run's)
       for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
+        C* const ga_run = ga_out;
+        if (ga_out != nullptr) ga_out += len;
         visit_layout(t, s, write, [&](auto ss, auto ps) {
           // Writing, runs with constant coefficients and no activation (NCHW planes past
           // kSumFlush) are written as they are summed; the others are summed, then written from
@@ -1198,7 +1217,7 @@ struct BackwardKernel {
           if (fused && write) {
             sums_run<SS, PS, D, fused>(t, deriv, p, s, len, acc);
           } else {
-            sums_run<SS, PS, D>(t, deriv, p, s, len, acc);
+            sums_run<SS, PS, D>(t, deriv, p, s, len, acc, ga_run);
             if (write) apply_run<SS, PS>(t, deriv, p, s, len);
           }
         });
@@ -1220,9 +1239,12 @@ struct BackwardKernel {
       return;
     }
     visit_derivative<V>(t.act, [&](const auto& deriv) {
+      const C* ga_in = t.ga_buffer != nullptr ? static_cast<const C*>(t.ga_buffer) + begin : nullptr;
       for_each_run(nest, begin, end, [&](int64_t len, char* const* p, const int64_t* s) {
+        const C* const ga_run = ga_in;
+        if (ga_in != nullptr) ga_in += len;
         visit_layout(t, s, true, [&](auto ss, auto ps) {
-          apply_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, p, s, len);
+          apply_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, p, s, len, ga_run);
         });
       });
     });
@@ -1237,12 +1259,19 @@ static void flush_vary(double* sums, void* vary, int64_t n) {
 }
 
 template <class T>
-static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) {
+static void backward_groups_of(const BackwardTask& task, const BackwardGroups& gs) {
   using C = typename ComputeOf<T>::type;
   using K = BackwardKernel<T>;
   constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
   int64_t n = 1;
   for (int d = 0; d < gs.group.ndim; ++d) n *= gs.group.sizes[d];
+  BackwardTask t = task;
+  std::vector<C> saved_ga;  // (BackwardTask::save_ga: this block's)
+  if (K::kSavesGa && t.save_ga && gs.apply) {
+    SIMDNORM_CHECK(n <= kMaxSavedGaElements);
+    saved_ga.resize(static_cast<size_t>(n * (gs.group.ndim == 1 ? K::kMaxBlockRows : 1)));  // (rows_stream: a block's)
+    t.ga_buffer = saved_ga.data();
+  }
   const BackwardSums& s = gs.sums;
   const char* stats0 = s.stats_base;
   LoopNest g = gs.group;
@@ -1324,9 +1353,9 @@ static void backward_groups_of(const BackwardTask& t, const BackwardGroups& gs) 
         constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
         auto one_row = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
           sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
-            K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums);
+            K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums, static_cast<C*>(t.ga_buffer));
           });
-          if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n);
+          if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n, static_cast<const C*>(t.ga_buffer));
           finish(k);
         };
         if constexpr (SS == kConst && PS == kUnit) {

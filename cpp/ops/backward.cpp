@@ -122,12 +122,18 @@ class BackwardRunner {
       task_.params_pitch = params_->data(1) - params_->data(0);
       two_pass = elementwise(problem());
     }
+    // 16-bit data keep the two passes with an out-of-line derivative (a call and a transcendental
+    // a vector; float32 and float64 take it first: derivative_first): grouped, each group's ga is
+    // saved by its sums pass for its apply.
+    task_.save_ga = grouped && itemsize(x.dtype) == 2 && a_.grad_input && a_.activation.kind != ActKind::identity &&
+                    !(kernels().inline_activations >> static_cast<int>(a_.activation.kind) & 1u) &&
+                    n_ <= kMaxSavedGaElements;
     if (explain != nullptr) {
       *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count() / lane_fold_) +
                  (lane_fold_ > 1 ? " lane_fold=" + std::to_string(lane_fold_) : std::string()) +
                  " group_size=" + std::to_string(n_) + " nest=" + describe(grouped ? rp.nest : two_pass) +
                  (param_of_stat_.empty() ? std::string() : " params-per-statistic") +
-                 (task_.stream_stores ? " streaming-stores" : "");
+                 (task_.stream_stores ? " streaming-stores" : "") + (task_.save_ga ? " saved-ga" : "");
       const SumTargets t = sum_targets();
       if (!grouped && write_in_sums(t)) *explain += " sums-write";
       const int64_t slab = grouped ? total : slab_elements(two_pass, total, t);

@@ -140,6 +140,7 @@ struct GroupPairArgs {
 // The backward ops' element arithmetic (kernels/backward.h). The kStats operand points at the mean
 // of a run's statistics element; u (1 / std), c1 and c2 follow at stats_pitch bytes each. The
 // kParams operand points at the scale; the bias follows at params_pitch.
+constexpr int64_t kMaxSavedGaElements = int64_t(1) << 18;  // (BackwardTask::save_ga: 1 MB of floats)
 struct BackwardTask {
   DType dtype = DType::f32;
   DType fused_add_dtype = DType::f32;  // the input's or float32
@@ -152,6 +153,12 @@ struct BackwardTask {
   // The sums pass writes grad_input as well, in the same loop (without statistics terms, where the
   // write needs none of the sums: x and dy are read once).
   bool sums_write = false;
+  // 16-bit data with an out-of-line derivative, grouped, groups of at most kMaxSavedGaElements:
+  // each group's sums pass saves its elements' ga = dy * act'(pre) (compute type, in the nest's
+  // order) in ga_buffer, a block's own (backward_groups_of), and its apply reads them back there, so
+  // the derivative is taken once an element.
+  bool save_ga = false;
+  void* ga_buffer = nullptr;
   int64_t stats_pitch = 0, params_pitch = 0;
   // The coefficients' rule: c1 = mean(g) [normalize_mean], c2 = k mean(g y) [normalize_variance],
   // k = 1 / (1 - epsilon u) with epsilon outside the root; both 0 without statistics terms.
