@@ -1907,16 +1907,20 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
         check_grad(one[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=op)
 
 
-# An activation whose derivative the kernels call out of line (silu, gelu) is taken once: ga = dy *
-# act'(pre) is written into grad_input (float32 and float64 data), then the backward without the
-# activation reads it there. So the result is, bit for bit, the identity backward of ga, which the
-# fused add's gradient returns (fused_add of x's shape: ga itself, in float32 exactly): grad_input,
-# the parameters' gradients, training and global statistics, in place over grad_output too. Relu
-# (inline), 16-bit data and a call without grad_input keep the two passes.
+# An activation whose derivative the kernels call out of line (silu, gelu) is taken once an element:
+# grouped (batch norm of NCHW data with training statistics: a channel's planes), each group's
+# sums pass saves its ga = dy * act'(pre) for its apply (saved-ga); else ga is written into
+# grad_input first (float32 and float64 data), then the backward without the activation reads it
+# there. Either
+# way the result is, bit for bit, the identity backward of ga, which the fused add's gradient
+# returns (fused_add of x's shape: ga itself, in float32 exactly): grad_input, the parameters'
+# gradients, training and global statistics, in place over grad_output too. Relu (inline) and a
+# call without grad_input keep the two passes; 16-bit data save their ga where grouped and keep
+# the two passes where not (grad_input cannot hold ga in float32).
 @pytest.mark.parametrize("dtype", [F32, F64, BF16], ids=dtype_id)
 @pytest.mark.parametrize("act", ["silu", "gelu", "relu"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_out_of_line_derivative_taken_first(rng, threads, dtype, act, layout):
+def test_out_of_line_derivative_taken_once(rng, threads, dtype, act, layout):
     shape = (3, 16, 7, 9) if layout == "nchw" else (3, 7, 9, 16)
     ca = 1 if layout == "nchw" else 3
     x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(0.5, dtype)
@@ -1924,16 +1928,20 @@ def test_out_of_line_derivative_taken_first(rng, threads, dtype, act, layout):
     pdt = F64 if dtype == F64 else F32
     scale, bias = (rand_values(rng, (16,), pdt, scale=1.0) for _ in range(2))
     fa = rand_values(rng, shape, dtype, scale=1.0)
-    first = act != "relu" and dtype != BF16
+    once = act != "relu"
     for training in (True, False):
         kw = dict(channel_axis=ca, training=training)
+        # (grouped: training statistics of NCHW data; global statistics take one pass, sums-write)
+        saved = once and layout == "nchw" and training
+        first = once and not saved and dtype != BF16
         _, m, v = simdnorm.batch_normalization_training(x, scale, bias, fused_add=fa, activation=act, channel_axis=ca)
         plans = backward_plans(lambda: simdnorm.batch_normalization_backward(
             dy, x, m, v, scale, bias, activation=act, fused_add=fa, **kw))
-        assert ("derivative-first" in plans[0]) == first, plans
-        assert not any("derivative-first" in p for p in backward_plans(lambda: simdnorm.batch_normalization_backward(
-            dy, x, m, v, scale, bias, activation=act, grad_input=False, **kw))), plans
-        if not first:
+        assert ("saved-ga" in plans[0]) == saved and ("derivative-first" in plans[0]) == first, plans
+        assert not any("derivative-first" in p or "saved-ga" in p for p in backward_plans(
+            lambda: simdnorm.batch_normalization_backward(dy, x, m, v, scale, bias, activation=act, grad_input=False,
+                                                          **kw))), plans
+        if not once or dtype == BF16:
             continue
         for n in (1, 2):
             threads(n)
@@ -1948,16 +1956,16 @@ def test_out_of_line_derivative_taken_first(rng, threads, dtype, act, layout):
             np.testing.assert_array_equal(bits(dy2), bits(gi), err_msg=f"in place threads={n} {training=}")
 
 
-# 16-bit data cannot hold ga in grad_input, so they keep the two passes with silu and gelu; grouped,
-# each group's sums pass saves its ga (float32) for its apply, and the derivative is taken once an
-# element ("saved-ga"): groups of runs (NCHW group norm, its channels reversed and every other row,
-# MVN whose parameters repeat along the group, summed in chunks), layer norm's rows in blocks, and a
-# group past the buffer's bound (2^18 elements), which recomputes ga. Against the float64
+# Grouped, with silu or gelu each group's sums pass saves its ga (the compute type) for its apply,
+# and the derivative is taken once an element ("saved-ga"): groups of runs (NCHW group norm, its
+# channels reversed and every other row, MVN whose parameters repeat along the group, summed in
+# chunks), layer norm's rows in blocks, and a group past the buffer's bound (2^18 elements), which
+# 16-bit data take in two passes (float32 and float64: ga written first). Against the float64
 # reference, 1 vs 2 threads bitwise; relu (inline) saves nothing.
-@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+@pytest.mark.parametrize("dtype", [F16, BF16, F32, F64], ids=dtype_id)
 @pytest.mark.parametrize("act", ["silu", "gelu", "relu"])
 @pytest.mark.parametrize("case", ["group_nchw", "group_strided", "mvn_chunks", "layer_rows", "past_bound"])
-def test_16_bit_groups_save_their_ga(rng, threads, dtype, act, case):
+def test_groups_save_their_ga(rng, threads, dtype, act, case):
     from training_reference import group_norm_backward_ref, layer_norm_backward_ref, mvn_backward_ref
 
     shape = {"group_nchw": (4, 32, 9, 11), "group_strided": (4, 32, 18, 11), "mvn_chunks": (6, 50, 60),
@@ -1988,7 +1996,7 @@ def test_16_bit_groups_save_their_ga(rng, threads, dtype, act, case):
             dy, x, groups, m, s, sc, b, activation=act, out=np.full(x.shape, np.nan, dtype))
         ref = lambda: group_norm_backward_ref(dy, x, groups, m, s, sc, b, activation=act)  # noqa: E731
     plans = backward_plans(run)
-    assert plans[0].startswith("groups"), plans
+    assert "groups groups=" in plans[0], plans  # (a grouped plan, after derivative-first's prefix past the bound)
     assert ("saved-ga" in plans[0]) == (act != "relu" and case != "past_bound"), plans
     res = at_one_and_two_threads(threads, run)
     check_grads(res, ref(), x=x, scale=sc, bias=b, want=("input", "scale", "bias"))

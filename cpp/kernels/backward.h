@@ -159,8 +159,10 @@ struct BackwardKernel {
   static constexpr int W = L::W;
 
   static V zero() { return splat<V>(0.0); }
-  // Whether a group's ga may be saved for its apply (BackwardTask::ga_buffer): 16-bit data only.
-  static constexpr bool kSavesGa = !std::is_same<T, C>::value;
+  // Whether loops with derivative D save or read a group's ga (BackwardTask::ga_buffer): the
+  // out-of-line derivatives' only.
+  template <class D>
+  static constexpr bool saves_ga_with() { return std::is_same<D, DerivOutOfLine<V>>::value; }
 
   // With streaming stores (t.stream_stores), the elements of a run at p before its first
   // vector-aligned one, at most n; -1 where its elements are not aligned to their size, or where
@@ -358,7 +360,7 @@ struct BackwardKernel {
         V d, y, ga, g;
         if (own_out != nullptr) __builtin_prefetch(own_out + e * static_cast<int64_t>(sizeof(T)), 1);
         el.at_with_d(e, m, d, y, ga, g);
-        if constexpr (kSavesGa) if (ga_out != nullptr) store_up_to<LC>(ga_out + e, ga, m);
+        if constexpr (saves_ga_with<D>()) if (ga_out != nullptr) store_up_to<LC>(ga_out + e, ga, m);
         if constexpr (Write) {
           char* const out = dx_base + e * s[kGradIn];
           if (unit && !stream) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
@@ -458,7 +460,7 @@ struct BackwardKernel {
     static_assert(R <= kMaxBlockRows, "a block's rows of saved ga");
     RowsOf<RowState, R> rows;
     // (a block's R rows of ga saved at once; only out-of-line derivatives)
-    constexpr bool kSaves = kSavesGa && std::is_same<D, DerivOutOfLine<V>>::value;
+    constexpr bool kSaves = saves_ga_with<D>();
     const bool saves_ga = kSaves && t.ga_buffer != nullptr;
     C* const saved_ga = static_cast<C*>(t.ga_buffer);  // (row j of the block's at j n)
     using Yes = std::true_type;
@@ -606,7 +608,7 @@ struct BackwardKernel {
       V d, y, ga, g;
       char* out = dx_base + e * sdx;
       if (unit && !grouped && !stream) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
-      if (kSavesGa && ga_in != nullptr) d = el.d_at(e, m), ga = load_up_to<LC>(ga_in + e, m);
+      if (saves_ga_with<D>() && ga_in != nullptr) d = el.d_at(e, m), ga = load_up_to<LC>(ga_in + e, m);
       else el.at_with_d(e, m, d, y, ga, g);
       if (write_ga) {  // in the compute type (the storage type's for float32 and float64 data)
         if constexpr (std::is_same<T, C>::value) {
@@ -1267,7 +1269,7 @@ static void backward_groups_of(const BackwardTask& task, const BackwardGroups& g
   for (int d = 0; d < gs.group.ndim; ++d) n *= gs.group.sizes[d];
   BackwardTask t = task;
   std::vector<C> saved_ga;  // (BackwardTask::save_ga: this block's)
-  if (K::kSavesGa && t.save_ga && gs.apply) {
+  if (t.save_ga && gs.apply) {
     SIMDNORM_CHECK(n <= kMaxSavedGaElements);
     saved_ga.resize(static_cast<size_t>(n * (gs.group.ndim == 1 ? K::kMaxBlockRows : 1)));  // (rows_stream: a block's)
     t.ga_buffer = saved_ga.data();

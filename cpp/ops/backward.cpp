@@ -68,6 +68,12 @@ constexpr int64_t kLaneFoldRunBytes = 256;
 // over them (BackwardRunner::spread_params_over_stats).
 constexpr int64_t kMinSpreadElements = 128;
 
+// Whether the active unit calls act's derivative out of line (a call and a transcendental a
+// vector, 7-10x relu's time): silu and gelu.
+bool out_of_line(const Activation& act) {
+  return act.kind != ActKind::identity && !(kernels().inline_activations >> static_cast<int>(act.kind) & 1u);
+}
+
 class BackwardRunner {
  public:
   explicit BackwardRunner(const MvnBackwardArgs& a)
@@ -122,12 +128,9 @@ class BackwardRunner {
       task_.params_pitch = params_->data(1) - params_->data(0);
       two_pass = elementwise(problem());
     }
-    // 16-bit data keep the two passes with an out-of-line derivative (a call and a transcendental
-    // a vector; float32 and float64 take it first: derivative_first): grouped, each group's ga is
-    // saved by its sums pass for its apply.
-    task_.save_ga = grouped && itemsize(x.dtype) == 2 && a_.grad_input && a_.activation.kind != ActKind::identity &&
-                    !(kernels().inline_activations >> static_cast<int>(a_.activation.kind) & 1u) &&
-                    n_ <= kMaxSavedGaElements;
+    // An out-of-line derivative (a call and a transcendental a vector), grouped: each group's ga is
+    // saved by its sums pass for its apply, and the derivative taken once an element.
+    task_.save_ga = grouped && a_.grad_input && out_of_line(a_.activation) && n_ <= kMaxSavedGaElements;
     if (explain != nullptr) {
       *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count() / lane_fold_) +
                  (lane_fold_ > 1 ? " lane_fold=" + std::to_string(lane_fold_) : std::string()) +
@@ -143,6 +146,14 @@ class BackwardRunner {
     task_.grouped = grouped;
     if (grouped) run_groups(rp);
     else run_two_pass(two_pass, total);
+  }
+
+  // Whether the plan saves each group's ga (BackwardTask::save_ga). Plans only: run() with a plan's
+  // text to write runs nothing.
+  bool plans_saved_ga() {
+    std::string plan;
+    run(&plan);
+    return task_.save_ga;
   }
 
  private:
@@ -716,15 +727,14 @@ bool same_view(const TensorView& a, const TensorView& b) {
   return same;
 }
 
-// Whether the backward writes ga = dy * act'(pre) into grad_input first, then runs without the
-// activation on it: where the unit calls the derivative out of line (a call and a transcendental
-// a vector, 7-10x relu's time), twice in the two passes, and grad_input can hold ga (the compute
-// type: float32 and float64 data) apart from everything else the backward reads (or in place of
-// grad_output, which the first pass reads element by element before it writes there).
+// Whether the backward may write ga = dy * act'(pre) into grad_input first, then run without the
+// activation on it: where the unit calls the derivative out of line, and grad_input can hold ga
+// (the compute type: float32 and float64 data) apart from everything else the backward reads (or
+// in place of grad_output, which the first pass reads element by element before it writes there).
+// (Grouped plans save each group's ga instead: mvn_backward.)
 bool derivative_first(const MvnBackwardArgs& a) {
-  if (!a.grad_input || a.write_ga || a.activation.kind == ActKind::identity ||
-      (kernels().inline_activations >> static_cast<int>(a.activation.kind) & 1u) ||
-      compute_type(a.input.dtype) != a.input.dtype || a.grad_input->dtype != a.input.dtype)
+  if (!a.grad_input || a.write_ga || !out_of_line(a.activation) || compute_type(a.input.dtype) != a.input.dtype ||
+      a.grad_input->dtype != a.input.dtype)
     return false;
   const TensorView& dx = *a.grad_input;
   return apart(dx, a.input) && apart(dx, a.mean) && apart(dx, a.inv_std) && apart(dx, a.scale) &&
@@ -735,7 +745,9 @@ bool derivative_first(const MvnBackwardArgs& a) {
 }  // namespace
 
 void mvn_backward(const MvnBackwardArgs& args, std::string* explain) {
-  if (!derivative_first(args)) return BackwardRunner(args).run(explain);
+  // The derivative once an element: grouped, each group's ga saved for its apply (from the L2);
+  // else written into grad_input first, a pass of its own.
+  if (!derivative_first(args) || BackwardRunner(args).plans_saved_ga()) return BackwardRunner(args).run(explain);
   MvnBackwardArgs ga = args;
   ga.write_ga = true;
   ga.param_sums[0].reset(), ga.param_sums[1].reset();

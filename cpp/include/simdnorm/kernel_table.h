@@ -153,10 +153,10 @@ struct BackwardTask {
   // The sums pass writes grad_input as well, in the same loop (without statistics terms, where the
   // write needs none of the sums: x and dy are read once).
   bool sums_write = false;
-  // 16-bit data with an out-of-line derivative, grouped, groups of at most kMaxSavedGaElements:
-  // each group's sums pass saves its elements' ga = dy * act'(pre) (compute type, in the nest's
-  // order) in ga_buffer, a block's own (backward_groups_of), and its apply reads them back there, so
-  // the derivative is taken once an element.
+  // An out-of-line derivative, grouped, groups of at most kMaxSavedGaElements: each group's sums
+  // pass saves its elements' ga = dy * act'(pre) (compute type, in the nest's order) in ga_buffer, a
+  // block's own (backward_groups_of), and its apply reads them back there, so the derivative is
+  // taken once an element.
   bool save_ga = false;
   void* ga_buffer = nullptr;
   int64_t stats_pitch = 0, params_pitch = 0;
