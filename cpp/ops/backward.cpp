@@ -94,7 +94,7 @@ class BackwardRunner {
     n_ = group_size;
     if (total == 0) {
       if (explain != nullptr) *explain = "empty";
-      else write_param_sums({});
+      else if (!plan_only_) write_param_sums({});
       return;
     }
     task_.dtype = x.dtype;
@@ -131,6 +131,7 @@ class BackwardRunner {
     // An out-of-line derivative (a call and a transcendental a vector), grouped: each group's ga is
     // saved by its sums pass for its apply, and the derivative taken once an element.
     task_.save_ga = grouped && a_.grad_input && out_of_line(a_.activation) && n_ <= kMaxSavedGaElements;
+    if (plan_only_) return;
     if (explain != nullptr) {
       *explain = std::string(grouped ? "groups" : "two-pass") + " groups=" + std::to_string(grouped ? rp.groups : stats_->count() / lane_fold_) +
                  (lane_fold_ > 1 ? " lane_fold=" + std::to_string(lane_fold_) : std::string()) +
@@ -148,11 +149,11 @@ class BackwardRunner {
     else run_two_pass(two_pass, total);
   }
 
-  // Whether the plan saves each group's ga (BackwardTask::save_ga). Plans only: run() with a plan's
-  // text to write runs nothing.
+  // Whether the plan saves each group's ga (BackwardTask::save_ga). Plans only: runs and writes
+  // nothing, and builds no plan text.
   bool plans_saved_ga() {
-    std::string plan;
-    run(&plan);
+    plan_only_ = true;
+    run(nullptr);
     return task_.save_ga;
   }
 
@@ -696,6 +697,7 @@ class BackwardRunner {
   BackwardTask task_;
   bool want_params_ = false, want_group_ = false;
   int64_t n_ = 1;
+  bool plan_only_ = false;  // (plans_saved_ga)
   int64_t lane_fold_ = 1;  // lanes whose group sums are one group's (spread_over_short_runs)
   int64_t user_param_count_ = 1;  // the caller's parameter elements (params_ may be spread)
   std::vector<int64_t> param_of_stat_;  // spread_params_over_stats: each element's parameter element
