@@ -2102,3 +2102,65 @@ def test_backward_slabs_over_grad_output(rng, op):
     assert got[0] is dyc
     for a, b in zip(want, got):
         np.testing.assert_array_equal(bits(a), bits(b))
+
+
+# Where the formula's grad_input takes no part of y (batch norm with given statistics: inv_std g;
+# MVN without normalize_variance: g - M(g)), an infinite or NaN input element changes only what
+# passes through y: grad_scale, and act'(pre) with an activation. Its grad_input is grad_output's
+# (times the coefficients), not inf * 0. Every path that writes grad_input (NCHW planes, channels-last
+# rows, rows, strided runs; written as summed or apart; grad_input alone), against the reference.
+def _non_finite_layouts(shape, dtype):
+    n, c, h, w = shape
+    return {
+        "nchw": lambda a: np.ascontiguousarray(a).astype(dtype),
+        "nhwc": lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)).astype(dtype).transpose(0, 3, 1, 2),
+        "strided": lambda a: np.repeat(a.astype(dtype), 2, axis=3)[..., ::2],
+    }
+
+
+@DT
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "strided"])
+@pytest.mark.parametrize("act", [None, "relu", "silu", "gelu"])
+@pytest.mark.parametrize("params", ["both", "input_only"])
+def test_non_finite_inputs_where_grad_input_takes_no_y(rng, threads, dtype, layout, act, params):
+    from training_reference import mvn_backward_ref
+
+    shape = (2, 24, 5, 7)
+    base = rng.standard_normal(shape)
+    put = _non_finite_layouts(shape, dtype)[layout]
+    specials = [np.inf, -np.inf] + ([np.nan] if act is None else [])
+    flat = rng.choice(base.size, size=3 * len(specials), replace=False)
+    for k, i in enumerate(flat):
+        base.flat[i] = specials[k % len(specials)]
+    x, dy = put(base), put(rng.standard_normal(shape))
+    sc = (rng.random(24) + 0.5).astype(np.float32)
+    b = rng.standard_normal(24).astype(np.float32)
+    m = rng.standard_normal(24).astype(np.float32)
+    v = (rng.random(24) + 0.5).astype(np.float32)
+    flags = dict(grad_scale=False, grad_bias=False) if params == "input_only" else {}
+    want = ("input",) if params == "input_only" else ("input", "scale", "bias")
+    results = {1: [], 2: []}
+    for n in (1, 2):
+        threads(n)
+        out = np.full_like(x, np.nan)
+        got = simdnorm.batch_normalization_backward(dy, x, m, v, sc, b, training=False, activation=act, out=out,
+                                                    **flags)
+        check_grads(got, bn_backward_ref(dy, x, m, v, sc, b, training=False, activation=act), x=x, scale=sc,
+                    bias=b, want=want, context=f"batch norm eval, {n} threads")
+        assert np.isfinite(f64(got[0])).all(), "grad_input takes no y here"
+        results[n].append(got)
+        for axes in ((2, 3), (3,), (0, 2, 3)):
+            s4 = sc.reshape(1, 24, 1, 1)
+            b4 = b.reshape(1, 24, 1, 1)
+            with quiet():
+                mean = f64(x).mean(axis=axes, keepdims=True).astype(np.float32)
+            got = simdnorm.mean_variance_normalization_backward(
+                dy, x, axes, mean, None, s4, b4, normalize_variance=False, activation=act,
+                out=np.full_like(x, np.nan), **flags)
+            ref = mvn_backward_ref(dy, x, axes, mean, None, s4, b4, normalize_variance=False, activation=act)
+            # (a group holding an infinite or NaN element has a non-finite mean, hence every y in it)
+            check_grads(got, ref, x=x, scale=s4, bias=b4, want=want, context=f"MVN axes {axes}, {n} threads")
+            results[n].append(got)
+    for one, two in zip(results[1], results[2]):
+        for a, c in zip(one, two):
+            assert (a is None and c is None) or np.array_equal(bits(a), bits(c)), "1 vs 2 threads"

@@ -68,6 +68,10 @@ def _sigmoid(z):
     return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
+def _with_limits(z, d):
+    return np.where(z == np.inf, 1.0, np.where(z == -np.inf, 0.0, d))
+
+
 def activation_grad(z, name: Optional[str] = None, params: Optional[dict] = None) -> np.ndarray:
     """d activation / dz at the float64 pre-activation values z. relu'(0) = 0, leaky_relu'(0) = alpha."""
     z = np.asarray(z, dtype=np.float64)
@@ -79,11 +83,13 @@ def activation_grad(z, name: Optional[str] = None, params: Optional[dict] = None
             return np.where(z > 0, 1.0, 0.0)
         if name == "leaky_relu":
             return np.where(z > 0, 1.0, p["alpha"])
+        # (silu' and gelu' at +-inf: their limits, 1 and 0, not the formulas' inf * 0)
         if name == "silu":
             s = _sigmoid(z)
-            return s * (1.0 + z * (1.0 - s))
+            return _with_limits(z, s * (1.0 + z * (1.0 - s)))
         if name == "gelu":  # d/dz [z Phi(z)] = Phi(z) + z phi(z)
-            return 0.5 * _erfc(-z / math.sqrt(2.0)) + z * np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+            return _with_limits(z, 0.5 * _erfc(-z / math.sqrt(2.0))
+                                + z * np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi))
     raise ValueError(f"no backward for activation {name!r}")
 
 
@@ -444,8 +450,9 @@ def _core(dy, x, red, mean, inv, s, b, fa, *, nm, nv, training, epsilon, epsilon
 
 def _sum_grad(core_vals, core_err, shape, rt):
     """A parameter's gradient summed to its shape, and its error bound (the elements' errors plus rt
-    of the sum of magnitudes for the reduction itself)."""
-    return sum_to(core_vals, shape), sum_to(core_err, shape) + rt * sum_to(np.abs(core_vals), shape)
+    of the sum of magnitudes for the reduction itself; inf - inf is NaN, quietly)."""
+    with quiet():
+        return sum_to(core_vals, shape), sum_to(core_err, shape) + rt * sum_to(np.abs(core_vals), shape)
 
 
 # The relative error each step of a backward evaluation may add (the unit of the error bounds

@@ -523,7 +523,8 @@ struct BackwardKernel {
       }
     };
     // m elements of each row written from e (full: a whole vector, streamed when asked; else m < W).
-    auto write_at = [&](auto full, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+    // (y_term: every row's d coefficient nonzero, grad_input_y's case)
+    auto write_at = [&](auto full, auto y_term, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero();
       if constexpr (!OwnParams) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
       rows.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
@@ -533,7 +534,8 @@ struct BackwardKernel {
         V ga;
         if (kSaves && saves_ga) d = load_t(r.x + e * es, m) - r.mean, ga = load_c(saved_ga + j * n + e, m);
         else ga = grad_at(r, e, m, s, b, d, y);
-        const V dx = grad_input(d, ga, s * r.u, r.a, r.b);
+        const V dx = decltype(y_term)::value ? grad_input_y(d, ga, s * r.u, r.a, r.b)
+                                             : grad_input(d, ga, s * r.u, r.a, r.b);
         T* const q = reinterpret_cast<T*>(r.dx + e * es);
         if constexpr (decltype(full)::value) L::store_or_stream(q, dx, stream);
         else if (stream) L::store_partial_stream(q, dx, m);  // (a plain store would read the line)
@@ -556,24 +558,27 @@ struct BackwardKernel {
       }
     };
     // The block's gradients: whole vectors from head, then the edges [0, head) and the last m < W.
-    auto write_block = [&]() SIMDNORM_INLINE_LAMBDA {
+    auto write_block = [&](auto y_term) SIMDNORM_INLINE_LAMBDA {
       int64_t e = head;
-      for (; e + W <= n; e += W) write_at(Yes{}, e, W);
+      for (; e + W <= n; e += W) write_at(Yes{}, y_term, e, W);
 #pragma GCC unroll 1
       for (int side = 0; side < 2; ++side) {  // (one copy of the edges' code)
         const int m = static_cast<int>(side == 0 ? head : n - e);
-        if (m > 0) write_at(No{}, side == 0 ? 0 : e, m);
+        if (m > 0) write_at(No{}, No{}, side == 0 ? 0 : e, m);
       }
     };
     for (int64_t k = 0; k < blocks; ++k) {
       open();
       sum_block();
+      bool y_term = true;
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
         const auto c = rule.template set<C>(stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
-        const V u = splat<V>(stat_of(r.stat, 1));
-        r.a = d_coefficient(u, splat<V>(c.second)), r.b = k_coefficient(u, splat<V>(c.first));
+        const C u = stat_of(r.stat, 1);
+        r.a = d_coefficient(splat<V>(u), splat<V>(c.second)), r.b = k_coefficient(splat<V>(u), splat<V>(c.first));
+        y_term = y_term && -(u * u) * c.second != C(0);  // (r.a's lanes, as d_coefficient rounds them)
       });
-      write_block();
+      if (y_term) write_block(Yes{});
+      else write_block(No{});
       after_block(k);
       p[kX] += R * step[kX], p[kGradOut] += R * step[kGradOut], p[kGradIn] += R * step[kGradIn];  // (the rest: read at entry)
       stat0 += R * stat_step, param0 += R * param_step;
@@ -582,8 +587,16 @@ struct BackwardKernel {
 
   // dx = u ((g - c1) - y c2) = d (-u^2 c2) + ga (scale u) - u c1, d = x - mean: every path's one
   // formula (rows_stream's), its three coefficients constant where u, c1, c2 and the scale are.
-  // Two FMAs an element, not five operations (pair_run was bound by their count).
+  // Two FMAs an element, not five operations (pair_run was bound by their count). Where d_coef is
+  // 0 (no y term: batch norm with given statistics, MVN without normalize_variance) d takes no
+  // part, so that an infinite or NaN input gives the formula's value there, not inf * 0.
   SIMDNORM_CURSOR_METHOD static V grad_input(V d, V ga, V scale_u, V d_coef, V k_coef) {
+    const V rest = vfma(ga, scale_u, k_coef);
+    return vselect(d_coef != zero(), vfma(d, d_coef, rest), rest);
+  }
+  // grad_input where every lane's d_coef is nonzero (or NaN): the same bits, without the select
+  // (rows_stream's rows in the caches are bound by their operations).
+  SIMDNORM_CURSOR_METHOD static V grad_input_y(V d, V ga, V scale_u, V d_coef, V k_coef) {
     return vfma(d, d_coef, vfma(ga, scale_u, k_coef));
   }
   SIMDNORM_CURSOR_METHOD static V d_coefficient(V u, V c2) { return -(u * u) * c2; }
