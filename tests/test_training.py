@@ -1341,6 +1341,23 @@ def test_large_mean_float64(rng, op, kw):
     check_grads(res, ref, x=p.x, scale=p.scale, bias=p.bias, want=wanted(p), context=f"{op} float64 mean 1e8")
 
 
+# Data of any magnitude its dtype holds: a standard deviation of 1e25 (inv_std 1e-25, whose square
+# is below float32's range) and of 1e-25 with epsilon 0 (inv_std 1e25, whose square is above it);
+# float64's likewise at 1e170. grad_input must not pass through inv_std squared.
+EXTREME = [(F32, 1e25, 1e-5), (F32, 1e-25, 0.0), (BF16, 1e25, 1e-5), (F64, 1e170, 1e-5), (F64, 1e-170, 0.0)]
+
+
+@pytest.mark.parametrize("dtype,spread,eps", EXTREME, ids=[f"{dtype_id(d)}-{s:g}" for d, s, _ in EXTREME])
+@pytest.mark.parametrize("op,kw", LARGE, ids=[f"{o}-{i}" for i, (o, _) in enumerate(LARGE)])
+def test_extreme_magnitudes(rng, op, kw, dtype, spread, eps):
+    p = random_problem(rng, op, dtype=dtype, loc=0.0, spread=spread, epsilon=eps, **kw)
+    dy = rand_values(rng, p.x.shape, dtype, scale=1.0)
+    stats = sn_forward(p, stats=True)
+    res = sn_backward(p, dy, stats)
+    ref = p.backward(dy, f64_stats(stats))
+    check_grads(res, ref, x=p.x, scale=p.scale, bias=p.bias, want=wanted(p), context=f"{op} spread {spread:g}")
+
+
 def test_large_mean_batch_statistics(rng):
     x = (1e4 + rng.normal(size=(64, 3, 300))).astype(F32)
     _, m, v = simdnorm.batch_normalization_training(x)

@@ -269,7 +269,7 @@ struct BackwardKernel {
     // grad_input at element e from d = x - mean and ga (every path's formula: grad_input()).
     SIMDNORM_CURSOR_METHOD V dx_at(int64_t e, int m, V d, V ga) const {
       const V u = stat(e, 1, m);
-      return grad_input(d, ga, param(e, 0, m) * u, d_coefficient(u, stat(e, 3, m)), k_coefficient(u, stat(e, 2, m)));
+      return grad_input(d * u, ga, param(e, 0, m) * u, y_coefficient(u, stat(e, 3, m)), k_coefficient(u, stat(e, 2, m)));
     }
   };
 
@@ -410,7 +410,7 @@ struct BackwardKernel {
   // then one writes its grad_input, reading the block again from the L1. (One loop that wrote
   // block k while it summed block k + 1 held both blocks' state and spilled it on AVX2: these two
   // take 0.83-0.93x its time on rows in the L3, the same from memory.)
-  // Apply: dx = (x - mean) (-u^2 c2) + ga (scale u) - u c1. Each row's gradient
+  // Apply: dx = y (-u c2) + ga (scale u) - u c1, y = (x - mean) u. Each row's gradient
   // is written in whole vectors from `head` (streamed: its first aligned one; the arithmetic is
   // the same per element whatever the grid), its edges after.
   struct RowState {
@@ -419,7 +419,7 @@ struct BackwardKernel {
     const C* scale;  // the row's parameters and their sums' slots (rows with their own only)
     C *pv0, *pv1;
     int64_t stat;  // the row's statistics element
-    V mean, u, a, b;  // a, b: sum(g), sum(g y) while summed; then -u^2 c2 and -u c1
+    V mean, u, a, b;  // a, b: sum(g), sum(g y) while summed; then -u c2 and -u c1
   };
   static constexpr int kMaxBlockRows = 4;
   template <int R, bool OwnParams, class D, class AfterBlock>
@@ -523,7 +523,7 @@ struct BackwardKernel {
       }
     };
     // m elements of each row written from e (full: a whole vector, streamed when asked; else m < W).
-    // (y_term: every row's d coefficient nonzero, grad_input_y's case)
+    // (y_term: every row's y coefficient nonzero, grad_input_y's case)
     auto write_at = [&](auto full, auto y_term, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero();
       if constexpr (!OwnParams) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
@@ -534,8 +534,8 @@ struct BackwardKernel {
         V ga;
         if (kSaves && saves_ga) d = load_t(r.x + e * es, m) - r.mean, ga = load_c(saved_ga + j * n + e, m);
         else ga = grad_at(r, e, m, s, b, d, y);
-        const V dx = decltype(y_term)::value ? grad_input_y(d, ga, s * r.u, r.a, r.b)
-                                             : grad_input(d, ga, s * r.u, r.a, r.b);
+        const V dx = decltype(y_term)::value ? grad_input_y(d * r.u, ga, s * r.u, r.a, r.b)
+                                             : grad_input(d * r.u, ga, s * r.u, r.a, r.b);
         T* const q = reinterpret_cast<T*>(r.dx + e * es);
         if constexpr (decltype(full)::value) L::store_or_stream(q, dx, stream);
         else if (stream) L::store_partial_stream(q, dx, m);  // (a plain store would read the line)
@@ -574,8 +574,8 @@ struct BackwardKernel {
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
         const auto c = rule.template set<C>(stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
         const C u = stat_of(r.stat, 1);
-        r.a = d_coefficient(splat<V>(u), splat<V>(c.second)), r.b = k_coefficient(splat<V>(u), splat<V>(c.first));
-        y_term = y_term && -(u * u) * c.second != C(0);  // (r.a's lanes, as d_coefficient rounds them)
+        r.a = y_coefficient(splat<V>(u), splat<V>(c.second)), r.b = k_coefficient(splat<V>(u), splat<V>(c.first));
+        y_term = y_term && -u * c.second != C(0);  // (r.a's lanes, as y_coefficient rounds them)
       });
       if (y_term) write_block(Yes{});
       else write_block(No{});
@@ -585,21 +585,23 @@ struct BackwardKernel {
     }
   }
 
-  // dx = u ((g - c1) - y c2) = d (-u^2 c2) + ga (scale u) - u c1, d = x - mean: every path's one
+  // dx = u ((g - c1) - y c2) = y (-u c2) + ga (scale u) - u c1, y = (x - mean) u: every path's one
   // formula (rows_stream's), its three coefficients constant where u, c1, c2 and the scale are.
-  // Two FMAs an element, not five operations (pair_run was bound by their count). Where d_coef is
-  // 0 (no y term: batch norm with given statistics, MVN without normalize_variance) d takes no
-  // part, so that an infinite or NaN input gives the formula's value there, not inf * 0.
-  SIMDNORM_CURSOR_METHOD static V grad_input(V d, V ga, V scale_u, V d_coef, V k_coef) {
+  // Two FMAs an element, not five operations (pair_run was bound by their count). Not through
+  // u^2 (d (-u^2 c2)): u^2 leaves float's range where the data's spread passes 1e19 or, with
+  // epsilon 0, stays below 1e-19, which the forward normalizes well. Where y_coef is 0 (no y term:
+  // batch norm with given statistics, MVN without normalize_variance) y takes no part, so that an
+  // infinite or NaN input gives the formula's value there, not inf * 0.
+  SIMDNORM_CURSOR_METHOD static V grad_input(V y, V ga, V scale_u, V y_coef, V k_coef) {
     const V rest = vfma(ga, scale_u, k_coef);
-    return vselect(d_coef != zero(), vfma(d, d_coef, rest), rest);
+    return vselect(y_coef != zero(), vfma(y, y_coef, rest), rest);
   }
-  // grad_input where every lane's d_coef is nonzero (or NaN): the same bits, without the select
+  // grad_input where every lane's y_coef is nonzero (or NaN): the same bits, without the select
   // (rows_stream's rows in the caches are bound by their operations).
-  SIMDNORM_CURSOR_METHOD static V grad_input_y(V d, V ga, V scale_u, V d_coef, V k_coef) {
-    return vfma(d, d_coef, vfma(ga, scale_u, k_coef));
+  SIMDNORM_CURSOR_METHOD static V grad_input_y(V y, V ga, V scale_u, V y_coef, V k_coef) {
+    return vfma(y, y_coef, vfma(ga, scale_u, k_coef));
   }
-  SIMDNORM_CURSOR_METHOD static V d_coefficient(V u, V c2) { return -(u * u) * c2; }
+  SIMDNORM_CURSOR_METHOD static V y_coefficient(V u, V c2) { return -u * c2; }
   SIMDNORM_CURSOR_METHOD static V k_coefficient(V u, V c1) { return -u * c1; }
 
   // The apply pass over one run: dx = u ((g - c1) - y c2) (grad_input). Streamed, the first step takes the
@@ -663,7 +665,7 @@ struct BackwardKernel {
     T* const dx = reinterpret_cast<T*>(pa[kGradIn]) + head;
     const int64_t written = (n - head) / W * W;
     const V mean = wr.mean_c, scale_u = wr.scale_c * wr.u_c;
-    const V d_coef = d_coefficient(wr.u_c, wr.c2_c), k_coef = k_coefficient(wr.u_c, wr.c1_c);
+    const V y_coef = y_coefficient(wr.u_c, wr.c2_c), k_coef = k_coefficient(wr.u_c, wr.c1_c);
     const V su_mean = su.mean_c, su_u = su.u_c;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     const int64_t gi = (ps[kStats] - acc.stats_base) / cs, pi = (ps[kParams] - acc.params_base) / cs;
@@ -681,7 +683,7 @@ struct BackwardKernel {
       const V d = L::load(wx + e) - mean;
       V ga = L::load(wdy + e);
       if constexpr (D::kUsesPre) ga = deriv(vfma(d * wr.u_c, wr.scale_c, wr.bias_c), ga);
-      L::store_or_stream(dx + e, grad_input(d, ga, scale_u, d_coef, k_coef), stream);
+      L::store_or_stream(dx + e, grad_input(d * wr.u_c, ga, scale_u, y_coef, k_coef), stream);
     };
     auto flush = [&](V sgay, V sga) SIMDNORM_INLINE_LAMBDA {
       add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
@@ -826,9 +828,9 @@ struct BackwardKernel {
   // grad_input of such a run: apply_run's arithmetic.
   SIMDNORM_CURSOR_METHOD static void const_run_apply(const T* x, const T* dy, T* dx, int64_t n, V mean, V u, V scale,
                                                      V c1, V c2) {
-    const V scale_u = scale * u, d_coef = d_coefficient(u, c2), k_coef = k_coefficient(u, c1);
+    const V scale_u = scale * u, y_coef = y_coefficient(u, c2), k_coef = k_coefficient(u, c1);
     auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-      const V v = grad_input(load_up_to<L>(x + e, m) - mean, load_up_to<L>(dy + e, m), scale_u, d_coef, k_coef);
+      const V v = grad_input((load_up_to<L>(x + e, m) - mean) * u, load_up_to<L>(dy + e, m), scale_u, y_coef, k_coef);
       if (m == W) L::store(dx + e, v);
       else L::store_partial(dx + e, v, m);
     };
@@ -950,14 +952,14 @@ struct BackwardKernel {
   // nearly every vector of a 7x7 plane crossed a line and each run ended in a vector written twice.
   static void const_rows_stream(const BackwardTask& t, char* const* first, const int64_t* rs, int64_t rows, int64_t n) {
     struct Coefficients {
-      V mean, scale_u, d_coef, k_coef;
+      V mean, u, scale_u, y_coef, k_coef;
     };
     const int64_t ss = rs[kStats], sp = rs[kParams], pitch = t.stats_pitch, ppitch = t.params_pitch;
     const char *stats = first[kStats], *params = first[kParams];
     auto coefficients = [&]() SIMDNORM_INLINE_LAMBDA {
       const V u = splat<V>(load_c(stats, 1, pitch));
-      return Coefficients{splat<V>(load_c(stats, 0, pitch)), splat<V>(load_c(params, 0, ppitch)) * u,
-                          d_coefficient(u, splat<V>(load_c(stats, 3, pitch))),
+      return Coefficients{splat<V>(load_c(stats, 0, pitch)), u, splat<V>(load_c(params, 0, ppitch)) * u,
+                          y_coefficient(u, splat<V>(load_c(stats, 3, pitch))),
                           k_coefficient(u, splat<V>(load_c(stats, 2, pitch)))};
     };
     const T* const x = reinterpret_cast<const T*>(first[kX]);
@@ -980,11 +982,12 @@ struct BackwardKernel {
       const V xv = load_up_to<L>(x + e, m), dyv = load_up_to<L>(dy + e, m);
       V v;
       if (e + m <= row_end) {
-        v = grad_input(xv - cur.mean, dyv, cur.scale_u, cur.d_coef, cur.k_coef);
+        v = grad_input((xv - cur.mean) * cur.u, dyv, cur.scale_u, cur.y_coef, cur.k_coef);
       } else {  // lanes below row_end - e are cur's row, the rest the next one's
         const auto own = lanes_mask(static_cast<V*>(nullptr), static_cast<int>(row_end - e));
-        v = grad_input(xv - vselect(own, cur.mean, next.mean), dyv, vselect(own, cur.scale_u, next.scale_u),
-                       vselect(own, cur.d_coef, next.d_coef), vselect(own, cur.k_coef, next.k_coef));
+        v = grad_input((xv - vselect(own, cur.mean, next.mean)) * vselect(own, cur.u, next.u), dyv,
+                       vselect(own, cur.scale_u, next.scale_u), vselect(own, cur.y_coef, next.y_coef),
+                       vselect(own, cur.k_coef, next.k_coef));
         advance();
       }
       store_up_to<L>(dx + e, v, m);
@@ -1115,13 +1118,13 @@ struct BackwardKernel {
       auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
         const V mv = load_up_to<LC>(mean + e, m), uv = load_up_to<LC>(u + e, m);
         V sv = zero(), bv = zero(), s0 = zero(), s1 = zero(), s2 = zero(), s3 = zero(), scale_u = zero(),
-          d_coef = zero(), k_coef = zero();
+          y_coef = zero(), k_coef = zero();
         if constexpr (Group || Write || D::kUsesPre) sv = load_up_to<LC>(scale + e, m);
         if constexpr (D::kUsesPre) bv = load_up_to<LC>(bias + e, m);
         if constexpr (Group) s0 = load_up_to<LC>(sum_g + e, m), s1 = load_up_to<LC>(sum_gy + e, m);
         if constexpr (Write) {  // (lanes_apply's coefficients)
           scale_u = sv * uv;
-          d_coef = d_coefficient(uv, load_up_to<LC>(c2 + e, m)), k_coef = k_coefficient(uv, load_up_to<LC>(c1 + e, m));
+          y_coef = y_coefficient(uv, load_up_to<LC>(c2 + e, m)), k_coef = k_coefficient(uv, load_up_to<LC>(c1 + e, m));
         }
         if (want_param) s2 = load_up_to<LC>(sum_gay + e, m), s3 = load_up_to<LC>(sum_ga + e, m);
         if (one_run && m == W) {
@@ -1140,7 +1143,7 @@ struct BackwardKernel {
           const V y = d * uv;
           V ga = load_up_to<L>(reinterpret_cast<const T*>(dy[j]) + e, m);
           if constexpr (D::kUsesPre) ga = deriv(vfma(y, sv, bv), ga);  // (Element::at's pre and ga)
-          if constexpr (Write) store_dx<true>(dx[j] + e * es, es, grad_input(d, ga, scale_u, d_coef, k_coef), m, stream);
+          if constexpr (Write) store_dx<true>(dx[j] + e * es, es, grad_input(y, ga, scale_u, y_coef, k_coef), m, stream);
           if constexpr (Group) {  // (sums_run's: g = ga scale; g and g y added to their slots)
             const V g = ga * sv;
             s0 = s0 + g, s1 = s1 + g * y;
@@ -1187,7 +1190,7 @@ struct BackwardKernel {
         const V d = load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m);
         V ga = load_up_to<L>(dy + e, m);
         if constexpr (D::kUsesPre) ga = deriv(vfma(d * uv, sv, load_up_to<LC>(bias + e, m)), ga);
-        const V v = grad_input(d, ga, sv * uv, d_coefficient(uv, load_up_to<LC>(c2 + e, m)),
+        const V v = grad_input(d * uv, ga, sv * uv, y_coefficient(uv, load_up_to<LC>(c2 + e, m)),
                                k_coefficient(uv, load_up_to<LC>(c1 + e, m)));
         store_dx<true>(reinterpret_cast<char*>(dx + e), sizeof(T), v, m, stream);
       };
