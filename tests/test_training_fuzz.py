@@ -53,6 +53,12 @@ ACTS = [None, None, "relu", "leaky_relu", "leaky_relu0.3", "silu", "gelu"]
 # ----------------------------------------------------------------------------------------------
 
 
+# Now and then data whose inv_std squared leaves the compute type's range (test_training.py::
+# test_extreme_magnitudes), for the ops given inv_std (batch norm's backward takes the variance,
+# which float32 cannot hold at such spreads; float16 cannot hold the data).
+INV_STD_OPS = ("mvn", "layer_norm", "rms_norm", "instance_norm", "group_norm")
+
+
 def draw_case(seed: int, index: int) -> dict:
     from fuzz_harness import DATA_KINDS
     from fuzz_space import _pick, draw_axes, draw_keep, draw_layout, draw_sb_shape, draw_shape
@@ -134,6 +140,8 @@ def draw_case(seed: int, index: int) -> dict:
                       grad_scale=_pick(rng, [None, None, True, False]),
                       grad_bias=_pick(rng, [None, None, True, False]))
     c["data"] = _pick(rng, DATA_KINDS)
+    if op in INV_STD_OPS and c["dtype"] != "float16" and rng.random() < 0.08:
+        c["data"] = (0.0, 1e170 if c["dtype"] == "float64" else 1e25)
     c["threads"] = _pick(rng, [1, 2, 2, 3])
     c["seed"] = int(rng.integers(0, 2 ** 32))
     c["gap"] = _pick(rng, [0, 1, 7, 16, 64])
@@ -562,7 +570,7 @@ def test_a_crash_in_a_child_is_a_reported_case(monkeypatch):
 def test_draws_cover_the_space():
     # the generator reaches every op, rank, dtype and the interesting forms (numpy only)
     seen = {"op": set(), "nd": set(), "dtype": set(), "act": set(), "zero_size": 0, "zero_stride_x": 0,
-            "running": 0, "same_rank": 0, "fused_add": 0, "big": 0}
+            "running": 0, "same_rank": 0, "fused_add": 0, "big": 0, "extreme_spread": 0}
     for i in range(3000):
         c = draw_case(12345, i)
         seen["op"].add(c["op"])
@@ -575,11 +583,12 @@ def test_draws_cover_the_space():
         seen["same_rank"] += len(c.get("stat_shape", ())) > 1
         seen["fused_add"] += "fused_add" in c["params"]
         seen["big"] += int(np.prod(c["shape"])) >= 1 << 16
+        seen["extreme_spread"] += c["data"][1] >= 1e25
     assert seen["op"] == set(OPS)
     assert seen["nd"] == set(range(1, 9))
     assert seen["dtype"] == {"float32", "float16", "bfloat16", "float64"}
     assert {None, "relu", "leaky_relu", "leaky_relu0.3", "silu", "gelu"} <= seen["act"]
-    for k in ("zero_size", "zero_stride_x", "running", "same_rank", "fused_add", "big"):
+    for k in ("zero_size", "zero_stride_x", "running", "same_rank", "fused_add", "big", "extreme_spread"):
         assert seen[k] >= 20, (k, seen[k])
 
 
