@@ -523,7 +523,7 @@ struct BackwardKernel {
       }
     };
     // m elements of each row written from e (full: a whole vector, streamed when asked; else m < W).
-    // (y_term: every row's y coefficient nonzero, grad_input_y's case)
+    // (y_term: every row's y coefficient nonzero, grad_input_with_y's case)
     auto write_at = [&](auto full, auto y_term, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero();
       if constexpr (!OwnParams) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
@@ -534,7 +534,7 @@ struct BackwardKernel {
         V ga;
         if (kSaves && saves_ga) d = load_t(r.x + e * es, m) - r.mean, ga = load_c(saved_ga + j * n + e, m);
         else ga = grad_at(r, e, m, s, b, d, y);
-        const V dx = decltype(y_term)::value ? grad_input_y(d * r.u, ga, s * r.u, r.a, r.b)
+        const V dx = decltype(y_term)::value ? grad_input_with_y(d * r.u, ga, s * r.u, r.a, r.b)
                                              : grad_input(d * r.u, ga, s * r.u, r.a, r.b);
         T* const q = reinterpret_cast<T*>(r.dx + e * es);
         if constexpr (decltype(full)::value) L::store_or_stream(q, dx, stream);
@@ -598,7 +598,7 @@ struct BackwardKernel {
   }
   // grad_input where every lane's y_coef is nonzero (or NaN): the same bits, without the select
   // (rows_stream's rows in the caches are bound by their operations).
-  SIMDNORM_CURSOR_METHOD static V grad_input_y(V y, V ga, V scale_u, V y_coef, V k_coef) {
+  SIMDNORM_CURSOR_METHOD static V grad_input_with_y(V y, V ga, V scale_u, V y_coef, V k_coef) {
     return vfma(y, y_coef, vfma(ga, scale_u, k_coef));
   }
   SIMDNORM_CURSOR_METHOD static V y_coefficient(V u, V c2) { return -u * c2; }
