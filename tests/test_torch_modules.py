@@ -454,9 +454,32 @@ def test_a_plan_another_module_made_keeps_each_modules_checks(rng, grad):
             snt.LayerNorm(4)(x)
 
 
-def test_batch_norm_training_refuses_one_value_per_channel(rng):
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
-        snt.BatchNorm1d(4)(rand(rng, 1, 4))
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("make, shape, train", [
+    (lambda: nn.BatchNorm1d(4), (1, 4), True),
+    (lambda: nn.BatchNorm1d(4, track_running_stats=False), (1, 4), False),  # batch statistics in eval
+    (lambda: nn.BatchNorm2d(3, track_running_stats=False), (1, 3, 1, 1), False),
+    (lambda: nn.BatchNorm1d(4), (1, 4), False),  # running statistics: no error
+    (lambda: nn.GroupNorm(4, 4), (1, 4), True),  # one sample of one-element groups
+    (lambda: nn.GroupNorm(3, 3, affine=False), (1, 3, 1), False),
+    (lambda: nn.GroupNorm(2, 4), (1, 4), True),  # groups of two: no error
+    (lambda: nn.InstanceNorm1d(3), (2, 3, 1), True),
+])
+def test_the_drop_ins_refuse_one_value_where_torch_nn_does(rng, make, shape, train, grad):
+    """A statistic of a single value: the drop-in raises torch.nn's ValueError exactly where
+    torch.nn's module does (whatever its route), and otherwise gives torch.nn's result."""
+    ref = make().train(train)
+    mine = snt.convert(copy.deepcopy(ref))
+    x = rand(rng, *shape)
+    with torch.set_grad_enabled(grad):
+        try:
+            want = ref(x.clone())
+        except ValueError as e:
+            with pytest.raises(ValueError, match="Expected more than 1"):
+                mine(x.clone())
+            assert "Expected more than 1" in str(e)
+            return
+        assert_close(mine(x.clone()).detach(), want.detach(), "output")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class _BatchNormForward(_BatchNorm):
             if direct:
                 return _plain(_sn.batch_normalization, input, rm, rv, w, b, epsilon=self.eps)
             return _bn(input, rm, rv, w, b, epsilon=self.eps)
-        if self.training:
+        if self.training or rm is None:  # batch statistics, as torch.nn's bn_training
             F._verify_batch_size(input.size())  # type: ignore[attr-defined]
         (nbt,) = _state(self, "num_batches_tracked")
         if direct and self.training and self.track_running_stats and rm is not None and _direct(rm, rv, nbt):
@@ -226,6 +226,8 @@ class GroupNorm(nn.GroupNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = _state(self, "weight", "bias")
+        if input.numel() == self.num_groups:  # one sample of one-element groups: torch.nn raises its ValueError
+            return super().forward(input)
         direct = _direct(input, w, b)
         if direct:
             y = _routes.group_norm(input, self.num_groups, w, b, self.eps, module=True)
