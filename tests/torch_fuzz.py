@@ -251,15 +251,16 @@ def run_cases(seed, start, count):
     return failures
 
 
-def run_in_children(seed, cases, batch=500, timeout=600):
-    """Cases in child processes of `batch` each: a child that dies fails the case it was running
-    and the rest of its batch goes to the next child. Returns (failure lines, crash lines)."""
+def run_in_children(seed, cases, batch=500, timeout=600, module="torch_fuzz"):
+    """Cases in child processes of `batch` each (module's run_cases: this fuzzer's or another's):
+    a child that dies fails the case it was running and the rest of its batch goes to the next
+    child. Returns (failure lines, crash lines)."""
     here = os.path.dirname(os.path.abspath(__file__))
     fails, crashes = [], []
     start, end = 0, cases
     while start < end:
         count = min(batch, end - start)
-        code = f"import sys; sys.path.insert(0, {here!r}); import torch_fuzz; torch_fuzz.run_cases({seed}, {start}, {count})"
+        code = f"import sys; sys.path.insert(0, {here!r}); import {module}; {module}.run_cases({seed}, {start}, {count})"
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
         lines = r.stdout.splitlines()
         fails += [ln for ln in lines if ln.startswith("@@ FAIL")]
