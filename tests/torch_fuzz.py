@@ -15,6 +15,7 @@ the plain function. Case i of a seed is rebuilt from (seed, i) alone.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -233,15 +234,16 @@ def _module_case(torch, rng, dtype, pdt, shape, eps, seed, index):
     return desc, run
 
 
-def run_cases(seed, start, count):
-    """Run cases [start, start + count) here; print FAIL lines; return the number of failures."""
+def run_cases(seed, start, count, draw=None):
+    """Run cases [start, start + count) of draw (this fuzzer's draw_case by default) here; print
+    FAIL lines; return the number of failures."""
     import torch
     import simdnorm.torch  # noqa: F401 - registers the ops
 
     torch.set_num_threads(1)
     failures = 0
     for i in range(start, start + count):
-        desc, run = draw_case(torch, seed, i)
+        desc, run = (draw or draw_case)(torch, seed, i)
         print(f"@@ START {i}", flush=True)
         try:
             run()
@@ -274,8 +276,10 @@ def run_in_children(seed, cases, batch=500, timeout=600, module="torch_fuzz"):
     return fails, crashes
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, module="torch_fuzz"):
+    """The command line of this fuzzer, or of another with the same draw_case (module's)."""
+    fuzzer = importlib.import_module(module)
+    ap = argparse.ArgumentParser(description=fuzzer.__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--replay", type=int)
@@ -283,7 +287,7 @@ def main(argv=None):
     if a.replay is not None:
         import torch
         import simdnorm.torch  # noqa: F401
-        desc, run = draw_case(torch, a.seed, a.replay)
+        desc, run = fuzzer.draw_case(torch, a.seed, a.replay)
         print(desc)
         try:
             run()
@@ -292,7 +296,7 @@ def main(argv=None):
             return 1
         print("ok")
         return 0
-    fails, crashes = run_in_children(a.seed, a.cases)
+    fails, crashes = run_in_children(a.seed, a.cases, module=module)
     for line in fails + crashes:
         print(line)
     print(f"{a.cases} cases, seed {a.seed}: {len(crashes)} crashed, {len(fails)} failed")

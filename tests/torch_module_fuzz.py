@@ -17,14 +17,12 @@ expanded ones). Case i of a seed is rebuilt from (seed, i) alone.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
-import traceback
 
 import numpy as np
 
-from torch_fuzz import run_in_children
+import torch_fuzz
 
 CLASSES = ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "RMSNorm", "GroupNorm",
            "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d")
@@ -112,7 +110,7 @@ def draw_case(torch, seed, index):
     frozen = bool(rng.random() < 0.2)  # parameters not requiring grad
     summed = bool(rng.random() < 0.25)  # the loss a sum: grad_output is expanded ones
     data_seed = int(rng.integers(2 ** 31))
-    desc = (f"{cls}{args} {kw} shape={shape} {dtype_name}{' (float32 module)' if mixed else ''} layout={kind} "
+    desc = (f"{seed}:{index} {cls}{args} {kw} shape={shape} {dtype_name}{' (float32 module)' if mixed else ''} layout={kind} "
             f"N({loc}, {spread}) {'train' if train else 'eval'} steps={steps} grad={grad_mode}"
             f"{' frozen' if frozen else ''}{' summed' if summed else ''}")
 
@@ -261,47 +259,8 @@ def _all_equal(a, b):
 
 
 def run_cases(seed, start, count):
-    """Run cases [start, start + count) here; print FAIL lines; return the number of failures."""
-    import torch
-    import simdnorm.torch  # noqa: F401
-
-    torch.set_num_threads(1)
-    failures = 0
-    for i in range(start, start + count):
-        desc, run = draw_case(torch, seed, i)
-        print(f"@@ START {i}", flush=True)
-        try:
-            run()
-        except Exception as e:  # noqa: BLE001 - each failure reported, the run goes on
-            failures += 1
-            print(f"@@ FAIL {seed}:{i} {desc}: {type(e).__name__}: {e}", flush=True)
-    return failures
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seed", type=int, required=True)
-    ap.add_argument("--cases", type=int, default=2000)
-    ap.add_argument("--replay", type=int)
-    a = ap.parse_args(argv)
-    if a.replay is not None:
-        import torch
-        import simdnorm.torch  # noqa: F401
-        desc, run = draw_case(torch, a.seed, a.replay)
-        print(desc)
-        try:
-            run()
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-            return 1
-        print("ok")
-        return 0
-    fails, crashes = run_in_children(a.seed, a.cases, module="torch_module_fuzz")
-    for line in fails + crashes:
-        print(line)
-    print(f"{a.cases} cases, seed {a.seed}: {len(crashes)} crashed, {len(fails)} failed")
-    return 1 if fails or crashes else 0
+    return torch_fuzz.run_cases(seed, start, count, draw=draw_case)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(torch_fuzz.main(module="torch_module_fuzz"))
