@@ -8,11 +8,12 @@ op allows it, sizes (now and then 0, now and then big enough for the thread pool
 dtype, the layout of every array (tests/fuzz_space.draw_layout: any axis order, steps of either
 sign, zero strides for inputs, odd byte strides, any byte offset), parameter shapes by every rule
 (1-D or same-rank for batch norm, numpy broadcasting for MVN and layer/RMS norm), parameter dtypes
-(input or float32), the activation, which gradients are asked for, out= (new or a poisoned
-region), running statistics and their convention, the data's location and scale, and the thread
-count. Every array is a strided view inside one poisoned arena (tests/fuzz_harness.Arena); after the
-call no byte outside out (and the running statistics) may have changed, and every result must
-match the float64 reference (tests/training_reference.py) within its tolerance. The statistics a
+(input or float32), the activation, which gradients are asked for, out= (new or a poisoned region),
+running statistics and their convention, the data's location and scale, the thread count, and (the
+ops with a descriptor) the function or the operator compiled from its descriptor. Every array is a
+strided view inside one poisoned arena (tests/fuzz_harness.Arena); after the call no byte outside
+out (and the running statistics) may have changed, and every result must match the float64
+reference (tests/training_reference.py) within its tolerance. The statistics a
 backward op takes are the reference's, rounded to the compute dtype.
 
     python tests/test_training_fuzz.py --seed S --cases 5000 --jobs 2    # a long run
@@ -57,6 +58,7 @@ ACTS = [None, None, "relu", "leaky_relu", "leaky_relu0.3", "silu", "gelu"]
 # test_extreme_magnitudes), for the ops given inv_std (batch norm's backward takes the variance,
 # which float32 cannot hold at such spreads; float16 cannot hold the data).
 INV_STD_OPS = ("mvn", "layer_norm", "rms_norm", "instance_norm", "group_norm")
+COMPILED = ("bn_training", "batch_norm", "batch_norm_eval", "mvn")  # ops with a descriptor to compile
 
 
 def draw_case(seed: int, index: int) -> dict:
@@ -145,6 +147,8 @@ def draw_case(seed: int, index: int) -> dict:
     c["threads"] = _pick(rng, [1, 2, 2, 3])
     c["seed"] = int(rng.integers(0, 2 ** 32))
     c["gap"] = _pick(rng, [0, 1, 7, 16, 64])
+    # the op compiled from its descriptor (the ops that have one) instead of the function
+    c["compiled"] = op in COMPILED and bool(rng.random() < 0.2)
     return c
 
 
@@ -263,11 +267,19 @@ def execute(c):
     before = arena.buf.copy()
     prev = simdnorm.set_num_threads(c["threads"])
     out = views["out"] if out_kind == "separate" else x if out_kind == "in_place" else None
+    td = lambda a: None if a is None else simdnorm.TensorDesc(a.dtype, a.shape)  # noqa: E731
+
+    def bn_training(x, scale, bias, fused_add=None, **kwargs):
+        if not c.get("compiled"):
+            return simdnorm.batch_normalization_training(x, scale, bias, fused_add=fused_add, **kwargs)
+        attrs = {k: kwargs.pop(k) for k in ("epsilon", "channel_axis", "activation")}
+        desc = simdnorm.BatchNormalizationTrainingDesc(td(x), td(scale), td(bias), td(fused_add), **attrs)
+        return simdnorm.compile(desc)(x, scale, bias, fused_add, **kwargs)
+
     try:
         if op == "bn_training":
-            kwargs = dict(epsilon=eps, channel_axis=kw["channel_axis"], activation=activation, out=out)
-            if "fused_add" in views:
-                kwargs["fused_add"] = views["fused_add"]
+            kwargs = dict(epsilon=eps, channel_axis=kw["channel_axis"], activation=activation, out=out,
+                          fused_add=views.get("fused_add"))
             count = int(np.prod([shape[d] for d in bn_reduced_axes(shape, c["stat_shape"], kw["channel_axis"])],
                                 dtype=np.int64))
             n_stats = int(np.prod(c["stat_shape"], dtype=np.int64))
@@ -280,13 +292,13 @@ def execute(c):
                     kwargs["num_batches_tracked"] = run["nbt"]
             if run is not None and count == 1 and n_stats == 0:  # no channel, so none of count 1: either way
                 try:
-                    simdnorm.batch_normalization_training(x, views.get("scale"), views.get("bias"), **kwargs)
+                    bn_training(x, views.get("scale"), views.get("bias"), **kwargs)
                 except ValueError:
                     pass
                 return
             if run is not None and count == 1:
                 try:
-                    simdnorm.batch_normalization_training(x, views.get("scale"), views.get("bias"), **kwargs)
+                    bn_training(x, views.get("scale"), views.get("bias"), **kwargs)
                 except ValueError:
                     pass
                 else:
@@ -294,7 +306,7 @@ def execute(c):
                 changed = arena.buf != before
                 assert not changed.any(), f"the call raised but wrote {int(changed.sum())} bytes {ctx}"
                 return
-            res = simdnorm.batch_normalization_training(x, views.get("scale"), views.get("bias"), **kwargs)
+            res = bn_training(x, views.get("scale"), views.get("bias"), **kwargs)
         else:
             flags = {k: v for k, v in c["flags"].items() if v is not None}
             if "scale" not in c["params"] and flags.get("grad_scale"):
@@ -308,12 +320,26 @@ def execute(c):
             com = dict(epsilon=eps, activation=activation, out=out, **flags)
             s, b = views.get("scale"), views.get("bias")
             dy = views["dy"]
-            if op in ("batch_norm", "batch_norm_eval"):
+            if op in ("batch_norm", "batch_norm_eval") and c.get("compiled"):
+                fa = views.get("fused_add")
+                o = com.pop("out")
+                desc = simdnorm.BatchNormalizationGradDesc(
+                    td(x), td(views["mean"]), td(views["variance"]), td(s), td(b), td(fa),
+                    channel_axis=kw["channel_axis"], training=op == "batch_norm", **com)
+                res = simdnorm.compile(desc)(dy, x, views["mean"], views["variance"], s, b, fa, out=o)
+            elif op in ("batch_norm", "batch_norm_eval"):
                 if "fused_add" in views:
                     com["fused_add"] = views["fused_add"]
                 res = simdnorm.batch_normalization_backward(dy, x, views["mean"], views["variance"], s, b,
                                                             channel_axis=kw["channel_axis"],
                                                             training=op == "batch_norm", **com)
+            elif op == "mvn" and c.get("compiled"):
+                o = com.pop("out")
+                mean, inv = views.get("mean"), views.get("inv")
+                desc = simdnorm.MeanVarianceNormalizationGradDesc(
+                    td(x), kw["axes"], td(mean), td(inv), td(s), td(b), normalize_mean=kw["normalize_mean"],
+                    normalize_variance=kw["normalize_variance"], epsilon_mode=kw["epsilon_mode"], **com)
+                res = simdnorm.compile(desc)(dy, x, mean, inv, s, b, out=o)
             elif op == "mvn":
                 res = simdnorm.mean_variance_normalization_backward(
                     dy, x, kw["axes"], views.get("mean"), views.get("inv"), s, b,
@@ -570,7 +596,7 @@ def test_a_crash_in_a_child_is_a_reported_case(monkeypatch):
 def test_draws_cover_the_space():
     # the generator reaches every op, rank, dtype and the interesting forms (numpy only)
     seen = {"op": set(), "nd": set(), "dtype": set(), "act": set(), "zero_size": 0, "zero_stride_x": 0,
-            "running": 0, "same_rank": 0, "fused_add": 0, "big": 0, "extreme_spread": 0}
+            "running": 0, "same_rank": 0, "fused_add": 0, "big": 0, "extreme_spread": 0, "compiled": set()}
     for i in range(3000):
         c = draw_case(12345, i)
         seen["op"].add(c["op"])
@@ -584,7 +610,10 @@ def test_draws_cover_the_space():
         seen["fused_add"] += "fused_add" in c["params"]
         seen["big"] += int(np.prod(c["shape"])) >= 1 << 16
         seen["extreme_spread"] += c["data"][1] >= 1e25
+        if c["compiled"]:
+            seen["compiled"].add(c["op"])
     assert seen["op"] == set(OPS)
+    assert seen["compiled"] == set(COMPILED)
     assert seen["nd"] == set(range(1, 9))
     assert seen["dtype"] == {"float32", "float16", "bfloat16", "float64"}
     assert {None, "relu", "leaky_relu", "leaky_relu0.3", "silu", "gelu"} <= seen["act"]
