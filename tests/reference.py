@@ -51,6 +51,24 @@ def _sigmoid(z):
     return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
+def _silu(z):
+    # z sigmoid(z); below -700, exp(z) is subnormal or 0 where z exp(z) is still representable
+    # (silu(-747) = -2.8e-322): there z exp(z + 64) e^-64 / (1 + exp(z)), rounded once into the
+    # subnormals (z + 64 is exact: the same binade)
+    z = np.asarray(z, dtype=np.float64)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        out = z * _sigmoid(z)
+        tail = np.isfinite(z) & (z < -700.0)
+        if np.any(tail):
+            zt = z[tail] if out.ndim else z
+            v = zt * np.exp(zt + 64.0) * math.exp(-64.0) / (1.0 + np.exp(zt))
+            if out.ndim:
+                out[tail] = v
+            else:
+                out = v
+    return out
+
+
 def _softplus_base(t):
     return np.logaddexp(0.0, t)
 
@@ -86,7 +104,7 @@ ACTIVATIONS = {
     # negative z, where 1 + erf cancels
     "gelu": ({}, lambda z: 0.5 * z * _erfc(-z / math.sqrt(2.0))),
     "clip": ({"min": -math.inf, "max": math.inf}, lambda z, min, max: np.minimum(np.maximum(z, min), max)),
-    "silu": ({}, lambda z: z * _sigmoid(z)),
+    "silu": ({}, _silu),
     "hard_swish": ({}, lambda z: z * np.clip(z / 6.0 + 0.5, 0.0, 1.0)),
 }
 

@@ -168,6 +168,23 @@ def test_activation_after_batch_norm(isa, rng, dtype, name):
              channel_axis=-1, context=f"isa={isa}")
 
 
+# silu where exp(z) is subnormal or 0 but z exp(z) is not (float64): z / (1 + exp(-z)) to 50
+# digits (mpmath), rounded to double
+SILU_F64_TAIL = [(-700.5, -4.189127381107174e-302), (-720.3, -1.0844214511701e-310), (-744.0, -5.706e-321),
+                 (-746.9964956915102, -2.87e-322), (-750.0, -1.5e-323), (-760.0, -0.0)]
+
+
+def test_silu_float64_tail_where_exp_underflows(isa):
+    """The kernels' float64 silu and the reference's down to the subnormals (the reference once
+    gave -0.0 at -747, where silu is -2.87e-322: a fuzzer's false failure)."""
+    z = np.array([t[0] for t in SILU_F64_TAIL])
+    want = np.array([t[1] for t in SILU_F64_TAIL])
+    np.testing.assert_array_max_ulp(apply_activation(z, "silu", {}), want, maxulp=2)
+    ones = np.ones(z.size)
+    got = bn(z[None, :], np.zeros(z.size), ones, ones, np.zeros(z.size), epsilon=0.0, activation="silu")
+    np.testing.assert_array_max_ulp(got[0], want, maxulp=2)
+
+
 @ACT
 def test_name_and_object_agree(rng, name):
     x = make_input(rng, (2, 3, 40), F32)
