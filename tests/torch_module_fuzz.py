@@ -110,8 +110,9 @@ def draw_case(torch, seed, index):
     frozen = bool(rng.random() < 0.2)  # parameters not requiring grad
     summed = bool(rng.random() < 0.25)  # the loss a sum: grad_output is expanded ones
     data_seed = int(rng.integers(2 ** 31))
-    desc = (f"{seed}:{index} {cls}{args} {kw} shape={shape} {dtype_name}{' (float32 module)' if mixed else ''} layout={kind} "
-            f"N({loc}, {spread}) {'train' if train else 'eval'} steps={steps} grad={grad_mode}"
+    desc = (f"{seed}:{index} {cls}{args} {kw} shape={shape} {dtype_name}"
+            f"{' (float32 module)' if mixed else ''} layout={kind} N({loc}, {spread}) "
+            f"{'train' if train else 'eval'} steps={steps} grad={grad_mode}"
             f"{' frozen' if frozen else ''}{' summed' if summed else ''}")
 
     def run():
@@ -186,7 +187,8 @@ def draw_case(torch, seed, index):
         x64 = x_last.double()
         u_max = _inv_std_max(cls, kw, x64, ref64, train)
         x_max = float(x64.abs().max()) if x64.numel() else 0.0
-        mean_ulps = 2 * x_max * u_max * (2.0 ** -53 if dtype_name == "float64" else 2.0 ** -24)
+        ulp = 2.0 ** -53 if dtype_name == "float64" else 2.0 ** -24  # the compute type's
+        mean_ulps = 2 * x_max * u_max * ulp
         _close(y, y64, "output", tol, natural=w_max, extra=mean_ulps * w_max)
         assert len(grads) == len(grads64), f"{len(grads)} gradients, the reference {len(grads64)}"
         dy_max = 1.0 if summed else float(dy.double().abs().max()) if dy.numel() else 0.0
@@ -199,20 +201,24 @@ def draw_case(torch, seed, index):
             else:  # a sum of per_param terms dy * y (or dy) of random signs
                 natural = dy_max * per_param ** 0.5
                 extra = natural * per_param ** 0.5 * mean_ulps
-            _close(g, g64, f"gradient {i}", max(tol, TOLERANCE[str(g.dtype).split(".")[1]]), natural, extra)
+            _close(g, g64, f"gradient {i}", max(tol, _tolerance(g)), natural, extra)
         assert state.keys() == state64.keys()
         for k in state:
             # (running statistics: a mean near 0 cancels terms of the data's spread; a constant
             # group's variance carries the rounding of x^2 terms)
             if state[k].dtype.is_floating_point:
-                ulp = 2.0 ** -53 if dtype_name == "float64" else 2.0 ** -24
                 rounding = ulp * (x_max * x_max if "var" in k else x_max)
-                _close(state[k], state64[k], k, TOLERANCE[str(state[k].dtype).split(".")[1]],
-                       natural=spread * spread if "var" in k else spread, extra=4 * rounding)
+                _close(state[k], state64[k], k, _tolerance(state[k]), natural=spread * spread if "var" in k else spread,
+                       extra=4 * rounding)
             else:
                 assert torch.equal(state[k], state64[k]), f"{k}: {state[k]} vs {state64[k]}"
 
     return desc, run
+
+
+def _tolerance(t):
+    """TOLERANCE of a result's own dtype."""
+    return TOLERANCE[str(t.dtype).split(".")[1]]
 
 
 def _inv_std_max(cls, kw, x, module, train):
