@@ -379,6 +379,8 @@ def _gradcheck_cases(rng):
     ]
 
 
+@pytest.mark.filterwarnings("ignore:.*performance drop.*")  # (vmap's fallback over the ops)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_gradcheck_float64(rng):
     for name, args, kwargs in _gradcheck_cases(rng):
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -391,7 +393,9 @@ def test_gradcheck_float64(rng):
             r = getattr(ops, name)(*full, **kwargs)
             return r[0] if isinstance(r, tuple) else r
 
-        assert torch.autograd.gradcheck(f, inputs), name
+        # (forward mode too: each op's jvp against finite differences; and both under vmap)
+        assert torch.autograd.gradcheck(f, inputs, check_forward_ad=True, check_batched_grad=True,
+                                        check_batched_forward_grad=True), name
 
 
 def test_double_backward_raises(rng):

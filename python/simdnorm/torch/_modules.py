@@ -56,8 +56,10 @@ def _state(m: nn.Module, *names: str) -> tuple:
 def _direct(*tensors: Optional[Tensor]) -> bool:
     """Whether a call may run the op's CPU kernel itself, skipping the dispatcher (a few
     microseconds of a small call): eager (not under torch.compile), plain tensors (not fake,
-    functional or another subclass, which tracing uses), none of them recording autograd."""
-    if _is_compiling():
+    functional or another subclass, which tracing uses), none of them recording autograd, no
+    torch.func transform or forward-mode AD level active (their tensors' tangents and wrappers only
+    the op's autograd.Function sees)."""
+    if _is_compiling() or _transformed():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -76,6 +78,7 @@ def _plain(fn: Any, input: Tensor, *args: Any, **kw: Any) -> Tensor:
 
 
 _is_compiling = torch.compiler.is_compiling
+_transformed = _ops._transformed
 _Parameter = nn.Parameter
 
 

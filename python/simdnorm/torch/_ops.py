@@ -87,10 +87,13 @@ def _as_numpy(t: torch.Tensor, writeable: bool = False, name: str = "input") -> 
             return t.view(torch.int16).numpy().view(_np_bf16())
         raise TypeError(f"dtype {t.dtype} is not accepted: simdnorm takes "
                         f"{', '.join(map(str, _ACCEPTED))}") from None
-    except RuntimeError:  # requires grad (a caller outside the Autograd kernel), or the negative bit
-        if t.is_neg():
+    except RuntimeError as e:  # requires grad (a caller outside the Autograd kernel), the negative bit,
+        if t.is_neg():         # or no memory to read (a torch.func transform's wrapper)
             return _as_numpy(resolved_negative(t, name, writeable), writeable, name)
-        return _as_numpy(t.detach(), writeable, name)
+        if t.requires_grad:
+            return _as_numpy(t.detach(), writeable, name)
+        raise TypeError(f"{name}: simdnorm reads a tensor's memory, and this one has none to read ({e}); "
+                        "under torch.func transforms call the torch.ops.simdnorm ops") from None
 
 
 def _as_out(t: torch.Tensor, name: str = "out") -> np.ndarray:
@@ -502,7 +505,7 @@ def _sum_to(t: torch.Tensor, p: torch.Tensor, placed: torch.Tensor) -> torch.Ten
 
 def _setup_batch_normalization(ctx, a, kw, result):
     _check_differentiable(kw, "batch_normalization")
-    ctx.save_for_backward(*a[:5])
+    _save(ctx, *a[:5])
     ctx.kw = kw
 
 
@@ -539,7 +542,7 @@ def _backward_batch_normalization(ctx, need, go):
 
 def _setup_batch_normalization_training(ctx, a, kw, result):
     _check_differentiable(kw, "batch_normalization_training")
-    ctx.save_for_backward(*a[:4], result[1], result[2])
+    _save(ctx, *a[:4], result[1], result[2])
     ctx.kw = kw
 
 
@@ -554,7 +557,7 @@ def _backward_batch_normalization_training(ctx, need, go, _gm, _gv):
 
 def _save_stats(ctx, a, kw, result, name, n_tensors):
     _check_differentiable(kw, name)
-    ctx.save_for_backward(*[t for t in a[:n_tensors] if not isinstance(t, (int, list))], *result[1:])
+    _save(ctx, *[t for t in a[:n_tensors] if not isinstance(t, (int, list))], *result[1:])
     ctx.a = [t for t in a if isinstance(t, (int, list))]  # (axes, num_groups)
     ctx.kw = kw
 
@@ -634,6 +637,161 @@ def _backward_group_norm(ctx, need, go, _gm, _gs):
 
 
 # ----------------------------------------------------------------------------------------------------
+# forward-mode derivatives (jvp): the output's tangent from the inputs' tangents, per op. Each op's
+# normalization Jacobian is symmetric (u (I - 1 1^T / n - y y^T / n) and its variants), so its
+# product with x's tangent is the backward op's grad_input for that tangent as grad_output, without
+# scale or activation; the parameters' part is the forward op itself with their tangents as scale
+# and bias; then the activation's derivative at the pre-activation value. `t` holds the positional
+# arguments' tangents (None: none). The statistics outputs have none (they are non-differentiable).
+
+def _act_tangent(kw: dict, pre: Optional[torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """act'(pre) t, relu'(0) = 0 and leaky_relu'(0) = alpha as in the backward ops."""
+    name = kw["activation"]
+    if name is None:
+        return t
+    pre = pre.to(t.dtype)
+    if name == "relu":
+        return torch.where(pre > 0, t, torch.zeros_like(t))
+    if name == "leaky_relu":
+        return torch.where(pre > 0, t, t * _activation(name, kw["activation_params"]).params["alpha"])
+    if name == "silu":
+        s = torch.sigmoid(pre)
+        d = s * (1 + pre * (1 - s))
+    else:  # gelu, erf form: Phi(z) + z phi(z)
+        d = 0.5 * (1 + torch.erf(pre * 0.7071067811865476)) + pre * torch.exp(-0.5 * pre * pre) * 0.3989422804014327
+    return t * torch.where(pre.isinf(), (pre > 0).to(t.dtype), d)  # (the limits at +-inf, not inf * 0)
+
+
+def _normalized_tangent(x: torch.Tensor, kw: dict, t: Sequence[Optional[torch.Tensor]], scale: Optional[torch.Tensor],
+                        placed: Callable[[torch.Tensor], torch.Tensor], n_x: Callable[[torch.Tensor], torch.Tensor],
+                        affine: Callable[..., torch.Tensor], extra: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The output's tangent of a normalization: scale (N t_x) + t_scale y + t_bias (+ extra), then
+    the activation's derivative, laid out as the output. t: the tangents of input, scale and bias,
+    then scale and bias themselves; n_x(g): N g; affine(scale, bias): the op's output without its
+    activation, scale and bias as given (None: 1 and 0); placed(p): a parameter as it broadcasts."""
+    cd = _stats_dtype(x)
+    tx, ts, tb = t[:3]
+    parts = [] if extra is None else [extra.to(cd)]
+    if tx is not None:
+        g = n_x(tx).to(cd)
+        parts.append(g if scale is None else g * placed(scale).to(cd))
+    if ts is not None:
+        parts.append(affine(ts, tb).to(cd))
+    elif tb is not None:
+        parts.append(placed(tb).to(cd))
+    if not parts:
+        return None
+    out = functools.reduce(torch.add, parts)
+    if kw["activation"] is not None:
+        out = _act_tangent(kw, affine(*t[3:5]), out)
+    return out.expand(x.shape).to(x.dtype)  # (out of place: under vmap a tangent may be batched, x not)
+
+
+def _tangents(t: Sequence[Any], n: int) -> List[Optional[torch.Tensor]]:
+    return list(t) + [None] * (n - len(t))
+
+
+def _same(p: torch.Tensor) -> torch.Tensor:
+    return p
+
+
+def _jvp_mean_variance_normalization(ctx, t):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw, axes = ctx.kw, ctx.a[0]
+    tx, _, ts, tb = _tangents(t, 4)
+    flags = {k: kw[k] for k in ("normalize_mean", "normalize_variance", "epsilon", "epsilon_mode")}
+    nm, nv = kw["normalize_mean"], kw["normalize_variance"]
+    return (_normalized_tangent(
+        x, kw, (tx, ts, tb, scale, bias), scale, _same,
+        lambda g: _ops.mean_variance_normalization_backward(g, x, axes, mean if nm else None, inv_std if nv else None,
+                                                            grad_scale=False, grad_bias=False, **flags)[0],
+        lambda s, b: _ops.mean_variance_normalization(x, axes, s, b, **flags)[0]), None, None)
+
+
+def _jvp_layer_norm(ctx, t):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw = ctx.kw
+    tx, ts, tb = _tangents(t, 3)
+    at = {"axis": kw["axis"], "epsilon": kw["epsilon"]}
+    return (_normalized_tangent(
+        x, kw, (tx, ts, tb, scale, bias), scale, _same,
+        lambda g: _ops.layer_norm_backward(g, x, mean, inv_std, grad_scale=False, grad_bias=False, **at)[0],
+        lambda s, b: _ops.layer_norm(x, s, b, **at)[0]), None, None)
+
+
+def _jvp_rms_norm(ctx, t):
+    x, scale, inv_rms = ctx.saved_tensors
+    kw = ctx.kw
+    tx, ts = _tangents(t, 2)
+    at = {"axis": kw["axis"], "epsilon": kw["epsilon"]}
+    return (_normalized_tangent(
+        x, kw, (tx, ts, None, scale, None), scale, _same,
+        lambda g: _ops.rms_norm_backward(g, x, inv_rms, grad_scale=False, **at)[0],
+        lambda s, b: _ops.rms_norm(x, s, **at)[0]), None)
+
+
+def _jvp_instance_norm(ctx, t):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw = ctx.kw
+    tx, ts, tb = _tangents(t, 3)
+    at = {"channel_axis": kw["channel_axis"], "epsilon": kw["epsilon"]}
+    return (_normalized_tangent(
+        x, kw, (tx, ts, tb, scale, bias), scale, lambda p: _placed(p, x.dim(), kw["channel_axis"]),
+        lambda g: _ops.instance_norm_backward(g, x, mean, inv_std, grad_scale=False, grad_bias=False, **at)[0],
+        lambda s, b: _ops.instance_norm(x, s, b, **at)[0]), None, None)
+
+
+def _jvp_group_norm(ctx, t):
+    x, scale, bias, mean, inv_std = ctx.saved_tensors
+    kw, groups = ctx.kw, ctx.a[0]
+    tx, _, ts, tb = _tangents(t, 4)
+    at = {"channel_axis": kw["channel_axis"], "epsilon": kw["epsilon"]}
+    return (_normalized_tangent(
+        x, kw, (tx, ts, tb, scale, bias), scale, lambda p: _placed(p, x.dim(), kw["channel_axis"]),
+        lambda g: _ops.group_norm_backward(g, x, groups, mean, inv_std, grad_scale=False, grad_bias=False, **at)[0],
+        lambda s, b: _ops.group_norm(x, groups, s, b, **at)[0]), None, None)
+
+
+def _jvp_batch_normalization_training(ctx, t):
+    x, scale, bias, fa, mean, var = ctx.saved_tensors
+    kw = ctx.kw
+    tx, ts, tb, tf = _tangents(t, 4)
+    at = {"channel_axis": kw["channel_axis"], "epsilon": kw["epsilon"]}
+
+    def affine(s, b):  # (the batch's statistics given: the same y; the pre-activation adds fused_add)
+        y = _ops.batch_normalization(x, mean, var, s, b, **at)
+        return y if fa is None or s is not scale else y + fa
+    shaped = scale if scale is not None else bias  # (a same-rank parameter shapes the statistics: ones of it)
+    ones = None if shaped is None else torch.ones_like(shaped)
+    return (_normalized_tangent(
+        x, kw, (tx, ts, tb, scale, bias), scale, lambda p: _placed(p, x.dim(), kw["channel_axis"]),
+        lambda g: _ops.batch_normalization_backward(g, x, mean, var, ones, training=True, grad_scale=False,
+                                                    grad_bias=False, **at)[0],
+        affine, tf), None, None)
+
+
+def _jvp_batch_normalization(ctx, t):
+    x, mean, var, scale, bias = ctx.saved_tensors
+    kw = ctx.kw
+    tx, tm, tv, ts, tb = _tangents(t, 5)
+    nd, ca, cd = x.dim(), kw["channel_axis"], _stats_dtype(x)
+    at = {"channel_axis": ca, "epsilon": kw["epsilon"]}
+    u = (_placed(var, nd, ca).to(cd) + kw["epsilon"]).rsqrt()
+    stats = None
+    if tm is not None or tv is not None:  # (the statistics as inputs: -u t_mean - y u^2 t_var / 2)
+        stats = torch.zeros((), dtype=cd) if tm is None else -u * _placed(tm, nd, ca).to(cd)
+        if tv is not None:
+            y = _ops.batch_normalization(x, mean, var, **at).to(cd)
+            stats = stats - 0.5 * y * u * u * _placed(tv, nd, ca).to(cd)
+        if scale is not None:
+            stats = stats * _placed(scale, nd, ca).to(cd)
+        stats = stats.expand(x.shape)
+    return _normalized_tangent(
+        x, kw, (tx, ts, tb, scale, bias), scale, lambda p: _placed(p, nd, ca),
+        lambda g: g.to(cd) * u, lambda s, b: _ops.batch_normalization(x, mean, var, s, b, **at), stats)
+
+
+# ----------------------------------------------------------------------------------------------------
 # the table: name, arguments, returns (the first is what .out receives); the kernels by name
 
 _ACT = "str? activation=None, float[]? activation_params=None"
@@ -710,6 +868,8 @@ for _name, _args, _returns in _MUTATING:
 # registration
 
 _grad_enabled = torch.is_grad_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _AFTER_AUTOGRAD = torch._C._after_autograd_keyset
 _AFTER_INPLACE = torch._C._after_ADInplaceOrView_keyset
@@ -750,21 +910,63 @@ def _runner(op: Any, cpu: Callable) -> Callable:
     return run
 
 
-def _differentiable(name: str, cpu: Callable, setup: Callable, backward: Callable) -> Callable:
+def _transformed() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level is active: tensors may then carry
+    what only an autograd.Function sees (a tangent, a transform's wrapper)."""
+    return _functorch_active() or _forward_ad._current_level >= 0
+
+
+def _save(ctx, *tensors: Optional[torch.Tensor]) -> None:
+    """What the backward and, where forward-mode AD may ask, the jvp read."""
+    ctx.save_for_backward(*tensors)
+    if _transformed():
+        ctx.save_for_forward(*tensors)
+
+
+# The ops' autograd.Functions take torch's C++ apply (_SingleLevelFunction's), not Function.apply's
+# Python one: they are applied inside the dispatcher's Autograd kernel, where a torch.func transform
+# has already lifted the tensors to its level (as for torch's own ops' autograd kernels), and
+# Function.apply would hand them to functorch's front end a second time.
+_SingleLevel = torch.autograd.function._SingleLevelFunction
+_single_level_allowed = torch._C._functorch.get_single_level_autograd_function_allowed
+_allow_single_level = torch._C._functorch.set_single_level_autograd_function_allowed
+
+
+def _function(name: str, run: Callable, methods: Dict[str, Callable]) -> Callable:
+    """The apply of an op's autograd.Function: forward(keyset, kwargs, *args) runs the op below autograd."""
+
+    def forward(keyset, kwargs, *args):
+        return run(keyset, args, kwargs)
+
+    body = {"forward": staticmethod(forward), **{k: staticmethod(f) for k, f in methods.items()}}
+    apply = type(f"simdnorm_{name}", (_SingleLevel,), body).apply
+
+    def apply_(keyset, kwargs, *args):
+        if not _functorch_active():
+            return apply(keyset, kwargs, *args)
+        allowed = _single_level_allowed()  # (functorch's guard against a Function applied unlifted)
+        _allow_single_level(True)
+        try:
+            return apply(keyset, kwargs, *args)
+        finally:
+            _allow_single_level(allowed)
+
+    return apply_
+
+
+def _differentiable(name: str, cpu: Callable, setup: Callable, backward: Callable, jvp: Callable) -> Callable:
     """The Autograd kernel of a forward op."""
     op = getattr(_ops, name).default
     run = _runner(op, cpu)
     pos_defaults, kw_defaults = _defaults(op)
 
-    def forward(ctx, keyset, kwargs, *args):
-        result = run(keyset, args, kwargs)
-        full = list(args) + pos_defaults[len(args):]
-        setup(ctx, full, {**kw_defaults, **kwargs}, result)
+    def setup_context(ctx, inputs, result):
+        _, kwargs, *args = inputs
+        setup(ctx, list(args) + pos_defaults[len(args):], {**kw_defaults, **kwargs}, result)
         if isinstance(result, tuple):
             ctx.mark_non_differentiable(*result[1:])  # the statistics, as native_layer_norm's
         ctx.set_materialize_grads(False)  # (the statistics' gradients, zeros, would be ignored)
         ctx.n_args = len(args)
-        return result
 
     def backward_(ctx, *grads):
         if grads[0] is None:  # (no gradient reached the output)
@@ -772,12 +974,14 @@ def _differentiable(name: str, cpu: Callable, setup: Callable, backward: Callabl
         need = ctx.needs_input_grad[2:] + (False,) * (len(pos_defaults) - ctx.n_args)
         return (None, None) + tuple(backward(ctx, need, *grads))[:ctx.n_args]
 
-    fn: Any = type(f"simdnorm_{name}", (torch.autograd.Function,),
-                   {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
-    apply = fn.apply
+    def jvp_(ctx, _keyset, _kwargs, *tangents):
+        return jvp(ctx, tangents)
+
+    apply = _function(name, run, {"setup_context": setup_context, "backward": backward_, "jvp": jvp_})
 
     def kernel(keyset, *args, **kwargs):
-        if _grad_enabled() and _any_requires_grad(*args):
+        # (a tangent, or a transform's wrapper, is not requires_grad)
+        if (_grad_enabled() and _any_requires_grad(*args)) or _functorch_active() or _forward_ad._current_level >= 0:
             return apply(keyset, kwargs, *args)
         if keyset == _PLAIN_CPU:
             return cpu(*args, **kwargs)
@@ -787,22 +991,22 @@ def _differentiable(name: str, cpu: Callable, setup: Callable, backward: Callabl
 
 
 def _not_differentiable(qualname: str, op: Any, cpu: Callable) -> Callable:
-    """The Autograd kernel of a backward op: its result may be differentiated no further."""
+    """The Autograd kernel of a backward op: its result may be differentiated no further, in either
+    mode (a transform's tangent through it would otherwise be dropped silently)."""
     run = _runner(op, cpu)
 
-    def forward(ctx, keyset, kwargs, *args):
-        return run(keyset, args, kwargs)
-
-    def backward(ctx, *grads):
+    def refuse(ctx, *grads):
         raise RuntimeError(f"Trying to backward through {qualname} but no autograd formula was registered: "
-                           "simdnorm's backward ops have no derivative (no double backward)")
+                           "simdnorm's backward ops have no derivative (no double backward, no forward-mode "
+                           "derivative of a gradient)")
 
-    fn: Any = type(f"simdnorm_{op._opname}", (torch.autograd.Function,),
-                   {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-    apply = fn.apply
+    def setup_context(ctx, inputs, result):
+        pass
+
+    apply = _function(op._opname, run, {"setup_context": setup_context, "backward": refuse, "jvp": refuse})
 
     def kernel(keyset, *args, **kwargs):
-        if _grad_enabled() and _any_requires_grad(*args):
+        if (_grad_enabled() and _any_requires_grad(*args)) or _functorch_active() or _forward_ad._current_level >= 0:
             return apply(keyset, kwargs, *args)
         return run(keyset, args, kwargs)
 
@@ -886,8 +1090,8 @@ def _register() -> None:
             _LIB.impl(name, _not_differentiable(f"simdnorm::{name}", packet.default, kernel), "Autograd",
                       with_keyset=True)
         else:
-            _LIB.impl(name, _differentiable(name, kernel, g["_setup_" + name], g["_backward_" + name]), "Autograd",
-                      with_keyset=True)
+            _LIB.impl(name, _differentiable(name, kernel, g["_setup_" + name], g["_backward_" + name],
+                                            g["_jvp_" + name]), "Autograd", with_keyset=True)
         _LIB.impl(name + ".out", _no_autograd(f"simdnorm::{name}.out", packet.out, out_kernel), "Autograd",
                   with_keyset=True)
         _LIB.impl(name + ".out", _bump_versions(packet.out), "ADInplaceOrView", with_keyset=True)
@@ -930,8 +1134,9 @@ def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
 
     kw = dict(kw)
     if kw.pop("out", None) is not None:
-        raise TypeError(f"{name}: out= with a tensor that requires grad (grad mode on); autograd records no "
-                        "writes into out=: leave out= out, or call under torch.no_grad()")
+        raise TypeError(f"{name}: out= with a tensor that autograd follows (one that requires grad with grad "
+                        "mode on, or under a torch.func transform or forward-mode AD); autograd records no writes "
+                        "into out=: leave out= out, or call under torch.no_grad()")
     return_stats = kw.pop("return_stats", False)
     running = {k: kw.pop(k) for k in _RUNNING if k in kw}
     act = check_activation(kw.pop("activation", None))

@@ -1,0 +1,242 @@
+"""simdnorm under torch.func's transforms and forward-mode AD: jvp, grad, jacrev, jacfwd, vmap,
+vmap(grad) (per-sample gradients) and torch.autograd.forward_ad's dual tensors, through the plain
+functions, the torch.ops.simdnorm ops and the drop-in modules, against torch's own functions on the
+same float64 data. Where simdnorm cannot follow (a derivative of a gradient; a function without an
+op), a clear error, never a tangent silently dropped. (gradcheck of every op's forward-mode
+derivative against finite differences: test_torch_ops.test_gradcheck_float64.)"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install '.[torch]'): "
+                                           "simdnorm.torch needs it")
+
+import simdnorm  # noqa: E402
+import simdnorm.torch as st  # noqa: E402
+
+F = torch.nn.functional
+func = torch.func
+fwAD = torch.autograd.forward_ad
+D = torch.float64
+
+pytestmark = [pytest.mark.filterwarnings("ignore:.*performance drop.*"),  # (vmap's fallback over the ops)
+              # (torch.func's first use scripts a decomposition of torch's own)
+              pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")]
+
+ACTS = {None: lambda z: z, "relu": F.relu, "leaky_relu": lambda z: F.leaky_relu(z, 0.01), "silu": F.silu,
+        "gelu": F.gelu}
+
+
+def _mvn(x, axes, w, b, eps=1e-5, outside=False, nm=True, nv=True):
+    """MVN from torch's own operations (the reference's derivatives are autograd's)."""
+    d = x - x.mean(axes, keepdim=True) if nm else x
+    if nv:
+        var = x.var(axes, keepdim=True, unbiased=False) if nm else (x * x).mean(axes, keepdim=True)
+        d = d / (var.sqrt() + eps) if outside else d / (var + eps).sqrt()
+    return d * w + b
+
+
+def _ops_layer_norm(x, w, b, a):
+    return torch.ops.simdnorm.layer_norm(x, w, b, activation=a)[0]
+
+
+# name: (simdnorm's call, torch's, which parameters (channels C = 4 or the last dim L = 5))
+def _cases():
+    rm, rv = torch.linspace(-1, 1, 4, dtype=D), torch.linspace(0.5, 2, 4, dtype=D)
+    return {
+        "layer": (lambda x, w, b, a: simdnorm.layer_norm(x, w, b, activation=a),
+                  lambda x, w, b: F.layer_norm(x, (5,), w, b), "L"),
+        "op.layer": (_ops_layer_norm, lambda x, w, b: F.layer_norm(x, (5,), w, b), "L"),
+        "rms": (lambda x, w, b, a: simdnorm.rms_norm(x, w, activation=a),
+                lambda x, w, b: F.rms_norm(x, (5,), w, eps=1e-5), "L"),
+        "group": (lambda x, w, b, a: simdnorm.group_norm(x, 2, w, b, activation=a),
+                  lambda x, w, b: F.group_norm(x, 2, w, b), "C"),
+        "instance": (lambda x, w, b, a: simdnorm.instance_norm(x, w, b, activation=a),
+                     lambda x, w, b: F.instance_norm(x, weight=w, bias=b), "C"),
+        "bn": (lambda x, w, b, a: simdnorm.batch_normalization(x, rm, rv, w, b, activation=a),
+               lambda x, w, b: F.batch_norm(x, rm, rv, w, b), "C"),
+        "bn-train": (lambda x, w, b, a: simdnorm.batch_normalization_training(x, w, b, activation=a)[0],
+                     lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), "C"),
+        "mvn02": (lambda x, w, b, a: simdnorm.mean_variance_normalization(x, (0, 2), w, b, activation=a),
+                  lambda x, w, b: _mvn(x, (0, 2), w, b), "L"),
+        "mvn-outside": (lambda x, w, b, a: simdnorm.mean_variance_normalization(
+                            x, 1, w, b, epsilon_mode="outside", activation=a),
+                        lambda x, w, b: _mvn(x, (1,), w, b, outside=True), "L"),
+        "mvn-no-mean": (lambda x, w, b, a: simdnorm.mean_variance_normalization(
+                            x, 2, w, b, normalize_mean=False, activation=a),
+                        lambda x, w, b: _mvn(x, (2,), w, b, nm=False), "L"),
+        "mvn-no-variance": (lambda x, w, b, a: simdnorm.mean_variance_normalization(
+                                x, 2, w, b, normalize_variance=False, activation=a),
+                            lambda x, w, b: _mvn(x, (2,), w, b, nv=False), "L"),
+    }
+
+
+CASES = _cases()
+
+# transform: (x, w, b, f) -> results; f(x, w, b) of one (3, 4, 5) tensor
+TRANSFORMS = {
+    "jvp": lambda x, w, b, t, f: func.jvp(f, (x, w, b), t)[1],
+    "forward_ad": lambda x, w, b, t, f: _dual(f, (x, w, b), t),
+    "grad": lambda x, w, b, t, f: func.grad(lambda *p: (f(*p) * t[0]).sum(), argnums=(0, 1, 2))(x, w, b),
+    "jacrev": lambda x, w, b, t, f: func.jacrev(f, argnums=(0, 1, 2))(x, w, b),
+    "jacfwd": lambda x, w, b, t, f: func.jacfwd(f, argnums=(0, 1, 2))(x, w, b),
+    "vmap": lambda x, w, b, t, f: func.vmap(lambda x: f(x[None], w, b))(x),
+    "vmap(grad)": lambda x, w, b, t, f: func.vmap(func.grad(lambda x, w, b: f(x[None], w, b).sin().sum(),
+                                                            argnums=(0, 1, 2)), in_dims=(0, None, None))(x, w, b),
+}
+
+
+def _dual(f, primals, tangents):
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(f(*[fwAD.make_dual(p, t) for p, t in zip(primals, tangents)])).tangent
+
+
+def _flat(r):
+    return torch.cat([t.reshape(-1) for t in (r if isinstance(r, tuple) else (r,))])
+
+
+def _data(rng, kind):
+    x = torch.from_numpy(rng.standard_normal((3, 4, 5)) + 0.5)
+    n = 5 if kind == "L" else 4
+    w, b = (torch.from_numpy(rng.standard_normal(n)) for _ in range(2))
+    t = tuple(torch.from_numpy(rng.standard_normal(a.shape)) for a in (x, w, b))
+    return x, w, b, t
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("case", CASES)
+def test_transforms_match_torch(rng, case, act, transform):
+    ours, theirs, kind = CASES[case]
+    x, w, b, t = _data(rng, kind)
+    if act in ("relu", "leaky_relu"):  # (no pre-activation at the kink, where the two may differ)
+        x = x + 0.25 * torch.sign(x)
+    T = TRANSFORMS[transform]
+    got = T(x, w, b, t, lambda x, w, b: ours(x, w, b, act))
+    want = T(x, w, b, t, lambda x, w, b: ACTS[act](theirs(x, w, b)))
+    got, want = _flat(got), _flat(want)
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-300)
+    assert err < 1e-10, f"{case} {act} {transform}: max error {err:.3g} of the largest |torch|"
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
+def test_jvp_and_per_sample_grads_in_other_dtypes(rng, dtype, tol):
+    # against torch in float64 on the same (rounded) values; float32 parameters with 16-bit data too
+    x, w, b, t = _data(rng, "L")
+    x, t = x.to(dtype), tuple(u.to(dtype) for u in t)
+    for pd in {dtype, torch.float32}:
+        p = (w.to(pd), b.to(pd))
+        tp = (t[0], t[1].to(pd), t[2].to(pd))
+        for transform in ("jvp", "vmap(grad)"):
+            got = TRANSFORMS[transform](x, *p, tp, lambda x, w, b: simdnorm.layer_norm(x, w, b, activation="silu"))
+            want = TRANSFORMS[transform](x.double(), *(a.double() for a in p), tuple(a.double() for a in tp),
+                                         lambda x, w, b: F.silu(F.layer_norm(x, (5,), w, b)))
+            assert all(g.dtype == a.dtype for g, a in zip(got if isinstance(got, tuple) else (got,), (x, *p)))
+            got, want = _flat(got).double(), _flat(want)
+            assert (got - want).abs().max() <= tol * want.abs().max(), (transform, pd)
+
+
+def test_batch_norm_statistics_as_inputs_forward_mode(rng):
+    # the statistics' tangents (torch's own batch_norm refuses them under functorch): against the formula's
+    x = torch.from_numpy(rng.standard_normal((2, 4, 3)))
+    m, v = torch.from_numpy(rng.standard_normal(4)), torch.from_numpy(rng.random(4) + 0.5)
+    w, b = torch.from_numpy(rng.standard_normal(4)), torch.from_numpy(rng.standard_normal(4))
+    tm, tv = torch.from_numpy(rng.standard_normal(4)), torch.from_numpy(rng.standard_normal(4))
+    c = lambda p: p.reshape(1, 4, 1)  # noqa: E731
+
+    def formula(m, v):
+        return F.silu((x - c(m)) / (c(v) + 1e-5).sqrt() * c(w) + c(b))
+
+    for transform in ("jvp", "forward_ad"):
+        go = func.jvp if transform == "jvp" else None
+        f = lambda m, v: simdnorm.batch_normalization(x, m, v, w, b, activation="silu")  # noqa: E731
+        got = go(f, (m, v), (tm, tv))[1] if go else _dual(f, (m, v), (tm, tv))
+        want = func.jvp(formula, (m, v), (tm, tv))[1]
+        assert (got - want).abs().max() <= 1e-12 * want.abs().max(), transform
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.GroupNorm(2, 8), torch.nn.SiLU(),
+        torch.nn.InstanceNorm2d(8, affine=True), torch.nn.Flatten(2), torch.nn.LayerNorm(16),
+        torch.nn.RMSNorm(16)).double()
+
+
+def test_converted_model_per_sample_gradients_and_jvp(rng):
+    ref = _model()
+    ours = st.convert(copy.deepcopy(ref))
+    x = torch.from_numpy(rng.standard_normal((5, 3, 4, 4)))
+    t = torch.from_numpy(rng.standard_normal((5, 3, 4, 4)))
+    for name, m in (("torch.nn", ref), ("simdnorm", ours)):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+
+        def loss(p, x, m=m):
+            return func.functional_call(m, p, (x[None],)).sin().sum()
+
+        grads = func.vmap(func.grad(loss), in_dims=(None, 0))(params, x)
+        tangent = func.jvp(lambda x, m=m: m(x), (x,), (t,))[1]
+        if name == "torch.nn":
+            want_grads, want_tangent = grads, tangent
+    largest = max(g.abs().max() for g in want_grads.values())  # (3.weight's is 0 up to rounding: LayerNorm(16))
+    for k in want_grads:
+        assert grads[k].shape == (5,) + tuple(params[k].shape)
+        assert (grads[k] - want_grads[k]).abs().max() <= 1e-10 * largest, k
+    assert (tangent - want_tangent).abs().max() <= 1e-10 * want_tangent.abs().max()
+
+
+def test_batch_norm_module_training_under_jvp_updates_running_stats_once(rng):
+    # torch.nn refuses (an in-place update of a captured buffer); the drop-in updates it as eagerly
+    x = torch.from_numpy(rng.standard_normal((4, 3, 2, 2)))
+    t = torch.from_numpy(rng.standard_normal((4, 3, 2, 2)))
+    bn = torch.nn.BatchNorm2d(3).double()
+    ours, eager = st.convert(copy.deepcopy(bn)), st.convert(copy.deepcopy(bn))
+    eager(x)
+    _, tangent = func.jvp(ours, (x,), (t,))
+    want = func.jvp(torch.nn.BatchNorm2d(3, track_running_stats=False).double(), (x,), (t,))[1]
+    assert (tangent - want).abs().max() <= 1e-12 * want.abs().max()
+    bn(x)
+    for k, v in eager.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+        assert torch.allclose(v, bn.state_dict()[k], rtol=1e-14, atol=0), k
+
+
+def test_derivatives_of_gradients_raise_never_vanish(rng):
+    # hessian = jacfwd(jacrev): a tangent through a backward op must raise, not come out zero
+    x = torch.from_numpy(rng.standard_normal((2, 5)))
+    f = lambda x: simdnorm.layer_norm(x, activation="silu").sin().sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        func.hessian(f)(x)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        func.jacrev(func.jacrev(f))(x)
+    with fwAD.dual_level():
+        d = fwAD.make_dual(x, torch.ones_like(x))
+        m, s = torch.ops.simdnorm.layer_norm(x)[1:]
+        with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+            torch.ops.simdnorm.layer_norm_backward(d, x, m, s)
+
+
+def test_functions_without_an_op_refuse_transformed_tensors(rng):
+    x = torch.from_numpy(rng.standard_normal((3, 4, 5)))
+    for call in (lambda x: simdnorm.moments(x, (1, 2)).mean,
+                 lambda x: simdnorm.layer_norm_backward(x, x, *simdnorm.layer_norm(x.detach(), return_stats=True)[1:])[0],
+                 lambda x: simdnorm.layer_norm(x, out=torch.empty(x.shape, dtype=D))):
+        for transform in (lambda f: func.vmap(f)(x), lambda f: func.jvp(f, (x,), (x,)),
+                          lambda f: _dual(f, (x,), (x,))):
+            with pytest.raises(TypeError, match="torch.func transform|forward-mode"):
+                transform(call)
+
+
+def test_vmap_of_the_ops_warns_only_of_torchs_fallback(rng):
+    # vmap runs the op per sample through torch's batching fallback: the same values, no error
+    x = torch.from_numpy(rng.standard_normal((3, 4, 5)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = func.vmap(lambda x: torch.ops.simdnorm.group_norm(x[None], 2)[0])(x)
+    want = torch.stack([F.group_norm(s[None], 2) for s in x])
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
