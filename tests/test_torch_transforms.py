@@ -240,3 +240,24 @@ def test_vmap_of_the_ops_warns_only_of_torchs_fallback(rng):
         got = func.vmap(lambda x: torch.ops.simdnorm.group_norm(x[None], 2)[0])(x)
     want = torch.stack([F.group_norm(s[None], 2) for s in x])
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace.*` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # (shape checks, torch.nn's as well as ours)
+@pytest.mark.parametrize("grad", [False, True])
+def test_jit_trace_records_the_ops(rng, grad):
+    # torch.jit.trace records dispatched ops only: a call that ran the kernels past the dispatcher
+    # would trace as an uninitialized tensor. Traced without the tracer's own check, run on new data:
+    x, x2 = (torch.from_numpy(rng.standard_normal((2, 8, 4, 4))).float() for _ in range(2))
+    modules = [torch.nn.BatchNorm2d(8).eval(), torch.nn.InstanceNorm2d(8), torch.nn.GroupNorm(2, 8),
+               torch.nn.LayerNorm(4), torch.nn.RMSNorm(4), torch.nn.BatchNorm2d(8, affine=False).train()]
+    cases = [(st.convert(copy.deepcopy(m)), m) for m in modules]
+    cases.append((lambda x: simdnorm.layer_norm(x, activation="silu") * 2, lambda x: F.silu(F.layer_norm(x, (4,))) * 2))
+    for ours, theirs in cases:
+        with torch.set_grad_enabled(grad):
+            traced = torch.jit.trace(ours, x, check_trace=False)
+            got, want = traced(x2), theirs(x2)
+        assert any(n.kind().startswith("simdnorm::") for n in traced.graph.nodes()), ours
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), ours
+    with pytest.raises(TypeError, match="torch.jit.trace"):
+        torch.jit.trace(lambda x: simdnorm.moments(x, (1, 2)).mean, x, check_trace=False)

@@ -105,7 +105,7 @@ def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
     TypeError."""
     if is_tensor(obj):
         torch = sys.modules["torch"]
-        if _transforming(torch) and _transformed(torch, obj):
+        if torch._C._is_tracing() or _transforming(torch) and _transformed(torch, obj):
             raise _refuse_transformed(name)
         if obj.requires_grad:
             if torch.is_grad_enabled():  # (follow_input sends the forward ops' such calls to their torch op)
@@ -169,14 +169,16 @@ def _transformed(torch: Any, t: Any) -> bool:
 
 
 def _transformed_tensors(torch: Any, kw: dict) -> bool:
-    # (the check of each argument only while transforming: isinstance(None, torch.Tensor) costs 0.2 us)
-    return _transforming(torch) and any(isinstance(v, torch.Tensor) and _transformed(torch, v) for v in kw.values())
+    """Whether the call is traced (torch.jit.trace records the ops only) or an argument is a
+    transform's (while _transforming: isinstance(None, torch.Tensor) costs 0.2 us an argument)."""
+    return torch._C._is_tracing() or _transforming(torch) and any(
+        isinstance(v, torch.Tensor) and _transformed(torch, v) for v in kw.values())
 
 
 def _refuse_transformed(what: str) -> TypeError:
-    return TypeError(f"{what}: a tensor under a torch.func transform (vmap, grad, jvp, ...) or with a forward-mode "
-                     "tangent; this function reads tensors' memory and would drop what the transform carries: call "
-                     "it outside the transform")
+    return TypeError(f"{what}: a tensor under torch.jit.trace, a torch.func transform (vmap, grad, jvp, ...) or with "
+                     "a forward-mode tangent; this function reads tensors' memory, which the trace or transform "
+                     "would not see: call it outside, or call the torch.ops.simdnorm op")
 
 
 def follow_input(fn: Callable[..., Any], args: dict) -> Any:

@@ -58,8 +58,8 @@ def _direct(*tensors: Optional[Tensor]) -> bool:
     microseconds of a small call): eager (not under torch.compile), plain tensors (not fake,
     functional or another subclass, which tracing uses), none of them recording autograd, no
     torch.func transform or forward-mode AD level active (their tensors' tangents and wrappers only
-    the op's autograd.Function sees)."""
-    if _is_compiling() or _transformed():
+    the op's autograd.Function sees), not under torch.jit.trace (which records the ops only)."""
+    if _is_compiling() or _is_tracing() or _transformed():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
@@ -79,6 +79,7 @@ def _plain(fn: Any, input: Tensor, *args: Any, **kw: Any) -> Tensor:
 
 _is_compiling = torch.compiler.is_compiling
 _transformed = _ops._transformed
+_is_tracing = torch._C._is_tracing
 _Parameter = nn.Parameter
 
 
