@@ -10,7 +10,8 @@ the shape (unbatched and empty batches included), the data's dtype, mixed precis
 float32 module), the layout (channels last, permuted, steps, an odd storage offset, expanded dims
 of stride 0), the values' offset and spread, train or eval, the number of steps, what requires
 grad (the input, the parameters, nothing; no_grad), and the gradient's form (random, or a sum's
-expanded ones). Case i of a seed is rebuilt from (seed, i) alone.
+expanded ones); a fifth of the cases check the last step's forward-mode derivative (a dual input,
+torch.autograd.forward_ad) in place of its gradients. Case i of a seed is rebuilt from (seed, i) alone.
 
     python tests/torch_module_fuzz.py --seed N --cases 3000     # in child processes
     python tests/torch_module_fuzz.py --seed N --replay I       # one case here, traceback and all
@@ -95,6 +96,7 @@ def _laid_out(torch, rng, values, kind):
 def draw_case(torch, seed, index):
     """(description, run): run() raises AssertionError on a mismatch."""
     from torch import nn
+    import torch.autograd.forward_ad as fwAD
     import simdnorm.torch as snt
 
     rng = np.random.default_rng([seed, index])
@@ -110,10 +112,11 @@ def draw_case(torch, seed, index):
     frozen = bool(rng.random() < 0.2)  # parameters not requiring grad
     summed = bool(rng.random() < 0.25)  # the loss a sum: grad_output is expanded ones
     data_seed = int(rng.integers(2 ** 31))
+    tangent = bool(rng.random() < 0.2)  # the last step's forward-mode derivative instead of its backward
     desc = (f"{seed}:{index} {cls}{args} {kw} shape={shape} {dtype_name}"
             f"{' (float32 module)' if mixed else ''} layout={kind} N({loc}, {spread}) "
             f"{'train' if train else 'eval'} steps={steps} grad={grad_mode}"
-            f"{' frozen' if frozen else ''}{' summed' if summed else ''}")
+            f"{' frozen' if frozen else ''}{' summed' if summed else ''}{' tangent' if tangent else ''}")
 
     def run():
         torch.manual_seed(data_seed)
@@ -140,6 +143,9 @@ def draw_case(torch, seed, index):
         xs = [torch.from_numpy(gen.standard_normal(shape) * spread + loc).to(dtype) for _ in range(steps)]
         x_last = _laid_out(torch, gen, xs[-1], kind)
         dy = torch.from_numpy(gen.standard_normal(shape)).to(dtype)
+        # x's tangent in x's own layout (make_dual refuses to copy one into stride-0 dims)
+        t = torch.from_numpy(gen.standard_normal(x_last.untyped_storage().nbytes() // x_last.element_size())).to(
+            dtype).as_strided(x_last.shape, x_last.stride(), x_last.storage_offset()) if tangent else None
 
         # torch.nn in the same dtype and layout: where it raises, the drop-in must raise the same
         probe = copy.deepcopy(ref_nn)
@@ -160,10 +166,17 @@ def draw_case(torch, seed, index):
         def forward_backward(m, x):
             """The module's steps, the last on x (a view requiring grad where the input's gradient is
             wanted: a leaf of its own, whatever its strides); (output, gradients, state_dict)."""
-            x = x.detach().requires_grad_(grad_mode == "input")
+            x = x.detach().requires_grad_(grad_mode == "input" and not tangent)
             with torch.set_grad_enabled(grad_mode != "no_grad"):
                 for earlier in xs[:-1]:
                     m(earlier.to(x.dtype))
+                if tangent:  # (the output's tangent is the one "gradient")
+                    with fwAD.dual_level():
+                        tx = t.to(x.dtype)
+                        dual = fwAD.unpack_dual(m(fwAD.make_dual(x, tx if tx.stride() == x.stride() else
+                                                                 tx.contiguous())))
+                    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+                    return dual.primal.detach(), () if dual.tangent is None else (dual.tangent.detach(),), state
                 y = m(x)
             wrt = ([x] if grad_mode == "input" else []) + [p for p in m.parameters() if p.requires_grad]
             grads = ()
@@ -191,11 +204,12 @@ def draw_case(torch, seed, index):
         mean_ulps = 2 * x_max * u_max * ulp
         _close(y, y64, "output", tol, natural=w_max, extra=mean_ulps * w_max)
         assert len(grads) == len(grads64), f"{len(grads)} gradients, the reference {len(grads64)}"
-        dy_max = 1.0 if summed else float(dy.double().abs().max()) if dy.numel() else 0.0
+        dy_max = (float(t.double().abs().max()) if t.numel() else 0.0) if tangent else 1.0 if summed else \
+            float(dy.double().abs().max()) if dy.numel() else 0.0
         per_param = x64.numel() / max(1, w.numel()) if w is not None else 1.0
         for i, (g, g64) in enumerate(zip(grads, grads64)):
             assert g.shape == g64.shape, f"gradient {i}: shape {tuple(g.shape)}, the reference {tuple(g64.shape)}"
-            if grad_mode == "input" and i == 0:
+            if (grad_mode == "input" or tangent) and i == 0:  # (the input's gradient, or the output's tangent)
                 natural = dy_max * w_max * u_max
                 extra = natural * mean_ulps
             else:  # a sum of per_param terms dy * y (or dy) of random signs
