@@ -435,6 +435,18 @@ def _not_taken(rng):
         snt.GroupNorm(2, 4)(rand(rng, 2, 6, 5))
     with pytest.raises(RuntimeError):  # float16 parameters, float32 data
         snt.LayerNorm(5).half()(rand(rng, 2, 5))
+    # a nested (jagged) tensor: torch.nn normalizes each row; refused (GroupNorm) as torch.nn refuses
+    rows = [rand(rng, 3, 4, 8), rand(rng, 5, 4, 8)]
+    for make in (lambda: nn.LayerNorm(8), lambda: nn.LayerNorm((4, 8)), lambda: nn.RMSNorm(8)):
+        theirs = make()
+        ours = snt.convert(make())
+        y = ours(torch.nested.nested_tensor(rows, layout=torch.jagged))
+        want = theirs(torch.nested.nested_tensor(rows, layout=torch.jagged))
+        assert y.is_nested and all(torch.equal(a, b) for a, b in zip(y.unbind(), want.unbind()))
+    with pytest.raises(Exception) as theirs:
+        nn.GroupNorm(2, 4)(torch.nested.nested_tensor(rows, layout=torch.jagged))
+    with pytest.raises(type(theirs.value)):
+        snt.GroupNorm(2, 4)(torch.nested.nested_tensor(rows, layout=torch.jagged))
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
@@ -559,3 +571,21 @@ def test_export_of_a_converted_model_holds_simdnorm_ops(rng):
     assert found[False] == {"simdnorm.batch_normalization.default", "simdnorm.group_norm.default"}
     assert found[True] == {"simdnorm.batch_normalization_training.default", "simdnorm.update_running_stats_.default",
                            "simdnorm.group_norm.default"}
+
+
+def test_batch_norm_under_checkpoint_updates_running_stats_once_a_step(rng):
+    # torch.nn's updates twice under non-reentrant checkpointing (docs/torch.rst says why); the
+    # drop-in's statistics after a checkpointed step equal an unchecked step's, the gradients torch.nn's
+    from torch.utils.checkpoint import checkpoint
+
+    x = rand(rng, 6, 4, 3)
+    plain, checked, theirs = (snt.BatchNorm1d(4), snt.BatchNorm1d(4), nn.BatchNorm1d(4))
+    grads = []
+    for m, wrap in ((plain, False), (checked, True), (theirs, True)):
+        xi = x.clone().requires_grad_(True)
+        y = checkpoint(m, xi, use_reentrant=False) if wrap else m(xi)
+        grads.append(torch.autograd.grad(y.sin().sum(), xi)[0])
+    for k, v in plain.state_dict().items():
+        assert torch.equal(checked.state_dict()[k], v), k
+    assert int(theirs.num_batches_tracked) == 2 and int(checked.num_batches_tracked) == 1
+    assert torch.allclose(grads[1], grads[2], rtol=1e-5, atol=1e-6) and torch.equal(grads[0], grads[1])

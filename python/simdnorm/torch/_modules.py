@@ -230,7 +230,7 @@ class GroupNorm(nn.GroupNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         w, b = _state(self, "weight", "bias")
-        if input.numel() == self.num_groups:  # one sample of one-element groups: torch.nn raises its ValueError
+        if input.is_nested or input.numel() == self.num_groups:  # (one sample of one-element groups: torch.nn's ValueError)
             return super().forward(input)
         direct = _direct(input, w, b)
         if direct:

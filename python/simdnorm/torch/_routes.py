@@ -45,8 +45,8 @@ Result = Union[Tensor, Tuple[Tensor, Tensor, Tensor]]
 def takes(x: Tensor, *params: Optional[Tensor]) -> bool:
     """Whether simdnorm computes a module's call as torch.nn would: a non-empty CPU tensor of 1 to
     8 dims in one of its dtypes, each parameter of the input's dtype or, for 16-bit data, float32
-    (the mixed precision torch.nn takes too)."""
-    if not x.is_cpu or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
+    (the mixed precision torch.nn takes too); not a nested tensor (whose rows torch.nn normalizes)."""
+    if x.is_nested or not x.is_cpu or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
         return False
     xd = x.dtype
     for p in params:
