@@ -2181,3 +2181,25 @@ def test_non_finite_inputs_where_grad_input_takes_no_y(rng, threads, dtype, layo
     for one, two in zip(results[1], results[2]):
         for a, c in zip(one, two):
             assert (a is None and c is None) or np.array_equal(bits(a), bits(c)), "1 vs 2 threads"
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("stats_shape", [(7,), (1,)])
+def test_batch_norm_backward_of_a_1d_input_without_parameters(rng, training, stats_shape):
+    # the forward op takes a 1-D input with 1-D statistics (elementwise, or one for all); its
+    # backward must too, where no scale or bias says where the channels are: the statistics say
+    x, g = rand_values(rng, (7,), np.float64), rand_values(rng, (7,), np.float64)
+    mean = rand_values(rng, stats_shape, np.float64)
+    var = np.abs(rand_values(rng, stats_shape, np.float64)) + 0.5
+    out = np.full(7, np.nan)
+    gi = simdnorm.batch_normalization_backward(g, x, mean, var, epsilon=1e-3, training=training, out=out)[0]
+    u = 1 / np.sqrt(var + 1e-3)
+    y = (x - mean) * u
+    if not training:
+        want = g * u
+    elif stats_shape == (7,):  # each element its own group: M(g) = g, M(g y) = g y
+        want = u * (g - g - y * g * y)
+    else:
+        want = u * (g - g.mean() - y * (g * y).mean())
+    assert gi is out
+    np.testing.assert_allclose(gi, want, rtol=1e-12, atol=1e-12)

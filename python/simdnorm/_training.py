@@ -413,7 +413,13 @@ def _plan_bn_backward(x: Any, dy: Any, mean: Any, variance: Any, scale: Any, bia
     eps = check_epsilon(epsilon, x.dtype)
     act = _backward_activation(activation)
     terms = check_bool("training", training)
-    axes, sshape, ca = _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
+    layout: Tuple[Tuple[str, Optional[np.ndarray]], ...] = (("scale", scale), ("bias", bias))
+    if x.ndim == 1 and scale is None and bias is None:  # (a 1-D input: its given statistics say where its
+        try:                                              # channels are, as in the forward op)
+            layout = (("mean", np.broadcast_to(mean, np.broadcast_shapes(mean.shape, variance.shape))),)
+        except ValueError:
+            layout = (("mean", mean),)  # (variance's shape is then refused below)
+    axes, sshape, ca = _bn_layout(x, channel_axis, layout)
     for name, st in (("mean", mean), ("variance", variance)):
         if st.shape != sshape and not (st.shape == (1,) * len(sshape)):
             raise DescriptorError(f"{name}: shape {st.shape}; the statistics have shape {sshape}")
