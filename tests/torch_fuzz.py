@@ -7,7 +7,9 @@ last, steps, expanded dims of stride 0, an odd storage offset), each parameter's
 groups, epsilon). The op runs twice (a plan's miss, then its hit) and must give the bits of its
 .out overload, which runs the plain function on numpy views (the path tests/fuzz_space.py checks
 against float64), and so must the plain function called with the tensors; a module, the bits of
-the plain function. Case i of a seed is rebuilt from (seed, i) alone.
+the plain function. A quarter of the float32 and float64 op cases also check the forward-mode
+derivative (dual tensors, every tensor argument given a tangent) against autograd's backward:
+<J t, g> = <t, J^T g>. Case i of a seed is rebuilt from (seed, i) alone.
 
     python tests/torch_fuzz.py --seed N --cases 20000        # a long run, in child processes
     python tests/torch_fuzz.py --seed N --replay I           # one case here, traceback and all
@@ -112,8 +114,10 @@ def draw_case(torch, seed, index):
     pos = (x,) + tuple(params)
     if op == "group_norm":
         pos = (x, g) + tuple(params)
+    dual = dtype in (torch.float32, torch.float64) and rng.random() < 0.25  # (drawn last: the rest as before)
     desc = (f"case {seed}:{index}: {op} {dtype} shape={tuple(x.shape)} strides={x.stride()} {args_kw} "
-            f"params={[None if p is None else (tuple(p.shape), p.stride(), p.dtype) for p in params]}")
+            f"params={[None if p is None else (tuple(p.shape), p.stride(), p.dtype) for p in params]}"
+            f"{' dual' if dual else ''}")
 
     def run():
         fn = getattr(torch.ops.simdnorm, op)
@@ -148,8 +152,50 @@ def draw_case(torch, seed, index):
                 assert type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape, f"{attempt}: plain {i}"
                 assert bool((a.isnan() == b.isnan()).all()) and torch.equal(a.nan_to_num(), b.nan_to_num()), \
                     f"{attempt}: the plain function's result {i} differs from the .out overload's"
+        if dual and x.numel():
+            _dual_matches_backward(torch, np.random.default_rng([seed, index, 1]), op, pos, args_kw)
 
     return desc, run
+
+
+def _dual_matches_backward(torch, rng, op, pos, kw):
+    """The forward-mode derivative (dual tensors) against the backward (autograd) by the identity
+    <J t, g> = <t, J^T g>, every tensor argument given a tangent in its own layout (stride 0 too)."""
+    import torch.autograd.forward_ad as fwAD
+
+    fn = getattr(torch.ops.simdnorm, op)
+
+    def like(t):  # values in t's own layout, over fresh memory
+        n = t.untyped_storage().nbytes() // t.element_size()
+        return torch.from_numpy(rng.standard_normal(n)).to(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+    which = [i for i, a in enumerate(pos) if isinstance(a, torch.Tensor)]
+    tangents = {i: like(pos[i]) for i in which}
+    with fwAD.dual_level():
+        args = [fwAD.make_dual(a, tangents[i]) if i in tangents else a for i, a in enumerate(pos)]
+        y = fn(*args, **kw)
+        jt = fwAD.unpack_dual(y[0] if isinstance(y, tuple) else y).tangent
+    leaves = [a.detach().requires_grad_(True) if i in tangents else a for i, a in enumerate(pos)]
+    y = fn(*leaves, **kw)
+    # (the natural scale: |t_x| |g| u w, u the largest 1 / std: groups of one element, whose J is 0,
+    # carry the rounding of x - mean times u)
+    if isinstance(y, tuple):
+        u_max = float(y[-1].detach().double().max())
+    else:
+        u_max = float((pos[2].double() + kw["epsilon"]).rsqrt().max())
+    scale_arg = pos[3] if op == "batch_normalization" else next(
+        (a for a in pos[1:] if isinstance(a, torch.Tensor)), None)
+    w_max = max(1.0, float(scale_arg.double().abs().max())) if scale_arg is not None else 1.0
+    y = y[0] if isinstance(y, tuple) else y
+    g = torch.from_numpy(rng.standard_normal(tuple(y.shape))).to(y.dtype)
+    grads = torch.autograd.grad(y, [leaves[i] for i in which], g, allow_unused=True)
+    lhs = (jt.double() * g.double())
+    rhs = [tangents[i].double() * (0 if gr is None else gr.double()) for i, gr in zip(which, grads)]
+    got, want = float(lhs.sum()), sum(float(r.sum()) for r in rhs)
+    natural = float((tangents[0].double().abs() * g.double().abs()).sum()) * u_max * w_max
+    scale = float(lhs.abs().sum()) + sum(float(r.abs().sum()) for r in rhs) + natural
+    tol = 1e-10 if y.dtype == torch.float64 else 2e-5
+    assert abs(got - want) <= tol * scale, f"<J t, g> {got:.9g} vs <t, J^T g> {want:.9g} (scale {scale:.3g})"
 
 
 def _module_case(torch, rng, dtype, pdt, shape, eps, seed, index):
