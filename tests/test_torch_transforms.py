@@ -261,3 +261,19 @@ def test_jit_trace_records_the_ops(rng, grad):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), ours
     with pytest.raises(TypeError, match="torch.jit.trace"):
         torch.jit.trace(lambda x: simdnorm.moments(x, (1, 2)).mean, x, check_trace=False)
+
+
+def test_out_overloads_refuse_tangents(rng):
+    # as torch's out= functions: a tangent would not reach out (the running statistics' update takes
+    # the values, as torch.nn's buffers do)
+    x = torch.from_numpy(rng.standard_normal((3, 4)))
+    with fwAD.dual_level():
+        d = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="forward AD with simdnorm::layer_norm.out"):
+            torch.ops.simdnorm.layer_norm.out(d, out=torch.empty(3, 4, dtype=D))
+        torch.ops.simdnorm.layer_norm.out(x, out=torch.empty(3, 4, dtype=D))  # (no tangent: fine)
+        rm, rv = torch.zeros(4, dtype=D), torch.ones(4, dtype=D)
+        torch.ops.simdnorm.update_running_stats_(rm, rv, d[0], torch.ones(4, dtype=D), count=3)
+        assert fwAD.unpack_dual(rm).tangent is None and torch.equal(rm, 0.1 * x[0])
+    with pytest.raises(RuntimeError, match="forward AD with simdnorm::layer_norm.out"):
+        func.jvp(lambda x: torch.ops.simdnorm.layer_norm.out(x, out=torch.empty(3, 4, dtype=D)), (x,), (x,))

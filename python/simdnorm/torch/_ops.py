@@ -1030,9 +1030,20 @@ def _mutated(op: Any) -> Callable:
     return bump
 
 
-def _no_autograd(qualname: str, op: Any, cpu: Callable) -> Callable:
-    """The Autograd kernel of a mutating op (.out, running statistics): none, as torch's out= ops.
-    On plain CPU tensors it runs the CPU kernel and the ADInplaceOrView kernel's work itself."""
+def _carries_tangent(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+    """Whether a tensor argument has a forward-mode tangent or is a torch.func transform's (grad,
+    jvp) wrapper: what an out= function would drop."""
+    unpack, wrapped = _forward_ad.unpack_dual, torch._C._functorch.is_functorch_wrapped_tensor
+    level = _forward_ad._current_level >= 0
+    return any(isinstance(t, torch.Tensor) and (wrapped(t) or level and unpack(t).tangent is not None)
+               for t in (*args, *kwargs.values()))
+
+
+def _no_autograd(qualname: str, op: Any, cpu: Callable, out: bool = True) -> Callable:
+    """The Autograd kernel of a mutating op (.out, running statistics): none, as torch's out= ops,
+    which refuse forward-mode tangents too (the running statistics take the values: torch.nn's
+    carry no tangent either). On plain CPU tensors it runs the CPU kernel and the ADInplaceOrView
+    kernel's work itself."""
     redispatch = op._handle.redispatch_boxed
     bump = _mutated(op)
 
@@ -1040,6 +1051,9 @@ def _no_autograd(qualname: str, op: Any, cpu: Callable) -> Callable:
         if _grad_enabled() and _any_requires_grad(*args, **kwargs):
             raise RuntimeError(f"{qualname}(): functions with out=... arguments don't support automatic "
                                "differentiation, but one of the arguments requires grad")
+        if out and (_functorch_active() or _forward_ad._current_level >= 0) and _carries_tangent(args, kwargs):
+            raise RuntimeError(f"Trying to use forward AD with {qualname} that does not support it because it is "
+                               "an out= function (or a torch.func transform's tensor reached it)")
         if keyset == _PLAIN_CPU_MUTATING:
             result = cpu(*args, **kwargs)
             bump(args, kwargs)
@@ -1100,7 +1114,7 @@ def _register() -> None:
         _LIB.impl(name, g[name], "CPU")
         torch.library.register_fake(f"simdnorm::{name}", g["_fake_" + name], lib=_LIB)
         op = getattr(_ops, name).default
-        _LIB.impl(name, _no_autograd(f"simdnorm::{name}", op, g[name]), "Autograd", with_keyset=True)
+        _LIB.impl(name, _no_autograd(f"simdnorm::{name}", op, g[name], out=False), "Autograd", with_keyset=True)
         _LIB.impl(name, _bump_versions(op), "ADInplaceOrView", with_keyset=True)
 
 
