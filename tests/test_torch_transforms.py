@@ -232,13 +232,13 @@ def test_functions_without_an_op_refuse_transformed_tensors(rng):
                 transform(call)
 
 
-def test_vmap_of_the_ops_warns_only_of_torchs_fallback(rng):
-    # vmap runs the op per sample through torch's batching fallback: the same values, no error
-    x = torch.from_numpy(rng.standard_normal((3, 4, 5)))
+def test_vmap_without_a_rule_takes_torchs_per_sample_fallback(rng):
+    # batch norm training (its statistics would span each sample's batch) has no rule: the same values
+    x = torch.from_numpy(rng.standard_normal((3, 4, 2, 5)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = func.vmap(lambda x: torch.ops.simdnorm.group_norm(x[None], 2)[0])(x)
-    want = torch.stack([F.group_norm(s[None], 2) for s in x])
+        got = func.vmap(lambda x: torch.ops.simdnorm.batch_normalization_training(x)[0])(x)
+    want = torch.stack([F.batch_norm(s, None, None, training=True) for s in x])
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
 
@@ -277,3 +277,95 @@ def test_out_overloads_refuse_tangents(rng):
         assert fwAD.unpack_dual(rm).tangent is None and torch.equal(rm, 0.1 * x[0])
     with pytest.raises(RuntimeError, match="forward AD with simdnorm::layer_norm.out"):
         func.jvp(lambda x: torch.ops.simdnorm.layer_norm.out(x, out=torch.empty(3, 4, dtype=D)), (x,), (x,))
+
+
+# ----------------------------------------------------------------------------------------------------
+# vmap rules (simdnorm/torch/_batching.py): one batched call, the per-sample calls' results
+
+def _vmap_cases(rng, dtype):
+    """(name, call(x, w, b) -> tuple of results, x's sample shape, the parameters' sample shapes)."""
+    ops = torch.ops.simdnorm
+    C = 6
+
+    def backward_of(forward, backward, n_stats, **fkw):
+        """call(x, w, b): the backward op on the forward's statistics, grad_output drawn from x."""
+        def call(x, w, b):
+            r = forward(x, w, b)
+            return backward(x.sin(), x, *r[1:1 + n_stats], w, b)
+        return call
+
+    return [
+        ("layer", lambda x, w, b: ops.layer_norm(x, w, b, axis=-2, activation="silu"), (3, 4, 5), (4, 5), (5,)),
+        ("layer-axis1", lambda x, w, b: ops.layer_norm(x, w, b, axis=1), (3, 4, 5), (4, 5), (4, 5)),
+        ("rms", lambda x, w, b: ops.rms_norm(x, w, epsilon=1e-3), (3, 4, 5), (5,), None),
+        ("mvn", lambda x, w, b: ops.mean_variance_normalization(x, [0, -1], w, b, epsilon_mode="outside"),
+         (3, 4, 5), (4, 1), (5,)),
+        ("mvn-no-variance", lambda x, w, b: ops.mean_variance_normalization(x, [1], w, b, normalize_variance=False),
+         (3, 4, 5), (5,), None),
+        ("bn", lambda x, w, b: ops.batch_normalization(x, w + 1, w.abs() + 0.5, w, b, activation="relu"),
+         (2, C, 4), (C,), (C,)),
+        ("bn-channels-last", lambda x, w, b: ops.batch_normalization(x, b, w.abs() + 0.5, w, b, channel_axis=-1),
+         (2, 4, C), (C,), (C,)),
+        ("bn-1d-sample", lambda x, w, b: ops.batch_normalization(x, b, w.abs() + 0.5, w, b, channel_axis=0),
+         (C,), (C,), (C,)),
+        ("instance", lambda x, w, b: ops.instance_norm(x, w, b, activation="gelu"), (2, C, 3, 4), (C,), (C,)),
+        ("instance-channels-last", lambda x, w, b: ops.instance_norm(x, w, b, channel_axis=-1), (2, 3, 4, C),
+         (C,), (C,)),
+        ("group", lambda x, w, b: ops.group_norm(x, 3, w, b), (2, C, 3, 4), (C,), (C,)),
+        ("group-channels-last", lambda x, w, b: ops.group_norm(x, 2, w, b, channel_axis=-1, epsilon=1e-3),
+         (2, 5, C), (C,), (C,)),
+        ("group-no-spatial", lambda x, w, b: ops.group_norm(x, 2, w, b), (3, C), (C,), (C,)),
+        ("layer-backward", backward_of(lambda x, w, b: ops.layer_norm(x, w, b, axis=-2),
+                                       lambda *a: ops.layer_norm_backward(*a, axis=-2), 2), (3, 4, 5), (4, 5), (5,)),
+        ("rms-backward", lambda x, w, b: ops.rms_norm_backward(x.cos(), x, ops.rms_norm(x, w)[1], w, activation="silu"),
+         (3, 4, 5), (5,), None),
+        ("mvn-backward", backward_of(lambda x, w, b: ops.mean_variance_normalization(x, [0, 2], w, b),
+                                     lambda go, x, m, s, w, b: ops.mean_variance_normalization_backward(
+                                         go, x, [0, 2], m, s, w, b, grad_bias=False), 2), (3, 4, 5), (4, 5), (5,)),
+        ("instance-backward", backward_of(lambda x, w, b: ops.instance_norm(x, w, b, channel_axis=-1),
+                                          lambda *a: ops.instance_norm_backward(*a, channel_axis=-1,
+                                                                                activation="leaky_relu"), 2),
+         (2, 3, 4, C), (C,), (C,)),
+        ("group-backward", backward_of(lambda x, w, b: ops.group_norm(x, 3, w, b),
+                                       lambda go, x, m, s, w, b: ops.group_norm_backward(go, x, 3, m, s, w, b,
+                                                                                         grad_input=False), 2),
+         (2, C, 3, 4), (C,), (C,)),
+        ("group-backward-channels-last", backward_of(
+            lambda x, w, b: ops.group_norm(x, 2, w, b, channel_axis=-1),
+            lambda go, x, m, s, w, b: ops.group_norm_backward(go, x, 2, m, s, w, b, channel_axis=-1), 2),
+         (2, 3, C), (C,), (C,)),
+    ]
+
+
+VMAP_CASES = [c[0] for c in _vmap_cases(np.random.default_rng(0), D)]
+
+
+@pytest.mark.parametrize("dtype", [D, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batched", ["x", "x-dim-1", "params", "all", "all-dim-last"])
+@pytest.mark.parametrize("case", VMAP_CASES)
+def test_vmap_rules_give_the_per_sample_results(rng, case, batched, dtype):
+    _, call, xs, ws, bs = next(c for c in _vmap_cases(rng, dtype) if c[0] == case)
+    B = 4
+
+    def draw(shape, d):
+        return torch.from_numpy(rng.standard_normal((B,) + tuple(shape))).to(dtype).movedim(0, d)
+
+    xd = {"x": 0, "x-dim-1": 1, "params": None, "all": 0, "all-dim-last": -1}[batched]
+    pd = {"x": None, "x-dim-1": None, "params": 0, "all": 0, "all-dim-last": -1}[batched]
+    x = draw(xs, xd) if xd is not None else torch.from_numpy(rng.standard_normal(xs)).to(dtype)
+    w = draw(ws, pd) if pd is not None else torch.from_numpy(rng.standard_normal(ws)).to(dtype)
+    b = None if bs is None else draw(bs, pd) if pd is not None else torch.from_numpy(rng.standard_normal(bs)).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (torch's "performance drop" of its per-sample fallback: no rule ran)
+        got = func.vmap(call, in_dims=(xd, pd, None if b is None else pd))(x, w, b)
+    pick = lambda t, d, i: t if d is None or t is None else t.select(d, i)  # noqa: E731
+    rows = [call(pick(x, xd, i), pick(w, pd, i), pick(b, pd, i)) for i in range(B)]
+    got = got if isinstance(got, tuple) else (got,)
+    rows = [r if isinstance(r, tuple) else (r,) for r in rows]
+    tol = {D: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1.6e-2}[dtype]
+    for k, g in enumerate(got):
+        want = torch.stack([r[k] for r in rows])
+        assert g.shape == want.shape and g.dtype == want.dtype, (k, g.shape, want.shape)
+        scale = max(float(want.double().abs().max()), 1e-300) if want.numel() else 1.0
+        err = float((g.double() - want.double()).abs().max()) / scale if want.numel() else 0.0
+        assert err <= tol, f"{case} result {k}: max error {err:.3g} of the largest"
