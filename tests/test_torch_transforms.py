@@ -369,3 +369,22 @@ def test_vmap_rules_give_the_per_sample_results(rng, case, batched, dtype):
         scale = max(float(want.double().abs().max()), 1e-300) if want.numel() else 1.0
         err = float((g.double() - want.double()).abs().max()) / scale if want.numel() else 0.0
         assert err <= tol, f"{case} result {k}: max error {err:.3g} of the largest"
+
+
+@pytest.mark.parametrize("case", ["layer", "group", "instance", "layer-backward", "group-backward"])
+def test_vmap_of_samples_of_eight_dims(rng, case):
+    # the batched tensors would have 9 dims (10: group norm's split): the rules then call per sample
+    ops = torch.ops.simdnorm
+    x = torch.from_numpy(rng.standard_normal((3, 2, 4, 1, 2, 1, 2, 1, 3)))
+    calls = {
+        "layer": lambda x: ops.layer_norm(x, axis=-3),
+        "group": lambda x: ops.group_norm(x, 2),
+        "instance": lambda x: ops.instance_norm(x, channel_axis=-1),
+        "layer-backward": lambda x: ops.layer_norm_backward(x.sin(), x, *ops.layer_norm(x, axis=2)[1:], axis=2),
+        "group-backward": lambda x: ops.group_norm_backward(x.sin(), x, 2, *ops.group_norm(x, 2)[1:]),
+    }
+    got = func.vmap(calls[case])(x)
+    rows = [calls[case](s) for s in x]
+    for k, g in enumerate(got):
+        want = torch.stack([r[k] for r in rows])
+        assert g.shape == want.shape and torch.equal(g, want), k

@@ -276,6 +276,34 @@ RULES = {
 }
 
 
+_MAX_DIMS = 8  # (simdnorm's tensors)
+
+
+def _per_sample(op: Any, info: Any, in_dims: Sequence[Any], args: Sequence[Any], kwargs: dict) -> tuple:
+    """The op once per sample, stacked (torch's fallback does the same)."""
+    rows = [op(*[a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims)], **kwargs)
+            for i in range(info.batch_size)]
+    if isinstance(rows[0], tuple):
+        return tuple(torch.stack(r) for r in zip(*rows)), (0,) * len(rows[0])
+    return torch.stack(rows), 0
+
+
+def _guarded(name: str, rule: Any) -> Any:
+    """The rule, or per-sample calls where the batched tensors would pass simdnorm's 8 dims (a
+    sample of 8 dims; of 7 for group norm, whose rule splits the channels too)."""
+    op = getattr(_ops, name).default
+    extra = 2 if name.startswith("group_norm") else 1
+    at = 1 if name.endswith("_backward") else 0  # (the input's place among the arguments)
+
+    def run(info, in_dims, *args, **kwargs):
+        x, d = args[at], in_dims[at]
+        if x.dim() - (d is not None) + extra > _MAX_DIMS:
+            return _per_sample(op, info, in_dims, args, kwargs)
+        return rule(info, in_dims, *args, **kwargs)
+
+    return run
+
+
 def register(lib: Any) -> None:
     for name, rule in RULES.items():
-        torch.library.register_vmap(f"simdnorm::{name}", rule, lib=lib)
+        torch.library.register_vmap(f"simdnorm::{name}", _guarded(name, rule), lib=lib)
