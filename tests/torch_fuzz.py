@@ -9,7 +9,9 @@ groups, epsilon). The op runs twice (a plan's miss, then its hit) and must give 
 against float64), and so must the plain function called with the tensors; a module, the bits of
 the plain function. A quarter of the float32 and float64 op cases also check the forward-mode
 derivative (dual tensors, every tensor argument given a tangent) against autograd's backward:
-<J t, g> = <t, J^T g>. Case i of a seed is rebuilt from (seed, i) alone.
+<J t, g> = <t, J^T g>; a fifth of the op cases run under vmap (two samples, the batch dim anywhere,
+the parameters batched or not) against the op per sample. Case i of a seed is rebuilt from (seed,
+i) alone.
 
     python tests/torch_fuzz.py --seed N --cases 20000        # a long run, in child processes
     python tests/torch_fuzz.py --seed N --replay I           # one case here, traceback and all
@@ -115,9 +117,12 @@ def draw_case(torch, seed, index):
     if op == "group_norm":
         pos = (x, g) + tuple(params)
     dual = dtype in (torch.float32, torch.float64) and rng.random() < 0.25  # (drawn last: the rest as before)
+    vmapped = rng.random() < 0.2
+    vmap_at, vmap_params, vmap_apart = int(rng.integers(0, x.dim() + 1)), bool(rng.random() < 0.5), bool(
+        rng.random() < 0.5)
     desc = (f"case {seed}:{index}: {op} {dtype} shape={tuple(x.shape)} strides={x.stride()} {args_kw} "
             f"params={[None if p is None else (tuple(p.shape), p.stride(), p.dtype) for p in params]}"
-            f"{' dual' if dual else ''}")
+            f"{' dual' if dual else ''}{f' vmap at {vmap_at}' + (' with params' if vmap_params else '') + (' apart' if vmap_apart else '') if vmapped else ''}")
 
     def run():
         fn = getattr(torch.ops.simdnorm, op)
@@ -154,8 +159,52 @@ def draw_case(torch, seed, index):
                     f"{attempt}: the plain function's result {i} differs from the .out overload's"
         if dual and x.numel():
             _dual_matches_backward(torch, np.random.default_rng([seed, index, 1]), op, pos, args_kw)
+        if vmapped:
+            _vmap_matches_samples(torch, op, pos, args_kw, vmap_at, vmap_params, vmap_apart)
 
     return desc, run
+
+
+def _vmap_matches_samples(torch, op, pos, kw, at, params, apart):
+    """vmap of the op (its rule: one batched call) over two samples against the op per sample, the
+    batch dim at `at`: apart, the second sample 1 + the first (a new tensor); else both the input
+    itself, a stride-0 batch dim over its drawn layout; with params, the parameters batched too."""
+    import warnings
+
+    fn = getattr(torch.ops.simdnorm, op)
+
+    def two(t, d, k):  # samples t and a * t + c in one tensor, batch dim at d
+        both = torch.stack([t, t * k[0] + k[1]]) if t.numel() else t.expand(2, *t.shape)
+        return both.movedim(0, d)
+
+    x = pos[0]
+    xb = two(x, at, (1.0, 1.0)) if apart else x.unsqueeze(at).expand(*x.shape[:at], 2, *x.shape[at:])
+    in_dims = [at] + [0 if params and isinstance(a, torch.Tensor) else None for a in pos[1:]]
+    args = [xb] + [two(a, 0, (0.75, 0.25)) if d == 0 else a for a, d in zip(pos[1:], in_dims[1:])]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = torch.func.vmap(lambda *a: fn(*a, **kw), in_dims=tuple(in_dims))(*args)
+    except (TypeError, ValueError) as e:  # a refusal: the per-sample call's own
+        try:
+            fn(*[a.select(d, 0) if d is not None else a for a, d in zip(args, in_dims)], **kw)
+        except (TypeError, ValueError) as e2:
+            assert type(e2) is type(e), f"vmap: {e!r} vs the sample's {e2!r}"
+            return
+        raise
+    rows = [fn(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)], **kw) for i in range(2)]
+    got = got if isinstance(got, tuple) else (got,)
+    rows = [r if isinstance(r, tuple) else (r,) for r in rows]
+    tol = 1e-12 if x.dtype == torch.float64 else 2e-6 if x.dtype == torch.float32 else 2e-2
+    for k, g in enumerate(got):
+        want = torch.stack([r[k] for r in rows])
+        assert g.shape == want.shape and g.dtype == want.dtype, f"vmap result {k}: {g.shape} vs {want.shape}"
+        if want.numel():
+            gd, wd = g.double(), want.double()
+            assert bool((gd.isnan() == wd.isnan()).all()), f"vmap result {k}: NaNs differ"
+            scale = max(float(wd.nan_to_num().abs().max()), 1e-300)
+            err = float((gd - wd).nan_to_num().abs().max()) / scale
+            assert err <= tol, f"vmap result {k}: max error {err:.3g} of the largest"
 
 
 def _dual_matches_backward(torch, rng, op, pos, kw):
