@@ -232,13 +232,13 @@ def test_functions_without_an_op_refuse_transformed_tensors(rng):
                 transform(call)
 
 
-def test_vmap_without_a_rule_takes_torchs_per_sample_fallback(rng):
-    # batch norm training (its statistics would span each sample's batch) has no rule: the same values
+def test_vmap_of_batch_norm_training_against_torchs(rng):
+    # each sample's statistics its own (the rule's same-rank parameters), as torch's batch norm under vmap
     x = torch.from_numpy(rng.standard_normal((3, 4, 2, 5)))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")
         got = func.vmap(lambda x: torch.ops.simdnorm.batch_normalization_training(x)[0])(x)
-    want = torch.stack([F.batch_norm(s, None, None, training=True) for s in x])
+    want = func.vmap(lambda x: F.batch_norm(x, None, None, training=True))(x)
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
 
@@ -315,6 +315,27 @@ def _vmap_cases(rng, dtype):
         ("group-channels-last", lambda x, w, b: ops.group_norm(x, 2, w, b, channel_axis=-1, epsilon=1e-3),
          (2, 5, C), (C,), (C,)),
         ("group-no-spatial", lambda x, w, b: ops.group_norm(x, 2, w, b), (3, C), (C,), (C,)),
+        ("bn-train", lambda x, w, b: ops.batch_normalization_training(x, w, b, activation="relu"), (2, C, 4), (C,),
+         (C,)),
+        ("bn-train-fused-add", lambda x, w, b: ops.batch_normalization_training(x, None, None, x.cos()[0], epsilon=0.1),
+         (3, C, 2), (C,), (C,)),
+        ("bn-train-same-rank", lambda x, w, b: ops.batch_normalization_training(x, w.reshape(1, C, 1), None,
+                                                                                channel_axis=1), (2, C, 4), (C,), None),
+        ("bn-train-channels-last-1d", lambda x, w, b: ops.batch_normalization_training(x, w, b, channel_axis=-1),
+         (5, C), (C,), (C,)),
+        ("bn-train-1d-sample", lambda x, w, b: ops.batch_normalization_training(x, w, b, channel_axis=0), (C,), (C,),
+         (C,)),
+        ("bn-backward-train", backward_of(lambda x, w, b: ops.batch_normalization_training(x, w, b),
+                                          lambda go, x, m, v, w, b: ops.batch_normalization_backward(
+                                              go, x, m, v, w, b, activation="silu"), 2), (2, C, 4), (C,), (C,)),
+        ("bn-backward-fused-add", lambda x, w, b: ops.batch_normalization_backward(
+            x.sin(), x, *ops.batch_normalization_training(x, w, None, x[0].cos())[1:], w, None, x[0].cos()),
+         (3, C, 2), (C,), None),
+        ("bn-backward-given", lambda x, w, b: ops.batch_normalization_backward(
+            x.sin(), x, b, w.abs() + 0.5, w, b, training=False, activation="leaky_relu"), (2, C, 4), (C,), (C,)),
+        ("bn-backward-given-same-rank", lambda x, w, b: ops.batch_normalization_backward(
+            x.sin(), x, b.reshape(1, C, 1), w.abs().reshape(1, C, 1) + 0.5, w.reshape(1, C, 1), None, training=False,
+            channel_axis=1), (2, C, 4), (C,), (C,)),
         ("layer-backward", backward_of(lambda x, w, b: ops.layer_norm(x, w, b, axis=-2),
                                        lambda *a: ops.layer_norm_backward(*a, axis=-2), 2), (3, 4, 5), (4, 5), (5,)),
         ("rms-backward", lambda x, w, b: ops.rms_norm_backward(x.cos(), x, ops.rms_norm(x, w)[1], w, activation="silu"),

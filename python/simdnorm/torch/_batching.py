@@ -7,7 +7,8 @@ ensemble's own weights) becomes a same-rank parameter with the batch dim in fron
 op takes; a parameter whose gradient is asked of a backward op is made so too (each sample's
 gradient is its own sum). Instance and group norm run as MVN over each sample's (n, c) or
 (n, group) elements, the channels split into (groups, channels per group) as a view. Batch norm
-training, whose statistics would span the samples' batch dims, keeps torch's per-sample fallback.
+training and its backward take same-rank parameters with the batch dim in front, which give the
+statistics that shape: each sample's own.
 """
 from __future__ import annotations
 
@@ -112,6 +113,86 @@ def _batch_normalization(info, in_dims, input, mean, variance, scale=None, bias=
     ca = 1 if x.dim() == 2 else _shift(channel_axis)  # (a 1-D sample: its channels are its elements)
     m, v, s, bb = (_channel(p, d, b, x.dim(), ca) for p, d in zip((mean, variance, scale, bias), dims[1:]))
     return _ops.batch_normalization(x, m, v, s, bb, channel_axis=ca, **kw), 0
+
+
+def _same_rank(params: Sequence[Tuple[Optional[torch.Tensor], Optional[int]]], b: int, nd: int, ca: int,
+               x: torch.Tensor) -> Tuple[List[Optional[torch.Tensor]], List[int]]:
+    """Batch norm parameters as one same-rank shape with the batch dim in front (each expanded to
+    the joint shape, no copy), and that shape: same-rank parameters shape the statistics of batch
+    norm training and its backward, so each sample's are its own. Absent ones stay None."""
+    placed = [_channel(p, d, b, nd, ca, True) for p, d in params]
+    shapes = [t.shape for t in placed if t is not None]
+    if not shapes:
+        shapes = [[b] + [1] * (nd - 1)]
+        shapes[0][ca % nd] = x.shape[ca % nd]
+    joint = list(torch.broadcast_shapes(*shapes))
+    return [None if t is None else t.expand(joint) for t in placed], joint
+
+
+def _sample_stats_shape(params: Sequence[Tuple[Optional[torch.Tensor], Optional[int]]], c: int, sample_nd: int
+                        ) -> Tuple[int, ...]:
+    """The shape batch norm training gives a sample's statistics: a same-rank parameter's, else (C,)."""
+    for p, d in params:
+        shape = _sample_shape(p, d)
+        if shape is not None and len(shape) == sample_nd:
+            return shape
+    return (c,)
+
+
+def _summed_to(g: torch.Tensor, placed_shape: Sequence[int], sample: Tuple[int, ...]) -> torch.Tensor:
+    """A joint-shaped gradient summed over the dims along which the parameter broadcast, per sample."""
+    dims = [i for i, (n, k) in enumerate(zip(placed_shape, g.shape)) if n == 1 and k != 1]
+    return (g.sum(dims, keepdim=True) if dims else g).reshape(g.shape[0], *sample)
+
+
+def _batch_normalization_training(info, in_dims, input, scale=None, bias=None, fused_add=None, *,
+                                  channel_axis=1, **kw):
+    b = info.batch_size
+    dx, ds, db, df = (list(in_dims) + [None, None, None])[:4]
+    x = _front(input, dx, b)
+    nd = x.dim()
+    if nd == 2 and scale is None and bias is None:  # (a 1-D sample needs a same-rank parameter: its error)
+        return _per_sample(_ops.batch_normalization_training.default, info, in_dims,
+                           (input, scale, bias, fused_add), dict(channel_axis=channel_axis, **kw))
+    ca = 1 if nd == 2 else _shift(channel_axis)
+    (s, bb), joint = _same_rank(((scale, ds), (bias, db)), b, nd, ca, x)
+    if s is None and bb is None:  # (ones of the joint shape say the statistics are each sample's)
+        s = x.new_ones(joint)
+    y, m, v = _ops.batch_normalization_training(x, s, bb, _trailing(fused_add, df, b, nd), channel_axis=ca, **kw)
+    stats = _sample_stats_shape(((scale, ds), (bias, db)), x.shape[ca % nd], nd - 1)
+    return (y, m.reshape(b, *stats), v.reshape(b, *stats)), (0, 0, 0)
+
+
+def _batch_normalization_backward(info, in_dims, grad_output, input, mean, variance, scale=None, bias=None,
+                                  fused_add=None, *, channel_axis=1, grad_scale=None, grad_bias=None, **kw):
+    b = info.batch_size
+    dims = (list(in_dims) + [None, None, None])[:7]
+    go, x = _front(grad_output, dims[0], b), _front(input, dims[1], b)
+    nd = x.dim()
+    ca = 1 if nd == 2 else _shift(channel_axis)
+    params = list(zip((mean, variance, scale, bias), dims[2:6]))
+    (m, v, s, bb), joint = _same_rank(params, b, nd, ca, x)
+    ws, wb = _wants(grad_scale, scale), _wants(grad_bias, bias)
+    if s is None:  # (ones: a same-rank parameter shapes the statistics; no gradient of theirs)
+        s, grad_scale = x.new_ones(joint), False
+    fa = None if fused_add is None else _trailing(fused_add, dims[6], b, nd, True)
+    gi, gs, gb, gf = _ops.batch_normalization_backward(go, x, m, v, s, bb, fa, channel_axis=ca, grad_scale=grad_scale,
+                                                       grad_bias=grad_bias, **kw)
+    results, out = [gi], [None if gi.dim() == 1 and gi.numel() == 0 else 0]
+    for g, wanted, (p, d) in ((gs, ws, params[2]), (gb, wb, params[3])):
+        if wanted:
+            results.append(_summed_to(g, _channel(p, d, b, nd, ca, True).shape, _sample_shape(p, d)))
+            out.append(0)
+        else:
+            results.append(g)
+            out.append(None)
+    if fa is None:
+        results.append(gf)
+        out.append(None)
+    else:
+        results.append(gf.reshape(b, *_sample_shape(fused_add, dims[6])))
+        out.append(0)
+    return tuple(results), tuple(out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -266,6 +347,8 @@ RULES = {
     "rms_norm": _rms_norm,
     "mean_variance_normalization": _mean_variance_normalization,
     "batch_normalization": _batch_normalization,
+    "batch_normalization_training": _batch_normalization_training,
+    "batch_normalization_backward": _batch_normalization_backward,
     "instance_norm": _instance_norm,
     "group_norm": _group_norm,
     "layer_norm_backward": _layer_norm_backward,
