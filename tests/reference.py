@@ -389,13 +389,26 @@ def round_to(a, dtype) -> np.ndarray:
 ACTIVATION_MINIMA = {"gelu": (-0.7517915485,), "silu": (-1.2784645428,), "hard_swish": (-1.5,)}
 
 
+def jump_sides(name, params=None):
+    """The points just past each jump of an activation, on its linear piece's side: over a window
+    across a jump, the piece's values run to its end there, which neither end of the window nor
+    its middle gives (thresholded_relu with alpha < 0: the window's z - d gives 0, its values run
+    down to alpha)."""
+    if name == "thresholded_relu":
+        return (np.nextafter(activation_params(name, params)["alpha"], np.inf),)
+    if name == "shrink":
+        t = activation_params(name, params)["threshold"]
+        return (np.nextafter(t, np.inf), np.nextafter(-t, -np.inf))
+    return ()
+
+
 def allowed_interval(z, zscale, dtype, activation=None, act_params=None, *, extra_rtol=0.0,
                      scale_floor=None):
     """Per element, the interval [lo, hi] a correct result may take.
 
     The pre-activation value may be off by d = COMPUTE_RTOL * zscale; the interval covers the
     activation over [z - d, z + d] (evaluated at both ends and the middle, so jumps and kinks are
-    covered, and at the minimum of gelu, silu and hard_swish where it lies inside), widened by OUTPUT_RTOL (rounding to the output type) relative to each value, plus an
+    covered, at the minimum of gelu, silu and hard_swish and just past a jump where those lie inside), widened by OUTPUT_RTOL (rounding to the output type) relative to each value, plus an
     absolute floor OUTPUT_RTOL * max|ref| (the "output scale")."""
     dt = np.dtype(dtype)
     z = np.asarray(z, np.float64)
@@ -408,7 +421,7 @@ def allowed_interval(z, zscale, dtype, activation=None, act_params=None, *, extr
         lo = np.minimum(np.minimum(f_lo, f_hi), ref)
         hi = np.maximum(np.maximum(f_lo, f_hi), ref)
         # the non-monotonic activations' minima inside [z - d, z + d] (clipped there otherwise)
-        for zc in ACTIVATION_MINIMA.get(activation, ()):
+        for zc in ACTIVATION_MINIMA.get(activation, ()) + jump_sides(activation, act_params):
             f_c = apply_activation(np.clip(zc, z - d, z + d), activation, act_params)
             lo = np.minimum(lo, f_c)
             hi = np.maximum(hi, f_c)

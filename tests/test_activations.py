@@ -281,3 +281,17 @@ def test_unknown_or_bad_activation_parameter():
     for s in (0.0, -1.0):
         with pytest.raises(ValueError):
             simdnorm.Activation("softplus", steepness=s)
+
+
+@pytest.mark.parametrize("name, params, z, inside", [
+    # (fuzz_space seed 3505138873 case 4436: a float32 MVN pre-activation -0.28596 whose window
+    # reached below alpha = -0.4; the kernel's -0.28640, inside the window, was refused)
+    ("thresholded_relu", {"alpha": -0.4}, -0.28596, -0.2864),
+    ("shrink", {"bias": 0.9, "threshold": 0.5}, 0.52, 0.5005 - 0.9),
+])
+def test_allowed_interval_covers_a_window_across_a_jump(name, params, z, inside):
+    from reference import COMPUTE_RTOL, allowed_interval
+
+    zscale = np.array([0.15 / COMPUTE_RTOL[np.dtype(np.float32)]])  # a window of z +- 0.15
+    _, lo, hi = allowed_interval(np.array([z]), zscale, np.float32, name, params)
+    assert lo[0] <= inside <= hi[0], (lo, hi)
