@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._compile import resolved_negative
+from .._compile import _transformed as _tensor_transformed, _transforming, resolved_negative
 from .._descriptors import is_bfloat16
 from .._training import update_running
 from .. import (
@@ -914,7 +914,7 @@ def _runner(op: Any, cpu: Callable) -> Callable:
 def _transformed() -> bool:
     """Whether a torch.func transform or a forward-mode AD level is active: tensors may then carry
     what only an autograd.Function sees (a tangent, a transform's wrapper)."""
-    return _functorch_active() or _forward_ad._current_level >= 0
+    return _transforming(torch)
 
 
 def _save(ctx, *tensors: Optional[torch.Tensor]) -> None:
@@ -1033,11 +1033,8 @@ def _mutated(op: Any) -> Callable:
 
 def _carries_tangent(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
     """Whether a tensor argument has a forward-mode tangent or is a torch.func transform's (grad,
-    jvp) wrapper: what an out= function would drop."""
-    unpack, wrapped = _forward_ad.unpack_dual, torch._C._functorch.is_functorch_wrapped_tensor
-    level = _forward_ad._current_level >= 0
-    return any(isinstance(t, torch.Tensor) and (wrapped(t) or level and unpack(t).tangent is not None)
-               for t in (*args, *kwargs.values()))
+    jvp) wrapper: what an out= function would drop (the plain functions' test of each tensor)."""
+    return any(isinstance(t, torch.Tensor) and _tensor_transformed(torch, t) for t in (*args, *kwargs.values()))
 
 
 def _no_autograd(qualname: str, op: Any, cpu: Callable, out: bool = True) -> Callable:
