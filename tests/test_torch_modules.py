@@ -589,3 +589,163 @@ def test_batch_norm_under_checkpoint_updates_running_stats_once_a_step(rng):
         assert torch.equal(checked.state_dict()[k], v), k
     assert int(theirs.num_batches_tracked) == 2 and int(checked.num_batches_tracked) == 1
     assert torch.allclose(grads[1], grads[2], rtol=1e-5, atol=1e-6) and torch.equal(grads[0], grads[1])
+
+
+class EveryNorm(nn.Module):
+    """The nine drop-in classes in one net (RMSNorm apart: torch.onnx's TorchScript exporter has
+    no translation of torch.nn's own)."""
+
+    def __init__(self, rms: bool = True):
+        super().__init__()
+        self.bn3, self.in3 = nn.BatchNorm3d(4), nn.InstanceNorm3d(4, affine=True, track_running_stats=True)
+        self.bn2, self.in2, self.gn = nn.BatchNorm2d(4), nn.InstanceNorm2d(4), nn.GroupNorm(2, 4)
+        self.bn1, self.in1 = nn.BatchNorm1d(4, momentum=None), nn.InstanceNorm1d(4, affine=True)
+        self.ln = nn.LayerNorm(90)
+        self.rms = nn.RMSNorm(90) if rms else nn.Identity()
+
+    def forward(self, x):  # x: (N, 4, 3, 5, 6)
+        h = self.in3(self.bn3(x)).flatten(3)
+        h = self.gn(torch.relu(self.in2(self.bn2(h)))).flatten(2)
+        return self.rms(self.ln(self.in1(self.bn1(h))))
+
+
+def _onnx_export(model, x, dynamo, train, path):
+    """The ONNX model torch.onnx makes of model, or the exception's class."""
+    import warnings
+
+    import onnx
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the exporters' own deprecation and progress notes)
+            if dynamo:
+                torch.onnx.export(model, (x,), dynamo=True, verbose=False).save(str(path))
+            else:
+                mode = torch.onnx.TrainingMode.PRESERVE if train else torch.onnx.TrainingMode.EVAL
+                torch.onnx.export(model, (x,), str(path), dynamo=False, training=mode)
+    except Exception as e:  # noqa: BLE001 - compared with torch.nn's outcome
+        return type(e)
+    return onnx.load(str(path))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_onnx_export_of_a_converted_model_is_torch_nns(rng, tmp_path, dynamo, train):
+    # torch.onnx translates torch.nn's normalizations into ONNX's own nodes and has no translation
+    # of simdnorm's ops: under an export the drop-ins run torch.nn's forward, so the file is the one
+    # torch.nn's model gives (or the export fails as torch.nn's does)
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed (the test extra installs it)")
+    if dynamo:
+        pytest.importorskip("onnxscript", reason="torch.onnx's dynamo exporter needs onnxscript (the test extra)")
+    from onnx.reference import ReferenceEvaluator
+
+    for rms in ((True, False) if not dynamo else (True,)):
+        ref, ours = twins(lambda: EveryNorm(rms), rng)
+        snt.convert(ours).train(train), ref.train(train)
+        kinds = [type(m) for m in ours.modules()]
+        state = copy.deepcopy(ours.state_dict())
+        x = rand(rng, 2, 4, 3, 5, 6)
+        got = _onnx_export(ours, x, dynamo, train, tmp_path / "ours.onnx")
+        want = _onnx_export(ref, x, dynamo, train, tmp_path / "ref.onnx")
+        if isinstance(want, type):
+            assert got is want, f"rms={rms}: torch.nn's export raised {want.__name__}, ours gave {got}"
+            continue
+        assert not isinstance(got, type), f"rms={rms}: the converted model's export raised {got.__name__}"
+        assert [(n.op_type, n.domain) for n in got.graph.node] == [(n.op_type, n.domain) for n in want.graph.node]
+        assert sorted(i.name for i in got.graph.initializer) == sorted(i.name for i in want.graph.initializer)
+        x2 = rand(rng, 2, 4, 3, 5, 6).numpy()
+        y_got = ReferenceEvaluator(got).run(None, {got.graph.input[0].name: x2})
+        y_want = ReferenceEvaluator(want).run(None, {want.graph.input[0].name: x2})
+        for a, b in zip(y_got, y_want):
+            np.testing.assert_array_equal(a, b)
+        assert [type(m) for m in ours.modules()] == kinds  # (still the drop-ins, their state untouched)
+        for k, v in ours.state_dict().items():
+            assert torch.equal(v, state[k]), k
+
+
+def test_fx_symbolic_trace_calls_the_drop_ins(rng):
+    # torch.fx's tracer keeps torch.nn's modules as call_module nodes (it knows them by their module
+    # path); the drop-ins make the same node of themselves, so the GraphModule runs simdnorm
+    ref, ours = twins(EveryNorm, rng)
+    snt.convert(ours)
+    traced, traced_ref = torch.fx.symbolic_trace(ours), torch.fx.symbolic_trace(ref)
+    nodes = [(n.op, str(n.target)) for n in traced.graph.nodes]
+    assert nodes == [(n.op, str(n.target)) for n in traced_ref.graph.nodes]
+    assert {t for op, t in nodes if op == "call_module"} == {n for n, m in ours.named_children()
+                                                             if not isinstance(m, nn.Identity)}
+    for name, m in ours.named_children():
+        assert traced.get_submodule(name) is m
+    for train in (True, False):
+        ours.train(train), ref.train(train), traced.train(train)
+        x = rand(rng, 2, 4, 3, 5, 6)
+        with torch.no_grad():
+            y, y_model, y_ref = traced(x), ours(x) if not train else None, ref(x)
+        assert_close(y, y_ref, f"traced, train={train}")
+        if not train:
+            assert torch.equal(y, y_model)
+    for (n, a), b in zip(ours.named_buffers(), ref.buffers()):  # (the train step updated both alike)
+        assert_close(a, b, f"buffer {n}")
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LayerNorm(6), lambda: nn.GroupNorm(2, 4), lambda: nn.RMSNorm(6),
+                                  lambda: nn.BatchNorm1d(4), lambda: nn.InstanceNorm1d(4)],
+                         ids=["layer", "group", "rms", "batch1d", "instance1d"])
+def test_fx_symbolic_trace_of_a_drop_in_itself_is_torch_nns(make):
+    # the traced root is traced through, torch.nn's forward: its graph, or torch.nn's error
+    def trace(m):
+        try:
+            return [(n.op, str(n.target)) for n in torch.fx.symbolic_trace(m).graph.nodes]
+        except Exception as e:  # noqa: BLE001 - compared with torch.nn's outcome
+            return type(e)
+
+    assert trace(snt.convert(make())) == trace(make())
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (TorchScript's own)
+def test_jit_script_of_a_converted_model_scripts_torch_nns(rng):
+    ref, ours = twins(lambda: EveryNorm(rms=True), rng)
+    snt.convert(ours)
+    params = {n: p for n, p in ours.named_parameters()}
+    scripted, scripted_ref = torch.jit.script(ours), torch.jit.script(ref)
+    x = rand(rng, 2, 4, 3, 5, 6)
+    for train in (False, True):
+        scripted.train(train), scripted_ref.train(train)
+        assert_close(scripted(x), scripted_ref(x), f"scripted, train={train}")
+    for (n, a), b in zip(scripted.named_buffers(), scripted_ref.buffers()):
+        assert_close(a, b, f"scripted buffer {n}")
+    for n, p in ours.named_parameters():  # (torch.nn's modules in the drop-ins' place share their tensors)
+        assert p is params[n]
+
+
+def test_revert_swaps_torch_nns_classes_back_in_place(rng):
+    ref, ours = twins(Both, rng)
+    objects = {n: (m, type(m)) for n, m in ours.named_modules()}
+    tensors = {n: t for n, t in list(ours.named_parameters()) + list(ours.named_buffers())}
+    snt.convert(ours)
+    assert any(type(m).__module__.startswith("simdnorm") for m in ours.modules())
+    assert snt.revert(ours) is ours
+    for n, m in ours.named_modules():
+        assert m is objects[n][0] and type(m) is objects[n][1], n
+    for n, t in list(ours.named_parameters()) + list(ours.named_buffers()):
+        assert t is tensors[n], n
+    ln = snt.LayerNorm(5)
+    assert type(snt.revert(ln)) is nn.LayerNorm
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        snt.revert(object())
+
+
+def test_fuse_modules_after_revert(rng):
+    # torch.ao's fuser knows its modules by their exact classes: revert() first, as the docs say
+    class ConvBn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.relu = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.bn(self.conv(x)))
+
+    ref, ours = twins(ConvBn, rng)
+    ref.eval(), snt.convert(ours).eval()
+    x = rand(rng, 2, 3, 6, 6)
+    fused = torch.ao.quantization.fuse_modules(snt.revert(ours), [["conv", "bn", "relu"]])
+    assert_close(fused(x).detach(), ref(x).detach(), "fused")

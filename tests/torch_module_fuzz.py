@@ -11,7 +11,8 @@ float32 module), the layout (channels last, permuted, steps, an odd storage offs
 of stride 0), the values' offset and spread, train or eval, the number of steps, what requires
 grad (the input, the parameters, nothing; no_grad), and the gradient's form (random, or a sum's
 expanded ones); a fifth of the cases check the last step's forward-mode derivative (a dual input,
-torch.autograd.forward_ad) in place of its gradients. Case i of a seed is rebuilt from (seed, i) alone.
+torch.autograd.forward_ad) in place of its gradients, and about one in seven calls the drop-in through
+a torch.fx GraphModule (its call_module node). Case i of a seed is rebuilt from (seed, i) alone.
 
     python tests/torch_module_fuzz.py --seed N --cases 3000     # in child processes
     python tests/torch_module_fuzz.py --seed N --replay I       # one case here, traceback and all
@@ -113,10 +114,12 @@ def draw_case(torch, seed, index):
     summed = bool(rng.random() < 0.25)  # the loss a sum: grad_output is expanded ones
     data_seed = int(rng.integers(2 ** 31))
     tangent = bool(rng.random() < 0.2)  # the last step's forward-mode derivative instead of its backward
+    via_fx = bool(rng.random() < 0.15)  # the drop-in called by a torch.fx GraphModule (its call_module node)
     desc = (f"{seed}:{index} {cls}{args} {kw} shape={shape} {dtype_name}"
             f"{' (float32 module)' if mixed else ''} layout={kind} N({loc}, {spread}) "
             f"{'train' if train else 'eval'} steps={steps} grad={grad_mode}"
-            f"{' frozen' if frozen else ''}{' summed' if summed else ''}{' tangent' if tangent else ''}")
+            f"{' frozen' if frozen else ''}{' summed' if summed else ''}{' tangent' if tangent else ''}"
+            f"{' fx' if via_fx else ''}")
 
     def run():
         torch.manual_seed(data_seed)
@@ -163,28 +166,30 @@ def draw_case(torch, seed, index):
                 return
             raise AssertionError(f"torch.nn raises {type(e).__name__} ({e}); the drop-in does not")
 
-        def forward_backward(m, x):
-            """The module's steps, the last on x (a view requiring grad where the input's gradient is
-            wanted: a leaf of its own, whatever its strides); (output, gradients, state_dict)."""
+        def forward_backward(m, x, call=None):
+            """The module's steps (through call, when given), the last on x (a view requiring grad
+            where the input's gradient is wanted: a leaf of its own, whatever its strides);
+            (output, gradients, state_dict)."""
+            call = m if call is None else call
             x = x.detach().requires_grad_(grad_mode == "input" and not tangent)
             with torch.set_grad_enabled(grad_mode != "no_grad"):
                 for earlier in xs[:-1]:
-                    m(earlier.to(x.dtype))
+                    call(earlier.to(x.dtype))
                 if tangent:  # (the output's tangent is the one "gradient")
                     with fwAD.dual_level():
                         tx = t.to(x.dtype)
-                        dual = fwAD.unpack_dual(m(fwAD.make_dual(x, tx if tx.stride() == x.stride() else
-                                                                 tx.contiguous())))
+                        dual = fwAD.unpack_dual(call(fwAD.make_dual(x, tx if tx.stride() == x.stride() else
+                                                                    tx.contiguous())))
                     state = {k: v.detach().clone() for k, v in m.state_dict().items()}
                     return dual.primal.detach(), () if dual.tangent is None else (dual.tangent.detach(),), state
-                y = m(x)
+                y = call(x)
             wrt = ([x] if grad_mode == "input" else []) + [p for p in m.parameters() if p.requires_grad]
             grads = ()
             if wrt and y.requires_grad:
                 grads = torch.autograd.grad(y.sum() if summed else y, wrt, None if summed else dy.to(y.dtype))
             return y.detach(), grads, {k: v.detach().clone() for k, v in m.state_dict().items()}
 
-        y, grads, state = forward_backward(mine, x_last)
+        y, grads, state = forward_backward(mine, x_last, _fx_wrapped(torch, mine) if via_fx else None)
         y64, grads64, state64 = forward_backward(ref64, x_last.double().contiguous())
 
         assert y.shape == want.shape and y.dtype == want.dtype, \
@@ -228,6 +233,22 @@ def draw_case(torch, seed, index):
                 assert torch.equal(state[k], state64[k]), f"{k}: {state[k]} vs {state64[k]}"
 
     return desc, run
+
+
+def _fx_wrapped(torch, m):
+    """A torch.fx GraphModule calling m: the drop-in's trace must be one call_module node."""
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x)
+
+    traced = torch.fx.symbolic_trace(Wrap())
+    ops = [n.op for n in traced.graph.nodes]
+    assert ops == ["placeholder", "call_module", "output"], f"torch.fx traced {ops}"
+    return traced
 
 
 def _tolerance(t):

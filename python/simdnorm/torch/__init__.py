@@ -4,7 +4,8 @@ Importing this module registers the operators (``torch.ops.simdnorm.layer_norm``
 function of simdnorm's functional and training API, with ``.out`` overloads, fake kernels for
 torch.compile and torch.export, and autograd through simdnorm's backward ops; plus
 ``update_running_stats_``). The modules :class:`BatchNorm1d` ... :class:`InstanceNorm3d` subclass
-torch.nn's and compute with those operators; :func:`convert` swaps them into a model in place.
+torch.nn's and compute with those operators; :func:`convert` swaps them into a model in place and
+:func:`revert` swaps them back.
 The user guide's page docs/torch.rst lists the schemas.
 
 Once imported, simdnorm's parallel calls run on the OpenMP threads torch's own ops use (see
@@ -28,6 +29,7 @@ from ._modules import (  # noqa: E402
     LayerNorm,
     RMSNorm,
     convert,
+    revert,
 )
 from ._ops import SCHEMAS  # noqa: E402
 from .._runtime import share_torch_threads as share_threads, share_torch_threads_once  # noqa: E402
@@ -45,6 +47,7 @@ __all__ = [
     "InstanceNorm2d",
     "InstanceNorm3d",
     "convert",
+    "revert",
     "SCHEMAS",
     "share_threads",
 ]

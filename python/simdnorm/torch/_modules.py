@@ -6,10 +6,15 @@ and ``convert_sync_batchnorm`` are torch.nn's own. Running statistics follow tor
 (momentum, the unbiased running variance, ``num_batches_tracked``, momentum=None's cumulative
 average). Whatever simdnorm does not take (a tensor off the CPU, another dtype, an empty batch, a
 shape torch.nn would refuse) goes to torch.nn's own forward, which computes it or raises its error.
+Tools that read a model see torch.nn's modules: torch.onnx's exporters torch.nn's forward (ONNX has
+no translation of simdnorm's ops), torch.fx a call_module node, torch.jit.script torch.nn's module
+(``__prepare_scriptable__``); revert() swaps torch.nn's classes back for tools keyed on them.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import copy
+import sys
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +37,7 @@ __all__ = [
     "InstanceNorm2d",
     "InstanceNorm3d",
     "convert",
+    "revert",
 ]
 
 _ops_ns = torch.ops.simdnorm
@@ -78,9 +84,50 @@ def _plain(fn: Any, input: Tensor, *args: Any, **kw: Any) -> Tensor:
 
 
 _is_compiling = torch.compiler.is_compiling
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _transformed = _ops._transformed
 _is_tracing = torch._C._is_tracing
 _Parameter = nn.Parameter
+_Proxy = torch.fx.Proxy
+
+
+_onnx_flags: Any = None  # torch.onnx's exporter flags module, once an export has imported it
+
+
+def _onnx_exporting() -> bool:
+    """Whether torch.onnx is exporting, by either exporter (torch.export's, which runs the model on
+    fake tensors, or TorchScript's trace). Read without importing torch.onnx (tens of ms): an
+    export has imported it. Under Dynamo (the exporter's strict attempt, after its non-strict one
+    has run here) the flag is read as a constant of the module the non-strict attempt found."""
+    global _onnx_flags
+    if _is_dynamo_compiling():
+        return _onnx_flags is not None and _onnx_flags._is_onnx_exporting
+    if not (_is_compiling() or _is_tracing()):
+        return False
+    onnx = sys.modules.get("torch.onnx")
+    if onnx is None:
+        return False
+    exporting = onnx.is_in_onnx_export()
+    if _onnx_flags is None:
+        _onnx_flags = sys.modules.get("torch.onnx._internal.exporter._flags")
+    return exporting
+
+
+def _fx_call(m: nn.Module, input: Any, nn_forward: Callable[[Any], Any]) -> Any:
+    """A drop-in's forward on a torch.fx Proxy: a call_module node of m, as torch.fx's tracer makes
+    for torch.nn's own modules (its rule knows them by their module path, torch.nn's), so that the
+    traced GraphModule calls the drop-in; torch.nn's forward, traced, where m is the traced root
+    or a tracer without module paths."""
+    tracer = input.tracer
+    path = ""
+    if hasattr(tracer, "path_of_module"):
+        try:
+            path = tracer.path_of_module(m)
+        except NameError:  # (not a submodule of the traced root)
+            path = ""
+    if not path:
+        return nn_forward(input)
+    return tracer.create_proxy("call_module", path, (input,), {})
 
 
 class _BatchNormForward(_BatchNorm):
@@ -88,13 +135,15 @@ class _BatchNormForward(_BatchNorm):
     that it types; BatchNorm1d's MRO puts nn.BatchNorm1d after it: super() is torch.nn's.)"""
 
     def forward(self, input: Tensor) -> Tensor:
+        if input.__class__ is _Proxy:
+            return _fx_call(self, input, super().forward)
         rm, rv, w, b = _state(self, "running_mean", "running_var", "weight", "bias")
         if not self.training and rm is not None and rv is not None and _direct(input, w, b):
             self._check_input_dim(input)
             y = _routes.batch_norm(input, rm, rv, w, b, self.eps, module=True)
             if y is not None:
                 return y
-        if (rm is None) != (rv is None) or not _routes.takes(input, w, b, rm, rv):
+        if (rm is None) != (rv is None) or not _routes.takes(input, w, b, rm, rv) or _onnx_exporting():
             return super().forward(input)
         self._check_input_dim(input)
         direct = _direct(input, w, b)
@@ -147,9 +196,15 @@ class _InstanceNormForward(_InstanceNorm):
     """_InstanceNorm's normalization (its forward's checks, warning and unbatched input stay
     torch.nn's: it calls this after them)."""
 
+    def forward(self, input: Tensor) -> Tensor:
+        if input.__class__ is _Proxy:
+            return _fx_call(self, input, super().forward)
+        return super().forward(input)
+
     def _apply_instance_norm(self, input: Tensor) -> Tensor:
         rm, rv = self.running_mean, self.running_var
-        if (rm is None) != (rv is None) or not _routes.takes(input, self.weight, self.bias, rm, rv) or input.dim() < 3:
+        if ((rm is None) != (rv is None) or not _routes.takes(input, self.weight, self.bias, rm, rv)
+                or input.dim() < 3 or _onnx_exporting()):
             return super()._apply_instance_norm(input)
         if not self.training and self.track_running_stats and rm is not None:  # torch.nn's use_input_stats
             return _bn(input, rm, rv, self.weight, self.bias, epsilon=self.eps)
@@ -189,13 +244,15 @@ class LayerNorm(nn.LayerNorm):
     """:class:`torch.nn.LayerNorm` computed by simdnorm on the CPU."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if input.__class__ is _Proxy:
+            return _fx_call(self, input, super().forward)
         w, b = _state(self, "weight", "bias")
         if _direct(input, w, b):
             ns = self.normalized_shape
             y = _routes.layer_norm(input, w, b, -len(ns), self.eps, module=ns)
             if y is not None:
                 return y
-        if not _routes.trailing(input, self.normalized_shape) or not _routes.takes(input, w, b):
+        if not _routes.trailing(input, self.normalized_shape) or not _routes.takes(input, w, b) or _onnx_exporting():
             return super().forward(input)
         if _direct(input, w, b):
             return _plain(_sn.layer_norm, input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)
@@ -208,6 +265,8 @@ class RMSNorm(nn.RMSNorm):
     float64."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.__class__ is _Proxy:
+            return _fx_call(self, x, super().forward)
         (w,) = _state(self, "weight")
         eps = self.eps
         if eps is None:
@@ -218,7 +277,7 @@ class RMSNorm(nn.RMSNorm):
             y = _routes.layer_norm(x, w, None, -len(ns), eps, rms=True, module=ns)
             if y is not None:
                 return y
-        if not _routes.trailing(x, self.normalized_shape) or not _routes.takes(x, w):
+        if not _routes.trailing(x, self.normalized_shape) or not _routes.takes(x, w) or _onnx_exporting():
             return super().forward(x)
         if direct:
             return _plain(_sn.rms_norm, x, w, axis=-len(self.normalized_shape), epsilon=eps)
@@ -229,6 +288,8 @@ class GroupNorm(nn.GroupNorm):
     """:class:`torch.nn.GroupNorm` computed by simdnorm on the CPU."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if input.__class__ is _Proxy:
+            return _fx_call(self, input, super().forward)
         w, b = _state(self, "weight", "bias")
         if input.is_nested or input.numel() == self.num_groups:  # (one sample of one-element groups: torch.nn's ValueError)
             return super().forward(input)
@@ -239,7 +300,7 @@ class GroupNorm(nn.GroupNorm):
                 return y
         if (input.dim() < 2 or input.shape[1] % self.num_groups != 0
                 or (self.affine and input.shape[1] != self.num_channels)
-                or not _routes.takes(input, w, b)):
+                or not _routes.takes(input, w, b) or _onnx_exporting()):
             return super().forward(input)
         if direct:
             return _plain(_sn.group_norm, input, self.num_groups, w, b, epsilon=self.eps)
@@ -260,6 +321,23 @@ _DROP_INS = {
 
 
 _OWN = frozenset(_DROP_INS.values())
+_TORCH_NN = {cls: nn_cls for nn_cls, cls in _DROP_INS.items()}
+
+
+def _prepare_scriptable(self: nn.Module) -> nn.Module:
+    """torch.jit.script's hook: TorchScript cannot compile a drop-in's Python forward, so it
+    scripts torch.nn's module in its place, a copy of torch.nn's class sharing this module's
+    parameters, buffers and hooks. (A subclass of a drop-in is scripted as it is.)"""
+    nn_cls = _TORCH_NN.get(type(self))
+    if nn_cls is None:
+        return self
+    twin = copy.copy(self)  # (its __dict__ copied: the same parameter and buffer dicts)
+    twin.__class__ = nn_cls
+    return twin
+
+
+for _cls in _OWN:
+    setattr(_cls, "__prepare_scriptable__", _prepare_scriptable)  # (one hook for the nine classes)
 
 
 def convert(model: nn.Module) -> nn.Module:
@@ -277,4 +355,18 @@ def convert(model: nn.Module) -> nn.Module:
         cls = _DROP_INS.get(type(m))
         if cls is not None:
             m.__class__ = cls
+    return model
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert`: swap, in place, every drop-in of ``model`` (``model`` itself included)
+    back to its torch.nn class, and return ``model``. The modules stay the same objects with the
+    same parameters and buffers, as in convert. For tools that know torch.nn's classes by their
+    exact type, such as ``torch.ao.quantization.fuse_modules``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    for m in model.modules():
+        nn_cls = _TORCH_NN.get(type(m))
+        if nn_cls is not None:
+            m.__class__ = nn_cls
     return model
