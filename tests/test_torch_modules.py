@@ -706,7 +706,10 @@ def test_jit_script_of_a_converted_model_scripts_torch_nns(rng):
     ref, ours = twins(lambda: EveryNorm(rms=True), rng)
     snt.convert(ours)
     params = {n: p for n, p in ours.named_parameters()}
-    scripted, scripted_ref = torch.jit.script(ours), torch.jit.script(ref)
+    with pytest.warns(UserWarning, match="in the drop-in's place in the model") as caught:
+        scripted = torch.jit.script(ours)
+    assert len([w for w in caught if issubclass(w.category, UserWarning)]) == 9  # (one per drop-in)
+    scripted_ref = torch.jit.script(ref)
     x = rand(rng, 2, 4, 3, 5, 6)
     for train in (False, True):
         scripted.train(train), scripted_ref.train(train)
@@ -715,6 +718,9 @@ def test_jit_script_of_a_converted_model_scripts_torch_nns(rng):
         assert_close(a, b, f"scripted buffer {n}")
     for n, p in ours.named_parameters():  # (torch.nn's modules in the drop-ins' place share their tensors)
         assert p is params[n]
+    assert all(type(m).__module__.startswith("torch.nn") for m in ours.children())  # (as the warning says)
+    snt.convert(ours)
+    assert all(type(m).__module__.startswith("simdnorm") for m in ours.children() if not isinstance(m, nn.Identity))
 
 
 def test_revert_swaps_torch_nns_classes_back_in_place(rng):

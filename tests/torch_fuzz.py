@@ -10,7 +10,8 @@ against float64), and so must the plain function called with the tensors; a modu
 the plain function. A quarter of the float32 and float64 op cases also check the forward-mode
 derivative (dual tensors, every tensor argument given a tangent) against autograd's backward:
 <J t, g> = <t, J^T g>; a fifth of the op cases run under vmap (two samples, the batch dim anywhere,
-the parameters batched or not) against the op per sample. Case i of a seed is rebuilt from (seed,
+the parameters batched or not) against the op per sample; a quarter check the op's torch-ops
+decomposition (what torch.onnx exports) against the op. Case i of a seed is rebuilt from (seed,
 i) alone.
 
     python tests/torch_fuzz.py --seed N --cases 20000        # a long run, in child processes
@@ -120,9 +121,11 @@ def draw_case(torch, seed, index):
     vmapped = rng.random() < 0.2
     vmap_at, vmap_params, vmap_apart = int(rng.integers(0, x.dim() + 1)), bool(rng.random() < 0.5), bool(
         rng.random() < 0.5)
+    decomposed = rng.random() < 0.25
     desc = (f"case {seed}:{index}: {op} {dtype} shape={tuple(x.shape)} strides={x.stride()} {args_kw} "
             f"params={[None if p is None else (tuple(p.shape), p.stride(), p.dtype) for p in params]}"
-            f"{' dual' if dual else ''}{f' vmap at {vmap_at}' + (' with params' if vmap_params else '') + (' apart' if vmap_apart else '') if vmapped else ''}")
+            f"{' dual' if dual else ''}{f' vmap at {vmap_at}' + (' with params' if vmap_params else '') + (' apart' if vmap_apart else '') if vmapped else ''}"
+            f"{' decomposed' if decomposed else ''}")
 
     def run():
         fn = getattr(torch.ops.simdnorm, op)
@@ -161,8 +164,36 @@ def draw_case(torch, seed, index):
             _dual_matches_backward(torch, np.random.default_rng([seed, index, 1]), op, pos, args_kw)
         if vmapped:
             _vmap_matches_samples(torch, op, pos, args_kw, vmap_at, vmap_params, vmap_apart)
+        if decomposed:
+            _decomposition_matches(torch, op, pos, args_kw, got)
 
     return desc, run
+
+
+# max |decomposition - op| over max(1, max |op|), by dtype: the decomposition computes in the
+# compute type with torch's reductions, the kernels merge theirs in double; then one rounding
+DECOMPOSITION_RTOL = {"float64": 1e-10, "float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _decomposition_matches(torch, op, pos, kw, got):
+    """The op's torch-ops decomposition (simdnorm/torch/_decompositions.py, what torch.onnx exports)
+    gives the op's results: each within DECOMPOSITION_RTOL, NaN where the op's is NaN."""
+    from simdnorm.torch import _decompositions
+
+    want = _decompositions.FORWARD[op](*pos, **kw)
+    want = want if isinstance(want, tuple) else (want,)
+    assert len(want) == len(got), f"decomposition: {len(want)} results, the op {len(got)}"
+    for i, (d, g) in enumerate(zip(want, got)):
+        assert d.shape == g.shape and d.dtype == g.dtype, \
+            f"decomposition's result {i}: {tuple(d.shape)} {d.dtype}, the op's {tuple(g.shape)} {g.dtype}"
+        if not g.numel():
+            continue
+        dd, gd = d.double(), g.double()
+        assert bool((dd.isnan() == gd.isnan()).all()), f"decomposition's result {i}: NaNs differ"
+        scale = max(1.0, float(gd.nan_to_num().abs().max()))
+        err = float((dd - gd).nan_to_num().abs().max()) / scale
+        tol = DECOMPOSITION_RTOL[str(g.dtype).replace("torch.", "")]
+        assert err <= tol, f"decomposition's result {i}: max error {err:.3g} of max(1, the largest)"
 
 
 def _vmap_matches_samples(torch, op, pos, kw, at, params, apart):

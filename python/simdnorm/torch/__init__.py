@@ -3,10 +3,11 @@
 Importing this module registers the operators (``torch.ops.simdnorm.layer_norm``, ...: one per
 function of simdnorm's functional and training API, with ``.out`` overloads, fake kernels for
 torch.compile and torch.export, and autograd through simdnorm's backward ops; plus
-``update_running_stats_``). The modules :class:`BatchNorm1d` ... :class:`InstanceNorm3d` subclass
-torch.nn's and compute with those operators; :func:`convert` swaps them into a model in place and
-:func:`revert` swaps them back.
-The user guide's page docs/torch.rst lists the schemas.
+``update_running_stats_``), and each forward operator's decomposition into torch's own
+operators, which torch.onnx's exporter translates. The modules :class:`BatchNorm1d` ...
+:class:`InstanceNorm3d` subclass torch.nn's and compute with those operators; :func:`convert`
+swaps them into a model in place and :func:`revert` swaps them back. The user guide's page
+docs/torch.rst lists the schemas.
 
 Once imported, simdnorm's parallel calls run on the OpenMP threads torch's own ops use (see
 :func:`share_threads`), so that the two do not compete for the cores.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -327,10 +328,14 @@ _TORCH_NN = {cls: nn_cls for nn_cls, cls in _DROP_INS.items()}
 def _prepare_scriptable(self: nn.Module) -> nn.Module:
     """torch.jit.script's hook: TorchScript cannot compile a drop-in's Python forward, so it
     scripts torch.nn's module in its place, a copy of torch.nn's class sharing this module's
-    parameters, buffers and hooks. (A subclass of a drop-in is scripted as it is.)"""
+    parameters, buffers and hooks. torch also puts that copy in the drop-in's place among its
+    parent's submodules, which the warning says. (A subclass of a drop-in is scripted as it is.)"""
     nn_cls = _TORCH_NN.get(type(self))
     if nn_cls is None:
         return self
+    warnings.warn(f"torch.jit.script scripts torch.nn.{nn_cls.__name__} in place of simdnorm's drop-in "
+                  "(TorchScript cannot compile its forward) and puts it in the drop-in's place in the model "
+                  "as well; simdnorm.torch.convert(model) swaps simdnorm's back in", UserWarning, stacklevel=2)
     twin = copy.copy(self)  # (its __dict__ copied: the same parameter and buffer dicts)
     twin.__class__ = nn_cls
     return twin

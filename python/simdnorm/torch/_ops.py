@@ -153,6 +153,7 @@ def _activation(name: Optional[str], params: Optional[Sequence[float]]) -> Optio
 
 from . import _routes  # noqa: E402 - (it reads this module's numpy views: after them)
 from . import _batching  # noqa: E402
+from . import _decompositions  # noqa: E402
 
 def batch_normalization(input, mean, variance, scale=None, bias=None, *, epsilon=1e-05, activation=None,
                         activation_params=None, channel_axis=1, out=None):
@@ -1115,6 +1116,7 @@ def _register() -> None:
         _LIB.impl(name, _no_autograd(f"simdnorm::{name}", op, g[name], out=False), "Autograd", with_keyset=True)
         _LIB.impl(name, _bump_versions(op), "ADInplaceOrView", with_keyset=True)
     _batching.register(_LIB)
+    _decompositions.register()
 
 
 _register()
