@@ -345,6 +345,17 @@ for _cls in _OWN:
     setattr(_cls, "__prepare_scriptable__", _prepare_scriptable)  # (one hook for the nine classes)
 
 
+def _swap_classes(model: nn.Module, classes: Dict[type, type]) -> nn.Module:
+    """Every module of model whose class is exactly a key of classes takes that key's value."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    for m in model.modules():
+        cls = classes.get(type(m))
+        if cls is not None:
+            m.__class__ = cls
+    return model
+
+
 def convert(model: nn.Module) -> nn.Module:
     """Swap, in place, every module of ``model`` (``model`` itself included) whose class is exactly
     one of torch.nn's BatchNorm1d/2d/3d, LayerNorm, GroupNorm, RMSNorm, InstanceNorm1d/2d/3d for
@@ -354,13 +365,7 @@ def convert(model: nn.Module) -> nn.Module:
     objects, hooks and the optimizers that hold those parameters carry on unchanged. Subclasses
     of those classes (yours, SyncBatchNorm) are left alone.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    for m in model.modules():
-        cls = _DROP_INS.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-    return model
+    return _swap_classes(model, _DROP_INS)
 
 
 def revert(model: nn.Module) -> nn.Module:
@@ -368,10 +373,4 @@ def revert(model: nn.Module) -> nn.Module:
     back to its torch.nn class, and return ``model``. The modules stay the same objects with the
     same parameters and buffers, as in convert. For tools that know torch.nn's classes by their
     exact type, such as ``torch.ao.quantization.fuse_modules``."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    for m in model.modules():
-        nn_cls = _TORCH_NN.get(type(m))
-        if nn_cls is not None:
-            m.__class__ = nn_cls
-    return model
+    return _swap_classes(model, _TORCH_NN)
