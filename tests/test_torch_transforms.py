@@ -263,6 +263,86 @@ def test_jit_trace_records_the_ops(rng, grad):
         torch.jit.trace(lambda x: simdnorm.moments(x, (1, 2)).mean, x, check_trace=False)
 
 
+def _plain_calls(rng):
+    """(name, function of x, parameters) for each plain function with an op: a model's call of it on
+    tensors (return_stats and activations too)."""
+    c = lambda *s: torch.from_numpy(rng.standard_normal(s)).float()  # noqa: E731
+    w8, b8, w4 = c(8) + 1, c(8), c(4) + 1
+    mean, var = c(8), c(8).abs() + 0.5
+    return [
+        ("batch_normalization", lambda x, w, b: simdnorm.batch_normalization(x, mean, var, w, b, activation="relu"),
+         (w8, b8)),
+        ("mean_variance_normalization", lambda x, w, b: simdnorm.mean_variance_normalization(
+            x, (0, 2), w[:, None, None], b[:, None, None], epsilon_mode="outside", return_stats=True), (w8, b8)),
+        ("layer_norm", lambda x, w, b: simdnorm.layer_norm(x, w, b, activation="silu", return_stats=True), (w4, None)),
+        ("rms_norm", lambda x, w, b: simdnorm.rms_norm(x, w, axis=-2, return_stats=True), (c(4, 4) + 1, None)),
+        ("instance_norm", lambda x, w, b: simdnorm.instance_norm(x, w, b, activation="gelu"), (w8, b8)),
+        ("group_norm", lambda x, w, b: simdnorm.group_norm(x, 2, w, b, return_stats=True), (w8, b8)),
+        ("batch_normalization_training", lambda x, w, b: simdnorm.batch_normalization_training(
+            x, w, b, activation="leaky_relu"), (w8, b8)),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # (inductor's)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("how", ["compile_fullgraph", "export"])
+def test_plain_functions_under_compile_and_export(rng, how, grad):
+    # their tensors there have no memory (fake tensors): the plain functions take their ops, which
+    # the graph records, with gradients or without (the plain route would read the memory)
+    x, x2 = (torch.from_numpy(rng.standard_normal((2, 8, 4, 4)) + 1).float() for _ in range(2))
+    for name, call, params in _plain_calls(rng):
+        class M(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w, self.b = (None if p is None else torch.nn.Parameter(p.clone(), requires_grad=grad)
+                                  for p in params)
+
+            def forward(self, x):
+                return call(x, self.w, self.b)
+
+        m = M()
+        with torch.set_grad_enabled(grad):
+            if how == "export":
+                program = torch.export.export(m, (x,))
+                assert any(str(n.target) == f"simdnorm.{name}.default" for n in program.graph.nodes), name
+                run = program.module()
+            else:
+                torch._dynamo.reset()
+                run = torch.compile(m, fullgraph=True, backend="aot_eager")
+            got, want = run(x2), m(x2)
+        got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+        assert [g is None for g in got] == [w is None for w in want], name  # (rms_norm's mean)
+        got, want = [g for g in got if g is not None], [w for w in want if w is not None]
+        for g, w in zip(got, want):
+            assert type(g) is torch.Tensor and g.shape == w.shape and g.dtype == w.dtype, name
+            assert (g - w).abs().max() <= 1e-5 * max(1.0, float(w.detach().abs().max())), name
+        if grad:  # (gradients through the compiled or exported graph)
+            wrt = [p for p in m.parameters()]
+            g1 = torch.autograd.grad(sum(t.sum() for t in got if t.requires_grad), wrt)
+            g2 = torch.autograd.grad(sum(t.sum() for t in want if t.requires_grad), wrt)
+            for a, b in zip(g1, g2):
+                assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max())), name
+
+
+# (Dynamo's note on the graph break at simdnorm's C function)
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin:UserWarning")
+def test_backward_functions_under_compile_and_export(rng):
+    # the plain backward functions take no op under a trace: torch.export (fake tensors) refuses
+    # them clearly; a torch.compile without fullgraph runs them outside its graph
+    x = torch.from_numpy(rng.standard_normal((3, 8))).float()
+
+    class Backward(torch.nn.Module):
+        def forward(self, x):
+            y, mean, inv_std = simdnorm.layer_norm(x, return_stats=True)
+            return simdnorm.layer_norm_backward(torch.ones_like(y), x, mean, inv_std)[0]
+
+    with pytest.raises(TypeError, match="torch.export"):
+        torch.export.export(Backward(), (x,))
+    torch._dynamo.reset()
+    got = torch.compile(Backward(), backend="aot_eager")(x)
+    assert torch.equal(got, Backward()(x))
+
+
 def test_out_overloads_refuse_tangents(rng):
     # as torch's out= functions: a tangent would not reach out (the running statistics' update takes
     # the values, as torch.nn's buffers do)

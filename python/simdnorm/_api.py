@@ -11,6 +11,7 @@ their arrays (group norm splits the channel dim), never copies.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -219,9 +220,15 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
             return follow_input(batch_normalization, locals())
         check_out(out, x)
     if not _core.batch_norm(x, mean, variance, scale, bias, out, eps, act, ca, True):
-        run_overlapping(lambda o, check: _core.batch_norm(x, mean, variance, scale, bias, o, eps, act, ca, check),
-                        out, x, mean, variance, scale, bias)
+        run_overlapping(partial(_bn_into, x, mean, variance, scale, bias, eps, act, ca), out, x, mean, variance, scale,
+                        bias)
     return out
+
+
+def _bn_into(x, mean, variance, scale, bias, eps, act, ca, o, check):  # noqa: ANN001 - the kernel's arguments
+    """run_overlapping's run for batch_normalization. (A partial, not a lambda: a closure would make
+    batch_normalization's locals cells, which locals() at its top hands torch.compile unbound.)"""
+    return _core.batch_norm(x, mean, variance, scale, bias, o, eps, act, ca, check)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -176,9 +176,9 @@ def _transformed_tensors(torch: Any, kw: dict) -> bool:
 
 
 def _refuse_transformed(what: str) -> TypeError:
-    return TypeError(f"{what}: a tensor under torch.jit.trace, a torch.func transform (vmap, grad, jvp, ...) or with "
-                     "a forward-mode tangent; this function reads tensors' memory, which the trace or transform "
-                     "would not see: call it outside, or call the torch.ops.simdnorm op")
+    return TypeError(f"{what}: a tensor under torch.jit.trace, torch.compile, torch.export, a torch.func transform "
+                     "(vmap, grad, jvp, ...) or with a forward-mode tangent; this function reads tensors' memory, "
+                     "which the trace or transform would not see: call it outside, or call the torch.ops.simdnorm op")
 
 
 def follow_input(fn: Callable[..., Any], args: dict) -> Any:
@@ -195,6 +195,13 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
     kw = args if len(args) == len(names) else {k: args[k] for k in names}
     x = kw["x"]
     torch = sys.modules.get("torch") if is_tensor(x) else None
+    if torch is not None and torch.compiler.is_compiling():
+        # torch.compile's or torch.export's trace: its tensors have no memory to read; the op records the call
+        if fn.__name__ not in _DIFFERENTIABLE:
+            raise _refuse_transformed(fn.__name__)
+        from .torch._ops import call_differentiable
+
+        return call_differentiable(fn.__name__, kw)
     transformed = torch is not None and _transformed_tensors(torch, kw)
     if torch is not None and fn.__name__ in _DIFFERENTIABLE and (transformed or torch.is_grad_enabled() and any(
             getattr(kw.get(k), "requires_grad", False) for k in _DIFFERENTIABLE[fn.__name__])):

@@ -10,6 +10,7 @@ parameter's own shape and dtype.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -390,6 +391,11 @@ def _plan_bn_training(x: Any, scale: Any, bias: Any, fa: Any, epsilon: Any, acti
         + _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
 
 
+def _training_mvn_into(x, axes, scale, bias, eps, act, mean, inv_std, ca, var, o, check):  # noqa: ANN001
+    """batch_normalization_training's kernel call into o (the statistics into mean, inv_std, var)."""
+    return _core.mvn(x, axes, scale, bias, o, eps, True, True, False, act, mean, inv_std, ca, check, var)
+
+
 def _bn_training_plan(x: Any, scale: Any, bias: Any, fa: Any, epsilon: Any, activation: Any,
                       channel_axis: Any) -> tuple:
     """_plan_bn_training's plan, and what a call derives from the input's shape: the statistics'
@@ -509,8 +515,10 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     except TypeError:
         key = []
 
+    # (partials, not lambdas: a closure would make this function's locals cells, which locals() at
+    # its top hands torch.compile unbound)
     eps, act, axes, sshape, ca, full, count, sdt = _planned(
-        key, lambda: _bn_training_plan(x, scale, bias, fa, epsilon, activation, channel_axis))
+        key, partial(_bn_training_plan, x, scale, bias, fa, epsilon, activation, channel_axis))
     if (running_mean is None) != (running_var is None):
         raise DescriptorError("running_mean, running_var: give both or neither")
     m = 0.0
@@ -532,8 +540,8 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     inv_std = np.empty(full, sdt)
     var = np.empty(full, sdt)
     if fa is None or x.dtype == sdt:
-        run = lambda o, check: _core.mvn(x, axes, scale, bias, o, eps, True, True, False,  # noqa: E731
-                                         _IDENTITY if fa is not None else act, mean, inv_std, ca, check, var)
+        run = partial(_training_mvn_into, x, axes, scale, bias, eps, _IDENTITY if fa is not None else act, mean,
+                      inv_std, ca, var)
         if target is not out or fa is not None:
             run(target, False)
         elif not run(out, True):  # out may overlap x, scale or bias: decided exactly

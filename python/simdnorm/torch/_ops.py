@@ -1142,6 +1142,13 @@ def _as_numpy_dtype(t: torch.Tensor) -> Any:
     return _np_bf16() if t.dtype is _BF16 else torch.empty((), dtype=t.dtype).numpy().dtype
 
 
+# each forward op and its arguments (name, a tensor, keyword-only), read from its schema once: in a
+# torch.compile trace of a plain function the schema's objects are opaque
+_ARGUMENTS = {name: (getattr(_ops, name).default, tuple(
+    (a.name, str(a.type).startswith("Tensor"), a.kwarg_only) for a in getattr(_ops, name).default._schema.arguments))
+    for name, _, _ in _TABLE if not name.endswith("_backward")}
+
+
 def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
     """The plain function `name` called with `kw` (its arguments by name, x a torch tensor), through
     the op of the same name; the results as the plain function returns them."""
@@ -1160,18 +1167,18 @@ def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
     if isinstance(kw.get("axes"), int):
         kw["axes"] = [kw["axes"]]
     x = kw.pop("x")
-    op = getattr(_ops, name).default
+    op, layout = _ARGUMENTS[name]
     args: List[Any] = []
     kwargs: Dict[str, Any] = {}
-    for a in op._schema.arguments:
-        if a.name == "input":
+    for arg, is_tensor, kwarg_only in layout:
+        if arg == "input":
             args.append(x)
-        elif a.name in kw:
-            v = kw[a.name]
-            if str(a.type).startswith("Tensor"):
+        elif arg in kw:
+            v = kw[arg]
+            if is_tensor:
                 v = _tensor_arg(v, x)
-            if a.kwarg_only:
-                kwargs[a.name] = v
+            if kwarg_only:
+                kwargs[arg] = v
             else:
                 args.append(v)
     res = op(*args, **kwargs)
