@@ -324,23 +324,80 @@ def test_plain_functions_under_compile_and_export(rng, how, grad):
                 assert (a - b).abs().max() <= 1e-4 * max(1.0, float(b.abs().max())), name
 
 
+def _backward_calls(rng):
+    """(name, function of x and grad_output) for each plain backward function: the forward's
+    statistics, then the gradients (some not asked for, fused_add's, rms's None)."""
+    c = lambda *s: torch.from_numpy(rng.standard_normal(s)).float()  # noqa: E731
+    w8, b8, w4 = c(8) + 1, c(8), c(4) + 1
+    fa = c(2, 8, 4, 4)
+
+    def bn(x, g):
+        _, m, v = simdnorm.batch_normalization_training(x, w8, b8, fused_add=fa, activation="relu")
+        return simdnorm.batch_normalization_backward(g, x, m, v, w8, b8, fused_add=fa, activation="relu",
+                                                     grad_bias=False)
+
+    def mvn(x, g):
+        _, m, s = simdnorm.mean_variance_normalization(x, (0, 2), return_stats=True)
+        return simdnorm.mean_variance_normalization_backward(g, x, (0, 2), m, s)
+
+    def layer(x, g):
+        _, m, s = simdnorm.layer_norm(x, w4, None, return_stats=True)
+        return simdnorm.layer_norm_backward(g, x, m, s, w4, None, activation="silu", grad_input=False)
+
+    def rms(x, g):
+        _, _, r = simdnorm.rms_norm(x, w4, return_stats=True)
+        return simdnorm.rms_norm_backward(g, x, r, w4)
+
+    def instance(x, g):
+        _, m, s = simdnorm.instance_norm(x, w8, b8, return_stats=True)
+        return simdnorm.instance_norm_backward(g, x, m, s, w8, b8)
+
+    def group(x, g):
+        _, m, s = simdnorm.group_norm(x, 2, w8, b8, return_stats=True)
+        return simdnorm.group_norm_backward(g, x, 2, m, s, w8, b8, grad_scale=False)
+
+    return [bn, mvn, layer, rms, instance, group]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # (inductor's)
+@pytest.mark.parametrize("how", ["compile_fullgraph", "export"])
+def test_backward_functions_under_compile_and_export(rng, how):
+    # the plain backward functions take their ops too; None stays None where a gradient was not asked for
+    x, x2, g, g2 = (torch.from_numpy(rng.standard_normal((2, 8, 4, 4)) + 1).float() for _ in range(4))
+    for call in _backward_calls(rng):
+        class M(torch.nn.Module):
+            def forward(self, x, g):
+                return call(x, g)
+
+        if how == "export":
+            program = torch.export.export(M(), (x, g))
+            assert any(str(n.target).endswith("_backward.default") for n in program.graph.nodes), call.__name__
+            run = program.module()
+        else:
+            torch._dynamo.reset()
+            run = torch.compile(M(), fullgraph=True, backend="aot_eager")
+        got, want = run(x2, g2), call(x2, g2)
+        assert isinstance(got, tuple) and [a is None for a in got] == [b is None for b in want], call.__name__
+        for a, b in zip(got, want):
+            if b is not None:
+                assert a.shape == b.shape and (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max())), call.__name__
+
+
 # (Dynamo's note on the graph break at simdnorm's C function)
 @pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin:UserWarning")
-def test_backward_functions_under_compile_and_export(rng):
-    # the plain backward functions take no op under a trace: torch.export (fake tensors) refuses
-    # them clearly; a torch.compile without fullgraph runs them outside its graph
+def test_moments_under_compile_and_export(rng):
+    # moments has no op: torch.export (fake tensors) refuses it clearly; a torch.compile without
+    # fullgraph runs it outside its graph
     x = torch.from_numpy(rng.standard_normal((3, 8))).float()
 
-    class Backward(torch.nn.Module):
+    class Moments(torch.nn.Module):
         def forward(self, x):
-            y, mean, inv_std = simdnorm.layer_norm(x, return_stats=True)
-            return simdnorm.layer_norm_backward(torch.ones_like(y), x, mean, inv_std)[0]
+            return torch.from_numpy(simdnorm.moments(x, (0,)).mean) + x
 
     with pytest.raises(TypeError, match="torch.export"):
-        torch.export.export(Backward(), (x,))
+        torch.export.export(Moments(), (x,))
     torch._dynamo.reset()
-    got = torch.compile(Backward(), backend="aot_eager")(x)
-    assert torch.equal(got, Backward()(x))
+    assert torch.equal(torch.compile(Moments(), backend="aot_eager")(x), Moments()(x))
 
 
 def test_out_overloads_refuse_tangents(rng):

@@ -105,7 +105,7 @@ def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
     TypeError."""
     if is_tensor(obj):
         torch = sys.modules["torch"]
-        if torch._C._is_tracing() or _transforming(torch) and _transformed(torch, obj):
+        if torch.compiler.is_compiling() or torch._C._is_tracing() or _transforming(torch) and _transformed(torch, obj):
             raise _refuse_transformed(name)
         if obj.requires_grad:
             if torch.is_grad_enabled():  # (follow_input sends the forward ops' such calls to their torch op)
@@ -197,11 +197,13 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
     torch = sys.modules.get("torch") if is_tensor(x) else None
     if torch is not None and torch.compiler.is_compiling():
         # torch.compile's or torch.export's trace: its tensors have no memory to read; the op records the call
-        if fn.__name__ not in _DIFFERENTIABLE:
-            raise _refuse_transformed(fn.__name__)
-        from .torch._ops import call_differentiable
+        from .torch._ops import call_backward, call_differentiable
 
-        return call_differentiable(fn.__name__, kw)
+        if fn.__name__ in _DIFFERENTIABLE:
+            return call_differentiable(fn.__name__, kw)
+        if fn.__name__.endswith("_backward"):
+            return call_backward(fn.__name__, kw)
+        raise _refuse_transformed(fn.__name__)
     transformed = torch is not None and _transformed_tensors(torch, kw)
     if torch is not None and fn.__name__ in _DIFFERENTIABLE and (transformed or torch.is_grad_enabled() and any(
             getattr(kw.get(k), "requires_grad", False) for k in _DIFFERENTIABLE[fn.__name__])):

@@ -85,13 +85,16 @@ def _axes_key(axes: Any) -> Any:
     raise TypeError  # (uncached: validated every call)
 
 
-def _planned(key: Any, make: Any) -> Any:
+def _planned(key: Any, make: Any, *args: Any) -> Any:
+    """The plan cached under key, else make(*args) (validated, then cached). (A function and its
+    arguments, not a closure: a closure would make the caller's locals cells, which locals() at the
+    top of a plain function hands torch.compile unbound.)"""
     try:
         plan = _PLANS.get(key)
     except TypeError:  # an unhashable attribute: validate without caching
-        return make()
+        return make(*args)
     if plan is None:
-        plan = make()
+        plan = make(*args)
         if len(_PLANS) >= 512:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -515,10 +518,8 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     except TypeError:
         key = []
 
-    # (partials, not lambdas: a closure would make this function's locals cells, which locals() at
-    # its top hands torch.compile unbound)
     eps, act, axes, sshape, ca, full, count, sdt = _planned(
-        key, partial(_bn_training_plan, x, scale, bias, fa, epsilon, activation, channel_axis))
+        key, _bn_training_plan, x, scale, bias, fa, epsilon, activation, channel_axis)
     if (running_mean is None) != (running_var is None):
         raise DescriptorError("running_mean, running_var: give both or neither")
     m = 0.0
@@ -541,7 +542,7 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     var = np.empty(full, sdt)
     if fa is None or x.dtype == sdt:
         run = partial(_training_mvn_into, x, axes, scale, bias, eps, _IDENTITY if fa is not None else act, mean,
-                      inv_std, ca, var)
+                      inv_std, ca, var)  # (not a closure: see _planned)
         if target is not out or fa is not None:
             run(target, False)
         elif not run(out, True):  # out may overlap x, scale or bias: decided exactly
@@ -668,13 +669,9 @@ def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: 
     except TypeError:
         key = []
 
-    def plan() -> tuple:
-        eps, act, terms, axes, ca, want_input, ws, wb = _plan_bn_backward(
-            x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training, activation, grad_input,
-            grad_scale, grad_bias)
-        return eps, act, terms, axes, ca, want_input, _sums_plan(x.shape, scale, bias, ca, ws, wb)
-
-    eps, act, terms, axes, ca, want_input, sums = _planned(key, plan)
+    eps, act, terms, axes, ca, want_input, sums = _planned(
+        key, _bn_backward_sums_plan, x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training,
+        activation, grad_input, grad_scale, grad_bias)
     target, copy_to = _targets(out, want_input, x, dy, mean, variance, scale, bias, fa)
     return _finish(_backward(dy, x, axes, mean, variance, scale, bias, fa, target, sums, eps, True, True, False, act,
                              terms, ca, variance_given=True), copy_to)
@@ -734,10 +731,27 @@ def mean_variance_normalization_backward(grad_output: Any, x: Any, axes: Any, me
     except TypeError:
         key = []
 
-    plan = _planned(key, lambda: _mvn_backward_plan(
-        x, dy, axes, mean, inv_std, scale, bias, normalize_mean, normalize_variance, epsilon, epsilon_mode, activation,
-        grad_input, grad_scale, grad_bias))
+    plan = _planned(key, _mvn_backward_plan, x, dy, axes, mean, inv_std, scale, bias, normalize_mean,
+                    normalize_variance, epsilon, epsilon_mode, activation, grad_input, grad_scale, grad_bias)
     return _mvn_backward_run(plan, out, x, dy, mean, inv_std, scale, bias)
+
+
+def _bn_backward_sums_plan(x: Any, dy: Any, mean: Any, variance: Any, scale: Any, bias: Any, fa: Any, epsilon: Any,
+                           channel_axis: Any, training: Any, activation: Any, grad_input: Any, grad_scale: Any,
+                           grad_bias: Any) -> tuple:
+    """batch_normalization_backward's plan with its sums' plan."""
+    eps, act, terms, axes, ca, want_input, ws, wb = _plan_bn_backward(
+        x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training, activation, grad_input, grad_scale,
+        grad_bias)
+    return eps, act, terms, axes, ca, want_input, _sums_plan(x.shape, scale, bias, ca, ws, wb)
+
+
+def _trailing_backward_plan(x: Any, dy: Any, axis: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
+                            normalize_mean: bool, epsilon: Any, activation: Any, grad_input: Any, grad_scale: Any,
+                            grad_bias: Any) -> tuple:
+    """layer_norm_backward's and rms_norm_backward's plan: MVN's over the dims from axis."""
+    return _mvn_backward_plan(x, dy, trailing_axes_rule(x, axis), mean, inv_std, scale, bias, normalize_mean, True,
+                              epsilon, "inside", activation, grad_input, grad_scale, grad_bias)
 
 
 def _mvn_backward_plan(x: Any, dy: Any, axes: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
@@ -800,9 +814,8 @@ def layer_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale
         x, grad_output, ("mean", mean), ("inv_std", inv_std), ("scale", scale), ("bias", bias))
     key = ("layer_backward", _k(x), _k(dy), _k(mean), _k(inv_std), _k(scale), _k(bias), _a(axis), _a(epsilon),
            _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))  # (unhashable: _planned validates)
-    plan = _planned(key, lambda: _mvn_backward_plan(
-        x, dy, trailing_axes_rule(x, axis), mean, inv_std, scale, bias, True, True, epsilon, "inside", activation,
-        grad_input, grad_scale, grad_bias))
+    plan = _planned(key, _trailing_backward_plan, x, dy, axis, mean, inv_std, scale, bias, True, epsilon, activation,
+                    grad_input, grad_scale, grad_bias)
     return _mvn_backward_run(plan, out, x, dy, mean, inv_std, scale, bias)
 
 
@@ -846,9 +859,8 @@ def rms_norm_backward(grad_output: Any, x: Any, inv_rms: Any, scale: Any = None,
     x, dy, inv_rms, scale = _as_arrays(x, grad_output, ("inv_rms", inv_rms), ("scale", scale))
     key = ("rms_backward", _k(x), _k(dy), _k(inv_rms), _k(scale), _a(axis), _a(epsilon), _a(activation),
            _a(grad_input), _a(grad_scale))
-    plan = _planned(key, lambda: _mvn_backward_plan(
-        x, dy, trailing_axes_rule(x, axis), None, inv_rms, scale, None, False, True, epsilon, "inside", activation,
-        grad_input, grad_scale, False))
+    plan = _planned(key, _trailing_backward_plan, x, dy, axis, None, inv_rms, scale, None, False, epsilon, activation,
+                    grad_input, grad_scale, False)
     return _mvn_backward_run(plan, out, x, dy, None, inv_rms, scale, None)
 
 
@@ -903,15 +915,34 @@ def instance_norm_backward(grad_output: Any, x: Any, mean: Any, inv_std: Any, sc
                     _a(epsilon), _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))
     except TypeError:
         key = []
-    def plan() -> tuple:
-        axes, ca, eps, act, want_input, ws, wb = _plan_instance_backward(
-            x, dy, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale, grad_bias)
-        return axes, ca, eps, act, want_input, _sums_plan(x.shape, scale, bias, ca, ws, wb)
-
-    axes, ca, eps, act, want_input, sums = _planned(key, plan)
+    axes, ca, eps, act, want_input, sums = _planned(
+        key, _instance_backward_sums_plan, x, dy, mean, inv_std, scale, bias, channel_axis, epsilon, activation,
+        grad_input, grad_scale, grad_bias)
     target, copy_to = _targets(out, want_input, x, dy, mean, inv_std, scale, bias)
     return _finish(_backward(dy, x, axes, mean, inv_std, scale, bias, None, target, sums, eps, True, True, False, act,
                              True, ca), copy_to)
+
+
+def _instance_backward_sums_plan(x: Any, dy: Any, mean: Any, inv_std: Any, scale: Any, bias: Any, channel_axis: Any,
+                                 epsilon: Any, activation: Any, grad_input: Any, grad_scale: Any,
+                                 grad_bias: Any) -> tuple:
+    """instance_norm_backward's plan with its sums' plan."""
+    axes, ca, eps, act, want_input, ws, wb = _plan_instance_backward(
+        x, dy, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale, grad_bias)
+    return axes, ca, eps, act, want_input, _sums_plan(x.shape, scale, bias, ca, ws, wb)
+
+
+def _group_backward_sums_plan(x: Any, dy: Any, num_groups: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
+                              channel_axis: Any, epsilon: Any, activation: Any, grad_input: Any, grad_scale: Any,
+                              grad_bias: Any) -> tuple:
+    """group_norm_backward's plan with its sums' plan, summed over the split views (the parameters
+    at (G, C/G), no channel axis)."""
+    ca, c, g, k, sshape, pshape, axes, eps, act, want_input, ws, wb = _plan_group_backward(
+        x, dy, num_groups, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale,
+        grad_bias)
+    split = x.shape[:ca] + (g, k) + x.shape[ca + 1:]
+    params = [None if p is None else np.broadcast_to(np.zeros((), p.dtype), pshape) for p in (scale, bias)]
+    return ca, c, g, k, sshape, pshape, axes, eps, act, want_input, _sums_plan(split, *params, -1, ws, wb)
 
 
 def _plan_group_backward(x: Any, dy: Any, num_groups: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
@@ -975,16 +1006,9 @@ def group_norm_backward(grad_output: Any, x: Any, num_groups: int, mean: Any, in
                     _a(channel_axis), _a(epsilon), _a(activation), _a(grad_input), _a(grad_scale), _a(grad_bias))
     except TypeError:
         key = []
-    def plan() -> tuple:
-        ca, c, g, k, sshape, pshape, axes, eps, act, want_input, ws, wb = _plan_group_backward(
-            x, dy, num_groups, mean, inv_std, scale, bias, channel_axis, epsilon, activation, grad_input, grad_scale,
-            grad_bias)
-        # (summed over the split views: the parameters at (G, C/G), no channel axis)
-        split = x.shape[:ca] + (g, k) + x.shape[ca + 1:]
-        params = [None if p is None else np.broadcast_to(np.zeros((), p.dtype), pshape) for p in (scale, bias)]
-        return ca, c, g, k, sshape, pshape, axes, eps, act, want_input, _sums_plan(split, *params, -1, ws, wb)
-
-    ca, c, g, k, sshape, pshape, axes, eps, act, want_input, sums = _planned(key, plan)
+    ca, c, g, k, sshape, pshape, axes, eps, act, want_input, sums = _planned(
+        key, _group_backward_sums_plan, x, dy, num_groups, mean, inv_std, scale, bias, channel_axis, epsilon,
+        activation, grad_input, grad_scale, grad_bias)
     stats = [mean.reshape(sshape), inv_std.reshape(sshape)]
     xv = split_view(x, ca, g, k)
     dv = split_view(dy, ca, g, k)

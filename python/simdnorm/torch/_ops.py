@@ -1142,31 +1142,24 @@ def _as_numpy_dtype(t: torch.Tensor) -> Any:
     return _np_bf16() if t.dtype is _BF16 else torch.empty((), dtype=t.dtype).numpy().dtype
 
 
-# each forward op and its arguments (name, a tensor, keyword-only), read from its schema once: in a
+# each op and its arguments (name, a tensor, keyword-only), read from its schema once: in a
 # torch.compile trace of a plain function the schema's objects are opaque
 _ARGUMENTS = {name: (getattr(_ops, name).default, tuple(
     (a.name, str(a.type).startswith("Tensor"), a.kwarg_only) for a in getattr(_ops, name).default._schema.arguments))
-    for name, _, _ in _TABLE if not name.endswith("_backward")}
+    for name, _, _ in _TABLE}
 
 
-def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
-    """The plain function `name` called with `kw` (its arguments by name, x a torch tensor), through
-    the op of the same name; the results as the plain function returns them."""
+def _call_op(name: str, kw: Dict[str, Any]) -> Any:
+    """The op `name` on a plain function's arguments by name (x a torch tensor; the activation and
+    axes in the plain functions' forms): what the op returns."""
     from .._descriptors import check_activation  # (the plain functions' own rules)
 
-    kw = dict(kw)
-    if kw.pop("out", None) is not None:
-        raise TypeError(f"{name}: out= with a tensor that autograd follows (one that requires grad with grad "
-                        "mode on, or under a torch.func transform or forward-mode AD); autograd records no writes "
-                        "into out=: leave out= out, or call under torch.no_grad()")
-    return_stats = kw.pop("return_stats", False)
-    running = {k: kw.pop(k) for k in _RUNNING if k in kw}
     act = check_activation(kw.pop("activation", None))
     if act is not None:
         kw["activation"], kw["activation_params"] = act.name, list(act.params.values())
     if isinstance(kw.get("axes"), int):
         kw["axes"] = [kw["axes"]]
-    x = kw.pop("x")
+    x = kw["x"]
     op, layout = _ARGUMENTS[name]
     args: List[Any] = []
     kwargs: Dict[str, Any] = {}
@@ -1181,12 +1174,25 @@ def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
                 kwargs[arg] = v
             else:
                 args.append(v)
-    res = op(*args, **kwargs)
+    return op(*args, **kwargs)
+
+
+def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
+    """The plain function `name` called with `kw` (its arguments by name, x a torch tensor), through
+    the op of the same name; the results as the plain function returns them."""
+    kw = dict(kw)
+    if kw.pop("out", None) is not None:
+        raise TypeError(f"{name}: out= with a tensor that autograd follows (one that requires grad with grad "
+                        "mode on, or under a torch.func transform or forward-mode AD); autograd records no writes "
+                        "into out=: leave out= out, or call under torch.no_grad()")
+    return_stats = kw.pop("return_stats", False)
+    running = {k: kw.pop(k) for k in _RUNNING if k in kw}
+    res = _call_op(name, kw)
     if name == "batch_normalization":
         return res
     if name == "batch_normalization_training":
         if running.get("running_mean") is not None or running.get("running_var") is not None:
-            _update_running(x, res[1], res[2], running)
+            _update_running(kw["x"], res[1], res[2], running)
         return res
     if not return_stats:
         return res[0]
@@ -1196,6 +1202,36 @@ def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
         return (res[0], res[1] if kw.get("normalize_mean", True) else None,
                 res[2] if kw.get("normalize_variance", True) else None)
     return res
+
+
+def call_backward(name: str, kw: Dict[str, Any]) -> tuple:
+    """A plain *_backward function called with tensors under torch.compile or torch.export (fake
+    tensors, no memory to read): its op, which the graph records; the results as the plain function
+    returns them, None for a gradient not asked for (the op's empty tensor)."""
+    from .._descriptors import DescriptorError
+
+    kw = dict(kw)
+    if kw.pop("out", None) is not None:
+        raise TypeError(f"{name}: out= under torch.compile or torch.export, whose graphs record no writes into it: "
+                        "leave out= out")
+    rms = name == "rms_norm_backward"
+    if rms and kw.pop("grad_bias", None):
+        raise DescriptorError("grad_bias=True: RMS norm has no bias")
+    res = _call_op(name, kw)
+
+    def wanted(flag: str, param: str) -> bool:
+        f = kw.get(flag)
+        return kw.get(param) is not None if f is None else bool(f)
+
+    flags = [bool(kw.get("grad_input", True)), wanted("grad_scale", "scale")]
+    if not rms:
+        flags.append(wanted("grad_bias", "bias"))
+    grads = tuple(g if w else None for g, w in zip(res, flags))
+    if rms:
+        return grads + (None,)
+    if name == "batch_normalization_backward" and kw.get("fused_add") is not None:
+        return grads + (res[3],)
+    return grads
 
 
 def _update_running(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, running: Dict[str, Any]) -> None:
