@@ -687,6 +687,23 @@ def test_fx_symbolic_trace_calls_the_drop_ins(rng):
         assert_close(a, b, f"buffer {n}")
 
 
+def test_fx_tracer_with_a_proxy_class_of_its_own(rng):
+    # (tracers such as transformers' make their own Proxy subclass)
+    class OwnProxy(torch.fx.Proxy):
+        pass
+
+    class OwnTracer(torch.fx.Tracer):
+        def proxy(self, node):
+            return OwnProxy(node, self)
+
+    ours = snt.convert(EveryNorm())
+    graph = OwnTracer().trace(ours)
+    assert [n.op for n in graph.nodes].count("call_module") == 9
+    x = rand(rng, 2, 4, 3, 5, 6)
+    with torch.no_grad():
+        assert torch.equal(torch.fx.GraphModule(ours, graph)(x), ours(x))
+
+
 @pytest.mark.parametrize("make", [lambda: nn.LayerNorm(6), lambda: nn.GroupNorm(2, 4), lambda: nn.RMSNorm(6),
                                   lambda: nn.BatchNorm1d(4), lambda: nn.InstanceNorm1d(4)],
                          ids=["layer", "group", "rms", "batch1d", "instance1d"])

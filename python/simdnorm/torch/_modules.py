@@ -118,7 +118,8 @@ def _fx_call(m: nn.Module, input: Any, nn_forward: Callable[[Any], Any]) -> Any:
     """A drop-in's forward on a torch.fx Proxy: a call_module node of m, as torch.fx's tracer makes
     for torch.nn's own modules (its rule knows them by their module path, torch.nn's), so that the
     traced GraphModule calls the drop-in; torch.nn's forward, traced, where m is the traced root
-    or a tracer without module paths."""
+    or a tracer without module paths. (The forwards test isinstance: a tracer's own Proxy subclass
+    comes here too.)"""
     tracer = input.tracer
     path = ""
     if hasattr(tracer, "path_of_module"):
@@ -136,7 +137,7 @@ class _BatchNormForward(_BatchNorm):
     that it types; BatchNorm1d's MRO puts nn.BatchNorm1d after it: super() is torch.nn's.)"""
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.__class__ is _Proxy:
+        if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         rm, rv, w, b = _state(self, "running_mean", "running_var", "weight", "bias")
         if not self.training and rm is not None and rv is not None and _direct(input, w, b):
@@ -198,7 +199,7 @@ class _InstanceNormForward(_InstanceNorm):
     torch.nn's: it calls this after them)."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.__class__ is _Proxy:
+        if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         return super().forward(input)
 
@@ -245,7 +246,7 @@ class LayerNorm(nn.LayerNorm):
     """:class:`torch.nn.LayerNorm` computed by simdnorm on the CPU."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.__class__ is _Proxy:
+        if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         w, b = _state(self, "weight", "bias")
         if _direct(input, w, b):
@@ -266,7 +267,7 @@ class RMSNorm(nn.RMSNorm):
     float64."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.__class__ is _Proxy:
+        if isinstance(x, _Proxy):
             return _fx_call(self, x, super().forward)
         (w,) = _state(self, "weight")
         eps = self.eps
@@ -289,7 +290,7 @@ class GroupNorm(nn.GroupNorm):
     """:class:`torch.nn.GroupNorm` computed by simdnorm on the CPU."""
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.__class__ is _Proxy:
+        if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         w, b = _state(self, "weight", "bias")
         if input.is_nested or input.numel() == self.num_groups:  # (one sample of one-element groups: torch.nn's ValueError)
