@@ -483,6 +483,26 @@ def test_requires_grad_goes_through_autograd_and_no_grad_reads_in_place(rng):
     np.testing.assert_allclose(y.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["list", "tuple", "numpy", "numpy_float64"])
+def test_requires_grad_with_array_like_parameters(rng, form):
+    # the differentiable route takes parameters as the plain functions do: any array-like (a numpy
+    # array, a list of numbers), converted to a tensor (the op's schema wants one)
+    pytest.importorskip("simdnorm.torch", reason="simdnorm.torch needs torch")
+    x = tensor(rng, (3, 4, 6), F32).requires_grad_()
+    w = rng.standard_normal(6) + 1.0
+    param = {"list": list(w), "tuple": tuple(w), "numpy": w.astype(np.float32), "numpy_float64": w}[form]
+    if form == "numpy_float64":  # (float64 parameters of float32 data: simdnorm's TypeError, as without grad)
+        with pytest.raises(TypeError):
+            simdnorm.layer_norm(x, param)
+        return
+    y = simdnorm.layer_norm(x, param, activation="relu")
+    want = torch.relu(torch.nn.functional.layer_norm(x, (6,)) * torch.as_tensor(w, dtype=torch.float32))
+    np.testing.assert_allclose(y.detach().numpy(), want.detach().numpy(), rtol=1e-5, atol=1e-6)
+    dy = tensor(rng, (3, 4, 6), F32)
+    (g,), (g_want,) = torch.autograd.grad(y, x, dy), torch.autograd.grad(want, x, dy)
+    np.testing.assert_allclose(g.numpy(), g_want.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_training_requires_grad_updates_running_statistics(rng):
     pytest.importorskip("simdnorm.torch", reason="simdnorm.torch needs torch")
     bn = torch.nn.BatchNorm2d(3)

@@ -278,6 +278,9 @@ def _plain_calls(rng):
         ("rms_norm", lambda x, w, b: simdnorm.rms_norm(x, w, axis=-2, return_stats=True), (c(4, 4) + 1, None)),
         ("instance_norm", lambda x, w, b: simdnorm.instance_norm(x, w, b, activation="gelu"), (w8, b8)),
         ("group_norm", lambda x, w, b: simdnorm.group_norm(x, 2, w, b, return_stats=True), (w8, b8)),
+        # (array-like parameters: a numpy array, a list)
+        ("layer_norm", lambda x, w, b: simdnorm.layer_norm(x, w, np.linspace(-1, 1, 4, dtype=np.float32)), (w4, None)),
+        ("group_norm", lambda x, w, b: simdnorm.group_norm(x, 2, w, [0.5] * 8), (w8, None)),
         ("batch_normalization_training", lambda x, w, b: simdnorm.batch_normalization_training(
             x, w, b, activation="leaky_relu"), (w8, b8)),
     ]

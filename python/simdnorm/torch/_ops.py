@@ -1130,22 +1130,23 @@ _RUNNING = ("running_mean", "running_var", "momentum", "momentum_convention", "n
 
 
 def _tensor_arg(v: Any, like: torch.Tensor) -> Any:
-    """A plain function's array argument as the op takes it: tensors as they are, anything else
-    array-like as a (zero-copy where it can) tensor."""
+    """A plain function's array argument as the op takes it: tensors as they are, numbers and lists
+    of them as a tensor of the input's dtype (torch's own conversion, which torch.compile traces),
+    anything else array-like as a zero-copy tensor where it can be."""
     if v is None or isinstance(v, torch.Tensor):
         return v
-    a = np.asarray(v, dtype=_as_numpy_dtype(like) if isinstance(v, (list, tuple, float, int)) else None)
-    return _as_tensor(a, like, like.dtype)
-
-
-def _as_numpy_dtype(t: torch.Tensor) -> Any:
-    return _np_bf16() if t.dtype is _BF16 else torch.empty((), dtype=t.dtype).numpy().dtype
+    if isinstance(v, (list, tuple, float, int)):
+        return torch.as_tensor(v, dtype=like.dtype)
+    if torch.compiler.is_compiling():  # (Dynamo converts a numpy array itself)
+        return torch.as_tensor(v)
+    return _as_tensor(np.asarray(v), like, like.dtype)
 
 
 # each op and its arguments (name, a tensor, keyword-only), read from its schema once: in a
 # torch.compile trace of a plain function the schema's objects are opaque
 _ARGUMENTS = {name: (getattr(_ops, name).default, tuple(
-    (a.name, str(a.type).startswith("Tensor"), a.kwarg_only) for a in getattr(_ops, name).default._schema.arguments))
+    (a.name, str(a.type) in ("Tensor", "Optional[Tensor]"), a.kwarg_only)
+    for a in getattr(_ops, name).default._schema.arguments))
     for name, _, _ in _TABLE}
 
 
