@@ -20,27 +20,13 @@ import simdnorm.torch  # noqa: E402,F401
 from reference import ACTIVATION_NAMES, NONDEFAULT_PARAMS  # noqa: E402
 from simdnorm import ACTIVATIONS  # noqa: E402
 from simdnorm.torch import _decompositions  # noqa: E402
+from torch_fuzz import assert_decomposition_close  # noqa: E402
 
 ops = torch.ops.simdnorm
-# max |decomposition - op| over max(1, max |op|) (tests/torch_fuzz.py's bounds)
-RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def rand(rng, *shape, dtype=torch.float32, scale=1.0, loc=0.0):
     return torch.from_numpy(rng.standard_normal(shape) * scale + loc).to(dtype)
-
-
-def assert_matches(name, got, want):
-    got = got if isinstance(got, tuple) else (got,)
-    want = want if isinstance(want, tuple) else (want,)
-    assert len(got) == len(want), name
-    for i, (d, o) in enumerate(zip(got, want)):
-        assert d.shape == o.shape and d.dtype == o.dtype, f"{name} result {i}: {d.shape} {d.dtype} vs {o.shape} {o.dtype}"
-        if o.numel():
-            dd, od = d.double(), o.double()
-            assert torch.equal(dd.isnan(), od.isnan()), f"{name} result {i}: NaNs differ"
-            err = float((dd - od).nan_to_num().abs().max()) / max(1.0, float(od.nan_to_num().abs().max()))
-            assert err <= RTOL[o.dtype], f"{name} result {i}: max error {err:.3g}"
 
 
 ACT_CASES = [(n, None) for n in ACTIVATION_NAMES] + [(n, p) for n, p in NONDEFAULT_PARAMS.items()]
@@ -54,7 +40,7 @@ def test_activations_as_the_kernels_apply_them(rng, name, params, dtype):
     w, b = rand(rng, 64, dtype=dtype, scale=4.0), rand(rng, 64, dtype=dtype)
     values = [params[k] for k in ACTIVATIONS[name]] if params else None
     kw = dict(axis=-1, epsilon=1e-5, activation=name, activation_params=values)
-    assert_matches(name, _decompositions.layer_norm(x, w, b, **kw), ops.layer_norm(x, w, b, **kw))
+    assert_decomposition_close(name, _decompositions.layer_norm(x, w, b, **kw), ops.layer_norm(x, w, b, **kw))
 
 
 def _mvn_cases():
@@ -71,7 +57,7 @@ def test_mean_variance_normalization(rng, dtype, axes, nm, nv, mode):
     scale = rand(rng, 5, 1, dtype=dtype)  # (right-aligned, lower rank)
     bias = rand(rng, 4, 1, 6, dtype=torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype)
     kw = dict(normalize_mean=nm, normalize_variance=nv, epsilon=1e-3, epsilon_mode=mode, activation="silu")
-    assert_matches("mvn", _decompositions.mean_variance_normalization(x, axes, scale, bias, **kw),
+    assert_decomposition_close("mvn", _decompositions.mean_variance_normalization(x, axes, scale, bias, **kw),
                    ops.mean_variance_normalization(x, axes, scale, bias, **kw))
 
 
@@ -86,7 +72,7 @@ def test_batch_normalization_training(rng, dtype, form):
     bias = None if form == "none" else rand(rng, *pshape, dtype=dtype)
     fused = rand(rng, *shape, dtype=dtype) if form == "fused_add" else None
     kw = dict(epsilon=1e-5, channel_axis=ca, activation="leaky_relu", activation_params=[0.2])
-    assert_matches(form, _decompositions.batch_normalization_training(x, scale, bias, fused, **kw),
+    assert_decomposition_close(form, _decompositions.batch_normalization_training(x, scale, bias, fused, **kw),
                    ops.batch_normalization_training(x, scale, bias, fused, **kw))
 
 

@@ -177,23 +177,29 @@ DECOMPOSITION_RTOL = {"float64": 1e-10, "float32": 1e-4, "float16": 4e-3, "bfloa
 
 def _decomposition_matches(torch, op, pos, kw, got):
     """The op's torch-ops decomposition (simdnorm/torch/_decompositions.py, what torch.onnx exports)
-    gives the op's results: each within DECOMPOSITION_RTOL, NaN where the op's is NaN."""
+    gives the op's results."""
     from simdnorm.torch import _decompositions
 
-    want = _decompositions.FORWARD[op](*pos, **kw)
-    want = want if isinstance(want, tuple) else (want,)
-    assert len(want) == len(got), f"decomposition: {len(want)} results, the op {len(got)}"
+    assert_decomposition_close(op, _decompositions.FORWARD[op](*pos, **kw), got)
+
+
+def assert_decomposition_close(what, decomposed, op_results):
+    """Each of a decomposition's results within DECOMPOSITION_RTOL of the op's, NaN where the op's
+    is NaN, of its shape and dtype."""
+    want = decomposed if isinstance(decomposed, tuple) else (decomposed,)
+    got = op_results if isinstance(op_results, tuple) else (op_results,)
+    assert len(want) == len(got), f"{what}: the decomposition gives {len(want)} results, the op {len(got)}"
     for i, (d, g) in enumerate(zip(want, got)):
         assert d.shape == g.shape and d.dtype == g.dtype, \
-            f"decomposition's result {i}: {tuple(d.shape)} {d.dtype}, the op's {tuple(g.shape)} {g.dtype}"
+            f"{what}: decomposition's result {i}: {tuple(d.shape)} {d.dtype}, the op's {tuple(g.shape)} {g.dtype}"
         if not g.numel():
             continue
         dd, gd = d.double(), g.double()
-        assert bool((dd.isnan() == gd.isnan()).all()), f"decomposition's result {i}: NaNs differ"
+        assert bool((dd.isnan() == gd.isnan()).all()), f"{what}: decomposition's result {i}: NaNs differ"
         scale = max(1.0, float(gd.nan_to_num().abs().max()))
         err = float((dd - gd).nan_to_num().abs().max()) / scale
         tol = DECOMPOSITION_RTOL[str(g.dtype).replace("torch.", "")]
-        assert err <= tol, f"decomposition's result {i}: max error {err:.3g} of max(1, the largest)"
+        assert err <= tol, f"{what}: decomposition's result {i}: max error {err:.3g} of max(1, the largest)"
 
 
 def _vmap_matches_samples(torch, op, pos, kw, at, params, apart):

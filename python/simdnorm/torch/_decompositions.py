@@ -21,16 +21,17 @@ import torch
 from torch import Tensor
 
 from .._activation import ACTIVATIONS
+from . import _ops as _op_kernels  # (it imports this module halfway: its helpers are read at call time)
 
 _ops = torch.ops.simdnorm
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+    return _op_kernels._stats_dtype(x)  # (the ops' statistics dtype is their compute type)
 
 
 def _empty_stat(x: Tensor) -> Tensor:
-    return x.new_empty((0,), dtype=_compute_dtype(x))
+    return _op_kernels._empty(x, _compute_dtype(x))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -164,7 +165,8 @@ def layer_norm(input: Tensor, scale: Optional[Tensor] = None, bias: Optional[Ten
 
 
 def rms_norm(input: Tensor, scale: Optional[Tensor] = None, *, axis: int = -1, epsilon: float = 1e-5,
-             activation: Optional[str] = None, activation_params: Optional[List[float]] = None) -> Tuple[Tensor, Tensor]:
+             activation: Optional[str] = None,
+             activation_params: Optional[List[float]] = None) -> Tuple[Tensor, Tensor]:
     axes = list(range(axis % input.dim(), input.dim()))
     y, _, inv = _mvn(input, axes, _right_aligned(scale, input), None, False, True, epsilon, "inside", activation,
                      activation_params)
