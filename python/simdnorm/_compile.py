@@ -105,7 +105,7 @@ def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
     TypeError."""
     if is_tensor(obj):
         torch = sys.modules["torch"]
-        if torch.compiler.is_compiling() or torch._C._is_tracing() or _transforming(torch) and _transformed(torch, obj):
+        if torch._C._is_tracing() or _transforming(torch) and _transformed(torch, obj):
             raise _refuse_transformed(name)
         if obj.requires_grad:
             if torch.is_grad_enabled():  # (follow_input sends the forward ops' such calls to their torch op)
@@ -115,6 +115,12 @@ def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
             obj = obj.detach()
         if obj.is_neg():
             obj = resolved_negative(obj, name, writeable)
+        try:
+            return _core.from_dlpack(obj, name, writeable)
+        except TypeError:  # (a torch.compile or torch.export trace's fake tensor, asked only then)
+            if torch.compiler.is_compiling():
+                raise _refuse_transformed(name) from None
+            raise
     return _core.from_dlpack(obj, name, writeable)
 
 
