@@ -2024,9 +2024,11 @@ def test_groups_save_their_ga(rng, threads, dtype, act, case):
 # and its parameter sums those of the sums pass alone (the call that asks for no grad_input), in
 # the caches and from memory, for every loop that takes it: channels-last rows (lanes_sums), NCHW
 # planes of a few lines (const_rows_sums_write) and longer (sums_run), strided runs, and a fused add
-# with an activation (gathered runs, summed then written run by run).
+# with an activation (gathered runs, summed then written run by run). nhwc_lines: channels-last rows
+# of whole lines whose grad_input starts 16 bytes past a line (streamed from memory: each row's
+# first elements in a partial vector, then aligned ones).
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
-@pytest.mark.parametrize("layout", ["nhwc", "nchw", "nchw_long", "strided", "nhwc_fused_silu"])
+@pytest.mark.parametrize("layout", ["nhwc", "nhwc_lines", "nchw", "nchw_long", "strided", "nhwc_fused_silu"])
 @pytest.mark.parametrize("where", ["cache", "memory"])
 def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, threads, dtype, layout, where):
     from simdnorm import _core
@@ -2034,7 +2036,7 @@ def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, thre
 
     if where == "memory" and dtype in (F16, F64):
         pytest.skip("from memory: float32 and bfloat16 (the loops are the same for every dtype)")
-    inner = (40, 40, 8) if layout == "nchw_long" else (6, 10, 100)  # (planes of 1600: past kSumFlush)
+    inner = {"nchw_long": (40, 40, 8), "nhwc_lines": (6, 10, 128)}.get(layout, (6, 10, 100))  # (planes of 1600: past kSumFlush)
     per = int(np.prod(inner))
     n = 2 if where == "cache" else _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * per) + 2
     x = rand_values(rng, (n, *inner), dtype, scale=2.0) + np.asarray(3.0, dtype)
@@ -2050,6 +2052,11 @@ def test_backward_sums_pass_writes_grad_input_without_statistics_terms(rng, thre
         x, dy, kw["out"] = (np.concatenate([a, a], axis=2)[:, :, ::2, ::-1] for a in (x, dy, np.empty_like(x)))
     elif layout == "nhwc_fused_silu":
         kw.update(fused_add=rand_values(rng, x.shape, dtype, scale=1.0), activation="silu")
+    elif layout == "nhwc_lines":
+        buffer = np.empty(x.size + 64, dtype)
+        start = (16 - buffer.ctypes.data % 64) % 64 // buffer.itemsize
+        kw["out"] = buffer[start:start + x.size].reshape(x.shape)
+        assert kw["out"].ctypes.data % 64 == 16
     kw.setdefault("out", np.empty_like(x))
 
     def call(**flags):

@@ -1076,9 +1076,12 @@ struct BackwardKernel {
     const C* const c2 = reinterpret_cast<const C*>(p[kStats] + 3 * t.stats_pitch);
     const C* const scale = reinterpret_cast<const C*>(p[kParams]);
     const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
-    // Streamed where every row's grad_input starts on a vector (and a vector is a whole line).
-    const bool stream = Write && t.stream_stores && rs[kGradIn] % L::kVectorBytes == 0 &&
-                        stream_head(p[kGradIn], n) == 0;
+    // Streamed where every row's grad_input has the same phase to a vector (and a vector is a whole
+    // line): each row's first `head` elements as one partial vector, then whole aligned vectors. (The
+    // slots are per lane, so where the vectors start does not change the sums' bits.)
+    int64_t head = Write && t.stream_stores && rs[kGradIn] % L::kVectorBytes == 0 ? stream_head(p[kGradIn], n) : -1;
+    const bool stream = head >= 0;
+    if (!stream) head = 0;
     const int64_t pi = (p[kParams] - acc.params_base) / cs, gi = (p[kStats] - acc.stats_base) / cs;
     const bool want_param = acc.param[0] != nullptr;
     C* const sum_gay = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
@@ -1094,10 +1097,10 @@ struct BackwardKernel {
     const int rows_a_block = Write || one_row_reads ? 1 : kLaneRows;
     // Rows back to back, a whole block's rows of x and dy are each one run of lines: the runs
     // ahead are prefetched in order, shared out evenly between the vectors' steps. Line by line
-    // down the rows (as Element::at), the same lines came in slower (docs/BENCHMARKS.md). Writing,
-    // a row at a time, nothing is prefetched: as in lanes_apply, the hardware follows a row alone
-    // better (measured: docs/BENCHMARKS.md).
-    constexpr bool prefetch = !Write;
+    // down the rows (as Element::at), the same lines came in slower (docs/BENCHMARKS.md). Writing
+    // a row at a time with plain stores, nothing is prefetched: as in lanes_apply, the hardware
+    // follows a row alone better (measured: docs/BENCHMARKS.md); streamed, the prefetches gain.
+    const bool prefetch = !Write || stream;
     const int64_t steps = n / W;  // whole vectors of a row
     const bool one_run = prefetch && rs[kX] == n * es && rs[kGradOut] == n * es && steps > 0;
     const int64_t block_bytes = rows_a_block * n * es;
@@ -1153,7 +1156,8 @@ struct BackwardKernel {
         if constexpr (Group) store_up_to<LC>(sum_g + e, s0, m), store_up_to<LC>(sum_gy + e, s1, m);
         if (want_param) store_up_to<LC>(sum_gay + e, s2, m), store_up_to<LC>(sum_ga + e, s3, m);
       };
-      int64_t e = 0;
+      int64_t e = head;
+      if (e > 0) at(0, static_cast<int>(e));
       for (; e + W <= n; e += W) at(e, W);
       if (e < n) at(e, static_cast<int>(n - e));
     };
