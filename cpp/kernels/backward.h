@@ -1169,9 +1169,10 @@ struct BackwardKernel {
     for (; r < rows; ++r) block(std::integral_constant<int, 1>{}, r);
   }
 
-  // apply_run over a block of such rows, one after another. Not prefetched, unlike apply_run: the
-  // hardware follows these rows better alone. Rows side by side (as lanes_sums takes them) are
-  // interleaved streams in one page, which it does not follow (docs/BENCHMARKS.md).
+  // apply_run over a block of such rows, one after another. With plain stores not prefetched,
+  // unlike apply_run: the hardware follows these rows better alone; streamed, x and dy are
+  // prefetched ahead, which gained there (docs/BENCHMARKS.md). Rows side by side (as lanes_sums
+  // takes them) are interleaved streams in one page, which it does not follow.
   static void lanes_apply(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n) {
     visit_inline_derivative<V>(t.act, [&](const auto& deriv) { lanes_apply_of(t, deriv, p, rs, rows, n); });
   }
@@ -1190,6 +1191,10 @@ struct BackwardKernel {
       const bool stream = head >= 0;
       // m elements from e: a whole vector (streamed when asked), or an edge of m < W.
       auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+        if (stream && m == W) {
+          __builtin_prefetch(reinterpret_cast<const char*>(x + e) + kPrefetchAheadBytes, 0, 2);
+          __builtin_prefetch(reinterpret_cast<const char*>(dy + e) + kPrefetchAheadBytes, 0, 2);
+        }
         const V uv = load_up_to<LC>(u + e, m), sv = load_up_to<LC>(scale + e, m);
         const V d = load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m);
         V ga = load_up_to<L>(dy + e, m);
