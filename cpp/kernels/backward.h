@@ -174,6 +174,13 @@ struct BackwardKernel {
     const int64_t head = static_cast<int64_t>((L::kVectorBytes - a % L::kVectorBytes) % L::kVectorBytes / sizeof(T));
     return head < n ? head : n;
   }
+  // Where a run of n elements written at p starts its whole streamed vectors (its first ones one
+  // partial vector, streamed too), stream set; 0, stream false, where ok is false or p cannot stream.
+  static int64_t streamed_from(bool ok, const char* p, int64_t n, bool& stream) {
+    const int64_t head = ok ? stream_head(p, n) : -1;
+    stream = head >= 0;
+    return stream ? head : 0;
+  }
 
   // A vector of m elements of type E at p with byte stride s, gathered in the compute type.
   template <class E>
@@ -466,9 +473,8 @@ struct BackwardKernel {
     using Yes = std::true_type;
     using No = std::false_type;
     // Every row streams alike when the rows' step keeps their alignment.
-    int64_t head = t.stream_stores && step[kGradIn] % L::kVectorBytes == 0 ? stream_head(p[kGradIn], n) : -1;
-    const bool stream = head >= 0;
-    if (!stream) head = 0;
+    bool stream;
+    const int64_t head = streamed_from(t.stream_stores && step[kGradIn] % L::kVectorBytes == 0, p[kGradIn], n, stream);
     // Row pointers and element indices move on by a block's rows at each block (per row, their
     // multiplications were an eighth of a row of 16 floats' instructions).
     int64_t stat0 = (p[kStats] - acc.stats_base) / cs, param0 = 0;
@@ -615,11 +621,11 @@ struct BackwardKernel {
     char* const dx_base = p[kGradIn];
     const int64_t sdx = s[kGradIn];
     constexpr bool unit = SStep != kAny && PStep != kAny;
-    const int64_t head = unit && t.stream_stores && !write_ga ? stream_head(dx_base, n) : -1;
-    const bool stream = head >= 0;
+    bool stream;
+    const int64_t head = streamed_from(unit && t.stream_stores && !write_ga, dx_base, n, stream);
     int m = 0;
     for (int64_t e = 0; e < n; e += m) {
-      m = static_cast<int>(stream && e == 0 && head > 0 ? head : n - e < W ? n - e : W);
+      m = static_cast<int>(e == 0 && head > 0 ? head : n - e < W ? n - e : W);
       V d, y, ga, g;
       char* out = dx_base + e * sdx;
       if (unit && !grouped && !stream) __builtin_prefetch(out + kPrefetchAheadBytes, 1);
@@ -654,9 +660,8 @@ struct BackwardKernel {
                        int64_t n, const BackwardSums& acc) {
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
     const Element<kConst, kConst, D> wr(t, deriv, pa, s, 0), su(t, deriv, ps, s, 0);
-    int64_t head = t.stream_stores ? stream_head(pa[kGradIn], n) : -1;
-    const bool stream = head >= 0;
-    if (!stream) head = 0;
+    bool stream;
+    const int64_t head = streamed_from(t.stream_stores, pa[kGradIn], n, stream);
     // The summed run from its start; the written one from head, its whole vectors [0, written).
     const T* const sx = reinterpret_cast<const T*>(ps[kX]);
     const T* const sdy = reinterpret_cast<const T*>(ps[kGradOut]);
@@ -1079,9 +1084,9 @@ struct BackwardKernel {
     // Streamed where every row's grad_input has the same phase to a vector (and a vector is a whole
     // line): each row's first `head` elements as one partial vector, then whole aligned vectors. (The
     // slots are per lane, so where the vectors start does not change the sums' bits.)
-    int64_t head = Write && t.stream_stores && rs[kGradIn] % L::kVectorBytes == 0 ? stream_head(p[kGradIn], n) : -1;
-    const bool stream = head >= 0;
-    if (!stream) head = 0;
+    bool stream;
+    const int64_t head =
+        streamed_from(Write && t.stream_stores && rs[kGradIn] % L::kVectorBytes == 0, p[kGradIn], n, stream);
     const int64_t pi = (p[kParams] - acc.params_base) / cs, gi = (p[kStats] - acc.stats_base) / cs;
     const bool want_param = acc.param[0] != nullptr;
     C* const sum_gay = want_param ? static_cast<C*>(acc.param_vary[0]) + pi : nullptr;
@@ -1187,8 +1192,8 @@ struct BackwardKernel {
     const T* dy = reinterpret_cast<const T*>(p[kGradOut]);
     T* dx = reinterpret_cast<T*>(p[kGradIn]);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t head = t.stream_stores ? stream_head(reinterpret_cast<const char*>(dx), n) : -1;
-      const bool stream = head >= 0;
+      bool stream;
+      const int64_t head = streamed_from(t.stream_stores, reinterpret_cast<const char*>(dx), n, stream);
       // m elements from e: a whole vector (streamed when asked), or an edge of m < W.
       auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
         if (stream && m == W) {
@@ -1203,7 +1208,7 @@ struct BackwardKernel {
                                k_coefficient(uv, load_up_to<LC>(c1 + e, m)));
         store_dx<true>(reinterpret_cast<char*>(dx + e), sizeof(T), v, m, stream);
       };
-      int64_t e = stream ? head : 0;
+      int64_t e = head;
       if (e > 0) at(0, static_cast<int>(e));
       for (; e + W <= n; e += W) at(e, W);
       if (e < n) at(e, static_cast<int>(n - e));
