@@ -414,9 +414,9 @@ struct BackwardKernel {
   // Layer and RMS norm rows: one run each, contiguous, the statistics constant along a row, the
   // parameters contiguous and shared by all rows. R rows make a block: one loop sums the block
   // (each parameter slot read and written once for R rows, the rows ahead fetched into the L2),
-  // then one writes its grad_input, reading the block again from the L1. (One loop that wrote
-  // block k while it summed block k + 1 held both blocks' state and spilled it on AVX2: these two
-  // take 0.83-0.93x its time on rows in the L3, the same from memory.)
+  // then one writes its grad_input, reading the block again from the L1. With 32 registers, blocks
+  // of two rows are written in the loop that sums the next block (on AVX2 that loop held both
+  // blocks' state and spilled it: two loops took 0.83-0.93x its time on rows in the L3).
   // Apply: dx = y (-u c2) + ga (scale u) - u c1, y = (x - mean) u. Each row's gradient
   // is written in whole vectors from `head` (streamed: its first aligned one; the arithmetic is
   // the same per element whatever the grid), its edges after.
@@ -465,7 +465,7 @@ struct BackwardKernel {
       else return dyv;
     };
     static_assert(R <= kMaxBlockRows, "a block's rows of saved ga");
-    RowsOf<RowState, R> rows;
+    using Rows = RowsOf<RowState, R>;
     // (a block's R rows of ga saved at once; only out-of-line derivatives)
     constexpr bool kSaves = saves_ga_with<D>();
     const bool saves_ga = kSaves && t.ga_buffer != nullptr;
@@ -479,7 +479,7 @@ struct BackwardKernel {
     // multiplications were an eighth of a row of 16 floats' instructions).
     int64_t stat0 = (p[kStats] - acc.stats_base) / cs, param0 = 0;
     const int64_t stat_step = step[kStats] / cs, param_step = step[kParams] / cs;
-    auto open = [&]() SIMDNORM_INLINE_LAMBDA {
+    auto open = [&](Rows& rows) SIMDNORM_INLINE_LAMBDA {
       rows.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
         r.x = p[kX] + j * step[kX], r.dy = p[kGradOut] + j * step[kGradOut], r.dx = p[kGradIn] + j * step[kGradIn];
         r.stat = stat0 + j * stat_step;
@@ -494,7 +494,7 @@ struct BackwardKernel {
       });
     };
     // One vector of each row summed at element e (m of them).
-    auto sum_at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+    auto sum_at = [&](Rows& rows, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero(), p0 = zero(), p1 = zero();
       if constexpr (!OwnParams) {
         s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
@@ -530,7 +530,7 @@ struct BackwardKernel {
     };
     // m elements of each row written from e (full: a whole vector, streamed when asked; else m < W).
     // (y_term: every row's y coefficient nonzero, grad_input_with_y's case)
-    auto write_at = [&](auto full, auto y_term, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+    auto write_at = [&](Rows& rows, auto full, auto y_term, int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
       V s = zero(), b = zero();
       if constexpr (!OwnParams) s = load_c(scale + e, m), b = D::kUsesPre ? load_c(bias + e, m) : zero();
       rows.each([&](RowState& r, int j) SIMDNORM_INLINE_LAMBDA {
@@ -548,34 +548,38 @@ struct BackwardKernel {
         else L::store_partial(q, dx, m);
       });
     };
-    // The block's sums, added into their doubles every kSumFlush elements.
-    auto sum_block = [&]() SIMDNORM_INLINE_LAMBDA {
-      for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) {
-        const int64_t e1 = n - e0 < kSumFlush ? n : e0 + kSumFlush;
-        int64_t e = e0;
-        for (; e + W <= e1; e += W) sum_at(e, W);
-        if (e < e1) sum_at(e, static_cast<int>(e1 - e));
-        rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
-          C a, b;
-          vreduce_add2(r.a, r.b, a, b);
-          acc.group[0][r.stat] += static_cast<double>(a), acc.group[1][r.stat] += static_cast<double>(b);
-          r.a = zero(), r.b = zero();
-        });
-      }
+    // The lanes' sums into their doubles: every kSumFlush elements of the row, and at its end.
+    auto flush_sums = [&](Rows& rows) SIMDNORM_INLINE_LAMBDA {
+      rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
+        C a, b;
+        vreduce_add2(r.a, r.b, a, b);
+        acc.group[0][r.stat] += static_cast<double>(a), acc.group[1][r.stat] += static_cast<double>(b);
+        r.a = zero(), r.b = zero();
+      });
     };
-    // The block's gradients: whole vectors from head, then the edges [0, head) and the last m < W.
-    auto write_block = [&](auto y_term) SIMDNORM_INLINE_LAMBDA {
-      int64_t e = head;
-      for (; e + W <= n; e += W) write_at(Yes{}, y_term, e, W);
+    // One whole vector of each row summed at e, and the lanes flushed where a kSumFlush ends.
+    auto sum_vector = [&](Rows& rows, int64_t e) SIMDNORM_INLINE_LAMBDA {
+      sum_at(rows, e, W);
+      if ((e + W) % kSumFlush == 0) flush_sums(rows);
+    };
+    // The block's sums from element e (a multiple of W) on.
+    auto sum_rest = [&](Rows& rows, int64_t e) SIMDNORM_INLINE_LAMBDA {
+      for (; e + W <= n; e += W) sum_vector(rows, e);
+      if (e < n) sum_at(rows, e, static_cast<int>(n - e));
+      if (n % kSumFlush != 0) flush_sums(rows);
+    };
+    // The block's gradients from e (head + a multiple of W) on: whole vectors, then the edges
+    // [0, head) and the last m < W.
+    auto write_rest = [&](Rows& rows, auto y_term, int64_t e) SIMDNORM_INLINE_LAMBDA {
+      for (; e + W <= n; e += W) write_at(rows, Yes{}, y_term, e, W);
 #pragma GCC unroll 1
       for (int side = 0; side < 2; ++side) {  // (one copy of the edges' code)
         const int m = static_cast<int>(side == 0 ? head : n - e);
-        if (m > 0) write_at(No{}, No{}, side == 0 ? 0 : e, m);
+        if (m > 0) write_at(rows, No{}, No{}, side == 0 ? 0 : e, m);
       }
     };
-    for (int64_t k = 0; k < blocks; ++k) {
-      open();
-      sum_block();
+    // The block's coefficients from its sums; whether every row has a y term.
+    auto settle = [&](Rows& rows) SIMDNORM_INLINE_LAMBDA {
       bool y_term = true;
       rows.each([&](RowState& r, int) SIMDNORM_INLINE_LAMBDA {
         const auto c = rule.template set<C>(stats, r.stat, acc.group[0][r.stat], acc.group[1][r.stat]);
@@ -583,11 +587,54 @@ struct BackwardKernel {
         r.a = y_coefficient(splat<V>(u), splat<V>(c.second)), r.b = k_coefficient(splat<V>(u), splat<V>(c.first));
         y_term = y_term && -u * c.second != C(0);  // (r.a's lanes, as y_coefficient rounds them)
       });
-      if (y_term) write_block(Yes{});
-      else write_block(No{});
-      after_block(k);
+      return y_term;
+    };
+    auto write_block = [&](Rows& rows, bool y_term) SIMDNORM_INLINE_LAMBDA {
+      if (y_term) write_rest(rows, Yes{}, head);
+      else write_rest(rows, No{}, head);
+    };
+    auto next_block = [&]() SIMDNORM_INLINE_LAMBDA {
       p[kX] += R * step[kX], p[kGradOut] += R * step[kGradOut], p[kGradIn] += R * step[kGradIn];  // (the rest: read at entry)
       stat0 += R * stat_step, param0 += R * param_step;
+    };
+    // With 32 registers, two rows' block k is written while block k + 1 is summed, vector by
+    // vector: block k + 1's reads from memory then overlap block k's arithmetic (one pass after
+    // the other left the memory idle while it wrote). Where saved ga is read (a buffer per block)
+    // or a row has no y term, the block is written by itself.
+    constexpr bool kInterleaves = kVectorRegisters >= 32 && R == 2 && !kSaves;
+    if constexpr (!kInterleaves) {
+      Rows rows;
+      for (int64_t k = 0; k < blocks; ++k) {
+        open(rows);
+        sum_rest(rows, 0);
+        write_block(rows, settle(rows));
+        after_block(k);
+        next_block();
+      }
+      return;
+    }
+    Rows written, summed;
+    bool y_term = false;
+    for (int64_t k = 0; k <= blocks; ++k) {  // block k summed, block k - 1 written
+      const bool more = k < blocks;
+      int64_t e = 0;  // (summed's elements before e: summed beside the writes)
+      if (k > 0 && more && y_term) {
+        open(summed);
+        for (; head + e + W <= n; e += W) {
+          sum_vector(summed, e);
+          write_at(written, Yes{}, Yes{}, head + e, W);
+        }
+        write_rest(written, Yes{}, head + e);
+      } else {
+        if (k > 0) write_block(written, y_term);
+        if (!more) break;
+        open(summed);
+      }
+      sum_rest(summed, e);
+      y_term = settle(summed);
+      after_block(k);
+      next_block();
+      written = summed;
     }
   }
 
