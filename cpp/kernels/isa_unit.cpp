@@ -23,13 +23,11 @@
 
 namespace simdnorm {
 namespace SIMDNORM_ISA_NS {
-#if !defined(SIMDNORM_DELEGATE_NS)
-// The backward part's entries (a unit that delegates, SIMDNORM_DELEGATE_NS, takes its base's).
+// The backward part's entries (in a unit that delegates, SIMDNORM_DELEGATE_NS, bfloat16's only).
 void backward_sums_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s);
 void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e);
 void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g);
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n);
-#endif
 // The fused part's entries, and the two of the forward part's that the fused loops call for rows
 // they do not fuse.
 void normalize_rows_fused_kernel(const NormalizeTask& t, const FusedRowsArgs& a);
@@ -95,8 +93,9 @@ void normalize_group_and_sum_kernel(const NormalizeTask& t, const GroupPairArgs&
 extern const KernelTable kernel_table;
 #if defined(SIMDNORM_DELEGATE_NS)
 // A unit whose flags change only bfloat16's output conversion (avx512bf16) holds only bfloat16's
-// normalize kernels; every other kernel is the unit it extends (SIMDNORM_DELEGATE_NS, whose flags
-// it has too): the rest of its code would be that unit's again.
+// normalize and backward kernels (the integer rounding to bfloat16 was a fifth of the backward's
+// work); every other kernel is the unit it extends (SIMDNORM_DELEGATE_NS, whose flags it has too):
+// the rest of its code would be that unit's again.
 void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) {
   if (t.dtype == DType::bf16) normalize_run_entry(t, p, n);
   else SIMDNORM_DELEGATE_NS::kernel_table.normalize_run(t, p, n);
@@ -117,13 +116,18 @@ bool scale_over_std_lanes_base(const double* var, const double* scale, double* m
                                int64_t n, double epsilon, double min, double max) {
   return base::kernel_table.scale_over_std_lanes(var, scale, mul, inv_std, fits, n, epsilon, min, max);
 }
-void backward_sums_base(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s) {
-  base::kernel_table.backward_sums(t, n, b, e, s);
+void backward_sums_bf16(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s) {
+  if (t.dtype == DType::bf16) backward_sums_kernel(t, n, b, e, s);
+  else base::kernel_table.backward_sums(t, n, b, e, s);
 }
-void backward_apply_base(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e) {
-  base::kernel_table.backward_apply(t, n, b, e);
+void backward_apply_bf16(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e) {
+  if (t.dtype == DType::bf16) backward_apply_kernel(t, n, b, e);
+  else base::kernel_table.backward_apply(t, n, b, e);
 }
-void backward_groups_base(const BackwardTask& t, const BackwardGroups& g) { base::kernel_table.backward_groups(t, g); }
+void backward_groups_bf16(const BackwardTask& t, const BackwardGroups& g) {
+  if (t.dtype == DType::bf16) backward_groups_kernel(t, g);
+  else base::kernel_table.backward_groups(t, g);
+}
 void backward_coefficients_base(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n) {
   base::kernel_table.backward_coefficients(t, st, g, gy, n);
 }
@@ -133,8 +137,8 @@ const KernelTable kernel_table = {kIsaName,          kWidth,           inline_ac
                                   normalize_group_and_sum_kernel, normalize_rows_fused_kernel, rows_loop_kernel,
                                   lane_stats_base,
                                   inv_std_lanes_base, scale_over_std_lanes_base,
-                                  backward_sums_base, backward_apply_base,
-                                  backward_groups_base, backward_coefficients_base};
+                                  backward_sums_bf16, backward_apply_bf16,
+                                  backward_groups_bf16, backward_coefficients_base};
 #else
 void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) { normalize_run_entry(t, p, n); }
 void row_moments_kernel(const RowMomentsArgs& a) { row_moments_entry(a); }
