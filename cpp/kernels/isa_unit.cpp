@@ -23,11 +23,14 @@
 
 namespace simdnorm {
 namespace SIMDNORM_ISA_NS {
-// The backward part's entries (in a unit that delegates, SIMDNORM_DELEGATE_NS, bfloat16's only).
+// The backward part's entries (in a unit that delegates, SIMDNORM_DELEGATE_NS, bfloat16's only;
+// the coefficients, which do not depend on the dtype, are its base's).
 void backward_sums_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s);
 void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e);
 void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g);
+#if !defined(SIMDNORM_DELEGATE_NS)
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n);
+#endif
 // The fused part's entries, and the two of the forward part's that the fused loops call for rows
 // they do not fuse.
 void normalize_rows_fused_kernel(const NormalizeTask& t, const FusedRowsArgs& a);
@@ -64,9 +67,11 @@ void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, 
   backward_apply_entry(t, n, b, e);
 }
 void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g) { backward_groups_entry(t, g); }
+#if !defined(SIMDNORM_DELEGATE_NS)
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n) {
   backward_coefficients_entry(t, st, g, gy, n);
 }
+#endif
 #elif defined(SIMDNORM_FUSED_PART)
 #if defined(SIMDNORM_DELEGATE_NS)
 // (A unit that delegates fuses only bfloat16's rows: see the forward part below.)
