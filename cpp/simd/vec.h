@@ -708,6 +708,8 @@ struct Lanes16 {
     if (stream) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)h);
 #elif defined(__AVX2__)
     if (stream) return _mm_stream_si128(reinterpret_cast<__m128i*>(p), (__m128i)h);
+#else
+    (void)stream;  // (the baseline unit has no streaming stores)
 #endif
     std::memcpy(p, &h, sizeof h);
   }
