@@ -182,6 +182,16 @@ struct BackwardKernel {
     return stream ? head : 0;
   }
 
+  // Calls at(e, m) over a run of n elements: its first `head` as one piece (a streamed run's
+  // partial first vector; none where head is 0), then whole vectors, then the last m < W.
+  template <class At>
+  SIMDNORM_CURSOR_METHOD static void vectors_from(int64_t head, int64_t n, At&& at) {
+    int64_t e = head;
+    if (e > 0) at(0, static_cast<int>(e));
+    for (; e + W <= n; e += W) at(e, W);
+    if (e < n) at(e, static_cast<int>(n - e));
+  }
+
   // A vector of m elements of type E at p with byte stride s, gathered in the compute type.
   template <class E>
   static V gather(const char* p, int64_t s, int m) {
@@ -1208,10 +1218,7 @@ struct BackwardKernel {
         if constexpr (Group) store_up_to<LC>(sum_g + e, s0, m), store_up_to<LC>(sum_gy + e, s1, m);
         if (want_param) store_up_to<LC>(sum_gay + e, s2, m), store_up_to<LC>(sum_ga + e, s3, m);
       };
-      int64_t e = head;
-      if (e > 0) at(0, static_cast<int>(e));
-      for (; e + W <= n; e += W) at(e, W);
-      if (e < n) at(e, static_cast<int>(n - e));
+      vectors_from(head, n, at);
     };
     int64_t r = 0;
     if constexpr (!Write) {  // (no copy of the block's loop for four rows that never run)
@@ -1255,10 +1262,7 @@ struct BackwardKernel {
                                k_coefficient(uv, load_up_to<LC>(c1 + e, m)));
         store_dx<true>(reinterpret_cast<char*>(dx + e), sizeof(T), v, m, stream);
       };
-      int64_t e = head;
-      if (e > 0) at(0, static_cast<int>(e));
-      for (; e + W <= n; e += W) at(e, W);
-      if (e < n) at(e, static_cast<int>(n - e));
+      vectors_from(head, n, at);
       x = reinterpret_cast<const T*>(reinterpret_cast<const char*>(x) + rs[kX]);
       dy = reinterpret_cast<const T*>(reinterpret_cast<const char*>(dy) + rs[kGradOut]);
       dx = reinterpret_cast<T*>(reinterpret_cast<char*>(dx) + rs[kGradIn]);
