@@ -449,8 +449,8 @@ def test_backward_two_passes_go_in_slabs_only_from_memory_and_apart():
     # From memory, the two passes go slab by slab (each summed, then written from the L2): slabs of
     # whole samples where the statistics are per sample (instance norm of channels-last data), any
     # range where grad_input needs the sums (without statistics terms it is written in the sums
-    # pass: one pass). Never in the caches, nor where every
-    # slab would reach every statistic (batch norm's batch statistics), nor samples past the L2.
+    # pass: one pass). Never in the caches, nor where every slab would reach every statistic
+    # (batch norm's batch statistics of channels-last data), nor samples past the L2.
     def plan(shape, axes, per_sample, terms=True):
         x = np.zeros(shape, np.float32)
         stats = np.ones((shape[0] if per_sample else 1, 1, 1, shape[-1]), np.float32)
@@ -460,13 +460,33 @@ def test_backward_two_passes_go_in_slabs_only_from_memory_and_apart():
                                   False, IDENTITY, terms, False, -1, True, False)
 
     n = _core.stream_threshold_bytes() // (3 * 4 * 8 * 8 * 64) + 1
-    assert "slab=" in plan((n, 8, 8, 64), (1, 2), True)
-    assert "slab=" not in plan((2, 8, 8, 64), (1, 2), True)  # in the caches
-    assert "slab=" not in plan((n, 8, 8, 64), (0, 1, 2), False)  # batch statistics
+    assert "slabs=" in plan((n, 8, 8, 64), (1, 2), True)
+    assert "slabs=" not in plan((2, 8, 8, 64), (1, 2), True)  # in the caches
+    assert "slabs=" not in plan((n, 8, 8, 64), (0, 1, 2), False)  # batch statistics
     # global statistics: no slabs, the sums pass writes grad_input too, from memory or not
     for rows in (n, 2):
         got = plan((rows, 8, 8, 64), (0, 1, 2), False, terms=False)
-        assert "sums-write" in got and "slab=" not in got, got
+        assert "sums-write" in got and "slabs=" not in got, got
     assert "sums-write" not in plan((n, 8, 8, 64), (1, 2), True)
     big = _core.stream_threshold_bytes() // (3 * 4 * 64) + 1  # one sample past the L2: no slab
-    assert "slab=" not in plan((2, big // 128, 64, 64), (1, 2), True)
+    assert "slabs=" not in plan((2, big // 128, 64, 64), (1, 2), True)
+
+
+def test_backward_small_nchw_planes_go_in_blocks_of_channels():
+    # Batch statistics of NCHW data with small planes (two passes in memory order): where x and dy
+    # pass one slab (512 KB), blocks of channels with all their samples, each summed, then written
+    # from the L2, from memory or not; one slab's worth runs whole; statistics of the runs' own dim
+    # only (channels last) have no dim to cut.
+    def plan(shape, channel_axis=1):
+        x = np.zeros(shape, np.float32)
+        c = shape[channel_axis]
+        st = np.ones([c if d == channel_axis else 1 for d in range(len(shape))], np.float32)
+        sums = [np.zeros(c, np.float64) for _ in range(2)]
+        axes = tuple(d for d in range(len(shape)) if d != channel_axis)
+        return _core.mvn_backward(x, x, axes, st, st, st, st, None, np.empty_like(x), *sums, 1e-5, True, True, False,
+                                  IDENTITY, True, False, channel_axis, True, False)
+
+    got = plan((8, 512, 7, 7))  # 1.6 MB of x and dy: blocks of 160 channels (whole rows of 32 slots)
+    assert got.startswith("two-pass ") and " slabs=4" in got, got
+    assert " slabs=" not in plan((2, 256, 7, 7))  # 200 KB: one slab
+    assert " slabs=" not in plan((8, 7, 7, 512), channel_axis=3)

@@ -1911,7 +1911,7 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
     plans = backward_plans(run)
     # (global statistics: one pass, the sums pass writing grad_input; a fused add's ga, a call of its
     # own, has no sums)
-    assert ("sums-write" if op.startswith("bn_global") else "slab=") in plans[0], plans
+    assert ("sums-write" if op.startswith("bn_global") else "slabs=") in plans[0], plans
     threads(2)
     two = run()[0]
     assert len(one) == len(two)
@@ -1925,6 +1925,45 @@ def test_backward_slabs_against_reference_and_threads(rng, threads, op, dtype):
     if op != "mvn12_nhwc":
         check_grad(one[1], ref.grad_scale, ref.e_scale, name="grad_scale", context=op)
         check_grad(one[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=op)
+
+
+# Batch statistics of NCHW data with small planes go in blocks of channels (each summed, then
+# written from the L2). 8x8 planes of 64 samples: blocks of 8 (float64) to 32 channels (16-bit),
+# so the sums' flushes (every 32 runs) span samples; a block's channels reversed in memory, and
+# grad_input alone; 1 and 2 threads bitwise, against the float64 reference.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("flipped", [False, True], ids=["forward", "flipped"])
+def test_backward_channel_blocks_against_reference_and_threads(rng, threads, dtype, flipped):
+    from training_reference import bn_backward_ref
+
+    x = rand_values(rng, (64, 40, 8, 8), dtype, scale=2.0) + np.asarray(3.0, dtype)
+    dy = rand_values(rng, x.shape, dtype, scale=1.0)
+    if flipped:
+        x, dy = x[:, ::-1], dy[:, ::-1]
+    pdt = F64 if dtype == F64 else F32
+    scale, bias = (rand_values(rng, (40,), pdt, scale=1.0) for _ in range(2))
+    _, m, v = simdnorm.batch_normalization_training(x, scale, bias)
+    for params in (True, False):
+        def run():
+            return simdnorm.batch_normalization_backward(dy, x, m, v, scale, bias, grad_scale=params,
+                                                         grad_bias=params)
+
+        plans = backward_plans(run)
+        assert plans[0].startswith("two-pass ") and " slabs=" in plans[0], plans
+        threads(1)
+        one = run()
+        threads(2)
+        two = run()
+        for a, b in zip(one, two):
+            if a is not None:
+                np.testing.assert_array_equal(bits(a), bits(b))
+        ref = bn_backward_ref(dy, x, m, v, scale, bias)
+        check_grad(one[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=str(dtype))
+        if params:
+            check_grad(one[1], ref.grad_scale, ref.e_scale, name="grad_scale", context=str(dtype))
+            check_grad(one[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=str(dtype))
+        else:
+            assert one[1] is None and one[2] is None
 
 
 # An activation whose derivative the kernels call out of line (silu, gelu) is taken once an element:

@@ -140,8 +140,8 @@ class BackwardRunner {
                  (task_.stream_stores ? " streaming-stores" : "") + (task_.save_ga ? " saved-ga" : "");
       const SumTargets t = sum_targets();
       if (!grouped && write_in_sums(t)) *explain += " sums-write";
-      const int64_t slab = grouped ? total : slab_elements(two_pass, total, t);
-      if (slab < total) *explain += " slab=" + std::to_string(slab);
+      const std::vector<Slab> slabs = grouped ? std::vector<Slab>() : slabs_of(two_pass, total, t);
+      if (!slabs.empty()) *explain += " slabs=" + std::to_string(slabs.size());
       return;
     }
     task_.grouped = grouped;
@@ -574,50 +574,77 @@ class BackwardRunner {
     }
   }
 
-  // Elements a slab of the two passes holds (total: none). From memory, the second pass would
-  // read x and dy from memory again; a slab is summed, then written while they are in the L2 (or,
-  // a sample of channels-last data too large for it, in the L3).
-  // The write needs the slab's coefficients (want_group_; without, the sums pass writes:
-  // write_in_sums), so a slab holds whole statistics elements: it is a run of indices of the
-  // nest's outer dims along which the statistics vary (group and instance norm of channels-last
-  // data: whole samples). Its x and dy of about kSlabBytes, all the slabs' partial sums within
-  // kMaxPartialBytes.
-  int64_t slab_elements(const LoopNest& nest, int64_t total, const SumTargets& t) const {
-    if (!task_.from_memory || !a_.grad_input || !want_group_) return total;
+  // A slab of the two passes: elements [begin, end) of a nest, the whole nest's or a block of it.
+  struct Slab {
+    LoopNest nest;
+    int64_t begin, end;
+  };
+
+  // The two passes' slabs (none: the passes over the whole nest). From memory, or past the L2, the
+  // second pass would read x and dy there again; a slab is summed, then written while they are in
+  // the L2 (or, a sample of channels-last data too large for it, in the L3). The write needs the
+  // slab's coefficients (want_group_; without, the sums pass writes: write_in_sums), so a slab
+  // holds whole statistics elements: where the statistics vary along the nest's outer dims, a run
+  // of their indices (group and instance norm of channels-last data: whole samples, from memory);
+  // where they vary from a middle dim on (batch norm of NCHW data with small planes: the channels),
+  // a block of that dim's indices with every index of the others. Its x and dy of about
+  // kSlabBytes, all the slabs' partial sums within kMaxPartialBytes.
+  std::vector<Slab> slabs_of(const LoopNest& nest, int64_t total, const SumTargets& t) const {
+    if (!a_.grad_input || !want_group_) return {};
     const int64_t per_element = itemsize(a_.input.dtype) + itemsize(a_.grad_output.dtype);
     const int64_t most = std::max<int64_t>(1, kSlabBytes / per_element);
-    int64_t unit = total;  // elements of one index of the outer dims the statistics vary along
-    for (int d = 0; d < nest.ndim && nest.strides[kStats][d] != 0; ++d) unit /= nest.sizes[d];
-    if (unit >= total || unit * per_element > stream_threshold_bytes() / 2) return total;
-    const int64_t slab = unit * std::max<int64_t>(1, most / unit);
-    int64_t bytes = 0;
-    for (int64_t b = 0, prev_hi = 0; b < total; b += slab) {
-      const int64_t e = std::min(total, b + slab);
-      const Slots r = reached(kStats, nest, b, e);
-      const Slots q = t.params ? reached(kParams, nest, b, e) : Slots{};
+    std::vector<Slab> slabs;
+    if (nest.strides[kStats][0] != 0) {
+      int64_t unit = total;  // elements of one index of the outer dims the statistics vary along
+      for (int d = 0; d < nest.ndim && nest.strides[kStats][d] != 0; ++d) unit /= nest.sizes[d];
+      if (!task_.from_memory || unit >= total || unit * per_element > stream_threshold_bytes() / 2) return {};
+      const int64_t slab = unit * std::max<int64_t>(1, most / unit);
+      for (int64_t b = 0; b < total; b += slab) slabs.push_back({nest, b, std::min(total, b + slab)});
+    } else {
+      int sd = 0;
+      while (sd < nest.ndim && nest.strides[kStats][sd] == 0) ++sd;
+      if (sd >= nest.ndim - 1) return {};  // (none varies, or only the runs' dim)
+      const int64_t unit = total / nest.sizes[sd];  // elements of one index of dim sd
+      if (unit * per_element > stream_threshold_bytes() / 2) return {};
+      int64_t block = std::max<int64_t>(1, most / unit);
+      if (block >= kFlushRuns) block -= block % kFlushRuns;  // (the sums' flushes a whole row of slots each)
+      if (block >= nest.sizes[sd]) return {};
+      for (int64_t i = 0; i < nest.sizes[sd]; i += block) {
+        Slab s{nest, 0, 0};
+        s.nest.sizes[sd] = std::min(block, nest.sizes[sd] - i);
+        for (int op = 0; op < kNumOperands; ++op)
+          if (s.nest.data[op] != nullptr) s.nest.data[op] += i * nest.strides[op][sd];
+        s.end = unit * s.nest.sizes[sd];
+        slabs.push_back(s);
+      }
+    }
+    int64_t bytes = 0, prev_hi = 0;
+    for (const Slab& s : slabs) {
+      const Slots r = reached(kStats, s.nest, s.begin, s.end);
+      const Slots q = t.params ? reached(kParams, s.nest, s.begin, s.end) : Slots{};
       // (statistics shared between slabs, or a group's lanes split: not this layout)
-      if (r.lo < prev_hi || r.lo % lane_fold_ != 0 || r.hi % lane_fold_ != 0) return total;
+      if (r.lo < prev_hi || r.lo % lane_fold_ != 0 || r.hi % lane_fold_ != 0) return {};
       prev_hi = r.hi;
       bytes += ((t.group ? 2 * (r.hi - r.lo) : 0) + 2 * (q.hi - q.lo)) * (8 + csize_);
-      if (bytes > kMaxPartialBytes) return total;
+      if (bytes > kMaxPartialBytes) return {};
     }
-    return slab;
+    return slabs;
   }
 
   // The two passes slab by slab, each slab by one thread: its sums, its statistics' coefficients,
   // its grad_input. The parameters' sums are each slab's, added in the slabs' order. derive: the
   // group sums are the scale times the parameters' (shared_layout), which the slab holds whole.
-  void run_slabs(const LoopNest& nest, int64_t total, int64_t slab, const SumTargets& t, int64_t flush_every) {
+  void run_slabs(const std::vector<Slab>& slabs, int64_t total, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
-    const int64_t ns = stats_->count(), slabs = (total + slab - 1) / slab;
+    const int64_t ns = stats_->count();
     std::vector<double> group(static_cast<size_t>(2 * ns), 0.0);
     std::vector<Partial> partials;
-    for (int64_t b = 0; b < total; b += slab) partials.push_back(partial_for(t, nest, b, std::min(total, b + slab)));
-    for_parts(slabs, total, [&](int i) {
-      const int64_t s0 = i * slab, s1 = std::min(total, s0 + slab);
+    for (const Slab& s : slabs) partials.push_back(partial_for(t, s.nest, s.begin, s.end));
+    for_parts(static_cast<int64_t>(slabs.size()), total, [&](int i) {
+      const Slab& s = slabs[static_cast<size_t>(i)];
       Partial& mine = partials[static_cast<size_t>(i)];
-      sum_range(mine, t, nest, s0, s1, flush_every);
-      const Slots r = reached(kStats, nest, s0, s1);
+      sum_range(mine, t, s.nest, s.begin, s.end, flush_every);
+      const Slots r = reached(kStats, s.nest, s.begin, s.end);
       if (t.derive) {
         SIMDNORM_CHECK(mine.param_lo <= r.lo && r.hi <= mine.param_lo + mine.param_count);
         const size_t pc = static_cast<size_t>(mine.param_count);
@@ -633,7 +660,7 @@ class BackwardRunner {
       if (lane_fold_ > 1) fold_lanes(group, ns, r);
       k.backward_coefficients(task_, stats_->data(0) + r.lo * csize_, group.data() + r.lo, group.data() + ns + r.lo,
                               r.hi - r.lo);
-      k.backward_apply(task_, nest, s0, s1);
+      k.backward_apply(task_, s.nest, s.begin, s.end);
       if (task_.stream_stores) fence_streaming_stores();
     });
     write_param_sums(t.params ? merged_params(partials) : std::vector<double>());
@@ -650,8 +677,8 @@ class BackwardRunner {
     const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
     const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
     task_.sums_write = write_in_sums(t);
-    const int64_t slab = slab_elements(nest, total, t);  // (none where the sums pass writes)
-    if (slab < total) return run_slabs(nest, total, slab, t, flush_every);
+    const std::vector<Slab> slabs = slabs_of(nest, total, t);  // (none where the sums pass writes)
+    if (!slabs.empty()) return run_slabs(slabs, total, t, flush_every);
     if (group_sums || param_sums) {
       const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
       // (A chunk holds only the slots it reaches; the bound is for the chunks that reach them all.)
