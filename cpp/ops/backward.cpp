@@ -94,7 +94,7 @@ class BackwardRunner {
     n_ = group_size;
     if (total == 0) {
       if (explain != nullptr) *explain = "empty";
-      else if (!plan_only_) write_param_sums({});
+      else if (!plan_only_) write_param_sums(nullptr);
       return;
     }
     task_.dtype = x.dtype;
@@ -185,9 +185,6 @@ class BackwardRunner {
         std::initializer_list<int>{kParams, kParams}, compute_, nullptr, nullptr, order);
     user_param_count_ = params_->count();
     param_index_ = params_->row_major_indices(x.ndim, x.sizes);
-    bool in_order = true;
-    for (size_t i = 0; i < param_index_.size() && in_order; ++i) in_order = param_index_[i] == static_cast<int64_t>(i);
-    if (in_order) param_index_.clear();
     for (const auto& out : a_.param_sums)
       if (out) SIMDNORM_CHECK((out->dtype == DType::f64 || out->dtype == DType::f32) &&
                               element_count_of(*out) == params_->count());
@@ -237,9 +234,10 @@ class BackwardRunner {
   // (reached()): with many (MVN over the channels of NCHW data: one a pixel) the chunks' zeroed
   // arrays and their merge cost as much as the pass.
   struct Partial {
-    std::vector<double> sums;
-    std::vector<char> vary;
+    double* sums = nullptr;  // (allocate_partials: in the calling thread's kept scratch)
+    char* vary = nullptr;
     int64_t group_lo = 0, group_count = 0, param_lo = 0, param_count = 0;
+    int64_t width() const { return 2 * group_count + 2 * param_count; }
   };
   struct Slots {
     int64_t lo = 0, hi = 0;  // [lo, hi)
@@ -247,14 +245,26 @@ class BackwardRunner {
   Partial partial(bool group, bool params, Slots held = {0, -1}, Slots held_params = {0, -1}) const {
     const int64_t gc = !group ? 0 : held.hi < 0 ? stats_->count() : held.hi - held.lo;
     const int64_t pc = !params ? 0 : held_params.hi < 0 ? params_->count() : held_params.hi - held_params.lo;
-    const size_t width = static_cast<size_t>(2 * gc + 2 * pc);
-    return Partial{std::vector<double>(width, 0.0), std::vector<char>(width * static_cast<size_t>(csize_), 0),
-                   group ? std::max<int64_t>(0, held.lo) : 0, gc, params ? std::max<int64_t>(0, held_params.lo) : 0, pc};
+    return Partial{nullptr, nullptr, group ? std::max<int64_t>(0, held.lo) : 0, gc,
+                   params ? std::max<int64_t>(0, held_params.lo) : 0, pc};
+  }
+  // The partials' arrays, zeroed, in one block of the calling thread's kept scratch (allocated per
+  // call, arrays of a few hundred KB were fresh pages, or grown and trimmed heap, on every call).
+  void allocate_partials(std::vector<Partial>& partials) {
+    int64_t width = 0;
+    for (const Partial& p : partials) width += p.width();
+    char* at = partial_store_.reserve(static_cast<size_t>(width * (8 + csize_)));
+    std::memset(at, 0, static_cast<size_t>(width * (8 + csize_)));
+    for (Partial& p : partials) {
+      p.sums = reinterpret_cast<double*>(at);
+      p.vary = at + p.width() * 8;
+      at += p.width() * (8 + csize_);
+    }
   }
   // Slots [begin, end) of p added into their doubles and cleared.
   void flush_range(Partial& p, int64_t begin, int64_t end) const {
-    if (compute_ == DType::f64) add_and_clear(p.sums.data() + begin, reinterpret_cast<double*>(p.vary.data()) + begin, end - begin);
-    else add_and_clear(p.sums.data() + begin, reinterpret_cast<float*>(p.vary.data()) + begin, end - begin);
+    if (compute_ == DType::f64) add_and_clear(p.sums + begin, reinterpret_cast<double*>(p.vary) + begin, end - begin);
+    else add_and_clear(p.sums + begin, reinterpret_cast<float*>(p.vary) + begin, end - begin);
   }
   template <class C>
   static void add_and_clear(double* sums, C* vary, int64_t n) {
@@ -307,32 +317,33 @@ class BackwardRunner {
     if (group) {
       const int64_t gc = p.group_count;
       s.stats_base = stats_->data(0) + p.group_lo * csize_;
-      s.group[0] = p.sums.data(), s.group[1] = p.sums.data() + gc;
-      s.group_vary[0] = p.vary.data(), s.group_vary[1] = p.vary.data() + gc * csize_;
+      s.group[0] = p.sums, s.group[1] = p.sums + gc;
+      s.group_vary[0] = p.vary, s.group_vary[1] = p.vary + gc * csize_;
       at = 2 * gc;
     }
     if (params) {
-      s.param[0] = p.sums.data() + at, s.param[1] = p.sums.data() + at + np;
-      s.param_vary[0] = p.vary.data() + at * csize_, s.param_vary[1] = p.vary.data() + (at + np) * csize_;
+      s.param[0] = p.sums + at, s.param[1] = p.sums + at + np;
+      s.param_vary[0] = p.vary + at * csize_, s.param_vary[1] = p.vary + (at + np) * csize_;
     }
     return s;
   }
 
   // The parameters' sums (sum(ga y) then sum(ga), merged), or zeros when empty, into the caller's
   // (float32 ones rounded once, to inf past their range).
-  void write_param_sums(std::vector<double> sums) {
-    if (!param_of_stat_.empty() && !sums.empty() && want_params_) sums = sums_per_param(sums);
+  void write_param_sums(const double* sums) {
+    std::vector<double> per_param, ordered;
+    if (!param_of_stat_.empty() && sums != nullptr && want_params_) per_param = sums_per_param(sums), sums = per_param.data();
     const int64_t np = user_param_count_;
-    if (!param_index_.empty() && !sums.empty() && want_params_) {  // into the caller's (row-major) order
-      std::vector<double> ordered(sums.size());
+    if (!param_index_.empty() && sums != nullptr && want_params_) {  // into the caller's (row-major) order
+      ordered.resize(static_cast<size_t>(2 * np));
       for (int64_t k = 0; k < 2; ++k)
         for (int64_t i = 0; i < np; ++i)
-          ordered[static_cast<size_t>(k * np + param_index_[static_cast<size_t>(i)])] = sums[static_cast<size_t>(k * np + i)];
-      sums = std::move(ordered);
+          ordered[static_cast<size_t>(k * np + param_index_[static_cast<size_t>(i)])] = sums[k * np + i];
+      sums = ordered.data();
     }
     for (int o = 0; o < 2; ++o) {
       if (!a_.param_sums[o]) continue;
-      const double* from = sums.empty() ? nullptr : sums.data() + o * np;
+      const double* from = sums == nullptr ? nullptr : sums + o * np;
       auto write = [&](auto* out) {
         using E = std::remove_pointer_t<decltype(out)>;
         for (int64_t i = 0; i < np; ++i) out[i] = static_cast<E>(from == nullptr ? 0.0 : from[i]);
@@ -374,6 +385,7 @@ class BackwardRunner {
                    std::clamp<int64_t>(groups * n_ / kMinChunkElements, 1, kMinGroupBlocks));
     std::vector<Partial> partials;
     for (int64_t b = 0; b < blocks; ++b) partials.push_back(partial(false, want_params_));
+    allocate_partials(partials);
     const int64_t per = (groups + blocks - 1) / blocks;
     // A group's sub-nest: the reduced dims, its data at the group's offsets.
     LoopNest sub;
@@ -419,7 +431,7 @@ class BackwardRunner {
       }
       if (task_.stream_stores) fence_streaming_stores();
     });
-    write_param_sums(want_params_ ? merged_params(partials) : std::vector<double>());
+    write_param_sums(want_params_ ? merged_params(partials) : nullptr);
   }
 
   // A group of several short runs apart, statistics and parameters constant along each, no
@@ -472,10 +484,10 @@ class BackwardRunner {
 
   // Each group's sums (group[i] and group[ns + i], lanes [g K, g K + K) after spread_over_short_runs)
   // added in lane order, from 0, and given to all its lanes: the groups of statistics elements r.
-  void fold_lanes(std::vector<double>& group, int64_t ns, Slots r) const {
+  void fold_lanes(double* group, int64_t ns, Slots r) const {
     const int64_t k = lane_fold_;
     for (int64_t half = 0; half < 2; ++half) {
-      double* s = group.data() + half * ns;
+      double* s = group + half * ns;
       for (int64_t g = r.lo - r.lo % k; g < r.hi; g += k) {
         double t = 0.0;
         for (int64_t j = 0; j < k; ++j) t += s[g + j];
@@ -498,12 +510,12 @@ class BackwardRunner {
     param_of_stat_ = params_->spread_like(*stats_, a_.input.ndim, a_.input.sizes);
     return true;
   }
-  std::vector<double> sums_per_param(const std::vector<double>& sums) const {
+  std::vector<double> sums_per_param(const double* sums) const {
     const int64_t ns = static_cast<int64_t>(param_of_stat_.size()), np = user_param_count_;
     std::vector<double> m(static_cast<size_t>(2 * np), 0.0);
     for (int64_t k = 0; k < 2; ++k)
       for (int64_t i = 0; i < ns; ++i)
-        m[static_cast<size_t>(k * np + param_of_stat_[static_cast<size_t>(i)])] += sums[static_cast<size_t>(k * ns + i)];
+        m[static_cast<size_t>(k * np + param_of_stat_[static_cast<size_t>(i)])] += sums[k * ns + i];
     return m;
   }
 
@@ -519,28 +531,36 @@ class BackwardRunner {
 
   // The partials' parameter sums (2 np of them), added in the partials' order (as merge_group's,
   // the elements a partial does not hold have nothing to add).
-  void merge_params(const Partial* p, size_t n, std::vector<double>& m) const {
+  void merge_params(const Partial* p, size_t n, double* m) const {
     const int64_t np = params_->count();
     for (size_t j = 0; j < n; ++j)
       for (int64_t k = 0; k < 2; ++k)
         for (int64_t i = 0; i < p[j].param_count; ++i)
-          m[static_cast<size_t>(k * np + p[j].param_lo + i)] +=
-              p[j].sums[static_cast<size_t>(2 * p[j].group_count + k * p[j].param_count + i)];
+          m[k * np + p[j].param_lo + i] += p[j].sums[2 * p[j].group_count + k * p[j].param_count + i];
   }
-  std::vector<double> merged_params(const std::vector<Partial>& partials) const {
-    std::vector<double> m(static_cast<size_t>(2 * params_->count()), 0.0);
+  // (in the calling thread's kept scratch, until the next call)
+  const double* merged_params(const std::vector<Partial>& partials) {
+    double* m = reinterpret_cast<double*>(merged_store_.reserve(static_cast<size_t>(2 * params_->count()) * sizeof(double)));
+    std::fill_n(m, 2 * params_->count(), 0.0);
     merge_params(partials.data(), partials.size(), m);
     return m;
+  }
+  // 2 ns zeroed doubles for the statistics' sums, in the calling thread's kept scratch.
+  double* zeroed_group_sums(KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes>& store) const {
+    const int64_t ns = stats_->count();
+    double* g = reinterpret_cast<double*>(store.reserve(static_cast<size_t>(2 * ns) * sizeof(double)));
+    std::fill_n(g, 2 * ns, 0.0);
+    return g;
   }
   // The partials' group sums (n of them, from p) into m's statistics elements of r, each its
   // statistics elements', added in the partials' order (the elements a partial does not hold
   // have nothing to add: their sums are +0, never -0).
-  void merge_group(const Partial* p, size_t n, std::vector<double>& m, Slots r) const {
+  void merge_group(const Partial* p, size_t n, double* m, Slots r) const {
     const int64_t ns = stats_->count();
     for (size_t j = 0; j < n; ++j)
       for (int64_t k = 0; k < 2; ++k)
         for (int64_t i = std::max(r.lo, p[j].group_lo); i < std::min(r.hi, p[j].group_lo + p[j].group_count); ++i)
-          m[static_cast<size_t>(k * ns + i)] += p[j].sums[static_cast<size_t>(k * p[j].group_count + i - p[j].group_lo)];
+          m[k * ns + i] += p[j].sums[k * p[j].group_count + i - p[j].group_lo];
   }
 
   // What the two passes sum: derive, the statistics' sums are the scale times the parameters'
@@ -637,9 +657,11 @@ class BackwardRunner {
   void run_slabs(const std::vector<Slab>& slabs, int64_t total, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count();
-    std::vector<double> group(static_cast<size_t>(2 * ns), 0.0);
+    KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store;
+    double* const group = zeroed_group_sums(group_store);
     std::vector<Partial> partials;
     for (const Slab& s : slabs) partials.push_back(partial_for(t, s.nest, s.begin, s.end));
+    allocate_partials(partials);
     for_parts(static_cast<int64_t>(slabs.size()), total, [&](int i) {
       const Slab& s = slabs[static_cast<size_t>(i)];
       Partial& mine = partials[static_cast<size_t>(i)];
@@ -651,19 +673,18 @@ class BackwardRunner {
         for (int64_t j = r.lo; j < r.hi; ++j) {
           const double scale = load_scalar(compute_, params_->data(0) + j * csize_);
           const size_t at = static_cast<size_t>(j - mine.param_lo);
-          group[static_cast<size_t>(j)] = scale * (0.0 + mine.sums[pc + at]);  // (as merged from 0)
-          group[static_cast<size_t>(ns + j)] = scale * (0.0 + mine.sums[at]);
+          group[j] = scale * (0.0 + mine.sums[pc + at]);  // (as merged from 0)
+          group[ns + j] = scale * (0.0 + mine.sums[at]);
         }
       } else {
         merge_group(&mine, 1, group, r);
       }
       if (lane_fold_ > 1) fold_lanes(group, ns, r);
-      k.backward_coefficients(task_, stats_->data(0) + r.lo * csize_, group.data() + r.lo, group.data() + ns + r.lo,
-                              r.hi - r.lo);
+      k.backward_coefficients(task_, stats_->data(0) + r.lo * csize_, group + r.lo, group + ns + r.lo, r.hi - r.lo);
       k.backward_apply(task_, s.nest, s.begin, s.end);
       if (task_.stream_stores) fence_streaming_stores();
     });
-    write_param_sums(t.params ? merged_params(partials) : std::vector<double>());
+    write_param_sums(t.params ? merged_params(partials) : nullptr);
   }
 
   void run_two_pass(const LoopNest& nest, int64_t total) {
@@ -687,28 +708,31 @@ class BackwardRunner {
       std::vector<Partial> partials;
       for (int64_t c = 0; c < chunks; ++c)
         partials.push_back(partial_for(t, nest, c * per, std::min(total, (c + 1) * per)));
+      allocate_partials(partials);
       for_parts(chunks, total, [&](int c) {
         sum_range(partials[static_cast<size_t>(c)], t, nest, c * per, std::min(total, (c + 1) * per), flush_every);
         if (task_.sums_write && task_.stream_stores) fence_streaming_stores();
       });
-      const std::vector<double> params = param_sums ? merged_params(partials) : std::vector<double>();
+      const double* const params = param_sums ? merged_params(partials) : nullptr;
       if (want_group_) {
-        std::vector<double> group(static_cast<size_t>(2 * ns), 0.0);
+        KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store;
+        double* const group = zeroed_group_sums(group_store);
         if (derive) {
+          load_as_double(compute_, params_->data(0), csize_, ns, group + ns);  // (the scale, then replaced)
           for (int64_t i = 0; i < ns; ++i) {
-            const double scale = load_scalar(compute_, params_->data(0) + i * csize_);
-            group[static_cast<size_t>(i)] = scale * params[static_cast<size_t>(np + i)];
-            group[static_cast<size_t>(ns + i)] = scale * params[static_cast<size_t>(i)];
+            const double scale = group[ns + i];
+            group[i] = scale * params[np + i];
+            group[ns + i] = scale * params[i];
           }
         } else {
           merge_group(partials.data(), partials.size(), group, {0, ns});
         }
         if (lane_fold_ > 1) fold_lanes(group, ns, {0, ns});
-        k.backward_coefficients(task_, stats_->data(0), group.data(), group.data() + ns, ns);
+        k.backward_coefficients(task_, stats_->data(0), group, group + ns, ns);
       }
       write_param_sums(params);
     } else {
-      write_param_sums({});
+      write_param_sums(nullptr);
     }
     if (!a_.grad_input || task_.sums_write) return;
     for_element_ranges(total, [&](int64_t begin, int64_t end) {
@@ -729,6 +753,8 @@ class BackwardRunner {
   int64_t user_param_count_ = 1;  // the caller's parameter elements (params_ may be spread)
   std::vector<int64_t> param_of_stat_;  // spread_params_over_stats: each element's parameter element
   std::vector<int64_t> param_index_;  // each parameter element's row-major index, where not its own
+  KeptScratch<kPartialsSlot, kKeptStatisticsBytes> partial_store_;  // (allocate_partials)
+  KeptScratch<kMergedSlot, kKeptStatisticsBytes> merged_store_;  // (merged_params)
 };
 
 // The bytes [lo, hi) a view may touch.

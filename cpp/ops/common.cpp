@@ -285,6 +285,9 @@ std::vector<int64_t> FoldedParams::row_major_indices(int ndim, const int64_t* si
   int64_t shape[kMaxViewDims], step[kMaxViewDims];
   for (int d = 0; d < ndim; ++d)
     if (strides_[d] != 0) shape[nd] = sizes[d], step[nd] = strides_[d] / elsize_, ++nd;
+  bool in_order = true;  // (the arrays row-major already: every element its own index)
+  for (int k = nd - 1, row = 1; k >= 0 && in_order; row *= static_cast<int>(shape[k]), --k) in_order = step[k] == row;
+  if (in_order) return {};
   std::vector<int64_t> index(static_cast<size_t>(count_), -1);
   int64_t r = 0;
   for_each_index(nd, shape, [&](const int64_t* idx) {

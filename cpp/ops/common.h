@@ -32,7 +32,7 @@ constexpr size_t kKeptScratchBytes = 1 << 20;
 // elements (layer norm of 8 features) they are a third as large as the data: they are kept up
 // to this size (per slot and calling thread), where their pages faulted in took 40% of the call.
 constexpr size_t kKeptStatisticsBytes = size_t(16) << 20;
-enum ScratchSlot { kLaneSlot, kStatsSlot, kChunkSlot, kSpreadSlot, kFoldSlot, kGroupSumsSlot };
+enum ScratchSlot { kLaneSlot, kStatsSlot, kChunkSlot, kSpreadSlot, kFoldSlot, kGroupSumsSlot, kPartialsSlot, kMergedSlot };
 template <int Slot, size_t KeepBytes = kKeptScratchBytes>
 class KeptScratch {
  public:
@@ -71,7 +71,7 @@ class FoldedParams {
                std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
                const int* order = nullptr, bool kept = false);
   // For each element of the arrays, its index in the row-major order of the dims (0 to ndim - 1)
-  // along which they vary.
+  // along which they vary; none (empty) where that is the element's own.
   std::vector<int64_t> row_major_indices(int ndim, const int64_t* sizes) const;
   FoldedParams(const FoldedParams&) = delete;
   FoldedParams& operator=(const FoldedParams&) = delete;
