@@ -254,7 +254,7 @@ class BackwardRunner {
     int64_t width = 0;
     for (const Partial& p : partials) width += p.width();
     char* at = partial_store_.reserve(static_cast<size_t>(width * (8 + csize_)));
-    std::memset(at, 0, static_cast<size_t>(width * (8 + csize_)));
+    if (width > 0) std::memset(at, 0, static_cast<size_t>(width * (8 + csize_)));  // (at may be null)
     for (Partial& p : partials) {
       p.sums = reinterpret_cast<double*>(at);
       p.vary = at + p.width() * 8;
