@@ -545,12 +545,24 @@ class BackwardRunner {
     merge_params(partials.data(), partials.size(), m);
     return m;
   }
-  // 2 ns zeroed doubles for the statistics' sums, in the calling thread's kept scratch.
+  // The statistics' sums (two doubles an element), zeroed, in the calling thread's kept scratch.
   double* zeroed_group_sums(KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes>& store) const {
     const int64_t ns = stats_->count();
     double* g = reinterpret_cast<double*>(store.reserve(static_cast<size_t>(2 * ns) * sizeof(double)));
     std::fill_n(g, 2 * ns, 0.0);
     return g;
+  }
+  // The statistics' sums of elements r derived from the parameters' (derive: shared_layout), sum(g)
+  // = scale sum(ga), sum(g y) = scale sum(ga y); param_sums: sum(ga y) of the parameter elements
+  // from `first` on, their sum(ga) `pitch` after.
+  void derive_group_sums(double* group, const double* param_sums, int64_t first, int64_t pitch, Slots r) const {
+    const int64_t ns = stats_->count();
+    load_as_double(compute_, params_->data(0) + r.lo * csize_, csize_, r.hi - r.lo, group + ns + r.lo);  // (the scale)
+    for (int64_t j = r.lo; j < r.hi; ++j) {
+      const double scale = group[ns + j];
+      group[j] = scale * (0.0 + param_sums[pitch + j - first]);  // (as merged from 0: never -0)
+      group[ns + j] = scale * (0.0 + param_sums[j - first]);
+    }
   }
   // The partials' group sums (n of them, from p) into m's statistics elements of r, each its
   // statistics elements', added in the partials' order (the elements a partial does not hold
@@ -669,13 +681,7 @@ class BackwardRunner {
       const Slots r = reached(kStats, s.nest, s.begin, s.end);
       if (t.derive) {
         SIMDNORM_CHECK(mine.param_lo <= r.lo && r.hi <= mine.param_lo + mine.param_count);
-        const size_t pc = static_cast<size_t>(mine.param_count);
-        for (int64_t j = r.lo; j < r.hi; ++j) {
-          const double scale = load_scalar(compute_, params_->data(0) + j * csize_);
-          const size_t at = static_cast<size_t>(j - mine.param_lo);
-          group[j] = scale * (0.0 + mine.sums[pc + at]);  // (as merged from 0)
-          group[ns + j] = scale * (0.0 + mine.sums[at]);
-        }
+        derive_group_sums(group, mine.sums, mine.param_lo, mine.param_count, r);
       } else {
         merge_group(&mine, 1, group, r);
       }
@@ -718,12 +724,7 @@ class BackwardRunner {
         KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store;
         double* const group = zeroed_group_sums(group_store);
         if (derive) {
-          load_as_double(compute_, params_->data(0), csize_, ns, group + ns);  // (the scale, then replaced)
-          for (int64_t i = 0; i < ns; ++i) {
-            const double scale = group[ns + i];
-            group[i] = scale * params[np + i];
-            group[ns + i] = scale * params[i];
-          }
+          derive_group_sums(group, params, 0, np, {0, ns});
         } else {
           merge_group(partials.data(), partials.size(), group, {0, ns});
         }
