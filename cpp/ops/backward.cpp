@@ -376,9 +376,7 @@ class BackwardRunner {
     // Every group's sums (doubles; never in float slots: a group's statistics are constant along
     // its runs), in the calling thread's kept scratch.
     const int64_t ns = stats_->count();
-    KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store;
-    double* const group_sums = reinterpret_cast<double*>(group_store.reserve(static_cast<size_t>(2 * ns) * sizeof(double)));
-    std::fill_n(group_sums, 2 * ns, 0.0);
+    double* const group_sums = zeroed_group_sums();
     const int64_t param_bytes = want_params_ ? 2 * params_->count() * (8 + csize_) : 0;
     const int64_t blocks =
         blocks_for(groups, param_bytes, std::max(kMinGroupsPerBlock, kMinChunkElements / std::max<int64_t>(1, n_)),
@@ -546,9 +544,9 @@ class BackwardRunner {
     return m;
   }
   // The statistics' sums (two doubles an element), zeroed, in the calling thread's kept scratch.
-  double* zeroed_group_sums(KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes>& store) const {
+  double* zeroed_group_sums() {
     const int64_t ns = stats_->count();
-    double* g = reinterpret_cast<double*>(store.reserve(static_cast<size_t>(2 * ns) * sizeof(double)));
+    double* g = reinterpret_cast<double*>(group_store_.reserve(static_cast<size_t>(2 * ns) * sizeof(double)));
     std::fill_n(g, 2 * ns, 0.0);
     return g;
   }
@@ -669,8 +667,7 @@ class BackwardRunner {
   void run_slabs(const std::vector<Slab>& slabs, int64_t total, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count();
-    KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store;
-    double* const group = zeroed_group_sums(group_store);
+    double* const group = zeroed_group_sums();
     std::vector<Partial> partials;
     for (const Slab& s : slabs) partials.push_back(partial_for(t, s.nest, s.begin, s.end));
     allocate_partials(partials);
@@ -721,8 +718,7 @@ class BackwardRunner {
       });
       const double* const params = param_sums ? merged_params(partials) : nullptr;
       if (want_group_) {
-        KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store;
-        double* const group = zeroed_group_sums(group_store);
+        double* const group = zeroed_group_sums();
         if (derive) {
           derive_group_sums(group, params, 0, np, {0, ns});
         } else {
@@ -756,6 +752,7 @@ class BackwardRunner {
   std::vector<int64_t> param_index_;  // each parameter element's row-major index, where not its own
   KeptScratch<kPartialsSlot, kKeptStatisticsBytes> partial_store_;  // (allocate_partials)
   KeptScratch<kMergedSlot, kKeptStatisticsBytes> merged_store_;  // (merged_params)
+  KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store_;  // (zeroed_group_sums)
 };
 
 // The bytes [lo, hi) a view may touch.
