@@ -4,8 +4,9 @@ Pure data and tiny helpers: no numpy, no peers. A :class:`Case` names one op on 
 type and memory layout; the suite times every implementation on exactly that, and the tests import
 the same lists (``from simdnorm.bench.shapes import CASES, RESNET50_BN_SHAPES, ...``).
 
-Layouts (4-D cases only):
-- ``"nchw"``: a C-contiguous array of the logical shape (N, C, H, W), channel_axis=1.
+Layouts:
+- ``"nchw"``: a C-contiguous array of the logical shape (N, C, H, W), channel_axis=1 (also the 2-D
+  (N, C) batch norm cases: :data:`BATCH_NORM_1D_CASES`).
 - ``"nhwc"``: channels-last, i.e. the view ``np.empty((N, H, W, C)).transpose(0, 3, 1, 2)``: the
   same logical shape (N, C, H, W), channel_axis=1, with the channels innermost in memory.
 - ``"contig"``: a C-contiguous array (the sequence cases, e.g. (batch, tokens, hidden)).
@@ -48,6 +49,11 @@ SPATIAL_NORM_SHAPES: tuple[tuple[int, int, int, int], ...] = ((8, 256, 56, 56), 
 # cost of each row's ends and statistics, not the memory, sets the pace.
 SEQUENCE_NORM_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 512, 768), (32, 128, 1024), (4, 512, 4096),
                                                           (96, 512, 64))
+# BatchNorm1d over an MLP's features, (batch, features): thousands of channels of a few samples
+# each, where the work per channel (folding the statistics and parameters, the coefficients, the
+# parameters' sums), not the memory, sets the pace. Float32 inference (after the tiny cases), and
+# forward-training and backward (in TRAINING_CASES); tagged "bn1d".
+BATCH_NORM_1D_SHAPE: tuple[int, int] = (8, 4096)
 # Per-call overhead: a tiny batch norm, called functionally and through simdnorm.compile(desc).
 TINY_SHAPE: tuple[int, int, int, int] = (1, 16, 8, 8)
 # float64 (float64 data with float64 statistics), one case of each kind of loop: layer norm
@@ -77,7 +83,8 @@ ACTIVATION_CASES: tuple[tuple[str, tuple[int, ...], str, str, str], ...] = (
 # UNets train so); then batch norm and group norm on 7x7 planes, and batch norm training on
 # 14x14 planes (ResNet-50's third stage: runs of 196 elements, eight to a channel); last, batch
 # norm's backward with given statistics (training=False: a frozen batch norm while fine-tuning),
-# NCHW and channels-last. Tagged "training" (the backward ones also "backward").
+# NCHW and channels-last; then BatchNorm1d's (N, C) forward-training and backward. Tagged
+# "training" (the backward ones also "backward").
 TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nchw", "float32"),
     ("batch_norm_training", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
@@ -96,6 +103,8 @@ TRAINING_CASES: tuple[tuple[str, tuple[int, ...], str, str], ...] = (
     ("batch_norm_training", RESNET50_BN_SHAPES[5], "nchw", "float32"),
     ("batch_norm_eval_backward", RESNET50_BN_SHAPES[1], "nchw", "float32"),
     ("batch_norm_eval_backward", RESNET50_BN_SHAPES[1], "nhwc", "float32"),
+    ("batch_norm_training", BATCH_NORM_1D_SHAPE, "nchw", "float32"),
+    ("batch_norm_backward", BATCH_NORM_1D_SHAPE, "nchw", "float32"),
 )
 # Backward ops through the activation their forward fused (op, shape, layout, dtype, activation), as
 # training runs them: ResNet-50's batch norm + relu (batch statistics), the UNet's GroupNorm(32) +
@@ -339,6 +348,8 @@ def _build_cases() -> tuple[Case, ...]:
                                   tiny=True),
                         "batch_norm", TINY_SHAPE, "float32", "nchw", axes=(0, 2, 3),
                         compiled=compiled, tags=frozenset({"tiny", "quick", "float32"})))
+    out.append(Case(make_name("batch_norm", BATCH_NORM_1D_SHAPE, "float32", "nchw"), "batch_norm",
+                    BATCH_NORM_1D_SHAPE, "float32", "nchw", axes=(0,), tags=frozenset({"bn", "nchw", "bn1d", "float32"})))
     for op, shape, layout in FLOAT64_CASES:  # tagged as the float32 cases of their kind are
         if op == "batch_norm":
             axes, tags = (0, 2, 3), {"bn", layout}
@@ -364,12 +375,14 @@ def _build_cases() -> tuple[Case, ...]:
         fwd = forward_op(op)
         groups = GROUP_NORM_GROUPS if fwd == "group_norm" else 0
         if fwd in ("batch_norm", "batch_norm_training", "mvn"):
-            axes = (0, 2, 3)
+            axes = (0, *range(2, len(shape)))
         elif fwd in ("instance_norm", "group_norm"):
             axes = (2, 3)
         else:  # layer_norm, rms_norm
             axes = (len(shape) - 1,)
         tags = {"training", dtype} | ({"backward"} if op in BACKWARD_OPS else set())
+        if len(shape) == 2:
+            tags.add("bn1d")
         if activation:
             tags.add("activation")
         elif (op, dtype) == ("layer_norm_backward", "float32"):

@@ -63,14 +63,16 @@ def small_shape(case):
         return (2, 2 * case.groups, 5, 3)
     if len(case.shape) == 4:
         return (2, 24, 5, 7)
+    if len(case.shape) == 2:  # (N, C) batch norm
+        return (3, 37)
     return (2, 3, 37)
 
 
 def _kinds():
-    """One scaled case per distinct (op, dtype, layout, compiled, activation) of the suite."""
+    """One scaled case per distinct (op, dtype, layout, compiled, activation, rank) of the suite."""
     seen = {}
     for c in shapes.CASES:
-        key = (c.op, c.dtype, c.layout, c.compiled, c.activation)
+        key = (c.op, c.dtype, c.layout, c.compiled, c.activation, len(c.shape))
         if key not in seen:
             seen[key] = c.scaled(small_shape(c))
     return list(seen.values())
@@ -110,13 +112,18 @@ def test_named_shape_lists():
         (8, 1024, 14, 14), (8, 256, 14, 14), (8, 2048, 7, 7), (8, 512, 7, 7))
     names = [c.name for c in shapes.CASES]
     assert len(names) == len(set(names))
-    bn = [c for c in shapes.CASES if c.op == "batch_norm" and "tiny" not in c.tags and c.dtype != "float64"]
+    bn = [c for c in shapes.CASES if c.op == "batch_norm" and not {"tiny", "bn1d"} & c.tags and c.dtype != "float64"]
     assert {(c.shape, c.layout, c.dtype) for c in bn} == {
         (s, lay, d) for s in shapes.RESNET50_BN_SHAPES for lay in ("nchw", "nhwc")
         for d in ("float32", "float16", "bfloat16")}
     for op in ("instance_norm", "group_norm", "mvn"):
         cs = [c for c in shapes.CASES if c.op == op and not c.activation]  # those: ACTIVATION_CASES
         assert cs and {c.shape for c in cs} == {(8, 256, 56, 56), (8, 512, 7, 7)}
+    bn1d = [c for c in shapes.CASES if "bn1d" in c.tags]  # BatchNorm1d: (batch, features), features contiguous
+    assert [(c.name, c.op, c.axes) for c in bn1d] == [
+        ("bn/8x4096/nchw/f32", "batch_norm", (0,)), ("bn-train/8x4096/nchw/f32", "batch_norm_training", (0,)),
+        ("bn-bwd/8x4096/nchw/f32", "batch_norm_backward", (0,))]
+    assert all(c.dtype == "float32" and c.param_len == 4096 for c in bn1d)
     assert all(c.groups == 32 for c in shapes.CASES if c.op == "group_norm")
     assert all(c.axes == (0, 2, 3) for c in shapes.CASES if c.op == "mvn")
     for op in ("layer_norm", "rms_norm"):
@@ -153,7 +160,7 @@ def test_float64_cases_are_added_beside_the_others():
     names = [c.name for c in shapes.CASES]
     assert len(CASES_BEFORE_FLOAT64) == 92
     assert [n for n in names if not n.endswith("/f64") and not shapes.get_case(n).is_training
-            and not shapes.get_case(n).activation] == CASES_BEFORE_FLOAT64
+            and not shapes.get_case(n).activation and "bn1d" not in shapes.get_case(n).tags] == CASES_BEFORE_FLOAT64
     f64 = [c for c in shapes.CASES if c.dtype == "float64"]
     assert [c.name for c in f64] == list(FLOAT64_CASES) == [c.name for c in shapes.select(filters=["f64"])]
     for c in f64:
@@ -436,6 +443,8 @@ TRAINING_CASES = {  # name: (op, shape, layout, dtype): the speed goals' shapes,
     "bn-train/8x1024x14x14/nchw/f32": ("batch_norm_training", (8, 1024, 14, 14), "nchw", "float32"),
     "bn-bwd-eval/8x256x56x56/nchw/f32": ("batch_norm_eval_backward", (8, 256, 56, 56), "nchw", "float32"),
     "bn-bwd-eval/8x256x56x56/nhwc/f32": ("batch_norm_eval_backward", (8, 256, 56, 56), "nhwc", "float32"),
+    "bn-train/8x4096/nchw/f32": ("batch_norm_training", (8, 4096), "nchw", "float32"),
+    "bn-bwd/8x4096/nchw/f32": ("batch_norm_backward", (8, 4096), "nchw", "float32"),
     # through the activation the forward fused (ACTIVATION_BACKWARD below)
     "bn-bwd+relu/8x256x56x56/nchw/f32": ("batch_norm_backward", (8, 256, 56, 56), "nchw", "float32"),
     "group32-bwd+silu/2x320x64x64/f32": ("group_norm_backward", (2, 320, 64, 64), "nchw", "float32"),

@@ -2252,3 +2252,43 @@ def test_batch_norm_backward_of_a_1d_input_without_parameters(rng, training, sta
         want = u * (g - g.mean() - y * (g * y).mean())
     assert gi is out
     np.testing.assert_allclose(gi, want, rtol=1e-12, atol=1e-12)
+
+
+@DT
+@pytest.mark.parametrize("training", [True, False], ids=["training", "global"])
+@pytest.mark.parametrize("layout", ["contiguous", "unaligned", "negative"])
+def test_batch_norm_many_channels_against_reference(rng, threads, training, layout, dtype):
+    """(N, C) batch norm with thousands of channels: the statistics and parameters folded in chunks
+    (one-after-another float runs in one loop, others gathered), the coefficients in one loop, one
+    partial's parameter sums taken as they are. Against the float64 reference with the parameters
+    and statistics in each layout, 1 vs 2 threads bitwise."""
+    n, c = 3, 2051  # (chunks of 256 and a partial one; vectors and a tail)
+    x = rand_values(rng, (n, c), dtype, scale=2.0) + np.asarray(3.0, dtype)
+    dy = rand_values(rng, (n, c), dtype, scale=1.0)
+    pdt = np.float64 if dtype == F64 else np.float32
+    scale, bias, mean = (in_layout(rand_values(rng, (c,), pdt, scale=1.0), layout) for _ in range(3))
+    var = in_layout(np.abs(rand_values(rng, (c,), pdt, scale=1.0)) + 0.5, layout)
+
+    def run():
+        return simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, training=training)
+
+    got = at_one_and_two_threads(threads, run, layout)
+    check_grads(got, bn_backward_ref(dy, x, mean, var, scale, bias, training=training), x=x, scale=scale, bias=bias,
+                context=layout)
+
+
+@pytest.mark.parametrize("shape,ca", [((2, 3000), 1), ((4, 6, 5, 5), 1), ((3, 5, 7), -1)])
+def test_parameter_sums_of_negative_zeros_are_positive_zeros(rng, threads, shape, ca):
+    """A parameter's gradient that sums only -0 terms comes back +0, its sums started from +0 however
+    the work is split (one partial's sums are taken as they are, several merged from +0)."""
+    x = rand_values(rng, shape, F32)
+    dy = np.full(shape, -0.0, F32)
+    c = shape[ca]
+    s = rand_values(rng, (c,), F32, scale=1.0)
+    _, m, v = simdnorm.batch_normalization_training(x, s, s, channel_axis=ca)
+    for n in (1, 2):
+        threads(n)
+        for training in (True, False):
+            _, gs, gb = simdnorm.batch_normalization_backward(dy, x, m, v, s, s, channel_axis=ca, training=training)
+            assert not np.signbit(gs).any() and not np.signbit(gb).any(), (n, training)
+            assert not gs.any() and not gb.any()

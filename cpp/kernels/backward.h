@@ -122,6 +122,19 @@ struct CoefficientRule {
       : inv_n(t.inv_n), epsilon(t.epsilon), pitch(t.stats_pitch), terms(t.statistics_terms),
         normalize_mean(t.normalize_mean), normalize_variance(t.normalize_variance),
         epsilon_outside(t.epsilon_outside) {}
+  // c1 and c2 (in double) of a statistics element with 1 / std u, from its sums (with terms), by
+  // the rule's flags (given: constants where a loop over many elements passes them).
+  template <class C>
+  SIMDNORM_CURSOR_METHOD std::pair<double, double> terms_of(C u, double sum_g, double sum_gy, bool outside,
+                                                            bool mean, bool variance) const {
+    double k = 1.0;
+    if (outside) {
+      // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
+      const double den = 1.0 - epsilon * static_cast<double>(u);
+      k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
+    }
+    return {mean ? sum_g * inv_n : 0.0, variance ? k * sum_gy * inv_n : 0.0};
+  }
   // c1 and c2 of statistics element i (at stats + i * sizeof(C)) from its sums: stored beside its
   // mean and u, and returned.
   template <class C>
@@ -130,14 +143,9 @@ struct CoefficientRule {
     if (terms) {
       C u;
       std::memcpy(&u, stats + pitch + i * sizeof(C), sizeof u);
-      double k = 1.0;
-      if (epsilon_outside) {
-        // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
-        const double den = 1.0 - epsilon * static_cast<double>(u);
-        k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
-      }
-      c1 = normalize_mean ? sum_g * inv_n : 0.0;
-      c2 = normalize_variance ? k * sum_gy * inv_n : 0.0;
+      const std::pair<double, double> c =
+          terms_of(u, sum_g, sum_gy, epsilon_outside, normalize_mean, normalize_variance);
+      c1 = c.first, c2 = c.second;
     }
     const C v1 = static_cast<C>(c1), v2 = static_cast<C>(c2);
     std::memcpy(stats + 2 * pitch + i * sizeof(C), &v1, sizeof v1);
@@ -1512,12 +1520,42 @@ static void backward_groups_entry(const BackwardTask& t, const BackwardGroups& g
   with_storage_type(t.dtype, [&](auto st) { backward_groups_of<typename decltype(st)::type>(t, g); });
 }
 
+// CoefficientRule::set of n statistics elements in one loop over arrays that alias nothing else,
+// its flags constants (a channel each: thousands a call, which element by element through char
+// pointers, the flags tested in the loop, cost as much as the data's two passes on (N, C) batch
+// norm with few samples).
+template <class C>
+static void set_coefficients_of(const BackwardTask& t, char* stats, const double* __restrict sum_g,
+                                const double* __restrict sum_gy, int64_t n) {
+  const CoefficientRule rule(t);
+  const C* __restrict u = reinterpret_cast<const C*>(stats + rule.pitch);
+  C* __restrict c1 = reinterpret_cast<C*>(stats + 2 * rule.pitch);
+  C* __restrict c2 = reinterpret_cast<C*>(stats + 3 * rule.pitch);
+  if (!rule.terms) {
+    std::fill_n(c1, n, C(0)), std::fill_n(c2, n, C(0));
+    return;
+  }
+  auto each = [&](auto outside, auto mean, auto variance) {
+    for (int64_t i = 0; i < n; ++i) {
+      const std::pair<double, double> c = rule.terms_of(u[i], sum_g[i], sum_gy[i], outside, mean, variance);
+      c1[i] = static_cast<C>(c.first), c2[i] = static_cast<C>(c.second);
+    }
+  };
+  auto as_constant = [](bool v, auto&& fn) {
+    if (v) fn(std::true_type{});
+    else fn(std::false_type{});
+  };
+  as_constant(rule.epsilon_outside, [&](auto outside) {
+    as_constant(rule.normalize_mean, [&](auto mean) {
+      as_constant(rule.normalize_variance, [&](auto variance) { each(outside, mean, variance); });
+    });
+  });
+}
+
 static void backward_coefficients_entry(const BackwardTask& t, char* stats, const double* sum_g, const double* sum_gy,
                                         int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (t.dtype == DType::f64) set_coefficients<double>(t, stats, i, sum_g[i], sum_gy[i]);
-    else set_coefficients<float>(t, stats, i, sum_g[i], sum_gy[i]);
-  }
+  if (t.dtype == DType::f64) set_coefficients_of<double>(t, stats, sum_g, sum_gy, n);
+  else set_coefficients_of<float>(t, stats, sum_g, sum_gy, n);
 }
 
 static void backward_sums_entry(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end,

@@ -98,12 +98,15 @@ static inline void store_as(char* p, double v) {
 // for the compiler to vectorize: no call, no branch on the data but the blend of `slow`.
 // The arrays as restrict parameters (GCC ignores restrict on locals copied from a struct's members,
 // and 12 run-time alias checks are past what it versions a loop for: the loop stayed scalar).
-static int64_t lane_stats_loop(int64_t n, double inv_n, bool centered, UnderflowRule u, const double* __restrict pivot,
+// `centered` a constant of each loop: GCC 12 does not vectorize a select on a run-time flag (the
+// kernels are compiled without loop unswitching), and the loop stayed scalar.
+template <bool Centered>
+static int64_t lane_stats_loop(int64_t n, double inv_n, UnderflowRule u, const double* __restrict pivot,
                                const double* __restrict sum, const double* __restrict sum_sq,
                                double* __restrict mean, double* __restrict var, unsigned char* __restrict slow) {
   int64_t count = 0;
   for (int64_t c = 0; c < n; ++c) {
-    const auto s = lane_stats_of(pivot[c], sum[c], sum_sq[c], inv_n, centered, u);
+    const auto s = lane_stats_of(pivot[c], sum[c], sum_sq[c], inv_n, Centered, u);
     mean[c] = s.mean;
     var[c] = s.var;
     slow[c] = static_cast<unsigned char>(s.slow);
@@ -113,19 +116,27 @@ static int64_t lane_stats_loop(int64_t n, double inv_n, bool centered, Underflow
 }
 
 static int64_t lane_stats_entry(const LaneStatsArgs& a) {
-  return lane_stats_loop(a.n, a.inv_n, a.centered, a.underflow, a.pivot, a.sum, a.sum_sq, a.mean, a.var, a.slow);
+  return a.centered ? lane_stats_loop<true>(a.n, a.inv_n, a.underflow, a.pivot, a.sum, a.sum_sq, a.mean, a.var, a.slow)
+                    : lane_stats_loop<false>(a.n, a.inv_n, a.underflow, a.pivot, a.sum, a.sum_sq, a.mean, a.var, a.slow);
 }
 
-static void inv_std_lanes_entry(const double* __restrict var, double* __restrict out, int64_t n, int64_t step,
-                                const InvStdRule& r) {
-  // The rule's branches are loop-invariant (unswitched out of the loop); one lane after another
-  // (step 1, the common case) is its own loop so that it vectorizes.
-  const InvStdRule rule = r;
+// The rule's flags constants of each loop (as lane_stats_loop's); one lane after another (step 1,
+// the common case) is its own loop so that it vectorizes.
+template <bool NormalizeVariance, bool EpsilonOutside>
+static void inv_std_lanes_loop(const double* __restrict var, double* __restrict out, int64_t n, int64_t step,
+                               double epsilon) {
+  const InvStdRule rule{NormalizeVariance, EpsilonOutside, epsilon};
   if (step == 1) {
     for (int64_t c = 0; c < n; ++c) out[c] = inv_std_of(var[c], rule);
   } else {
     for (int64_t c = 0; c < n; c += step) out[c] = inv_std_of(var[c], rule);
   }
+}
+
+static void inv_std_lanes_entry(const double* var, double* out, int64_t n, int64_t step, const InvStdRule& r) {
+  if (!r.normalize_variance) inv_std_lanes_loop<false, false>(var, out, n, step, r.epsilon);
+  else if (r.epsilon_outside) inv_std_lanes_loop<true, true>(var, out, n, step, r.epsilon);
+  else inv_std_lanes_loop<true, false>(var, out, n, step, r.epsilon);
 }
 
 // Batch norm's folded multiplier (ops/batch_norm.cpp; kernel_table.h: scale_over_std_lanes). Here,

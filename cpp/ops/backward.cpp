@@ -34,11 +34,11 @@ namespace simdnorm {
 namespace {
 
 // Statistics given with a variance: mean and variance in, (mean, u, c1, c2) out, u = 1 / sqrt(variance
-// + epsilon) (ctx: the epsilon; c1, c2 set later). (Given u, the statistics need no fold: fold().)
+// + epsilon) (ctx: the epsilon; c1, c2 set later), in the active unit's vectors (square roots and
+// divisions round the same in every unit). (Given u, the statistics need no fold: fold().)
 void fold_variance(const double* const* in, double* const* out, int64_t n, const void* ctx) {
   std::copy(in[0], in[0] + n, out[0]);
-  const double eps = *static_cast<const double*>(ctx);
-  for (int64_t i = 0; i < n; ++i) out[1][i] = 1.0 / std::sqrt(in[1][i] + eps);
+  kernels().inv_std_lanes(in[1], out[1], n, 1, InvStdRule{true, false, *static_cast<const double*>(ctx)});
   std::fill(out[2], out[2] + n, 0.0);
   std::fill(out[3], out[3] + n, 0.0);
 }
@@ -346,7 +346,7 @@ class BackwardRunner {
       const double* from = sums == nullptr ? nullptr : sums + o * np;
       auto write = [&](auto* out) {
         using E = std::remove_pointer_t<decltype(out)>;
-        for (int64_t i = 0; i < np; ++i) out[i] = static_cast<E>(from == nullptr ? 0.0 : from[i]);
+        for (int64_t i = 0; i < np; ++i) out[i] = static_cast<E>(from == nullptr ? 0.0 : 0.0 + from[i]);  // (-0: +0)
       };
       if (a_.param_sums[o]->dtype == DType::f32) write(reinterpret_cast<float*>(a_.param_sums[o]->data));
       else write(reinterpret_cast<double*>(a_.param_sums[o]->data));
@@ -376,7 +376,7 @@ class BackwardRunner {
     // Every group's sums (doubles; never in float slots: a group's statistics are constant along
     // its runs), in the calling thread's kept scratch.
     const int64_t ns = stats_->count();
-    double* const group_sums = zeroed_group_sums();
+    double* const group_sums = kept_group_sums();
     const int64_t param_bytes = want_params_ ? 2 * params_->count() * (8 + csize_) : 0;
     const int64_t blocks =
         blocks_for(groups, param_bytes, std::max(kMinGroupsPerBlock, kMinChunkElements / std::max<int64_t>(1, n_)),
@@ -536,18 +536,23 @@ class BackwardRunner {
         for (int64_t i = 0; i < p[j].param_count; ++i)
           m[k * np + p[j].param_lo + i] += p[j].sums[2 * p[j].group_count + k * p[j].param_count + i];
   }
-  // (in the calling thread's kept scratch, until the next call)
+  // (in the calling thread's kept scratch, until the next call; one partial holding every
+  // parameter element: its own sums, which write_param_sums and derive_group_sums add to +0 as the
+  // merge does)
   const double* merged_params(const std::vector<Partial>& partials) {
+    if (partials.size() == 1 && partials[0].param_lo == 0 && partials[0].param_count == params_->count())
+      return partials[0].sums + 2 * partials[0].group_count;
     double* m = reinterpret_cast<double*>(merged_store_.reserve(static_cast<size_t>(2 * params_->count()) * sizeof(double)));
     std::fill_n(m, 2 * params_->count(), 0.0);
     merge_params(partials.data(), partials.size(), m);
     return m;
   }
-  // The statistics' sums (two doubles an element), zeroed, in the calling thread's kept scratch.
-  double* zeroed_group_sums() {
+  // The statistics' sums (two doubles an element) in the calling thread's kept scratch, zeroed
+  // unless the caller sets every one (derive_group_sums of all the elements).
+  double* kept_group_sums(bool zeroed = true) {
     const int64_t ns = stats_->count();
     double* g = reinterpret_cast<double*>(group_store_.reserve(static_cast<size_t>(2 * ns) * sizeof(double)));
-    std::fill_n(g, 2 * ns, 0.0);
+    if (zeroed) std::fill_n(g, 2 * ns, 0.0);
     return g;
   }
   // The statistics' sums of elements r derived from the parameters' (derive: shared_layout), sum(g)
@@ -667,7 +672,7 @@ class BackwardRunner {
   void run_slabs(const std::vector<Slab>& slabs, int64_t total, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count();
-    double* const group = zeroed_group_sums();
+    double* const group = kept_group_sums();
     std::vector<Partial> partials;
     for (const Slab& s : slabs) partials.push_back(partial_for(t, s.nest, s.begin, s.end));
     allocate_partials(partials);
@@ -718,7 +723,7 @@ class BackwardRunner {
       });
       const double* const params = param_sums ? merged_params(partials) : nullptr;
       if (want_group_) {
-        double* const group = zeroed_group_sums();
+        double* const group = kept_group_sums(!derive);
         if (derive) {
           derive_group_sums(group, params, 0, np, {0, ns});
         } else {
@@ -752,7 +757,7 @@ class BackwardRunner {
   std::vector<int64_t> param_index_;  // each parameter element's row-major index, where not its own
   KeptScratch<kPartialsSlot, kKeptStatisticsBytes> partial_store_;  // (allocate_partials)
   KeptScratch<kMergedSlot, kKeptStatisticsBytes> merged_store_;  // (merged_params)
-  KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store_;  // (zeroed_group_sums)
+  KeptScratch<kGroupSumsSlot, kKeptStatisticsBytes> group_store_;  // (kept_group_sums)
 };
 
 // The bytes [lo, hi) a view may touch.

@@ -159,9 +159,26 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
           }
         }
       };
+      // (a run of one-after-another float or double elements, aligned to their size: a loop that
+      // vectorizes)
+      const int64_t es = static_cast<int64_t>(itemsize(in[i].view->dtype));
+      const bool unit = step == es && reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(es) == 0;
       switch (in[i].view->dtype) {
-        case DType::f32: gather([](const char* q) { float v; std::memcpy(&v, q, 4); return double(v); }); break;
-        case DType::f64: gather([](const char* q) { double v; std::memcpy(&v, q, 8); return v; }); break;
+        case DType::f32:
+          if (unit && idx[inner] + n <= run_len) {
+            const float* q = reinterpret_cast<const float*>(p);
+            for (int64_t k = 0; k < n; ++k) vin[i][k] = static_cast<double>(q[k]);
+            break;
+          }
+          gather([](const char* q) { float v; std::memcpy(&v, q, 4); return double(v); });
+          break;
+        case DType::f64:
+          if (unit && idx[inner] + n <= run_len) {
+            std::memcpy(vin[i], p, static_cast<size_t>(n) * 8);
+            break;
+          }
+          gather([](const char* q) { double v; std::memcpy(&v, q, 8); return v; });
+          break;
         case DType::f16: gather([](const char* q) { return load_scalar(DType::f16, q); }); break;
         case DType::bf16: gather([](const char* q) { return load_scalar(DType::bf16, q); }); break;
       }
@@ -174,9 +191,8 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
       if (compute == DType::f64) {
         std::memcpy(dst, vout[o], static_cast<size_t>(n) * 8);
       } else {
-        float f[kChunk];
+        float* f = reinterpret_cast<float*>(dst);  // (the storage: aligned for its compute type)
         for (int64_t k = 0; k < n; ++k) f[k] = static_cast<float>(vout[o][k]);
-        std::memcpy(dst, f, static_cast<size_t>(n) * 4);
       }
     }
   }
