@@ -184,13 +184,15 @@ void MvnRunner::finish_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch& la
   if (a_.mean_out && a_.normalize_mean) {
     const int64_t step = user_mean_strides_[lanes_dim];
     char* um = user_mean_ + user_offset(user_mean_strides_, ko) + first * step;
-    for (int64_t g = 0; g < judged; ++g) store_user(um + g * step, mean[g * k]);
+    store_user_lanes(um, step, mean, judged, k);
   }
   if (a_.inv_std_out && a_.normalize_variance) {
     const int64_t step = user_inv_std_strides_[lanes_dim];
     char* ui = user_inv_std_ + user_offset(user_inv_std_strides_, ko) + first * step;
-    for (int64_t g = 0; g < judged; ++g) store_user(ui + g * step, istd[g * k]);
-    if (a_.var_out) {
+    store_user_lanes(ui, step, istd, judged, k);
+    if (a_.var_out && scaled.empty()) {
+      store_user_lanes(ui + var_offset(), step, var, judged, k);
+    } else if (a_.var_out) {
       for (int64_t g = 0; g < judged; ++g) {
         double v = var[g * k];
         for (const ScaledLane& l : scaled)

@@ -201,6 +201,22 @@ class MvnRunner {
   void store_compute(char* p, double v) const { compute_ == DType::f64 ? store_as<double>(p, v) : store_as<float>(p, v); }
   // The user's statistics arrays: the compute type, or float64 with statistics_only.
   void store_user(char* p, double v) const { user_stats_ == DType::f64 ? store_as<double>(p, v) : store_as<float>(p, v); }
+  // values[g k] of groups g < n to the user's statistics array at p, `step` bytes apart: one loop
+  // that vectorizes where they are one after another (thousands of channels a call), else
+  // store_user's.
+  void store_user_lanes(char* p, int64_t step, const double* values, int64_t n, int64_t k) const {
+    auto each = [&](auto* typed) {
+      using E = std::remove_pointer_t<decltype(typed)>;
+      if (k == 1 && step == static_cast<int64_t>(sizeof(E)) && reinterpret_cast<uintptr_t>(p) % sizeof(E) == 0) {
+        E* out = reinterpret_cast<E*>(p);
+        for (int64_t g = 0; g < n; ++g) out[g] = static_cast<E>(values[g]);
+      } else {
+        for (int64_t g = 0; g < n; ++g) store_as<E>(p + g * step, values[g * k]);
+      }
+    };
+    if (user_stats_ == DType::f64) each(static_cast<double*>(nullptr));
+    else each(static_cast<float*>(nullptr));
+  }
 
   // ---- where a group is ---------------------------------------------------------------------------
   // Offset of kept index `g` (flat over the leading kept dims) in one of the user's stats arrays.
