@@ -1271,18 +1271,21 @@ def test_running_stats_formula(rng, convention, momentum, dtype, rdtype):
             # the next step starts from what is stored
 
 
-# Contiguous float32/float64 running buffers are updated by one kernel call, any others by numpy:
-# the same float64 arithmetic in the same order, so the same bits (buffers alike but for their strides).
+# Contiguous float32/float64 running buffers are updated by one kernel call (aligned: its typed loop,
+# a byte off: element by element), any others by numpy: the same float64 arithmetic in the same
+# order, so the same bits (buffers alike but for their strides).
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "a-byte-off"])
 @pytest.mark.parametrize("rdtype", [F32, F64], ids=dtype_id)
 @pytest.mark.parametrize("convention,momentum", [("pytorch", 0.1), ("pytorch", "cumulative"), ("onnx", 0.8)])
-def test_running_stats_contiguous_as_strided(rng, convention, momentum, rdtype):
+def test_running_stats_contiguous_as_strided(rng, convention, momentum, rdtype, offset):
     x = rand_values(rng, (6, 33, 5), F32, loc=1.0, scale=2.0)
     start = [rand_values(rng, (33,), rdtype, loc=loc, scale=0.3) for loc in (0.0, 2.0)]
     kw = dict(momentum_convention=convention, momentum=momentum)
     if momentum == "cumulative":
         kw["num_batches_tracked"] = 3
-    # (the contiguous buffers a byte past their dtype's alignment: the sanitizer build checks the stores)
-    dense = [np.empty(33 * a.itemsize + 1, np.uint8)[1:].view(rdtype) for a in start]
+    # (a byte past their dtype's alignment: the sanitizer build checks the stores)
+    dense = [np.empty(33 * a.itemsize + 64, np.uint8) for a in start]
+    dense = [b[(-b.ctypes.data) % 64 + offset:][:33 * a.itemsize].view(rdtype) for a, b in zip(start, dense)]
     for a, b in zip(dense, start):
         a[...] = b
     strided = [np.empty((33, 2), rdtype)[:, 1] for _ in start]
