@@ -563,3 +563,33 @@ def test_checker_accepts_correct_and_rejects_wrong(rng, dtype, act):
     with pytest.raises(AssertionError):
         check_bn(off.astype(dtype), x, p["mean"], p["variance"], p["scale"], p["bias"], activation=name,
                  act_params=params)
+
+
+@DT
+@pytest.mark.parametrize("which", ["both", "scale", "bias", "neither"])
+def test_many_channels_compact_parameters_as_strided(rng, dtype, which):
+    """(N, C) with thousands of channels: compact float32 parameters take one float32 fold (shift and
+    bias copied, the multiplier in the unit's loop); the same values as strided views take the
+    general fold. Bitwise the same, and within the reference's tolerance, with absent parameters, a
+    few channels whose scale / std leaves float32's range (the four-array form) and NaN / inf
+    statistics among ordinary ones."""
+    n, c = 3, 2053
+    x = rand_values(rng, (n, c), dtype)
+    pdt = F64 if dtype == F64 else F32
+    mean = rand_values(rng, (c,), pdt)
+    var = np.abs(rand_values(rng, (c,), pdt)) + np.asarray(0.25, pdt)
+    scale = rand_values(rng, (c,), pdt) if which in ("both", "scale") else None
+    bias = rand_values(rng, (c,), pdt) if which in ("both", "bias") else None
+    if scale is not None:
+        scale[7], var[7] = 1e30, 1e-20  # (scale / std past float32: every channel takes the four arrays)
+    mean[11], var[12] = np.nan, np.inf
+    strided = [None if a is None else np.repeat(a, 2)[::2] for a in (mean, var, scale, bias)]
+    assert strided[0].strides == (2 * mean.itemsize,)
+    got = bn(x, mean, var, scale, bias)
+    np.testing.assert_array_equal(bits(got), bits(bn(x, *strided)))
+    ok = np.ones(c, bool)
+    ok[[11, 12]] = False
+    ok[7] = dtype not in (F16, BF16)  # (its outputs, ~1e33, overflow 16-bit floats)
+    check_bn(got[:, ok], x[:, ok], mean[ok], var[ok], None if scale is None else scale[ok],
+             None if bias is None else bias[ok])
+    assert np.isnan(got[:, 11]).all() and (got[:, 12] == np.asarray(0 if bias is None else bias[12], dtype)).all()

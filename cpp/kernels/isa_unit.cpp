@@ -121,6 +121,10 @@ bool scale_over_std_lanes_base(const double* var, const double* scale, double* m
                                int64_t n, double epsilon, double min, double max) {
   return base::kernel_table.scale_over_std_lanes(var, scale, mul, inv_std, fits, n, epsilon, min, max);
 }
+bool scale_over_std_f32_base(const float* var, const float* scale, float* mul, int64_t n, double epsilon, double min,
+                             double max) {
+  return base::kernel_table.scale_over_std_f32(var, scale, mul, n, epsilon, min, max);
+}
 void backward_sums_bf16(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s) {
   if (t.dtype == DType::bf16) backward_sums_kernel(t, n, b, e, s);
   else base::kernel_table.backward_sums(t, n, b, e, s);
@@ -141,7 +145,7 @@ const KernelTable kernel_table = {kIsaName,          kWidth,           inline_ac
                                   normalize_run_kernel, row_moments_kernel, col_moments_base,
                                   normalize_group_and_sum_kernel, normalize_rows_fused_kernel, rows_loop_kernel,
                                   lane_stats_base,
-                                  inv_std_lanes_base, scale_over_std_lanes_base,
+                                  inv_std_lanes_base, scale_over_std_lanes_base, scale_over_std_f32_base,
                                   backward_sums_bf16, backward_apply_bf16,
                                   backward_groups_bf16, backward_coefficients_base};
 #else
@@ -150,7 +154,8 @@ void row_moments_kernel(const RowMomentsArgs& a) { row_moments_entry(a); }
 const KernelTable kernel_table = {kIsaName,        kWidth,            inline_activation_bits(), normalize_entry, normalize_run_kernel,
                                    row_moments_kernel, col_moments_entry, normalize_group_and_sum_kernel,
                                    normalize_rows_fused_kernel, rows_loop_kernel, lane_stats_entry,
-                                   inv_std_lanes_entry, scale_over_std_lanes_entry, backward_sums_kernel,
+                                   inv_std_lanes_entry, scale_over_std_lanes_entry, scale_over_std_f32_entry,
+                                   backward_sums_kernel,
                                    backward_apply_kernel, backward_groups_kernel, backward_coefficients_kernel};
 #endif
 #endif  // the parts

@@ -139,6 +139,16 @@ static void inv_std_lanes_entry(const double* var, double* out, int64_t n, int64
   else inv_std_lanes_loop<true, false>(var, out, n, step, r.epsilon);
 }
 
+// Whether scale s times 1 / sqrt(v), m, falls outside [min, max] where both factors are finite and
+// nonzero (only those can make a product that does not fit; 1/sqrt(v) is one exactly when 0 < v <
+// inf). (& not &&: no branches, so that the loops vectorize.)
+static inline int64_t product_out_of_range(double v, double s, double m, double min, double max) {
+  s = std::fabs(s), m = std::fabs(m);
+  const int64_t factors_ordinary = (v > 0.0) & (v <= kMaxFinite) & (s <= kMaxFinite) & (s != 0.0);
+  const int64_t in_range = (m >= min) & (m <= max);
+  return factors_ordinary & (in_range ^ 1);
+}
+
 // Batch norm's folded multiplier (ops/batch_norm.cpp; kernel_table.h: scale_over_std_lanes). Here,
 // not in the op: compiled with the ISA's flags both loops vectorize (vectors of 8 doubles at
 // AVX-512), the range test included; in the baseline unit the test's compares stay scalar, with
@@ -157,14 +167,7 @@ static bool scale_over_std_lanes_entry(const double* __restrict var, const doubl
       mul[c] = scale[c] * inv;
     }
   }
-  // Only finite, nonzero factors can make a product that does not fit; 1/sqrt(v) is one exactly
-  // when 0 < v < inf. (& not &&: no branches, so that the loops vectorize.)
-  auto out_of_range = [&](int64_t c) -> int64_t {
-    const double v = var[c] + epsilon, s = std::fabs(scale[c]), m = std::fabs(mul[c]);
-    const int64_t factors_ordinary = (v > 0.0) & (v <= kMaxFinite) & (s <= kMaxFinite) & (s != 0.0);
-    const int64_t in_range = (m >= min) & (m <= max);
-    return factors_ordinary & (in_range ^ 1);
-  };
+  auto out_of_range = [&](int64_t c) { return product_out_of_range(var[c] + epsilon, scale[c], mul[c], min, max); };
   int64_t any = 0;  // (a bool accumulated with &= kept the loop scalar)
   if (fits == nullptr) {
     for (int64_t c = 0; c < n; ++c) any |= out_of_range(c);
@@ -173,6 +176,30 @@ static bool scale_over_std_lanes_entry(const double* __restrict var, const doubl
       const int64_t out = out_of_range(c);
       fits[c] = static_cast<uint8_t>(out ^ 1);
       any |= out;
+    }
+  }
+  return any == 0;
+}
+
+// scale_over_std_lanes of float32 arrays, each element converted, its product computed in double and
+// rounded to float32 as the folded parameters' general path does (the same bits), in one loop:
+// thousands of channels a call took a conversion pass an array (ops/batch_norm.cpp,
+// FoldedParams::CompactFold). scale null: 1. Returns whether every product fits in [min, max].
+static bool scale_over_std_f32_entry(const float* __restrict var, const float* __restrict scale,
+                                     float* __restrict mul, int64_t n, double epsilon, double min, double max) {
+  int64_t any = 0;
+  if (scale == nullptr) {
+    for (int64_t c = 0; c < n; ++c) {
+      const double v = static_cast<double>(var[c]) + epsilon, m = 1.0 * (1.0 / dsqrt(v));
+      mul[c] = static_cast<float>(m);
+      any |= product_out_of_range(v, 1.0, m, min, max);
+    }
+  } else {
+    for (int64_t c = 0; c < n; ++c) {
+      const double v = static_cast<double>(var[c]) + epsilon, s = static_cast<double>(scale[c]);
+      const double m = s * (1.0 / dsqrt(v));
+      mul[c] = static_cast<float>(m);
+      any |= product_out_of_range(v, s, m, min, max);
     }
   }
   return any == 0;

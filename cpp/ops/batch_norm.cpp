@@ -3,6 +3,7 @@
 //   out = act(fma(in - mean, scale / sqrt(var + eps), bias))
 // Keeping (in - mean) rather than folding everything into one multiply-add (in * a + b) makes
 // in == mean give exactly bias, and keeps the error of a large mean out of the result.
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -41,6 +42,26 @@ void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n,
   std::copy(in[3], in[3] + n, out[2]);
 }
 
+// fold_scale_into_mul of compact float32 inputs (FoldedParams::CompactFold): shift and bias copied
+// (a float32's double rounds back to itself), mul by the active unit's float32 loop, the same
+// arithmetic. Declines arrays not aligned to their floats.
+bool fold_scale_into_mul_f32(const char* const* in, char* const* out, int64_t n, const void* ctx) {
+  auto& c = *const_cast<FoldContext*>(static_cast<const FoldContext*>(ctx));
+  if (c.compute != DType::f32 || in[1] == nullptr) return false;
+  for (int i = 0; i < 4; ++i)
+    if (reinterpret_cast<uintptr_t>(in[i]) % alignof(float) != 0) return false;
+  auto copy_or = [&](const char* from, char* to, float absent) {
+    if (from != nullptr) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
+    else std::fill_n(reinterpret_cast<float*>(to), n, absent);
+  };
+  copy_or(in[0], out[0], 0.0f);
+  copy_or(in[3], out[2], 0.0f);
+  c.scale_fits &= kernels().scale_over_std_f32(reinterpret_cast<const float*>(in[1]),
+                                                reinterpret_cast<const float*>(in[2]), reinterpret_cast<float*>(out[1]),
+                                                n, c.epsilon, FLT_MIN, FLT_MAX);
+  return true;
+}
+
 // in: mean, variance, scale, bias; out: shift, mul = 1 / sqrt(var + eps), scale, bias; except
 // that a channel whose own scale / std fits keeps that product as mul (the same one as a folded
 // call's), with a scale of 1: kept apart, its (in - mean) * inv_std could overflow where the result
@@ -70,17 +91,17 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
     }
   FoldContext ctx{a.epsilon, compute_type(x.dtype)};
   std::optional<FoldedParams> folded;
-  auto fold = [&](std::initializer_list<int> operands, FoldedParams::Fold f) {
+  auto fold = [&](std::initializer_list<int> operands, FoldedParams::Fold f, FoldedParams::CompactFold compact) {
     folded.emplace(x.ndim, x.sizes,
                    std::initializer_list<FoldedParams::Input>{{&a.mean, 0.0},
                                                               {&a.variance, 0.0},
                                                               {a.scale ? &*a.scale : nullptr, 1.0},
                                                               {a.bias ? &*a.bias : nullptr, 0.0}},
-                   operands, ctx.compute, f, &ctx);
+                   operands, ctx.compute, f, &ctx, nullptr, false, compact);
   };
-  fold({kShift, kMul, kBias}, fold_scale_into_mul);
+  fold({kShift, kMul, kBias}, fold_scale_into_mul, fold_scale_into_mul_f32);
   const bool scale_folded = ctx.scale_fits;
-  if (!scale_folded) fold({kShift, kMul, kScale, kBias}, fold_separately);
+  if (!scale_folded) fold({kShift, kMul, kScale, kBias}, fold_separately, nullptr);
   // A folded scale is not used. The contiguous loops never load it; the row stream and the gather
   // loop load it with stride 0 and ignore it, so one readable value is all it needs to be.
   static const double unread_scale = 0.0;

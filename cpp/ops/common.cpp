@@ -46,7 +46,7 @@ double load_scalar(DType dtype, const char* p) {
 
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                            std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
-                           const int* order, bool kept) {
+                           const int* order, bool kept, CompactFold compact_fold) {
   SIMDNORM_CHECK(ndim >= 0 && ndim <= kMaxViewDims);
   SIMDNORM_CHECK(operands.size() <= kMaxInputs && inputs.size() <= kMaxInputs);
   elsize_ = itemsize(compute);
@@ -86,20 +86,28 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
     heap_.reset(new char[bytes]);
     storage_ = heap_.get();
   }
+  // Whether every input given is compact in the compute type: its elements in the arrays' order.
+  bool compact = true;
+  for (int i = 0; i < nin && compact; ++i) {
+    if (in[i].view == nullptr) continue;
+    compact = in[i].view->dtype == compute;
+    int64_t step = elsize_;
+    for (int d = nd - 1; d >= 0 && compact; --d) {
+      compact = in_strides[i][d] == step;
+      step *= shape[d];
+    }
+  }
+  if (compact && compact_fold != nullptr) {
+    const char* in_data[kMaxInputs] = {};
+    char* out_data[kMaxInputs] = {};
+    for (int i = 0; i < nin; ++i) in_data[i] = in[i].view != nullptr ? in[i].view->data : nullptr;
+    for (int o = 0; o < outputs; ++o) out_data[o] = data(o);
+    if (compact_fold(in_data, out_data, count_, ctx)) return;
+  }
   // No fold (each output its input): inputs already compact in the compute type are copied as
   // they are (per-element layer norm parameters: thousands of elements, each call).
   if (fold == nullptr) {
     SIMDNORM_CHECK(nin == outputs);
-    bool compact = true;
-    for (int i = 0; i < nin && compact; ++i) {
-      if (in[i].view == nullptr) continue;
-      compact = in[i].view->dtype == compute;
-      int64_t step = elsize_;
-      for (int d = nd - 1; d >= 0 && compact; --d) {
-        compact = in_strides[i][d] == step;
-        step *= shape[d];
-      }
-    }
     if (compact) {
       for (int i = 0; i < nin; ++i) {
         if (in[i].view != nullptr) {

@@ -65,11 +65,16 @@ class FoldedParams {
   // output its input (as many of each).
   static constexpr int64_t kChunk = 256;
   using Fold = void (*)(const double* const* in, double* const* out, int64_t n, const void* ctx);
+  // Where every input given is already compact in the compute type (in[i]: its n elements, null
+  // where absent; out[o]: output o's), `compact` folds all of them at once instead, in the fold's
+  // arithmetic, or returns false to leave them to `fold` (thousands of per-channel parameters took
+  // a conversion pass each way an array).
+  using CompactFold = bool (*)(const char* const* in, char* const* out, int64_t n, const void* ctx);
   // The arrays are laid out row-major over the dims in `order` (outermost first; null: 0 to ndim - 1).
   // `kept`: their storage the calling thread's kFoldSlot (one such object a thread at a time).
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
-               const int* order = nullptr, bool kept = false);
+               const int* order = nullptr, bool kept = false, CompactFold compact = nullptr);
   // For each element of the arrays, its index in the row-major order of the dims (0 to ndim - 1)
   // along which they vary; none (empty) where that is the element's own.
   std::vector<int64_t> row_major_indices(int ndim, const int64_t* sizes) const;

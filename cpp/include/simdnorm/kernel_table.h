@@ -223,6 +223,9 @@ struct KernelTable {
   // unless null, each 1 / sqrt(var[c] + epsilon).
   bool (*scale_over_std_lanes)(const double* var, const double* scale, double* mul, double* inv_std, uint8_t* fits,
                                int64_t n, double epsilon, double min, double max);
+  // The same of float32 arrays, mul rounded to float32 (scale null: 1), without inv_std and fits.
+  bool (*scale_over_std_f32)(const float* var, const float* scale, float* mul, int64_t n, double epsilon, double min,
+                             double max);
   // The backward ops' passes over the flat index range [begin, end) of a nest (kernels/backward.h).
   void (*backward_sums)(const BackwardTask& task, const LoopNest& nest, int64_t begin, int64_t end,
                         const BackwardSums& sums);
