@@ -2264,20 +2264,24 @@ def test_batch_norm_many_channels_against_reference(rng, threads, training, layo
     """(N, C) batch norm with thousands of channels: the statistics and parameters folded in chunks
     (one-after-another float runs in one loop, others gathered), the coefficients in one loop, one
     partial's parameter sums taken as they are. Against the float64 reference with the parameters
-    and statistics in each layout, 1 vs 2 threads bitwise."""
+    and statistics in each layout, 1 vs 2 threads bitwise, and bitwise as with compact ones."""
     n, c = 3, 2051  # (chunks of 256 and a partial one; vectors and a tail)
     x = rand_values(rng, (n, c), dtype, scale=2.0) + np.asarray(3.0, dtype)
     dy = rand_values(rng, (n, c), dtype, scale=1.0)
     pdt = np.float64 if dtype == F64 else np.float32
-    scale, bias, mean = (in_layout(rand_values(rng, (c,), pdt, scale=1.0), layout) for _ in range(3))
-    var = in_layout(np.abs(rand_values(rng, (c,), pdt, scale=1.0)) + 0.5, layout)
+    compact = [rand_values(rng, (c,), pdt, scale=1.0) for _ in range(3)]
+    compact.append(np.abs(rand_values(rng, (c,), pdt, scale=1.0)) + np.asarray(0.5, pdt))
+    scale, bias, mean, var = (in_layout(a, layout) for a in compact)
 
-    def run():
+    def run(scale=scale, bias=bias, mean=mean, var=var):
         return simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, training=training)
 
     got = at_one_and_two_threads(threads, run, layout)
     check_grads(got, bn_backward_ref(dy, x, mean, var, scale, bias, training=training), x=x, scale=scale, bias=bias,
                 context=layout)
+    # (compact statistics take one float32 fold, the others the general one: the same bits)
+    for a, b in zip(got, run(*compact)):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=layout)
 
 
 @pytest.mark.parametrize("shape,ca", [((2, 3000), 1), ((4, 6, 5, 5), 1), ((3, 5, 7), -1)])

@@ -42,6 +42,21 @@ void fold_variance(const double* const* in, double* const* out, int64_t n, const
   std::fill(out[2], out[2] + n, 0.0);
   std::fill(out[3], out[3] + n, 0.0);
 }
+// fold_variance of compact float32 statistics (FoldedParams::CompactFold): the mean copied, u by the
+// unit's float32 loop (scale_over_std_f32 without a scale: the same 1 / sqrt in double), c1 and c2
+// zero. Declines arrays not aligned to their floats.
+bool fold_variance_f32(DType compute, const char* const* in, char* const* out, int64_t n, const void* ctx) {
+  if (compute != DType::f32 || in[1] == nullptr) return false;
+  for (int i = 0; i < 2; ++i)
+    if (reinterpret_cast<uintptr_t>(in[i]) % alignof(float) != 0) return false;
+  if (in[0] != nullptr) std::memcpy(out[0], in[0], static_cast<size_t>(n) * sizeof(float));
+  else std::fill_n(reinterpret_cast<float*>(out[0]), n, 0.0f);
+  kernels().scale_over_std_f32(reinterpret_cast<const float*>(in[1]), nullptr, reinterpret_cast<float*>(out[1]), n,
+                               *static_cast<const double*>(ctx), FLT_MIN, FLT_MAX);  // (its range test unused)
+  std::fill_n(reinterpret_cast<float*>(out[2]), n, 0.0f);
+  std::fill_n(reinterpret_cast<float*>(out[3]), n, 0.0f);
+  return true;
+}
 
 // Blocks of groups (or chunks of elements) hold at most this many bytes of partial sums in all.
 constexpr int64_t kMaxPartialBytes = int64_t(32) << 20;
@@ -174,7 +189,7 @@ class BackwardRunner {
     const std::initializer_list<int> operands{kStats, kStats, kStats, kStats};
     if (a_.variance_given)
       stats_ = std::make_unique<FoldedParams>(x.ndim, x.sizes, std::initializer_list<In>{mean, u}, operands, compute_,
-                                              fold_variance, &a_.epsilon, order, true);
+                                              fold_variance, &a_.epsilon, order, true, fold_variance_f32);
     else
       stats_ = std::make_unique<FoldedParams>(x.ndim, x.sizes, std::initializer_list<In>{mean, u, zeros, zeros},
                                               operands, compute_, nullptr, nullptr, order, true);

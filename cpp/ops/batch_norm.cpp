@@ -45,9 +45,9 @@ void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n,
 // fold_scale_into_mul of compact float32 inputs (FoldedParams::CompactFold): shift and bias copied
 // (a float32's double rounds back to itself), mul by the active unit's float32 loop, the same
 // arithmetic. Declines arrays not aligned to their floats.
-bool fold_scale_into_mul_f32(const char* const* in, char* const* out, int64_t n, const void* ctx) {
+bool fold_scale_into_mul_f32(DType compute, const char* const* in, char* const* out, int64_t n, const void* ctx) {
   auto& c = *const_cast<FoldContext*>(static_cast<const FoldContext*>(ctx));
-  if (c.compute != DType::f32 || in[1] == nullptr) return false;
+  if (compute != DType::f32 || in[1] == nullptr) return false;
   for (int i = 0; i < 4; ++i)
     if (reinterpret_cast<uintptr_t>(in[i]) % alignof(float) != 0) return false;
   auto copy_or = [&](const char* from, char* to, float absent) {

@@ -102,7 +102,7 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
     char* out_data[kMaxInputs] = {};
     for (int i = 0; i < nin; ++i) in_data[i] = in[i].view != nullptr ? in[i].view->data : nullptr;
     for (int o = 0; o < outputs; ++o) out_data[o] = data(o);
-    if (compact_fold(in_data, out_data, count_, ctx)) return;
+    if (compact_fold(compute, in_data, out_data, count_, ctx)) return;
   }
   // No fold (each output its input): inputs already compact in the compute type are copied as
   // they are (per-element layer norm parameters: thousands of elements, each call).

@@ -69,7 +69,7 @@ class FoldedParams {
   // where absent; out[o]: output o's), `compact` folds all of them at once instead, in the fold's
   // arithmetic, or returns false to leave them to `fold` (thousands of per-channel parameters took
   // a conversion pass each way an array).
-  using CompactFold = bool (*)(const char* const* in, char* const* out, int64_t n, const void* ctx);
+  using CompactFold = bool (*)(DType compute, const char* const* in, char* const* out, int64_t n, const void* ctx);
   // The arrays are laid out row-major over the dims in `order` (outermost first; null: 0 to ndim - 1).
   // `kept`: their storage the calling thread's kFoldSlot (one such object a thread at a time).
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
