@@ -46,11 +46,8 @@ void fold_variance(const double* const* in, double* const* out, int64_t n, const
 // unit's float32 loop (scale_over_std_f32 without a scale: the same 1 / sqrt in double), c1 and c2
 // zero. Declines arrays not aligned to their floats.
 bool fold_variance_f32(DType compute, const char* const* in, char* const* out, int64_t n, const void* ctx) {
-  if (compute != DType::f32 || in[1] == nullptr) return false;
-  for (int i = 0; i < 2; ++i)
-    if (reinterpret_cast<uintptr_t>(in[i]) % alignof(float) != 0) return false;
-  if (in[0] != nullptr) std::memcpy(out[0], in[0], static_cast<size_t>(n) * sizeof(float));
-  else std::fill_n(reinterpret_cast<float*>(out[0]), n, 0.0f);
+  if (compute != DType::f32 || in[1] == nullptr || !FoldedParams::floats_aligned(in, 2)) return false;
+  FoldedParams::copy_floats(in[0], out[0], n, 0.0f);
   kernels().scale_over_std_f32(reinterpret_cast<const float*>(in[1]), nullptr, reinterpret_cast<float*>(out[1]), n,
                                *static_cast<const double*>(ctx), FLT_MIN, FLT_MAX);  // (its range test unused)
   std::fill_n(reinterpret_cast<float*>(out[2]), n, 0.0f);

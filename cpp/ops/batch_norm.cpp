@@ -47,15 +47,9 @@ void fold_scale_into_mul(const double* const* in, double* const* out, int64_t n,
 // arithmetic. Declines arrays not aligned to their floats.
 bool fold_scale_into_mul_f32(DType compute, const char* const* in, char* const* out, int64_t n, const void* ctx) {
   auto& c = *const_cast<FoldContext*>(static_cast<const FoldContext*>(ctx));
-  if (compute != DType::f32 || in[1] == nullptr) return false;
-  for (int i = 0; i < 4; ++i)
-    if (reinterpret_cast<uintptr_t>(in[i]) % alignof(float) != 0) return false;
-  auto copy_or = [&](const char* from, char* to, float absent) {
-    if (from != nullptr) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
-    else std::fill_n(reinterpret_cast<float*>(to), n, absent);
-  };
-  copy_or(in[0], out[0], 0.0f);
-  copy_or(in[3], out[2], 0.0f);
+  if (compute != DType::f32 || in[1] == nullptr || !FoldedParams::floats_aligned(in, 4)) return false;
+  FoldedParams::copy_floats(in[0], out[0], n, 0.0f);
+  FoldedParams::copy_floats(in[3], out[2], n, 0.0f);
   c.scale_fits &= kernels().scale_over_std_f32(reinterpret_cast<const float*>(in[1]),
                                                 reinterpret_cast<const float*>(in[2]), reinterpret_cast<float*>(out[1]),
                                                 n, c.epsilon, FLT_MIN, FLT_MAX);

@@ -70,6 +70,17 @@ class FoldedParams {
   // arithmetic, or returns false to leave them to `fold` (thousands of per-channel parameters took
   // a conversion pass each way an array).
   using CompactFold = bool (*)(DType compute, const char* const* in, char* const* out, int64_t n, const void* ctx);
+  // For compact folds of float32: whether the first k inputs (null ones too) can be read as floats,
+  // and output `to` set to input `from`'s n floats, or to `absent` where it is null.
+  static bool floats_aligned(const char* const* in, int k) {
+    for (int i = 0; i < k; ++i)
+      if (reinterpret_cast<uintptr_t>(in[i]) % alignof(float) != 0) return false;
+    return true;
+  }
+  static void copy_floats(const char* from, char* to, int64_t n, float absent) {
+    if (from != nullptr) std::memcpy(to, from, static_cast<size_t>(n) * sizeof(float));
+    else std::fill_n(reinterpret_cast<float*>(to), n, absent);
+  }
   // The arrays are laid out row-major over the dims in `order` (outermost first; null: 0 to ndim - 1).
   // `kept`: their storage the calling thread's kFoldSlot (one such object a thread at a time).
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
