@@ -715,11 +715,10 @@ struct BackwardKernel {
   // of group k + 1 (ps), so that the reads from memory and the writes overlap as in np.add; group
   // k is read again from the L2. Per element the arithmetic is apply_run's and sums_run's, and the
   // sums reach their targets in sums_run's order: the bits are those of the two passes apart. The
-  // summed lines are fetched kPairPrefetchBytes ahead into the L2 only (prefetcht1): fetched into
-  // the L1 (prefetcht0), the pair ran slower than the two passes apart; fetched from further ahead,
-  // or with the summed run's grad_input fetched for writing too (written_next), it ran slower on
-  // groups of 100 KB and more (two of them, read twice, pass a 512 KB L2).
-  static constexpr int64_t kPairPrefetchBytes = 1024;
+  // summed lines are fetched t.pair_prefetch_bytes ahead into the L2 only (prefetcht1): fetched
+  // into the L1 (prefetcht0), the pair ran slower than the two passes apart; with grad_input fetched
+  // for writing too, slower on groups of 100 KB and more. How far ahead depends on the L2
+  // (BackwardRunner::pair_prefetch_bytes).
   template <class D>
   static void pair_run(const BackwardTask& t, const D& deriv, char* const* pa, char* const* ps, const int64_t* s,
                        int64_t n, const BackwardSums& acc) {
@@ -737,13 +736,14 @@ struct BackwardKernel {
     const V mean = wr.mean_c, scale_u = wr.scale_c * wr.u_c;
     const V y_coef = y_coefficient(wr.u_c, wr.c2_c), k_coef = k_coefficient(wr.u_c, wr.c1_c);
     const V su_mean = su.mean_c, su_u = su.u_c;
+    const int64_t ahead = t.pair_prefetch_bytes;
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     const int64_t gi = (ps[kStats] - acc.stats_base) / cs, pi = (ps[kParams] - acc.params_base) / cs;
     // Element e of the summed run into the lanes (sgay, sga); element e of the written one.
     // (pre and ga as Element::at_with_d computes them: the same bits.)
     auto sum = [&](int64_t e, V& sgay, V& sga) SIMDNORM_INLINE_LAMBDA {
-      __builtin_prefetch(reinterpret_cast<const char*>(sx + e) + kPairPrefetchBytes, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(sdy + e) + kPairPrefetchBytes, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(sx + e) + ahead, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(sdy + e) + ahead, 0, 2);
       const V y = (L::load(sx + e) - su_mean) * su_u;
       V ga = L::load(sdy + e);
       if constexpr (D::kUsesPre) ga = deriv(vfma(y, su.scale_c, su.bias_c), ga);

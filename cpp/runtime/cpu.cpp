@@ -149,6 +149,19 @@ int64_t l1_data_cache_bytes() {
   return bytes;
 }
 
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    int64_t size = 0;
+    each_cache([&](int level, const std::string& type, int64_t found) {
+      if (level != 2 || type == "Instruction") return false;
+      size = found;
+      return true;
+    });
+    return size;
+  }();
+  return bytes;
+}
+
 // The cap: a server's large L3 is far from any one core, and streaming wins there on outputs far
 // smaller than half of it. 16 MB is half a 32 MB L3, on which streaming smaller outputs loses.
 int64_t stream_threshold_bytes() {

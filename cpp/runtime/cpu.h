@@ -25,6 +25,8 @@ int64_t last_level_cache_bytes();
 
 // The L1 data cache of cpu0 (sysfs), bytes; kMinL1DataBytes where that is not readable or less.
 int64_t l1_data_cache_bytes();
+// The L2 (unified) cache of cpu0 (sysfs), bytes; 0 where that is not readable.
+int64_t l2_cache_bytes();
 
 // Input plus output bytes past which an out-of-place op writes with non-temporal stores: half the
 // last-level cache (it is shared with other cores and tenants), at most kStreamCapBytes.

@@ -160,6 +160,8 @@ struct BackwardTask {
   bool save_ga = false;
   void* ga_buffer = nullptr;
   int64_t stats_pitch = 0, params_pitch = 0;
+  // How far ahead of its sums the grouped pair of runs (pair_run) fetches into the L2, bytes.
+  int64_t pair_prefetch_bytes = kPrefetchAheadBytes;
   // The coefficients' rule: c1 = mean(g) [normalize_mean], c2 = k mean(g y) [normalize_variance],
   // k = 1 / (1 - epsilon u) with epsilon outside the root; both 0 without statistics terms.
   double inv_n = 1.0, epsilon = 0.0;
