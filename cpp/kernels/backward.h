@@ -718,7 +718,7 @@ struct BackwardKernel {
   // summed lines are fetched t.pair_prefetch_bytes ahead into the L2 only (prefetcht1): fetched
   // into the L1 (prefetcht0), the pair ran slower than the two passes apart; with grad_input fetched
   // for writing too, slower on groups of 100 KB and more. How far ahead depends on the L2
-  // (BackwardRunner::pair_prefetch_bytes).
+  // (runtime/cpu.cpp: pair_prefetch_bytes).
   template <class D>
   static void pair_run(const BackwardTask& t, const D& deriv, char* const* pa, char* const* ps, const int64_t* s,
                        int64_t n, const BackwardSums& acc) {

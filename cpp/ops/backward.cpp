@@ -129,10 +129,7 @@ class BackwardRunner {
     task_.from_memory = 3 * total * itemsize(x.dtype) > stream_threshold_bytes();
     task_.stream_stores = dx != nullptr && !a_.write_ga && dx != x.data && dx != a_.grad_output.data &&
                           itemsize(x.dtype) >= 4 && task_.from_memory;
-    // The grouped pair's prefetch distance: from 1 KB ahead to 6 KB, NCHW instance and group norm's
-    // backward took 0.80-0.85x the time with a 1 MB L2 (Zen 4); with a 512 KB L2 (Zen 3), where the
-    // two groups in flight, each read twice, crowd the L2, 1 KB won on groups of 100 KB and more.
-    task_.pair_prefetch_bytes = l2_cache_bytes() >= (int64_t(1) << 20) ? kPrefetchAheadBytes : 1024;
+    task_.pair_prefetch_bytes = pair_prefetch_bytes();
 
     Problem p = problem();
     const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));

@@ -149,15 +149,18 @@ int64_t l1_data_cache_bytes() {
   return bytes;
 }
 
-int64_t l2_cache_bytes() {
+// 6 KB ahead with a 1 MB L2 (Zen 4): NCHW instance and group norm's backward took 0.82-0.88x the
+// time of 1 KB ahead; with a 512 KB L2 (Zen 3), where the two groups in flight, each read twice,
+// crowd the L2, 1 KB won on groups of 100 KB and more. An unreadable L2 counts as small.
+int64_t pair_prefetch_bytes() {
   static const int64_t bytes = [] {
-    int64_t size = 0;
+    int64_t l2 = 0;
     each_cache([&](int level, const std::string& type, int64_t found) {
       if (level != 2 || type == "Instruction") return false;
-      size = found;
+      l2 = found;
       return true;
     });
-    return size;
+    return l2 >= (int64_t(1) << 20) ? kPrefetchAheadBytes : int64_t(1024);
   }();
   return bytes;
 }

@@ -25,8 +25,9 @@ int64_t last_level_cache_bytes();
 
 // The L1 data cache of cpu0 (sysfs), bytes; kMinL1DataBytes where that is not readable or less.
 int64_t l1_data_cache_bytes();
-// The L2 (unified) cache of cpu0 (sysfs), bytes; 0 where that is not readable.
-int64_t l2_cache_bytes();
+// How far ahead the backward's grouped pair of runs (pair_run) fetches what it sums, bytes: from
+// the L2's size (sysfs), whose room for the two groups in flight sets how far ahead pays.
+int64_t pair_prefetch_bytes();
 
 // Input plus output bytes past which an out-of-place op writes with non-temporal stores: half the
 // last-level cache (it is shared with other cores and tenants), at most kStreamCapBytes.
