@@ -1,4 +1,4 @@
-// The one binding file: numpy arrays -> TensorViews, GIL released around the ops; DLPack capsules ->
+// The binding: numpy arrays -> TensorViews, GIL released around the ops; DLPack capsules ->
 // numpy arrays over the producer's memory (bindings/dlpack.h has the ABI). No algorithm here.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "bindings/dlpack.h"
+#include "bindings/torch_kernels.h"
+#include "bindings/views.h"
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
 #include "simdnorm/ops.h"
@@ -128,22 +130,9 @@ void check_param(const TensorView& x, const TensorView& p, const char* name) {
 }
 
 // A parameter of lower rank than the input, seen with the input's rank without a numpy view (a
-// view costs about as much as the rest of a small call): a 1-D parameter goes to channel_axis when
-// one is given (batch norm's (C,) parameters), otherwise dims align right (numpy broadcasting).
+// view costs about as much as the rest of a small call): views.h's aligned_param.
 TensorView param_view(py::handle obj, const char* name, const TensorView& x, int channel_axis) {
-  const TensorView p = view_of(obj, name, false);
-  TensorView v = p;
-  if (p.ndim != x.ndim) {
-    if (p.ndim > x.ndim) throw py::value_error(std::string(name) + ": more dims than the input");
-    const int first = channel_axis >= 0 && p.ndim == 1 ? channel_axis : x.ndim - p.ndim;
-    if (first + p.ndim > x.ndim) throw py::value_error(std::string(name) + ": channel_axis out of range");
-    v.ndim = x.ndim;
-    for (int d = 0; d < x.ndim; ++d) {
-      const bool own = d >= first && d < first + p.ndim;
-      v.sizes[d] = own ? p.sizes[d - first] : 1;
-      v.strides[d] = own ? p.strides[d - first] : 0;
-    }
-  }
+  const TensorView v = aligned_param(view_of(obj, name, false), x, channel_axis, name);
   check_param(x, v, name);
   return v;
 }
@@ -250,47 +239,6 @@ bool py_batch_norm(PyObject* const* args, std::string* explain) {
   }
   run_without_gil(element_count(a.input), [&] { batch_norm(a); });
   return true;
-}
-
-// v with dim d split into (groups, sizes[d] / groups), no copy: group norm's view (a size-1 dim,
-// a broadcast parameter's, splits into (1, 1)).
-TensorView split_dim(const TensorView& v, int d, int64_t groups) {
-  if (v.ndim + 1 > kMaxViewDims) throw py::value_error("groups: no room to split a dim");
-  if (v.sizes[d] == 1) groups = 1;
-  TensorView s = v;
-  s.ndim = v.ndim + 1;
-  for (int e = v.ndim; e > d + 1; --e) {
-    s.sizes[e] = v.sizes[e - 1];
-    s.strides[e] = v.strides[e - 1];
-  }
-  s.sizes[d] = groups;
-  s.sizes[d + 1] = v.sizes[d] / groups;
-  s.strides[d] = v.strides[d] * s.sizes[d + 1];
-  s.strides[d + 1] = v.strides[d];
-  return s;
-}
-
-// A statistics array of the input's shape with the reduced dims 1, as a view of the input's rank:
-// any shape that agrees with that once the size-1 dims of both are dropped (the torch route hands
-// group norm's (N, G) over for the split view's (N, G, 1, 1, 1), as it returns them).
-TensorView kept_view(const TensorView& v, const TensorView& input, uint32_t reduced, const char* name) {
-  const auto refuse = [name] {
-    throw py::value_error(std::string(name) + ": must have the input's shape with reduced dims 1");
-  };
-  TensorView k = v;
-  k.ndim = input.ndim;
-  int from = 0;  // v's next dim
-  for (int d = 0; d < input.ndim; ++d) {
-    k.sizes[d] = (reduced >> d) & 1u ? 1 : input.sizes[d];
-    k.strides[d] = 0;
-    if (k.sizes[d] == 1) continue;
-    while (from < v.ndim && v.sizes[from] == 1) ++from;
-    if (from == v.ndim || v.sizes[from] != k.sizes[d]) refuse();
-    k.strides[d] = v.strides[from++];
-  }
-  for (; from < v.ndim; ++from)
-    if (v.sizes[from] != 1) refuse();
-  return k;
 }
 
 bool py_mvn(PyObject* const* args, std::string* explain) {
@@ -460,6 +408,8 @@ PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&
     e.restore();
   } catch (py::builtin_exception& e) {
     e.set_error();
+  } catch (const std::invalid_argument& e) {  // (views.h)
+    PyErr_SetString(PyExc_ValueError, e.what());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();
   } catch (const std::exception& e) {
@@ -949,6 +899,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("isas_setting") = SIMDNORM_ISAS_SETTING;
   if (PyModule_AddFunctions(m.ptr(), g_fast_methods) != 0 || PyModule_AddFunctions(m.ptr(), g_dlpack_methods) != 0)
     throw py::error_already_set();
+  add_torch_kernel_functions(m);
   m.def("isa", &active_isa, "The active instruction set.");
   m.def("available_isas", &available_isas, "The built units this CPU and OS run, best first.");
   m.def("cpu_isas", &cpu_isas, "The units this CPU and OS run, built or not, best first.");

@@ -32,6 +32,7 @@ import torch
 from .._compile import _transformed as _tensor_transformed, _transforming, resolved_negative
 from .._descriptors import is_bfloat16
 from .._training import update_running
+from .. import _core
 from .. import (
     ACTIVATIONS,
     Activation,
@@ -1120,6 +1121,54 @@ def _register() -> None:
 
 
 _register()
+
+
+# The forward ops whose plain calls a C++ kernel computes (cpp/bindings/torch_kernels.cpp): it is
+# their AutogradCPU kernel, computing a call without a Python frame where nothing but the result is
+# asked for (no autograd, transform, mode or activation; the call's shapes planned before, by the
+# CPU kernel's route), and handing any other call to the op's twin `_<op>_general`, whose Autograd
+# kernel is the Python one above (it redispatches the op itself below autograd, so that traces and
+# graphs hold the op, never the twin). SIMDNORM_TORCH_CPP_KERNELS=0 leaves them out.
+_CPP_OPS = ("batch_normalization", "layer_norm", "rms_norm", "instance_norm", "group_norm")
+CPP_KERNELS = False
+
+
+def _stashing(kernel: Callable) -> Callable:
+    """The twin's kernel: an exception leaving it is handed to the C++ kernel that called it, which
+    raises it as itself (torch's C ABI would carry only its message)."""
+    stash = _core.torch_stash_error
+
+    def twin_kernel(keyset, *args, **kwargs):
+        try:
+            return kernel(keyset, *args, **kwargs)
+        except BaseException as e:
+            stash(e)
+            raise
+
+    return twin_kernel
+
+
+def _register_cpp_kernels() -> bool:
+    import os
+
+    if os.environ.get("SIMDNORM_TORCH_CPP_KERNELS", "1") == "0":
+        return False
+    libtorch_cpu = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if not os.path.exists(libtorch_cpu) or _core.torch_attach(libtorch_cpu) != "":
+        return False
+    g = globals()
+    for name, args, returns in _TABLE:
+        if name not in _CPP_OPS:
+            continue
+        twin = f"_{name}_general"
+        _LIB.define(f"{twin}({args}) -> {returns}")
+        _LIB.impl(twin, _stashing(_differentiable(name, g[name], g["_setup_" + name], g["_backward_" + name],
+                                                  g["_jvp_" + name])), "Autograd", with_keyset=True)
+        _core.torch_register(name, twin)
+    return True
+
+
+CPP_KERNELS = _register_cpp_kernels()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -80,6 +80,22 @@ def _store(key: Any, make: Callable[[], Any]) -> Any:
     return plan
 
 
+def _share(name: str, tensors: tuple, ints: tuple, eps: Any, plan: tuple) -> None:
+    """Hands an op call's plan to the op's C++ kernel (simdnorm/torch/_ops.py: the kernels compute
+    the calls whose shapes, dtypes and attributes have a plan), keyed by the tensors' dtypes and
+    shapes (None where absent), the int attributes and epsilon, as the kernel reads the call."""
+    if _ops.CPP_KERNELS and eps.__class__ is float and all(i.__class__ is int for i in ints):
+        _core.torch_plan_put(name, tensors, ints, eps, plan)
+
+
+def _share_mvn(name: str, tensors: tuple, ints: tuple, eps: Any, route: tuple, ca: int = -1,
+               groups: Optional[int] = None) -> None:
+    (axes, _, _, e, nm, nv, eo, act), _, inv_like = route
+    if act[0] == 0:  # (the identity: the kernels take no activation)
+        _share(name, tensors, ints, eps, (tuple(axes), e, nm, nv, eo, ca, groups, tuple(inv_like.shape),
+                                          str(inv_like.dtype)))
+
+
 def _readable(x: Tensor, *params: Optional[Tensor]) -> bool:
     """The per-call conditions a plan does not hold: on the CPU, no negative bit."""
     if not x.is_cpu or x.is_neg():
@@ -130,6 +146,8 @@ def layer_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], axis: int, e
         xn = _ops._as_numpy(x)
         plan = _store(key, lambda: _mvn_route(x, mvn_plan(None, xn, trailing_axes_rule(xn, axis), _ops._opt(w),
                                                           _ops._opt(b), not rms, True, eps, "inside", None)))
+        if module is None:
+            _share_mvn("rms_norm" if rms else "layer_norm", (x, None, None, w, b), (axis, 0), eps, plan)
     if not _readable(x, w, b):
         return None
     return _mvn_into(x, plan, w, b, stats)
@@ -148,6 +166,8 @@ def instance_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: floa
             return None
         plan = _store(key, lambda: _instance_route(x, instance_plan(_ops._as_numpy(x), _ops._opt(w), _ops._opt(b),
                                                                     eps, ca, None)))
+        if not module:
+            _share_mvn("instance_norm", (x, None, None, w, b), (ca, 0), eps, plan[1], plan[0])
     if not _readable(x, w, b):
         return None
     channel_axis, route = plan
@@ -182,6 +202,8 @@ def group_norm(x: Tensor, num_groups: int, w: Optional[Tensor], b: Optional[Tens
             return None
         plan = _store(key, lambda: _group_route(x, group_plan(_ops._as_numpy(x), num_groups, _ops._opt(w), _ops._opt(b),
                                                               eps, ca, None)))
+        if not module:
+            _share_mvn("group_norm", (x, None, None, w, b), (num_groups, ca), eps, plan[2], plan[0], plan[1])
     if not _readable(x, w, b):
         return None
     channel_axis, g, route = plan
@@ -202,6 +224,8 @@ def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Opt
             return None
         plan = _store(key, lambda: bn_plan(None, _ops._as_numpy(x), _ops._as_numpy(mean), _ops._as_numpy(var),
                                            _ops._opt(w), _ops._opt(b), eps, None, ca))
+        if not module and plan[1][0] == 0:
+            _share("batch_normalization", (x, mean, var, w, b), (ca, 0), eps, (plan[0], plan[2]))
     if not _readable(x, mean, var, w, b):
         return None
     e, act, channel_axis = plan
