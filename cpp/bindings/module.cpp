@@ -18,7 +18,7 @@
 
 #include "bindings/dlpack.h"
 #include "bindings/torch_kernels.h"
-#include "bindings/views.h"
+#include "bindings/common.h"
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
 #include "simdnorm/ops.h"
@@ -98,23 +98,6 @@ TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
   return v;
 }
 
-int64_t element_count(const TensorView& v) {
-  int64_t n = 1;
-  for (int d = 0; d < v.ndim; ++d) n *= v.sizes[d];
-  return n;
-}
-
-// Below this many elements a call is over in microseconds: releasing and retaking the GIL would
-// cost more than any other Python thread could gain.
-constexpr int64_t kReleaseGilElements = 1 << 14;
-
-template <class F>
-void run_without_gil(int64_t elements, F&& f) {
-  if (elements < kReleaseGilElements) return f();
-  py::gil_scoped_release release;
-  f();
-}
-
 void check_same_shape(const TensorView& x, const TensorView& other, const char* name, bool exact) {
   if (other.ndim != x.ndim) throw py::value_error(std::string(name) + ": rank differs from the input's");
   for (int d = 0; d < x.ndim; ++d) {
@@ -130,7 +113,7 @@ void check_param(const TensorView& x, const TensorView& p, const char* name) {
 }
 
 // A parameter of lower rank than the input, seen with the input's rank without a numpy view (a
-// view costs about as much as the rest of a small call): views.h's aligned_param.
+// view costs about as much as the rest of a small call): common.h's aligned_param.
 TensorView param_view(py::handle obj, const char* name, const TensorView& x, int channel_axis) {
   const TensorView v = aligned_param(view_of(obj, name, false), x, channel_axis, name);
   check_param(x, v, name);
@@ -408,7 +391,7 @@ PyObject* fastcall(PyObject* const* args, Py_ssize_t nargs, const char* name, F&
     e.restore();
   } catch (py::builtin_exception& e) {
     e.set_error();
-  } catch (const std::invalid_argument& e) {  // (views.h)
+  } catch (const std::invalid_argument& e) {  // (common.h)
     PyErr_SetString(PyExc_ValueError, e.what());
   } catch (const std::bad_alloc&) {
     PyErr_NoMemory();

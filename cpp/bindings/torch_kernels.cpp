@@ -39,7 +39,7 @@
 #include <utility>
 #include <vector>
 
-#include "bindings/views.h"
+#include "bindings/common.h"
 #include "simdnorm/ops.h"
 
 namespace py = pybind11;
@@ -270,7 +270,7 @@ bool plain_view(TensorHandle h, bool grad, TensorView& v) {
   return true;
 }
 
-// Whether the strides (in elements) lay the elements out densely, without overlap, in some order
+// Whether the (byte) strides lay the elements out densely, without overlap, in some order
 // of the dims: torch.empty_like then gives its result the same strides.
 bool dense(const TensorView& v) {
   const int64_t item = itemsize(v.dtype);
@@ -322,21 +322,8 @@ TensorView new_tensor(OwnedTensor& owner, DType dtype, int ndim, const int64_t* 
   return v;
 }
 
-// Below this many elements a call is over in microseconds: releasing and retaking the GIL (where
-// the caller holds it) would cost more than any other Python thread could gain.
-constexpr int64_t kReleaseGilElements = 1 << 14;
-
-template <class F>
-void run_released(const TensorView& x, F&& f) {
-  int64_t n = 1;
-  for (int d = 0; d < x.ndim; ++d) n *= x.sizes[d];
-  if (n < kReleaseGilElements || !PyGILState_Check()) return f();
-  py::gil_scoped_release release;
-  f();
-}
-
 // The tests' witnesses: the calls computed here; the data pointers of this thread's last one
-// (its tensors', then its outputs').
+// (its tensors', then its output's).
 std::atomic<int64_t> g_computed{0};
 thread_local std::vector<uintptr_t> t_last_pointers;
 
@@ -399,7 +386,7 @@ bool compute(int op, StableIValue* stack, uint64_t num_args, uint64_t num_output
     a.scale = param(kScale);
     a.bias = param(kBias);
     a.epsilon = plan.epsilon;
-    run_released(x, [&] { batch_norm(a); });
+    run_without_gil(element_count(x), [&] { batch_norm(a); });
   } else {
     MvnArgs a;
     a.input = x;
@@ -425,7 +412,7 @@ bool compute(int op, StableIValue* stack, uint64_t num_args, uint64_t num_output
     a.inv_std_out = kept_view(new_tensor(out[mean_out ? 2 : 1], plan.stats_dtype, plan.stats_ndim,
                                          plan.stats_sizes, nullptr),
                               a.input, a.reduced, "inv_std");
-    run_released(x, [&] { mean_variance_normalization(a); });
+    run_without_gil(element_count(x), [&] { mean_variance_normalization(a); });
   }
   // done: the arguments released (the kernel owns them), the outputs handed over
   for (int s = 0; s < kTensorSlots; ++s) {

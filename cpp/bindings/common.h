@@ -1,8 +1,10 @@
-// The views both bindings build over the caller's memory, without a copy: a parameter seen with
-// the input's rank, group norm's split channel dim, a statistics array seen as the input's shape
-// with its reduced dims 1. The numpy binding (module.cpp) and the torch kernels (torch_kernels.cpp)
-// share them; std::invalid_argument reaches Python as ValueError.
+// What the numpy binding (module.cpp) and the torch kernels (torch_kernels.cpp) share: the views
+// they build over the caller's memory, without a copy (a parameter seen with the input's rank,
+// group norm's split channel dim, a statistics array seen as the input's shape with its reduced
+// dims 1; std::invalid_argument reaches Python as ValueError), and the GIL released around a call.
 #pragma once
+
+#include <pybind11/pybind11.h>
 
 #include <stdexcept>
 #include <string>
@@ -10,6 +12,25 @@
 #include "simdnorm/ops.h"
 
 namespace simdnorm {
+
+inline int64_t element_count(const TensorView& v) {
+  int64_t n = 1;
+  for (int d = 0; d < v.ndim; ++d) n *= v.sizes[d];
+  return n;
+}
+
+// Below this many elements a call is over in microseconds: releasing and retaking the GIL would
+// cost more than any other Python thread could gain.
+constexpr int64_t kReleaseGilElements = 1 << 14;
+
+// f() with the GIL released, where this thread holds it (torch calls its kernels without) and the
+// call is large enough.
+template <class F>
+void run_without_gil(int64_t elements, F&& f) {
+  if (elements < kReleaseGilElements || !PyGILState_Check()) return f();
+  pybind11::gil_scoped_release release;
+  f();
+}
 
 // p seen with x's rank: a 1-D p goes to channel_axis when one is given (batch norm's (C,)
 // parameters), otherwise dims align right (numpy broadcasting). Shapes are checked by the caller.
