@@ -216,8 +216,9 @@ struct PlanKeyHash {
 };
 
 std::shared_mutex g_plans_mutex;
+// (Bounded by the Python route's cache, which clears both together: a plan it still holds is never
+// put again, so this map must not drop one on its own.)
 std::unordered_map<PlanKey, Plan, PlanKeyHash> g_plans;
-constexpr size_t kMaxPlans = 512;
 
 PlanKey key_of(int op, const TensorView* const* tensors, const int64_t* ints, double epsilon) {
   PlanKey k;
@@ -582,7 +583,6 @@ void plan_put(const std::string& name, const py::tuple& tensors, const py::tuple
     plan.stats_dtype = dtype_named(py::str(p[8]));
   }
   std::unique_lock<std::shared_mutex> lock(g_plans_mutex);
-  if (g_plans.size() >= kMaxPlans) g_plans.clear();
   g_plans[key_of(op, given, key_ints, epsilon)] = plan;
 }
 
@@ -602,6 +602,10 @@ void add_torch_kernel_functions(py::module_& m) {
         Py_XDECREF(old);
       },
       py::arg("error"), "The exception a fallback kernel is raising, for the C++ kernel to raise as itself.");
+  m.def("torch_plans_clear", [] {
+    std::unique_lock<std::shared_mutex> lock(g_plans_mutex);
+    g_plans.clear();
+  });
   m.def("torch_kernel_calls", [] { return g_computed.load(); }, "Calls the C++ kernels have computed.");
   m.def("torch_kernel_pointers", [] { return t_last_pointers; },
         "The data pointers of this thread's last call computed by a C++ kernel: its tensors', its output's.");

@@ -76,6 +76,8 @@ def _store(key: Any, make: Callable[[], Any]) -> Any:
     plan = make()
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.clear()
+        if _ops.CPP_KERNELS:  # (the C++ kernels' plans were put on this cache's misses)
+            _core.torch_plans_clear()
     _PLANS[key] = plan
     return plan
 
