@@ -1159,12 +1159,16 @@ struct BackwardKernel {
     C* const sum_g = Group ? static_cast<C*>(acc.group_vary[0]) + gi : nullptr;
     C* const sum_gy = Group ? static_cast<C*>(acc.group_vary[1]) + gi : nullptr;
     // A row at a time where writing (four rows side by side are four interleaved streams of writes
-    // in one page), and on AVX2 for float rows from memory (their reads are then one stream, which
-    // the hardware follows): from memory both cost more than the slots' loads and stores a row
-    // saves. 16-bit rows, bound by their conversions, keep the shared loads; so does AVX-512, not
-    // measured with one row.
+    // in one page), but on AVX-512 where the CPU takes four better (runtime/cpu.cpp:
+    // backward_writes_four_rows) and the rows are streamed or in the caches (plain stores from
+    // memory, 16-bit rows', took 1.4x the time with four); and on AVX2 for float rows from memory
+    // (their reads are then one stream, which the hardware follows): there one row costs less
+    // than the slots' loads and stores it saves. 16-bit rows, bound by their conversions, keep the
+    // shared loads; so does AVX-512, not measured with one row.
     const bool one_row_reads = kVectorRegisters < 32 && t.from_memory && es >= 4;
-    const int rows_a_block = Write || one_row_reads ? 1 : kLaneRows;
+    const bool one_row_writes =
+        Write && (kVectorRegisters < 32 || !t.write_four_rows || (t.from_memory && !stream));
+    const int rows_a_block = one_row_writes || one_row_reads ? 1 : kLaneRows;
     // Rows back to back, a whole block's rows of x and dy are each one run of lines: the runs
     // ahead are prefetched in order, shared out evenly between the vectors' steps. Line by line
     // down the rows (as Element::at), the same lines came in slower (docs/BENCHMARKS.md). Writing
@@ -1229,7 +1233,7 @@ struct BackwardKernel {
       vectors_from(head, n, at);
     };
     int64_t r = 0;
-    if constexpr (!Write) {  // (no copy of the block's loop for four rows that never run)
+    if constexpr (!Write || kVectorRegisters >= 32) {  // (no copy of the block's loop for four rows that never run)
       if (rows_a_block == kLaneRows)
         for (; r + kLaneRows <= rows; r += kLaneRows) block(std::integral_constant<int, kLaneRows>{}, r);
     }

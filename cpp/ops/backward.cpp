@@ -130,6 +130,7 @@ class BackwardRunner {
     task_.stream_stores = dx != nullptr && !a_.write_ga && dx != x.data && dx != a_.grad_output.data &&
                           itemsize(x.dtype) >= 4 && task_.from_memory;
     task_.pair_prefetch_bytes = pair_prefetch_bytes();
+    task_.write_four_rows = backward_writes_four_rows();
 
     Problem p = problem();
     const ReductionPlan rp = plan_reduction(p, a_.reduced, itemsize(x.dtype));

@@ -28,6 +28,9 @@ int64_t l1_data_cache_bytes();
 // How far ahead the backward's grouped pair of runs (pair_run) fetches what it sums, bytes: from
 // the L2's size (sysfs), whose room for the two groups in flight sets how far ahead pays.
 int64_t pair_prefetch_bytes();
+// Whether channels-last backward rows that write grad_input as they are summed take four rows down
+// each vector of lanes (AVX-512 units), as the sums alone do, rather than one row at a time.
+bool backward_writes_four_rows();
 
 // Input plus output bytes past which an out-of-place op writes with non-temporal stores: half the
 // last-level cache (it is shared with other cores and tenants), at most kStreamCapBytes.

@@ -14,6 +14,7 @@ struct X86Features {
   bool avx2_fma_f16c = false;
   bool avx512 = false;  // F, BW, DQ, VL
   bool avx512_bf16 = false;
+  bool amd = false;  // vendor "AuthenticAMD" (runtime/cpu.cpp's tunings)
 };
 
 inline uint64_t read_xcr0() {
@@ -25,6 +26,7 @@ inline uint64_t read_xcr0() {
 inline X86Features detect_x86_features() {
   X86Features f;
   unsigned a, b, c, d;
+  if (__get_cpuid(0, &a, &b, &c, &d)) f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
   const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12), f16c = c & (1u << 29);
   if (!osxsave || !avx) return f;

@@ -162,6 +162,8 @@ struct BackwardTask {
   int64_t stats_pitch = 0, params_pitch = 0;
   // How far ahead of its sums the grouped pair of runs (pair_run) fetches into the L2, bytes.
   int64_t pair_prefetch_bytes = kPrefetchAheadBytes;
+  // With sums_write, channels-last rows (lanes_sums) four down each vector, not one at a time.
+  bool write_four_rows = false;
   // The coefficients' rule: c1 = mean(g) [normalize_mean], c2 = k mean(g y) [normalize_variance],
   // k = 1 / (1 - epsilon u) with epsilon outside the root; both 0 without statistics terms.
   double inv_n = 1.0, epsilon = 0.0;
