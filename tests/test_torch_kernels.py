@@ -6,6 +6,10 @@ layout the kernel does not take) goes to the twin; an exception raised there rea
 as itself; nothing leaks."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -258,3 +262,82 @@ def test_no_leaks(rng):
         for _ in range(5000):
             fn()
         assert _rss_mib() - before < 8, "memory grew"
+
+
+_FAILED_ALLOCATION = r"""
+import json, resource, sys
+import torch
+import simdnorm.torch  # noqa: F401
+ops = torch.ops.simdnorm
+torch.set_num_threads(1)
+x = torch.randn(64, 1 << 18)  # 64 MiB: its output cannot be allocated under the limit below
+w, b = torch.randn(1 << 18), torch.randn(1 << 18)
+ops.layer_norm(x, w, b)  # (the plan)
+
+
+def vm():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * 4096
+
+
+def failure(call):
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm() + (16 << 20), hard))
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - reported
+        return [type(e).__name__, str(e).splitlines()[0]]
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    return None
+
+
+before = [t._use_count() for t in (x, w, b)]
+via_kernel = failure(lambda: ops.layer_norm(x, w, b))
+after = [t._use_count() for t in (x, w, b)]
+direct = failure(lambda: ops._layer_norm_general(x, w, b))
+print(json.dumps({"before": before, "after": after, "via_kernel": via_kernel, "direct": direct}))
+"""
+
+
+@pytest.mark.skipif("asan" in os.environ.get("LD_PRELOAD", ""), reason="an address-space limit under ASan")
+def test_a_failed_allocation_releases_the_arguments():
+    """A call whose output cannot be allocated (an exception inside the C++ kernel) releases the
+    tensors it was handed and raises the Python kernel's error (in a child process: an address-space
+    limit makes torch's allocator fail)."""
+    r = subprocess.run([sys.executable, "-c", _FAILED_ALLOCATION], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["direct"] is not None and got["direct"][0] == "RuntimeError", got
+    assert got["after"] == got["before"], f"the arguments' references leaked: {got}"
+    assert got["via_kernel"] == got["direct"], got
+
+
+def test_plans_survive_a_miss_between_the_two_clears(rng, monkeypatch):
+    """The route's cache full, its miss clears it and the C++ kernels' plans; another thread's miss
+    run between the two clears (the GIL may switch there) keeps its plan in both, so that its next
+    calls are the C++ kernel's."""
+    from simdnorm.torch import _routes
+
+    w, b = torch.randn(16), torch.randn(16)
+    other = torch.from_numpy(rng.standard_normal((5, 16))).float()
+
+    class Interleaved(dict):
+        def clear(self):
+            super().clear()
+            monkeypatch.setattr(_routes, "_PLANS_MAX", 1 << 30)
+            ops.layer_norm(other, w, b)  # (the other thread's miss, between this clear and the other)
+
+    try:
+        monkeypatch.setattr(_routes, "_PLANS", Interleaved({("a key",): None}))
+        monkeypatch.setattr(_routes, "_PLANS_MAX", 1)
+        _core.torch_plans_clear()  # (as the cache: no plan of `other`'s shapes)
+        ops.layer_norm(torch.from_numpy(rng.standard_normal((7, 16))).float(), w, b)  # a miss, the cache full
+        assert ("a key",) not in _routes._PLANS
+        computed = _core.torch_kernel_calls()
+        ops.layer_norm(other, w, b)
+        assert _core.torch_kernel_calls() == computed + 1, "the plan is in the route's cache, not the C++ kernel's"
+    finally:
+        monkeypatch.undo()
+        _routes._PLANS.clear()  # (the C++ kernels' plans were cleared under the real cache's entries)
+        _core.torch_plans_clear()

@@ -336,7 +336,8 @@ bool no_one_else_looks() {
 }
 
 // The call computed here, its outputs on the stack and its arguments released; false, the stack
-// untouched, where it is not this kernel's to compute.
+// untouched, where it is not this kernel's to compute. An exception (an allocation that failed)
+// also leaves the stack untouched: nothing is released before the last step, which cannot throw.
 bool compute(int op, StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   const OpLayout& l = kOps[op];
   if (num_args != static_cast<uint64_t>(l.args) || num_outputs != static_cast<uint64_t>(l.outputs) ||
@@ -415,6 +416,11 @@ bool compute(int op, StableIValue* stack, uint64_t num_args, uint64_t num_output
                               a.input, a.reduced, "inv_std");
     run_without_gil(element_count(x), [&] { mean_variance_normalization(a); });
   }
+  // (the tests' witnesses first: nothing from here on may throw, the arguments once released)
+  t_last_pointers.clear();
+  for (int s = 0; s < kTensorSlots; ++s)
+    if (given[s] != nullptr) t_last_pointers.push_back(reinterpret_cast<uintptr_t>(views[s].data));
+  t_last_pointers.push_back(reinterpret_cast<uintptr_t>(y.data));
   // done: the arguments released (the kernel owns them), the outputs handed over
   for (int s = 0; s < kTensorSlots; ++s) {
     if (l.tensor[s] < 0) continue;
@@ -427,10 +433,6 @@ bool compute(int op, StableIValue* stack, uint64_t num_args, uint64_t num_output
       g_torch.delete_tensor(slot_as<TensorHandle>(stack[l.tensor[s]]));
     }
   }
-  t_last_pointers.clear();
-  for (int s = 0; s < kTensorSlots; ++s)
-    if (given[s] != nullptr) t_last_pointers.push_back(reinterpret_cast<uintptr_t>(views[s].data));
-  t_last_pointers.push_back(reinterpret_cast<uintptr_t>(y.data));
   for (int i = 0; i < l.outputs; ++i) stack[i] = as_slot(out[i].release());
   g_computed.fetch_add(1, std::memory_order_relaxed);
   return true;
@@ -496,7 +498,13 @@ namespace {
 
 template <int Op>
 void autograd_kernel(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
-  if (compute(Op, stack, num_args, num_outputs)) return;
+  // An exception must not leave here with the stack still holding the arguments (torch's boxed
+  // wrapper would leak every handle on it): a call this kernel could not finish goes to the twin,
+  // which computes it or raises the Python kernel's own error.
+  try {
+    if (compute(Op, stack, num_args, num_outputs)) return;
+  } catch (const std::exception&) {
+  }
   if (t_stashed_error != nullptr) {  // (left from a failure nobody read)
     py::gil_scoped_acquire gil;
     Py_CLEAR(t_stashed_error);

@@ -75,9 +75,11 @@ def _cached(key: Any) -> Any:
 def _store(key: Any, make: Callable[[], Any]) -> Any:
     plan = make()
     if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.clear()
-        if _ops.CPP_KERNELS:  # (the C++ kernels' plans were put on this cache's misses)
+        # (the C++ kernels' plans were put on this cache's misses; theirs first: another thread's
+        # miss between the two clears then keeps its plan in both, not in this cache alone)
+        if _ops.CPP_KERNELS:
             _core.torch_plans_clear()
+        _PLANS.clear()
     _PLANS[key] = plan
     return plan
 
