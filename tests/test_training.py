@@ -569,6 +569,52 @@ def test_channels_last_rows_as_general_loops(rng, isa, threads, dtype, channels,
                     np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{what} {other} threads={n} {training=}")
 
 
+# Channels-last rows from memory whose streamed grad_input would start or end rows in partial
+# vectors (grad_input off a line, or rows that are not whole lines) are written as one run on
+# grad_input's lines (BackwardKernel::lanes_apply_of), a vector across two rows (or, with fewer
+# channels than a vector, several) taking each lane's channel. The bits must be the general loops'
+# (grad_input with its channels apart): batch norm's second pass and its given-statistics write of
+# grad_input alone with an inline activation, 1 and 2 threads. Channels-last group norm, whose
+# plan changes with grad_input's channels apart, is held to the row-by-row loop instead (grad_input
+# on a line, rows of whole lines: 64 channels).
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+@pytest.mark.parametrize("channels", [3, 13, 64, 100])
+@pytest.mark.parametrize("offset", [0, 16, 4 * 3])
+def test_channels_last_rows_written_as_one_run(rng, threads, dtype, channels, offset):
+    from simdnorm import _core
+
+    rows = _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * channels) + 3
+    shape = (2, rows // 2 + 1, 1, channels)
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(1.5, dtype)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    scale, bias = (rand_values(rng, (channels,), dtype, scale=1.0) for _ in range(2))
+    groups = next(g for g in (4, 2, 1) if channels % g == 0 and channels // g > 1) if channels > 3 else 1
+    _, m, v = simdnorm.batch_normalization_training(x, scale, bias, channel_axis=-1)
+    _, gm, gi = simdnorm.group_norm(x, groups, scale, bias, channel_axis=-1, return_stats=True)
+    def apart():
+        return np.empty(shape[:-1] + (2 * channels,), dtype)[..., ::2]
+
+    calls = {
+        "bn training": (apart, lambda out: simdnorm.batch_normalization_backward(
+            dy, x, m, v, scale, bias, channel_axis=-1, out=out)[0]),
+        "bn given, grad_input alone, relu": (apart, lambda out: simdnorm.batch_normalization_backward(
+            dy, x, m, v, scale, bias, channel_axis=-1, training=False, activation="relu", grad_scale=False,
+            grad_bias=False, out=out)[0]),
+    }
+    if channels == 64 and offset != 0:
+        calls["group norm"] = (lambda: empty_past_line(shape, dtype, 0), lambda out: simdnorm.group_norm_backward(
+            dy, x, groups, gm, gi, scale, bias, channel_axis=-1, out=out)[0])
+    for n in (1, 2):
+        threads(n)
+        for name, (reference_out, call) in calls.items():
+            out, want = empty_past_line(shape, dtype, offset), reference_out()
+            for o in (out, want):
+                o[...] = np.nan
+                call(o)
+            assert not np.isnan(out).any(), (name, n)
+            np.testing.assert_array_equal(bits(out), bits(want), err_msg=f"{name} threads={n}")
+
+
 # Layer and RMS norm rows sharing their parameters go through blocks of one, two or four rows (four
 # only where a block stays within half an L1, BackwardKernel::rows_stream; with 32 registers a block
 # of two is written while the next is summed), the odd rows after. A row alone, or a grad_output

@@ -1247,34 +1247,67 @@ struct BackwardKernel {
   static void lanes_apply(const BackwardTask& t, char* const* p, const int64_t* rs, int64_t rows, int64_t n) {
     visit_inline_derivative<V>(t.act, [&](const auto& deriv) { lanes_apply_of(t, deriv, p, rs, rows, n); });
   }
+  // The coefficient arrays lanes_apply reads by channel: mean, u, c1, c2, scale, bias.
+  static constexpr int kLaneCoefficients = 6;
   template <class D>
   static void lanes_apply_of(const BackwardTask& t, const D& deriv, char* const* p, const int64_t* rs, int64_t rows,
                              int64_t n) {
-    auto coef = [&](int array) { return reinterpret_cast<const C*>(p[kStats] + array * t.stats_pitch); };
-    const C *const mean = coef(0), *const u = coef(1), *const c1 = coef(2), *const c2 = coef(3);
-    const C* const scale = reinterpret_cast<const C*>(p[kParams]);
-    const C* const bias = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
+    constexpr int64_t es = static_cast<int64_t>(sizeof(T));
+    const C* coefs[kLaneCoefficients];
+    for (int a = 0; a < 4; ++a) coefs[a] = reinterpret_cast<const C*>(p[kStats] + a * t.stats_pitch);
+    coefs[4] = reinterpret_cast<const C*>(p[kParams]);
+    coefs[5] = reinterpret_cast<const C*>(p[kParams] + t.params_pitch);
     const T* x = reinterpret_cast<const T*>(p[kX]);
     const T* dy = reinterpret_cast<const T*>(p[kGradOut]);
     T* dx = reinterpret_cast<T*>(p[kGradIn]);
+    // m elements at x, dy, dx from channel c of the arrays k (a whole vector, streamed when asked,
+    // or an edge of m < W).
+    auto at = [&](const C* const* k, int64_t c, const T* xe, const T* dye, T* dxe, int m, bool stream)
+        SIMDNORM_INLINE_LAMBDA {
+      if (stream && m == W) {
+        __builtin_prefetch(reinterpret_cast<const char*>(xe) + kPrefetchAheadBytes, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(dye) + kPrefetchAheadBytes, 0, 2);
+      }
+      const V uv = load_up_to<LC>(k[1] + c, m), sv = load_up_to<LC>(k[4] + c, m);
+      const V d = load_up_to<L>(xe, m) - load_up_to<LC>(k[0] + c, m);
+      V ga = load_up_to<L>(dye, m);
+      if constexpr (D::kUsesPre) ga = deriv(vfma(d * uv, sv, load_up_to<LC>(k[5] + c, m)), ga);
+      const V v = grad_input(d * uv, ga, sv * uv, y_coefficient(uv, load_up_to<LC>(k[3] + c, m)),
+                             k_coefficient(uv, load_up_to<LC>(k[2] + c, m)));
+      store_dx<true>(reinterpret_cast<char*>(dxe), sizeof(T), v, m, stream);
+    };
+    // Rows back to back in x, dy and grad_input whose streamed rows would each start or end in a
+    // partial vector (grad_input off a line: numpy's large arrays sit 16 bytes past one) run as
+    // one run: its vectors on grad_input's lines, a vector across two rows taking its channels
+    // from copies of the arrays extended by W (element c + k is channel (c + k) mod n). Row by
+    // row, each row's partial pieces took the apply twice the time of aligned rows. The same
+    // elements, the same formula: the same bits.
+    const int64_t total = rows * n;
+    bool stream_all = false;
+    const int64_t head_all = streamed_from(t.stream_stores, reinterpret_cast<const char*>(dx), total, stream_all);
+    const bool rows_split = reinterpret_cast<uintptr_t>(dx) % L::kVectorBytes != 0 || (n * es) % L::kVectorBytes != 0;
+    if (stream_all && rows_split && rs[kX] == n * es && rs[kGradOut] == n * es && rs[kGradIn] == n * es &&
+        rows >= 8) {
+      static thread_local std::vector<C> extended;
+      const int64_t len = n + W;
+      extended.resize(static_cast<size_t>(kLaneCoefficients * len));
+      const C* k[kLaneCoefficients];
+      for (int a = 0; a < kLaneCoefficients; ++a) {
+        C* e = extended.data() + a * len;
+        for (int64_t c = 0; c < len; ++c) e[c] = coefs[a][c % n];
+        k[a] = e;
+      }
+      int64_t c = 0;  // the channel of element e
+      vectors_from(head_all, total, [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+        at(k, c, x + e, dy + e, dx + e, m, stream_all);
+        for (c += m; c >= n;) c -= n;
+      });
+      return;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       bool stream;
       const int64_t head = streamed_from(t.stream_stores, reinterpret_cast<const char*>(dx), n, stream);
-      // m elements from e: a whole vector (streamed when asked), or an edge of m < W.
-      auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-        if (stream && m == W) {
-          __builtin_prefetch(reinterpret_cast<const char*>(x + e) + kPrefetchAheadBytes, 0, 2);
-          __builtin_prefetch(reinterpret_cast<const char*>(dy + e) + kPrefetchAheadBytes, 0, 2);
-        }
-        const V uv = load_up_to<LC>(u + e, m), sv = load_up_to<LC>(scale + e, m);
-        const V d = load_up_to<L>(x + e, m) - load_up_to<LC>(mean + e, m);
-        V ga = load_up_to<L>(dy + e, m);
-        if constexpr (D::kUsesPre) ga = deriv(vfma(d * uv, sv, load_up_to<LC>(bias + e, m)), ga);
-        const V v = grad_input(d * uv, ga, sv * uv, y_coefficient(uv, load_up_to<LC>(c2 + e, m)),
-                               k_coefficient(uv, load_up_to<LC>(c1 + e, m)));
-        store_dx<true>(reinterpret_cast<char*>(dx + e), sizeof(T), v, m, stream);
-      };
-      vectors_from(head, n, at);
+      vectors_from(head, n, [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA { at(coefs, e, x + e, dy + e, dx + e, m, stream); });
       x = reinterpret_cast<const T*>(reinterpret_cast<const char*>(x) + rs[kX]);
       dy = reinterpret_cast<const T*>(reinterpret_cast<const char*>(dy) + rs[kGradOut]);
       dx = reinterpret_cast<T*>(reinterpret_cast<char*>(dx) + rs[kGradIn]);
