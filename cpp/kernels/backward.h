@@ -1288,13 +1288,13 @@ struct BackwardKernel {
     const bool rows_split = reinterpret_cast<uintptr_t>(dx) % L::kVectorBytes != 0 || (n * es) % L::kVectorBytes != 0;
     if (stream_all && rows_split && rs[kX] == n * es && rs[kGradOut] == n * es && rs[kGradIn] == n * es &&
         rows >= 8) {
-      static thread_local std::vector<C> extended;
       const int64_t len = n + W;
-      extended.resize(static_cast<size_t>(kLaneCoefficients * len));
+      std::vector<C> extended(static_cast<size_t>(kLaneCoefficients * len));
       const C* k[kLaneCoefficients];
       for (int a = 0; a < kLaneCoefficients; ++a) {
         C* e = extended.data() + a * len;
-        for (int64_t c = 0; c < len; ++c) e[c] = coefs[a][c % n];
+        std::copy(coefs[a], coefs[a] + n, e);
+        for (int64_t c = n; c < len; ++c) e[c] = e[c - n];  // (in order: with n < W, e[c - n] is set)
         k[a] = e;
       }
       int64_t c = 0;  // the channel of element e

@@ -8,6 +8,7 @@
 // namespace inside simdnorm::<isa>, so no inline or template code compiled here can be merged by the
 // linker with a copy compiled for another ISA; only the constant-initialized table is exported
 // (no static initializer runs ISA-specific code before the dispatcher has checked the CPU).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
