@@ -49,6 +49,10 @@ build_sanitized() {  # the sanitized package, into its own venv in $work
   # no other unit's kernels here, and instrumented they are most of the build's time.
   stamp "building the sanitized package (build dir build/sanitize; the ISA units this CPU runs)"
   export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+  # scikit-build-core gives `cmake --version` (and ninja's) 5 seconds, four times that under CI=1:
+  # niced behind the suite on both cores, a probe through pyenv's shims (bash, then Python) once
+  # took longer, and the build found no CMake.
+  export CI="${CI:-1}"
   # RelWithDebInfo and no install strip: pybind11 strips Release modules, and reports need symbols
   # (the SIMDNORM_SANITIZE flags come after the build type's and set -O1 -g1)
   "$py" -m pip install --quiet ".[test]" \
