@@ -170,8 +170,7 @@ int64_t pair_prefetch_bytes() {
 // streamed stores; on an Intel Xeon four rows, four interleaved streams of writes, took 1.28x.
 bool backward_writes_four_rows() {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool amd = detect_x86_features().amd;
-  return amd;
+  return features().amd;
 #else
   return false;
 #endif
