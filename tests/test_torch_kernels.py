@@ -130,7 +130,6 @@ def test_autograd_calls_go_to_the_twin(rng):
 
 
 @pytest.mark.filterwarnings("ignore:.*performance drop.*")  # (vmap's fallback over the ops)
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # (torch.compile's)
 def test_modes_forward_ad_and_transforms_see_the_op(rng):
     """A dispatch mode and a __torch_dispatch__ subclass see the op; forward AD gets its tangent, grad its gradient, vmap and
     torch.compile the op's values."""

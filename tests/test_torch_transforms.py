@@ -23,9 +23,7 @@ func = torch.func
 fwAD = torch.autograd.forward_ad
 D = torch.float64
 
-pytestmark = [pytest.mark.filterwarnings("ignore:.*performance drop.*"),  # (vmap's fallback over the ops)
-              # (torch.func's first use scripts a decomposition of torch's own)
-              pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")]
+pytestmark = pytest.mark.filterwarnings("ignore:.*performance drop.*")  # (vmap's fallback over the ops)
 
 ACTS = {None: lambda z: z, "relu": F.relu, "leaky_relu": lambda z: F.leaky_relu(z, 0.01), "silu": F.silu,
         "gelu": F.gelu}
@@ -242,7 +240,6 @@ def test_vmap_of_batch_norm_training_against_torchs(rng):
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.trace.*` is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # (shape checks, torch.nn's as well as ours)
 @pytest.mark.parametrize("grad", [False, True])
 def test_jit_trace_records_the_ops(rng, grad):
