@@ -189,7 +189,7 @@ def _centering_slack(torch, op, pos, kw, got):
     values (zero strides) has the op's x - mean exactly 0 and the decomposition's an ulp or two
     (float32: 1e-4 of the output, with 1/std = 316)."""
     x = pos[0]
-    if not isinstance(got, tuple) or len(got) != 3 or op == "batch_normalization" or not x.numel():
+    if not isinstance(got, tuple) or len(got) != 3 or not x.numel():  # (batch_normalization: one tensor)
         return 0.0
     inv = got[2].double()
     if op == "batch_normalization_training":
