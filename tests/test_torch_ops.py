@@ -153,6 +153,37 @@ def test_import_simdnorm_does_not_import_torch():
     assert run.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize("version, imports", [("2.9.1+cu128", False), ("1.13.1", False), ("2.10.0a0+git1234", True),
+                                              ("3.0.0", True)])
+def test_torch_older_than_the_minimum_is_refused_by_name(version, imports):
+    # torch 2.5-2.9 imported simdnorm.torch and then refused every tensor (no DLPack C exchange API),
+    # 2.4 failed inside the import: an older torch is now named at import, by simdnorm.torch and by a
+    # plain function given a tensor; numpy calls need no torch. (The version is stood in for here.)
+    code = ("import torch, numpy as np\n"
+            f"torch.__version__ = {version!r}\n"
+            "import simdnorm\n"
+            "simdnorm.layer_norm(np.ones((2, 3), np.float32))\n"
+            "try:\n"
+            "    simdnorm.layer_norm(torch.ones(2, 3))\n"
+            "except ImportError as e:\n"
+            "    print('plain:', e)\n"
+            "try:\n"
+            "    import simdnorm.torch\n"
+            "except ImportError as e:\n"
+            "    print('import:', e)\n"
+            "else:\n"
+            "    print('imported')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
+    assert run.returncode == 0, run.stderr
+    if imports:
+        assert run.stdout.strip() == "imported", run.stdout
+    else:
+        want = f"simdnorm.torch needs torch 2.10 or later; this is torch {version}"
+        lines = run.stdout.splitlines()
+        assert len(lines) == 2 and all(want in line for line in lines), run.stdout
+        assert lines[0].startswith("plain:") and lines[1].startswith("import:"), run.stdout
+
+
 def test_bfloat16_tensors_without_importing_ml_dtypes_first():
     # ml_dtypes (numpy's bfloat16) is imported at the first bfloat16 tensor, not with simdnorm.torch
     code = ("import sys, torch, simdnorm.torch as st\n"

@@ -12,12 +12,29 @@ docs/torch.rst lists the schemas.
 Once imported, simdnorm's parallel calls run on the OpenMP threads torch's own ops use (see
 :func:`share_threads`), so that the two do not compete for the cores.
 
-PyTorch stays optional: ``import simdnorm`` never imports it; this module needs it.
+PyTorch stays optional: ``import simdnorm`` never imports it; this module needs it, 2.10 or later.
 """
+import re as _re
+
 try:
     import torch as _torch  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised in an environment without PyTorch
     raise ImportError("simdnorm.torch needs PyTorch: pip install 'simdnorm[torch]'") from e
+
+#: The oldest torch this module runs on: the operators read tensors through DLPack's C exchange API
+#: and the C++ kernels call torch's stable C ABI, both of 2.10; CI tests it and the newest.
+MIN_TORCH = (2, 10)
+
+
+def _torch_version(text: str) -> tuple:
+    m = _re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+if _torch_version(str(_torch.__version__)) < MIN_TORCH:
+    raise ImportError(f"simdnorm.torch needs torch {'.'.join(map(str, MIN_TORCH))} or later; this is torch "
+                      f"{_torch.__version__}: pip install 'torch>={'.'.join(map(str, MIN_TORCH))}' (simdnorm's "
+                      "plain functions take numpy arrays without it)")
 
 from ._modules import (  # noqa: E402
     BatchNorm1d,
