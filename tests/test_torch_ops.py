@@ -146,11 +146,16 @@ def _call_simdnorm(name, args, kwargs):
 # ----------------------------------------------------------------------------------------------------
 # import, names, schemas
 
-def test_import_simdnorm_does_not_import_torch():
-    code = "import sys, simdnorm; simdnorm.layer_norm([[1.0, 2.0]]); print('torch' in sys.modules)"
+def _python(code: str) -> str:
+    """What a fresh interpreter running code prints (it must exit cleanly)."""
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "False"
+    return run.stdout
+
+
+def test_import_simdnorm_does_not_import_torch():
+    code = "import sys, simdnorm; simdnorm.layer_norm([[1.0, 2.0]]); print('torch' in sys.modules)"
+    assert _python(code).strip() == "False"
 
 
 @pytest.mark.parametrize("version, imports", [("2.9.1+cu128", False), ("1.13.1", False), ("2.10.0a0+git1234", True),
@@ -173,15 +178,14 @@ def test_torch_older_than_the_minimum_is_refused_by_name(version, imports):
             "    print('import:', e)\n"
             "else:\n"
             "    print('imported')\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
-    assert run.returncode == 0, run.stderr
+    out = _python(code)
     if imports:
-        assert run.stdout.strip() == "imported", run.stdout
+        assert out.strip() == "imported", out
     else:
         want = f"simdnorm.torch needs torch 2.10 or later; this is torch {version}"
-        lines = run.stdout.splitlines()
-        assert len(lines) == 2 and all(want in line for line in lines), run.stdout
-        assert lines[0].startswith("plain:") and lines[1].startswith("import:"), run.stdout
+        lines = out.splitlines()
+        assert len(lines) == 2 and all(want in line for line in lines), out
+        assert lines[0].startswith("plain:") and lines[1].startswith("import:"), out
 
 
 def test_bfloat16_tensors_without_importing_ml_dtypes_first():
@@ -193,9 +197,7 @@ def test_bfloat16_tensors_without_importing_ml_dtypes_first():
             "want = torch.nn.functional.layer_norm(x.float(), [8])\n"
             "assert y.dtype == torch.bfloat16 and (y.float() - want).abs().max() < 0.05\n"
             "print('ml_dtypes' in sys.modules)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ.copy())
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "True"
+    assert _python(code).strip() == "True"
 
 
 def test_one_op_per_function_under_its_name():
