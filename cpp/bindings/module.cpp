@@ -928,7 +928,9 @@ PYBIND11_MODULE(_core, m) {
         OpenMpTeam team{};
         team.parallel = reinterpret_cast<decltype(team.parallel)>(dlsym(handle, "GOMP_parallel"));
         team.max_threads = reinterpret_cast<decltype(team.max_threads)>(dlsym(handle, "omp_get_max_threads"));
-        if (team.parallel == nullptr || team.max_threads == nullptr || !share_openmp_team(team)) {
+        team.thread_num = reinterpret_cast<decltype(team.thread_num)>(dlsym(handle, "omp_get_thread_num"));
+        if (team.parallel == nullptr || team.max_threads == nullptr || team.thread_num == nullptr ||
+            !share_openmp_team(team)) {
           dlclose(handle);
           return false;
         }
@@ -936,8 +938,8 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("library"),
       "Run parallel calls on the team of the loaded OpenMP runtime `library`; False, nothing changed, "
-      "where it is not loaded, lacks GOMP_parallel or omp_get_max_threads, or in a fork()ed child of a "
-      "process that shared a team.");
+      "where it is not loaded, lacks GOMP_parallel, omp_get_max_threads or omp_get_thread_num, or in a "
+      "fork()ed child of a process that shared a team.");
   m.def("use_own_threads", &use_own_threads, "Parallel calls on simdnorm's own pool again.");
   m.def("sharing_openmp_team", &sharing_openmp_team);
   m.def("caller_threads", &caller_threads, "The thread count the calling thread's calls use.");

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -180,15 +181,29 @@ void register_fork_handler() {
   (void)registered;
 }
 
-// One parallel_for on the shared team: every team thread claims parts until none is left.
+// One parallel_for on the shared team. Team thread t first runs its own block of parts, the t-th
+// of nthreads in order (as torch's parallel ops split their range: the data the previous op's
+// thread t wrote is then read by thread t), then claims parts left in the others' blocks.
 struct TeamJob {
   const std::function<void(int)>* fn;
-  int nparts;
-  std::atomic<int> next{0};
+  int nparts, nthreads;
+  int (*thread_num)();
+  std::unique_ptr<std::atomic<int>[]> next;
+
+  TeamJob(const std::function<void(int)>* f, int parts, int threads, int (*num)())
+      : fn(f), nparts(parts), nthreads(threads), thread_num(num), next(new std::atomic<int>[threads]) {
+    for (int t = 0; t < threads; ++t) next[t].store(block_start(t), std::memory_order_relaxed);
+  }
+  int block_start(int t) const { return static_cast<int>(int64_t{nparts} * t / nthreads); }
 
   static void run(void* self) {
     TeamJob& job = *static_cast<TeamJob*>(self);
-    run_claimed(job.next, job.nparts, *job.fn);
+    const int me = job.thread_num();
+    for (int k = 0; k < job.nthreads; ++k) {
+      const int t = (me + k) % job.nthreads;
+      const int end = job.block_start(t + 1);
+      for (int part; (part = job.next[t].fetch_add(1, std::memory_order_relaxed)) < end;) (*job.fn)(part);
+    }
   }
 };
 
@@ -230,7 +245,7 @@ void parallel_for(int nparts, const std::function<void(int)>& fn) {
     // As with the pool: while one Python thread's call holds the team, a rival runs on its own.
     std::unique_lock<std::mutex> busy(g_team_mutex, std::try_to_lock);
     if (!busy.owns_lock()) return run_here();
-    TeamJob job{&fn, nparts};
+    TeamJob job(&fn, nparts, threads, team->thread_num);
     team->parallel(&TeamJob::run, &job, static_cast<unsigned>(threads), 0);
     return;
   }

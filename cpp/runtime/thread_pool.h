@@ -26,10 +26,11 @@ void parallel_for(int nparts, const std::function<void(int)>& fn);
 int parts_for(int64_t work, int64_t min_per_part);
 
 // An OpenMP runtime's entries: GOMP_parallel (libgomp's fork-join ABI, which Intel's and LLVM's
-// runtimes export too) and omp_get_max_threads.
+// runtimes export too), omp_get_max_threads and omp_get_thread_num.
 struct OpenMpTeam {
   void (*parallel)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
   int (*max_threads)();
+  int (*thread_num)();
 };
 // Runs parallel_for's parts on that runtime's team (simdnorm.torch shares torch's): the threads
 // torch's parallel ops use, and leave spinning between ops, instead of simdnorm's own workers
