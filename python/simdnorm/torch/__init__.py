@@ -32,9 +32,9 @@ def _torch_version(text: str) -> tuple:
 
 
 if _torch_version(str(_torch.__version__)) < MIN_TORCH:
-    raise ImportError(f"simdnorm.torch needs torch {'.'.join(map(str, MIN_TORCH))} or later; this is torch "
-                      f"{_torch.__version__}: pip install 'torch>={'.'.join(map(str, MIN_TORCH))}' (simdnorm's "
-                      "plain functions take numpy arrays without it)")
+    _min = ".".join(map(str, MIN_TORCH))
+    raise ImportError(f"simdnorm.torch needs torch {_min} or later; this is torch {_torch.__version__}: pip install "
+                      f"'torch>={_min}' (simdnorm's plain functions take numpy arrays without it)")
 
 from ._modules import (  # noqa: E402
     BatchNorm1d,
