@@ -499,7 +499,7 @@ def received(monkeypatch):
     for attr in dir(_ops):
         if attr.startswith("_sn_"):
             watch(_ops, attr)
-    for attr in ("_mvn", "_batch_norm"):
+    for attr in ("_mvn", "_batch_norm", "_mvn_backward"):
         watch(_routes, attr)
     return seen
 

@@ -7,7 +7,8 @@ last, steps, expanded dims of stride 0, an odd storage offset), each parameter's
 groups, epsilon). The op runs twice (a plan's miss, then its hit) and must give the bits of its
 .out overload, which runs the plain function on numpy views (the path tests/fuzz_space.py checks
 against float64), and so must the plain function called with the tensors; a module, the bits of
-the plain function. A quarter of the float32 and float64 op cases also check the forward-mode
+the plain function. Each op case runs its backward op too (the route's miss and hit) against the
+backward function on numpy views. A quarter of the float32 and float64 op cases also check the forward-mode
 derivative (dual tensors, every tensor argument given a tangent) against autograd's backward:
 <J t, g> = <t, J^T g>; a fifth of the op cases run under vmap (two samples, the batch dim anywhere,
 the parameters batched or not) against the op per sample; a quarter check the op's torch-ops
@@ -160,6 +161,7 @@ def draw_case(torch, seed, index):
                 assert type(a) is torch.Tensor and a.dtype == b.dtype and a.shape == b.shape, f"{attempt}: plain {i}"
                 assert bool((a.isnan() == b.isnan()).all()) and torch.equal(a.nan_to_num(), b.nan_to_num()), \
                     f"{attempt}: the plain function's result {i} differs from the .out overload's"
+        _backward_matches_plain(torch, np.random.default_rng([seed, index, 2]), op, pos, args_kw, got)
         if dual and x.numel():
             _dual_matches_backward(torch, np.random.default_rng([seed, index, 1]), op, pos, args_kw)
         if vmapped:
@@ -260,6 +262,58 @@ def _vmap_matches_samples(torch, op, pos, kw, at, params, apart):
             scale = max(float(wd.nan_to_num().abs().max()), 1e-300)
             err = float((gd - wd).nan_to_num().abs().max()) / scale
             assert err <= tol, f"vmap result {k}: max error {err:.3g} of the largest"
+
+
+def _backward_matches_plain(torch, rng, op, pos, kw, got):
+    """The forward op's backward op (its statistics, a grad_output in a drawn layout, each gradient
+    asked for or not, batch norm's training form or not), twice (the route's miss, then its hit),
+    gives the bits of simdnorm's backward function on numpy views of the same tensors."""
+    import simdnorm
+    from simdnorm.torch._ops import _as_numpy
+
+    x = pos[0]
+    go = _layout(torch, rng, tuple(x.shape), x.dtype)
+    params = [p for p in pos[1:] if isinstance(p, torch.Tensor) or p is None]
+    if op == "batch_normalization":
+        mean, var, scale, bias = params
+        args, names = (go, x, mean, var, scale, bias), ("scale", "bias")
+        kw = dict(kw, training=bool(rng.random() < 0.5))
+    elif op == "rms_norm":
+        args, names = (go, x, got[1], params[0]), ("scale",)
+    elif op == "group_norm":
+        args, names = (go, x, pos[1], got[1], got[2], *params), ("scale", "bias")
+    else:
+        args, names = (go, x, got[1], got[2], *params), ("scale", "bias")
+    present = dict(zip(names, [a for a in args if a is None or isinstance(a, torch.Tensor)][-len(names):]))
+    flags = {"grad_input": bool(rng.random() < 0.8)}
+    for n in names:
+        flags["grad_" + n] = _pick(rng, (None, False) + ((True,) if present[n] is not None else ()))
+    name = "batch_normalization_backward" if op == "batch_normalization" else op + "_backward"
+    np_args = [_as_numpy(a) if isinstance(a, torch.Tensor) else a for a in args]
+    # (into what the op writes, torch.empty_like(x): the sums' order follows the operands' layouts)
+    out = {"out": _as_numpy(torch.empty_like(x))} if flags["grad_input"] else {}
+    try:
+        want = getattr(simdnorm, name)(*np_args, **kw, **flags, **out)
+    except (TypeError, ValueError) as e:  # (batch norm's statistics: the backward takes fewer shapes)
+        for attempt in ("miss", "hit"):
+            try:
+                getattr(torch.ops.simdnorm, name)(*args, **kw, **flags)
+            except (TypeError, ValueError) as e2:
+                assert type(e2) is type(e), f"backward {attempt}: {e2!r} vs {e!r}"
+            else:
+                raise AssertionError(f"backward {attempt}: the op took what simdnorm.{name} refused: {e!r}")
+        return
+    for attempt in ("miss", "hit"):
+        res = getattr(torch.ops.simdnorm, name)(*args, **kw, **flags)
+        for i, (a, b) in enumerate(zip(res, want)):
+            if b is None:
+                assert a.numel() == 0, f"backward {attempt}: gradient {i} was not asked for"
+                continue
+            b = torch.from_numpy(b.view(np.int16)).view(torch.bfloat16) if a.dtype == torch.bfloat16 else \
+                torch.from_numpy(np.ascontiguousarray(b))
+            assert a.dtype == b.dtype and a.shape == b.shape, f"backward {attempt}: gradient {i} {a.shape} vs {b.shape}"
+            assert bool((a.isnan() == b.isnan()).all()) and torch.equal(a.nan_to_num(), b.nan_to_num()), \
+                f"backward {attempt}: gradient {i} {flags} differs from simdnorm.{name}'s"
 
 
 def _dual_matches_backward(torch, rng, op, pos, kw):

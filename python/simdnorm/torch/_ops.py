@@ -262,6 +262,11 @@ def _grad_target(input: torch.Tensor, grad_input: bool, out: Optional[torch.Tens
 def batch_normalization_backward(grad_output, input, mean, variance, scale=None, bias=None, fused_add=None, *,
                                  epsilon=1e-05, channel_axis=1, training=True, activation=None,
                                  activation_params=None, grad_input=True, grad_scale=None, grad_bias=None, out=None):
+    if out is None and fused_add is None:
+        r = _routes.bn_backward(grad_output, input, mean, variance, scale, bias, epsilon, channel_axis, training,
+                                (activation, activation_params), (grad_input, grad_scale, grad_bias))
+        if r is not None:
+            return r + (input.new_empty((0,)),)
     gi = _grad_target(input, grad_input, out)
     r = _sn_batch_normalization_backward(
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(variance), _opt(scale), _opt(bias),
@@ -277,6 +282,12 @@ def mean_variance_normalization_backward(grad_output, input, axes, mean, inv_std
                                          normalize_mean=True, normalize_variance=True, epsilon=1e-05,
                                          epsilon_mode="inside", activation=None, activation_params=None,
                                          grad_input=True, grad_scale=None, grad_bias=None, out=None):
+    if out is None:
+        r = _routes.mvn_backward(grad_output, input, axes, mean, inv_std, scale, bias, normalize_mean,
+                                 normalize_variance, epsilon, epsilon_mode, (activation, activation_params),
+                                 (grad_input, grad_scale, grad_bias))
+        if r is not None:
+            return r
     gi = _grad_target(input, grad_input, out)
     r = _sn_mean_variance_normalization_backward(
         _as_numpy(grad_output), _as_numpy(input), axes, _opt(mean), _opt(inv_std), _opt(scale), _opt(bias),
@@ -289,6 +300,11 @@ def mean_variance_normalization_backward(grad_output, input, axes, mean, inv_std
 def layer_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=None, *, axis=-1, epsilon=1e-05,
                         activation=None, activation_params=None, grad_input=True, grad_scale=None, grad_bias=None,
                         out=None):
+    if out is None:
+        r = _routes.mvn_backward(grad_output, input, None, mean, inv_std, scale, bias, True, True, epsilon, "inside",
+                                 (activation, activation_params), (grad_input, grad_scale, grad_bias), axis)
+        if r is not None:
+            return r
     gi = _grad_target(input, grad_input, out)
     r = _sn_layer_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(inv_std), _opt(scale), _opt(bias),
@@ -299,6 +315,11 @@ def layer_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=None
 
 def rms_norm_backward(grad_output, input, inv_rms, scale=None, *, axis=-1, epsilon=1e-05, activation=None,
                       activation_params=None, grad_input=True, grad_scale=None, out=None):
+    if out is None:
+        r = _routes.mvn_backward(grad_output, input, None, None, inv_rms, scale, None, False, True, epsilon, "inside",
+                                 (activation, activation_params), (grad_input, grad_scale, False), axis)
+        if r is not None:
+            return r[:2]
     gi = _grad_target(input, grad_input, out)
     r = _sn_rms_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(inv_rms), _opt(scale), axis=axis, epsilon=epsilon,
@@ -310,6 +331,11 @@ def rms_norm_backward(grad_output, input, inv_rms, scale=None, *, axis=-1, epsil
 def instance_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=None, *, channel_axis=1,
                            epsilon=1e-05, activation=None, activation_params=None, grad_input=True, grad_scale=None,
                            grad_bias=None, out=None):
+    if out is None:
+        r = _routes.instance_backward(grad_output, input, mean, inv_std, scale, bias, epsilon, channel_axis,
+                                      (activation, activation_params), (grad_input, grad_scale, grad_bias))
+        if r is not None:
+            return r
     gi = _grad_target(input, grad_input, out)
     r = _sn_instance_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), _as_numpy(mean), _as_numpy(inv_std), _opt(scale), _opt(bias),
@@ -321,6 +347,11 @@ def instance_norm_backward(grad_output, input, mean, inv_std, scale=None, bias=N
 def group_norm_backward(grad_output, input, num_groups, mean, inv_std, scale=None, bias=None, *, channel_axis=1,
                         epsilon=1e-05, activation=None, activation_params=None, grad_input=True, grad_scale=None,
                         grad_bias=None, out=None):
+    if out is None:
+        r = _routes.group_backward(grad_output, input, num_groups, mean, inv_std, scale, bias, epsilon, channel_axis,
+                                   (activation, activation_params), (grad_input, grad_scale, grad_bias))
+        if r is not None:
+            return r
     gi = _grad_target(input, grad_input, out)
     r = _sn_group_norm_backward(
         _as_numpy(grad_output), _as_numpy(input), num_groups, _as_numpy(mean), _as_numpy(inv_std), _opt(scale),

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .. import _api, _core
+from .. import _api, _core, _training
 from .._api import bn_plan, group_plan, instance_plan, mvn_plan
 from .._descriptors import trailing_axes_rule
 from . import _ops
@@ -236,6 +236,134 @@ def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Opt
     res = _empty_like(x)
     _batch_norm(x, mean, var, w, b, res, e, act, channel_axis, False)
     return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# the backward ops' CPU kernels (an autograd backward's call among them): a call without out= or
+# fused_add, planned by the plain function's own planner on a miss, then straight into the kernel
+# with new tensors for the gradients. Where the parameters' gradients need summing beyond the
+# kernel's sums (a parameter broadcast along more dims, or a 16-bit one), the general path.
+
+_mvn_backward = _core.mvn_backward
+_GENERAL = ()  # a plan this route does not take
+_CONTIGUOUS = torch.contiguous_format
+
+
+def _spec(t: Optional[Tensor]) -> Any:
+    return None if t is None else (t.shape, t.dtype)
+
+
+def _backward_route(x: Tensor, core: tuple, sums: Optional[tuple], split: Optional[tuple] = None) -> tuple:
+    """A backward call's cached plan: (the kernel's axes, nm, nv, eps, eo, act, terms, channel axis,
+    variance given), grad_input wanted, the parameters' gradients' shapes (None: none asked for,
+    either None: not asked for), and group norm's split (None, or channel axis, G, C/G, the
+    statistics' and the parameters' split shapes); _GENERAL where the route does not take it."""
+    if x.numel() == 0 or (sums is not None and not sums[3]):
+        return _GENERAL
+    want_input = core[-1]
+    grads = None if sums is None else tuple(None if to is None else to[1] for to in sums[1:3])
+    return core[:-1], want_input, grads, split
+
+
+def _backward_into(plan: tuple, dy: Tensor, x: Tensor, mean: Optional[Tensor], inv_std: Optional[Tensor],
+                   w: Optional[Tensor], b: Optional[Tensor]) -> Optional[tuple]:
+    """(grad_input, grad_scale, grad_bias) as the backward ops return them (one not asked for: an
+    empty tensor); None: the general path."""
+    if plan is _GENERAL or not _readable(x, dy, mean, inv_std, w, b):
+        return None
+    (axes, nm, nv, eps, eo, act, terms, ca, variance_given), want_input, grads, split = plan
+    gi = _empty_like(x) if want_input else x.new_empty(0)
+    gs = gb = None
+    if grads is not None:  # (each the parameter's shape: contiguous, as the kernel writes the sums)
+        gs = None if grads[0] is None else _empty_like(w, memory_format=_CONTIGUOUS)
+        gb = None if grads[1] is None else _empty_like(b, memory_format=_CONTIGUOUS)
+    if split is None:
+        _mvn_backward(x, dy, axes, mean if nm else None, inv_std if nv else None, w, b, None,
+                      gi if want_input else None, gs, gb, eps, nm, nv, eo, act, terms, False, ca, False, variance_given)
+    else:  # group norm through (..., G, C/G, ...) views, as the plain function
+        sca, g, k, sshape, pshape = split
+        parts = (sca, (g, k))
+        _mvn_backward(x.unflatten(*parts), dy.unflatten(*parts), axes, mean.reshape(sshape), inv_std.reshape(sshape),
+                      None if w is None else w.view(pshape), None if b is None else b.view(pshape), None,
+                      gi.unflatten(*parts) if want_input else None, None if gs is None else gs.view(pshape),
+                      None if gb is None else gb.view(pshape), eps, nm, nv, eo, act, terms, False, ca, False,
+                      variance_given)
+    return (gi, x.new_empty(0, dtype=x.dtype if w is None else w.dtype) if gs is None else gs,
+            x.new_empty(0, dtype=x.dtype if b is None else b.dtype) if gb is None else gb)
+
+
+def _backward_key(name: str, dy: Tensor, x: Tensor, mean: Optional[Tensor], inv_std: Optional[Tensor],
+                  w: Optional[Tensor], b: Optional[Tensor], attrs: tuple, act: tuple, want: tuple) -> Any:
+    params = act[1]
+    return (name, dy.shape, dy.dtype, x.shape, x.dtype, _spec(mean), _spec(inv_std), _spec(w), _spec(b), attrs,
+            tuple(map(type, attrs)), act[0], params if params is None else tuple(params), want)
+
+
+def mvn_backward(dy: Tensor, x: Tensor, axes: Any, mean: Optional[Tensor], inv_std: Optional[Tensor],
+                 w: Optional[Tensor], b: Optional[Tensor], nm: bool, nv: bool, eps: float, mode: str, act: tuple,
+                 want: tuple, trailing_from: Optional[int] = None) -> Optional[tuple]:
+    """MVN's backward over axes (layer and RMS norm's: the dims from trailing_from, axes None)."""
+    if trailing_from is None:
+        key = _backward_key("mvn_bwd", dy, x, mean, inv_std, w, b, (tuple(axes) if axes.__class__ is list else axes, nm,
+                                                                    nv, eps, mode), act, want)
+    else:
+        key = _backward_key("trailing_bwd", dy, x, mean, inv_std, w, b, (trailing_from, nm, nv, eps, mode), act, want)
+    plan = _cached(key)
+    if plan is None:
+        return None
+    if plan is _MISS:
+        n, o = _ops._as_numpy, _ops._opt
+        xn, dyn = n(x), n(dy)
+        a = axes if trailing_from is None else trailing_axes_rule(xn, trailing_from)
+        p = _training._mvn_backward_plan(xn, dyn, a, o(mean), o(inv_std), o(w), o(b), nm, nv, eps, mode,
+                                         _ops._activation(*act), *want)
+        plan = _store(key, lambda: _backward_route(x, p[:6] + (True, -1, False, p[6]), p[7]))
+    return _backward_into(plan, dy, x, mean, inv_std, w, b)
+
+
+def bn_backward(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Optional[Tensor],
+                eps: float, ca: int, training: bool, act: tuple, want: tuple) -> Optional[tuple]:
+    key = _backward_key("bn_bwd", dy, x, mean, var, w, b, (eps, ca, training), act, want)
+    plan = _cached(key)
+    if plan is None:
+        return None
+    if plan is _MISS:
+        n, o = _ops._as_numpy, _ops._opt
+        e, a, terms, axes, c, want_input, sums = _training._bn_backward_sums_plan(
+            n(x), n(dy), n(mean), n(var), o(w), o(b), None, eps, ca, training, _ops._activation(*act), *want)
+        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, terms, c, True, want_input),
+                                                   sums))
+    return _backward_into(plan, dy, x, mean, var, w, b)
+
+
+def instance_backward(dy: Tensor, x: Tensor, mean: Tensor, inv_std: Tensor, w: Optional[Tensor], b: Optional[Tensor],
+                      eps: float, ca: int, act: tuple, want: tuple) -> Optional[tuple]:
+    key = _backward_key("instance_bwd", dy, x, mean, inv_std, w, b, (eps, ca), act, want)
+    plan = _cached(key)
+    if plan is None:
+        return None
+    if plan is _MISS:
+        n, o = _ops._as_numpy, _ops._opt
+        axes, c, e, a, want_input, sums = _training._instance_backward_sums_plan(
+            n(x), n(dy), n(mean), n(inv_std), o(w), o(b), ca, eps, _ops._activation(*act), *want)
+        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, True, c, False, want_input),
+                                                   sums))
+    return _backward_into(plan, dy, x, mean, inv_std, w, b)
+
+
+def group_backward(dy: Tensor, x: Tensor, num_groups: int, mean: Tensor, inv_std: Tensor, w: Optional[Tensor],
+                   b: Optional[Tensor], eps: float, ca: int, act: tuple, want: tuple) -> Optional[tuple]:
+    key = _backward_key("group_bwd", dy, x, mean, inv_std, w, b, (num_groups, eps, ca), act, want)
+    plan = _cached(key)
+    if plan is None:
+        return None
+    if plan is _MISS:
+        n, o = _ops._as_numpy, _ops._opt
+        c, _, g, k, sshape, pshape, axes, e, a, want_input, sums = _training._group_backward_sums_plan(
+            n(x), n(dy), num_groups, n(mean), n(inv_std), o(w), o(b), ca, eps, _ops._activation(*act), *want)
+        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, True, -1, False, want_input),
+                                                   sums, (c, g, k, sshape, pshape)))  # (c: the channel axis)
+    return _backward_into(plan, dy, x, mean, inv_std, w, b)
 
 
 # ----------------------------------------------------------------------------------------------------
