@@ -2345,3 +2345,37 @@ def test_parameter_sums_of_negative_zeros_are_positive_zeros(rng, threads, shape
             _, gs, gb = simdnorm.batch_normalization_backward(dy, x, m, v, s, s, channel_axis=ca, training=training)
             assert not np.signbit(gs).any() and not np.signbit(gb).any(), (n, training)
             assert not gs.any() and not gb.any()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+@pytest.mark.parametrize("ca", [1, 3])
+def test_backward_binding_splits_groups_itself(rng, dtype, ca):
+    """_core.mvn_backward's groups (the torch route's group norm): the channel dim of x, grad_output,
+    grad_input and the (C,) parameters split into (G, C/G) by the binding, the statistics as (N, G),
+    give the bits of the same call on the split views; a split that cannot be is a ValueError."""
+    from simdnorm import _core
+    from simdnorm._api import group_split, split_view
+
+    shape = (2, 6, 5, 4) if ca == 1 else (2, 5, 4, 6)
+    x, dy = rand_values(rng, shape, dtype), rand_values(rng, shape, dtype)
+    scale, bias = rand_values(rng, (6,), F32), rand_values(rng, (6,), F32)
+    _, mean, inv_std = simdnorm.group_norm(x, 3, scale, bias, channel_axis=ca, return_stats=True)
+    _, c, g, k, pshape, axes = group_split(x, 3, ca)
+    common = (1e-5, True, True, False, (0, 0.0, 0.0), True, False)
+    sshape = tuple(1 if d in axes else s for d, s in enumerate(split_view(x, ca, g, k).shape))
+    want = [np.full(shape, np.nan, dtype), np.zeros(6, F32), np.zeros(6, F32)]
+    _core.mvn_backward(split_view(x, ca, g, k), split_view(dy, ca, g, k), axes, mean.reshape(sshape),
+                       inv_std.reshape(sshape), scale.reshape(pshape), bias.reshape(pshape), None,
+                       split_view(want[0], ca, g, k), want[1], want[2], *common, -1, False, False)
+    got = [np.full(shape, np.nan, dtype), np.zeros(6, F32), np.zeros(6, F32)]
+    _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, None, got[0], got[1], got[2], *common, ca, False,
+                       False, g)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    for bad_groups, bad_ca, fused in ((4, ca, None), (0, ca, None), (3, -1, None), (3, ca, x)):
+        with pytest.raises(ValueError, match="groups"):
+            _core.mvn_backward(x, dy, axes, mean, inv_std, None, None, fused, got[0], None, None, *common, bad_ca,
+                               False, False, bad_groups)
+    with pytest.raises(ValueError, match="inv_std"):  # (statistics of another shape than (N, G))
+        _core.mvn_backward(x, dy, axes, mean, inv_std[:, :2], scale, bias, None, got[0], None, None, *common, ca,
+                           False, False, g)

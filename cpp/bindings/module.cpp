@@ -295,11 +295,13 @@ bool py_mvn(PyObject* const* args, std::string* explain) {
 
 // mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g,
 //              epsilon, normalize_mean, normalize_variance, epsilon_outside, activation,
-//              statistics_terms, write_ga, channel_axis, explain, variance_given) -> None, or the plan
-// with explain. With variance_given, inv_std is batch norm's variance (1 / sqrt(it + epsilon) is
-// taken in double). The Python layer has validated the call and keeps grad_input off every
-// operand's memory.
-constexpr size_t kMvnBackwardArgs = 21;
+//              statistics_terms, write_ga, channel_axis, explain, variance_given[, groups]) -> None, or the
+// plan with explain. With variance_given, inv_std is batch norm's variance (1 / sqrt(it + epsilon) is
+// taken in double). groups (mvn's): dim channel_axis of x, grad_output, grad_input and the
+// parameters split into (groups, C / groups) here, the axes counting the split view's dims and the
+// statistics taken in any shape equal to theirs up to size-1 dims (group norm's (N, G)). The
+// Python layer has validated the call and keeps grad_input off every operand's memory.
+constexpr size_t kMvnBackwardArgs = 22, kMvnBackwardOptionalArgs = 1;
 
 py::object py_mvn_backward(PyObject* const* raw) {
   py::handle args[kMvnBackwardArgs];
@@ -309,24 +311,10 @@ py::object py_mvn_backward(PyObject* const* raw) {
   a.grad_output = view_of(args[1], "grad_output", false);
   if (a.grad_output.dtype != a.input.dtype) throw py::type_error("grad_output: dtype differs from the input's");
   check_same_shape(a.input, a.grad_output, "grad_output", true);
-  if (!PyTuple_Check(args[2].ptr())) throw py::type_error("axes must be a tuple of ints");
-  for (const py::handle h : py::reinterpret_borrow<py::tuple>(args[2])) {
-    const int axis = h.cast<int>();
-    if (axis < 0 || axis >= a.input.ndim) throw py::value_error("axes: out of range");
-    a.reduced |= 1u << axis;
-  }
   const int channel_axis = int_of(args[18], "channel_axis");
   if (channel_axis < -1 || channel_axis >= a.input.ndim) throw py::value_error("channel_axis: out of range");
-  a.mean = optional_param(args[3], "mean", a.input, channel_axis);
-  a.inv_std = optional_param(args[4], "inv_std", a.input, channel_axis);
   a.scale = optional_param(args[5], "scale", a.input, channel_axis);
   a.bias = optional_param(args[6], "bias", a.input, channel_axis);
-  a.fused_add = optional_param(args[7], "fused_add", a.input, -1);
-  for (const auto* stats : {&a.mean, &a.inv_std})
-    if (*stats)
-      for (int d = 0; d < a.input.ndim; ++d)
-        if (((a.reduced >> d) & 1u) && (*stats)->sizes[d] != 1)
-          throw py::value_error("statistics: must have size 1 along the normalized axes");
   if (!args[8].is_none()) {
     a.grad_input = view_of(args[8], "grad_input", true);
     const DType want = bool_of(args[17], "write_ga") ? (a.input.dtype == DType::f64 ? DType::f64 : DType::f32)
@@ -334,6 +322,36 @@ py::object py_mvn_backward(PyObject* const* raw) {
     if (a.grad_input->dtype != want) throw py::type_error("grad_input: dtype differs from the input's (write_ga: its compute type's)");
     check_same_shape(a.input, *a.grad_input, "grad_input", true);
   }
+  const bool grouped = !args[21].is_none();
+  if (grouped) {
+    const int groups = int_of(args[21], "groups");
+    if (channel_axis < 0 || groups < 1 || a.input.sizes[channel_axis] % groups != 0)
+      throw py::value_error("groups: must divide the size of dim channel_axis");
+    if (!args[7].is_none()) throw py::value_error("groups: no fused_add with groups");
+    for (auto* v : {&a.input, &a.grad_output}) *v = split_dim(*v, channel_axis, groups);
+    for (auto* p : {&a.scale, &a.bias, &a.grad_input})
+      if (*p) **p = split_dim(**p, channel_axis, groups);
+  }
+  if (!PyTuple_Check(args[2].ptr())) throw py::type_error("axes must be a tuple of ints");
+  for (const py::handle h : py::reinterpret_borrow<py::tuple>(args[2])) {
+    const int axis = h.cast<int>();
+    if (axis < 0 || axis >= a.input.ndim) throw py::value_error("axes: out of range");
+    a.reduced |= 1u << axis;
+  }
+  if (grouped) {
+    for (auto [stats, k] : {std::pair{&a.mean, 3}, std::pair{&a.inv_std, 4}})
+      if (!args[k].is_none()) *stats = kept_view(view_of(args[k], k == 3 ? "mean" : "inv_std", false), a.input,
+                                                 a.reduced, k == 3 ? "mean" : "inv_std");
+  } else {
+    a.mean = optional_param(args[3], "mean", a.input, channel_axis);
+    a.inv_std = optional_param(args[4], "inv_std", a.input, channel_axis);
+    a.fused_add = optional_param(args[7], "fused_add", a.input, -1);
+  }
+  for (const auto* stats : {&a.mean, &a.inv_std})
+    if (*stats)
+      for (int d = 0; d < a.input.ndim; ++d)
+        if (((a.reduced >> d) & 1u) && (*stats)->sizes[d] != 1)
+          throw py::value_error("statistics: must have size 1 along the normalized axes");
   for (int o = 0; o < 2; ++o) {
     if (args[9 + o].is_none()) continue;
     TensorView v = view_of(args[9 + o], "parameter sums", true);
@@ -407,15 +425,21 @@ PyObject* fast_batch_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall<kBatchNormArgs>(args, nargs, "batch_norm", [](PyObject* const* a) { return py_batch_norm(a, nullptr); });
 }
 
-// mvn's last arguments, var_out and groups, may be left out (None).
+// A call whose last `Optional` of `Args` arguments may be left out (None).
+template <size_t Args, size_t Optional, class F>
+PyObject* with_optional(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
+  if (nargs < static_cast<Py_ssize_t>(Args - Optional) || nargs >= static_cast<Py_ssize_t>(Args))
+    return fastcall<Args>(args, nargs, name, f);
+  PyObject* full[Args];
+  std::copy(args, args + nargs, full);
+  std::fill(full + nargs, full + Args, Py_None);
+  return fastcall<Args>(full, Args, name, f);
+}
+
+// mvn's last arguments, var_out and groups, may be left out.
 template <class F>
 PyObject* mvn_call(PyObject* const* args, Py_ssize_t nargs, const char* name, F&& f) {
-  if (nargs < static_cast<Py_ssize_t>(kMvnArgs - kMvnOptionalArgs) || nargs >= static_cast<Py_ssize_t>(kMvnArgs))
-    return fastcall<kMvnArgs>(args, nargs, name, f);
-  PyObject* full[kMvnArgs];
-  std::copy(args, args + nargs, full);
-  std::fill(full + nargs, full + kMvnArgs, Py_None);
-  return fastcall<kMvnArgs>(full, kMvnArgs, name, f);
+  return with_optional<kMvnArgs, kMvnOptionalArgs>(args, nargs, name, std::forward<F>(f));
 }
 
 PyObject* fast_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -423,7 +447,7 @@ PyObject* fast_mvn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyObject* fast_mvn_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return fastcall<kMvnBackwardArgs>(args, nargs, "mvn_backward", py_mvn_backward);
+  return with_optional<kMvnBackwardArgs, kMvnBackwardOptionalArgs>(args, nargs, "mvn_backward", py_mvn_backward);
 }
 
 // The explain hooks run the same checks, then describe the plan instead of running it (or say
@@ -504,7 +528,7 @@ PyMethodDef g_fast_methods[] = {
     {"mvn_backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_mvn_backward)), METH_FASTCALL,
      "mvn_backward(x, grad_output, axes, mean, inv_std, scale, bias, fused_add, grad_input, sum_gy, sum_g, "
      "epsilon, normalize_mean, normalize_variance, epsilon_outside, activation, statistics_terms, write_ga, "
-     "channel_axis, explain) -> None (explain: the plan, as text)"},
+     "channel_axis, explain, variance_given[, groups]) -> None (explain: the plan, as text); groups: as mvn's"},
     {"explain_batch_norm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_batch_norm)),
      METH_FASTCALL, "explain_batch_norm(<batch_norm's arguments>) -> the plan batch_norm would run, as text"},
     {"explain_mvn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(explain_mvn)), METH_FASTCALL,

@@ -253,16 +253,16 @@ def _spec(t: Optional[Tensor]) -> Any:
     return None if t is None else (t.shape, t.dtype)
 
 
-def _backward_route(x: Tensor, core: tuple, sums: Optional[tuple], split: Optional[tuple] = None) -> tuple:
+def _backward_route(x: Tensor, core: tuple, sums: Optional[tuple], groups: Optional[int] = None) -> tuple:
     """A backward call's cached plan: (the kernel's axes, nm, nv, eps, eo, act, terms, channel axis,
     variance given), grad_input wanted, the parameters' gradients' shapes (None: none asked for,
-    either None: not asked for), and group norm's split (None, or channel axis, G, C/G, the
-    statistics' and the parameters' split shapes); _GENERAL where the route does not take it."""
+    either None: not asked for), and group norm's groups (None for the others); _GENERAL where the
+    route does not take it."""
     if x.numel() == 0 or (sums is not None and not sums[3]):
         return _GENERAL
     want_input = core[-1]
     grads = None if sums is None else tuple(None if to is None else to[1] for to in sums[1:3])
-    return core[:-1], want_input, grads, split
+    return core[:-1], want_input, grads, groups
 
 
 def _backward_into(plan: tuple, dy: Tensor, x: Tensor, mean: Optional[Tensor], inv_std: Optional[Tensor],
@@ -271,23 +271,16 @@ def _backward_into(plan: tuple, dy: Tensor, x: Tensor, mean: Optional[Tensor], i
     empty tensor); None: the general path."""
     if plan is _GENERAL or not _readable(x, dy, mean, inv_std, w, b):
         return None
-    (axes, nm, nv, eps, eo, act, terms, ca, variance_given), want_input, grads, split = plan
+    (axes, nm, nv, eps, eo, act, terms, ca, variance_given), want_input, grads, groups = plan
     gi = _empty_like(x) if want_input else x.new_empty(0)
     gs = gb = None
     if grads is not None:  # (each the parameter's shape: contiguous, as the kernel writes the sums)
         gs = None if grads[0] is None else _empty_like(w, memory_format=_CONTIGUOUS)
         gb = None if grads[1] is None else _empty_like(b, memory_format=_CONTIGUOUS)
-    if split is None:
-        _mvn_backward(x, dy, axes, mean if nm else None, inv_std if nv else None, w, b, None,
-                      gi if want_input else None, gs, gb, eps, nm, nv, eo, act, terms, False, ca, False, variance_given)
-    else:  # group norm through (..., G, C/G, ...) views, as the plain function
-        sca, g, k, sshape, pshape = split
-        parts = (sca, (g, k))
-        _mvn_backward(x.unflatten(*parts), dy.unflatten(*parts), axes, mean.reshape(sshape), inv_std.reshape(sshape),
-                      None if w is None else w.view(pshape), None if b is None else b.view(pshape), None,
-                      gi.unflatten(*parts) if want_input else None, None if gs is None else gs.view(pshape),
-                      None if gb is None else gb.view(pshape), eps, nm, nv, eo, act, terms, False, ca, False,
-                      variance_given)
+    # (group norm: the kernel splits the channel dim into (G, C/G) itself, its statistics (N, G) as
+    # they are; a torch view costs more than the call)
+    _mvn_backward(x, dy, axes, mean if nm else None, inv_std if nv else None, w, b, None, gi if want_input else None,
+                  gs, gb, eps, nm, nv, eo, act, terms, False, ca, False, variance_given, groups)
     return (gi, x.new_empty(0, dtype=x.dtype if w is None else w.dtype) if gs is None else gs,
             x.new_empty(0, dtype=x.dtype if b is None else b.dtype) if gb is None else gb)
 
@@ -359,10 +352,10 @@ def group_backward(dy: Tensor, x: Tensor, num_groups: int, mean: Tensor, inv_std
         return None
     if plan is _MISS:
         n, o = _ops._as_numpy, _ops._opt
-        c, _, g, k, sshape, pshape, axes, e, a, want_input, sums = _training._group_backward_sums_plan(
+        c, _, g, _, _, _, axes, e, a, want_input, sums = _training._group_backward_sums_plan(
             n(x), n(dy), num_groups, n(mean), n(inv_std), o(w), o(b), ca, eps, _ops._activation(*act), *want)
-        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, True, -1, False, want_input),
-                                                   sums, (c, g, k, sshape, pshape)))  # (c: the channel axis)
+        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, True, c, False, want_input),
+                                                   sums, g))  # (c: the channel axis)
     return _backward_into(plan, dy, x, mean, inv_std, w, b)
 
 
