@@ -255,14 +255,13 @@ def _spec(t: Optional[Tensor]) -> Any:
 
 def _backward_route(x: Tensor, core: tuple, sums: Optional[tuple], groups: Optional[int] = None) -> tuple:
     """A backward call's cached plan: (the kernel's axes, nm, nv, eps, eo, act, terms, channel axis,
-    variance given), grad_input wanted, the parameters' gradients' shapes (None: none asked for,
-    either None: not asked for), and group norm's groups (None for the others); _GENERAL where the
-    route does not take it."""
+    variance given), grad_input wanted, (grad_scale wanted, grad_bias wanted), and group norm's
+    groups (None for the others); _GENERAL where the route does not take it (sums is the plain
+    function's _sums_plan: direct, each gradient written by the kernel in its parameter's shape)."""
     if x.numel() == 0 or (sums is not None and not sums[3]):
         return _GENERAL
-    want_input = core[-1]
-    grads = None if sums is None else tuple(None if to is None else to[1] for to in sums[1:3])
-    return core[:-1], want_input, grads, groups
+    return core[:-1], core[-1], (sums is not None and sums[1] is not None, sums is not None and sums[2] is not None), \
+        groups
 
 
 def _backward_into(plan: tuple, dy: Tensor, x: Tensor, mean: Optional[Tensor], inv_std: Optional[Tensor],
@@ -273,10 +272,9 @@ def _backward_into(plan: tuple, dy: Tensor, x: Tensor, mean: Optional[Tensor], i
         return None
     (axes, nm, nv, eps, eo, act, terms, ca, variance_given), want_input, grads, groups = plan
     gi = _empty_like(x) if want_input else x.new_empty(0)
-    gs = gb = None
-    if grads is not None:  # (each the parameter's shape: contiguous, as the kernel writes the sums)
-        gs = None if grads[0] is None else _empty_like(w, memory_format=_CONTIGUOUS)
-        gb = None if grads[1] is None else _empty_like(b, memory_format=_CONTIGUOUS)
+    # (each the parameter's shape, contiguous, as the kernel writes the sums)
+    gs = _empty_like(w, memory_format=_CONTIGUOUS) if grads[0] else None
+    gb = _empty_like(b, memory_format=_CONTIGUOUS) if grads[1] else None
     # (group norm: the kernel splits the channel dim into (G, C/G) itself, its statistics (N, G) as
     # they are; a torch view costs more than the call)
     _mvn_backward(x, dy, axes, mean if nm else None, inv_std if nv else None, w, b, None, gi if want_input else None,
