@@ -290,71 +290,65 @@ def _backward_key(name: str, dy: Tensor, x: Tensor, mean: Optional[Tensor], inv_
             tuple(map(type, attrs)), act[0], params if params is None else tuple(params), want)
 
 
+def _backward(name: str, attrs: tuple, dy: Tensor, x: Tensor, mean: Optional[Tensor], inv_std: Optional[Tensor],
+              w: Optional[Tensor], b: Optional[Tensor], act: tuple, want: tuple, make: Callable) -> Optional[tuple]:
+    """A backward op's call by its cached plan; on a miss make(numpy view, optional view, activation)
+    plans it (the plain function's planner, which raises what the call deserves) as _backward_route's
+    (core, sums[, groups])."""
+    key = _backward_key(name, dy, x, mean, inv_std, w, b, attrs, act, want)
+    plan = _cached(key)
+    if plan is None:
+        return None
+    if plan is _MISS:
+        plan = _store(key, lambda: _backward_route(x, *make(_ops._as_numpy, _ops._opt, _ops._activation(*act))))
+    return _backward_into(plan, dy, x, mean, inv_std, w, b)
+
+
 def mvn_backward(dy: Tensor, x: Tensor, axes: Any, mean: Optional[Tensor], inv_std: Optional[Tensor],
                  w: Optional[Tensor], b: Optional[Tensor], nm: bool, nv: bool, eps: float, mode: str, act: tuple,
                  want: tuple, trailing_from: Optional[int] = None) -> Optional[tuple]:
     """MVN's backward over axes (layer and RMS norm's: the dims from trailing_from, axes None)."""
-    if trailing_from is None:
-        key = _backward_key("mvn_bwd", dy, x, mean, inv_std, w, b, (tuple(axes) if axes.__class__ is list else axes, nm,
-                                                                    nv, eps, mode), act, want)
-    else:
-        key = _backward_key("trailing_bwd", dy, x, mean, inv_std, w, b, (trailing_from, nm, nv, eps, mode), act, want)
-    plan = _cached(key)
-    if plan is None:
-        return None
-    if plan is _MISS:
-        n, o = _ops._as_numpy, _ops._opt
-        xn, dyn = n(x), n(dy)
+    def make(n, o, activation):
+        xn = n(x)
         a = axes if trailing_from is None else trailing_axes_rule(xn, trailing_from)
-        p = _training._mvn_backward_plan(xn, dyn, a, o(mean), o(inv_std), o(w), o(b), nm, nv, eps, mode,
-                                         _ops._activation(*act), *want)
-        plan = _store(key, lambda: _backward_route(x, p[:6] + (True, -1, False, p[6]), p[7]))
-    return _backward_into(plan, dy, x, mean, inv_std, w, b)
+        p = _training._mvn_backward_plan(xn, n(dy), a, o(mean), o(inv_std), o(w), o(b), nm, nv, eps, mode, activation,
+                                         *want)
+        return p[:6] + (True, -1, False, p[6]), p[7]
+
+    if trailing_from is None:
+        return _backward("mvn_bwd", (tuple(axes) if axes.__class__ is list else axes, nm, nv, eps, mode), dy, x, mean,
+                         inv_std, w, b, act, want, make)
+    return _backward("trailing_bwd", (trailing_from, nm, nv, eps, mode), dy, x, mean, inv_std, w, b, act, want, make)
 
 
 def bn_backward(dy: Tensor, x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Optional[Tensor],
                 eps: float, ca: int, training: bool, act: tuple, want: tuple) -> Optional[tuple]:
-    key = _backward_key("bn_bwd", dy, x, mean, var, w, b, (eps, ca, training), act, want)
-    plan = _cached(key)
-    if plan is None:
-        return None
-    if plan is _MISS:
-        n, o = _ops._as_numpy, _ops._opt
+    def make(n, o, activation):
         e, a, terms, axes, c, want_input, sums = _training._bn_backward_sums_plan(
-            n(x), n(dy), n(mean), n(var), o(w), o(b), None, eps, ca, training, _ops._activation(*act), *want)
-        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, terms, c, True, want_input),
-                                                   sums))
-    return _backward_into(plan, dy, x, mean, var, w, b)
+            n(x), n(dy), n(mean), n(var), o(w), o(b), None, eps, ca, training, activation, *want)
+        return (axes, True, True, e, False, a, terms, c, True, want_input), sums
+
+    return _backward("bn_bwd", (eps, ca, training), dy, x, mean, var, w, b, act, want, make)
 
 
 def instance_backward(dy: Tensor, x: Tensor, mean: Tensor, inv_std: Tensor, w: Optional[Tensor], b: Optional[Tensor],
                       eps: float, ca: int, act: tuple, want: tuple) -> Optional[tuple]:
-    key = _backward_key("instance_bwd", dy, x, mean, inv_std, w, b, (eps, ca), act, want)
-    plan = _cached(key)
-    if plan is None:
-        return None
-    if plan is _MISS:
-        n, o = _ops._as_numpy, _ops._opt
+    def make(n, o, activation):
         axes, c, e, a, want_input, sums = _training._instance_backward_sums_plan(
-            n(x), n(dy), n(mean), n(inv_std), o(w), o(b), ca, eps, _ops._activation(*act), *want)
-        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, True, c, False, want_input),
-                                                   sums))
-    return _backward_into(plan, dy, x, mean, inv_std, w, b)
+            n(x), n(dy), n(mean), n(inv_std), o(w), o(b), ca, eps, activation, *want)
+        return (axes, True, True, e, False, a, True, c, False, want_input), sums
+
+    return _backward("instance_bwd", (eps, ca), dy, x, mean, inv_std, w, b, act, want, make)
 
 
 def group_backward(dy: Tensor, x: Tensor, num_groups: int, mean: Tensor, inv_std: Tensor, w: Optional[Tensor],
                    b: Optional[Tensor], eps: float, ca: int, act: tuple, want: tuple) -> Optional[tuple]:
-    key = _backward_key("group_bwd", dy, x, mean, inv_std, w, b, (num_groups, eps, ca), act, want)
-    plan = _cached(key)
-    if plan is None:
-        return None
-    if plan is _MISS:
-        n, o = _ops._as_numpy, _ops._opt
+    def make(n, o, activation):  # (c: the channel axis)
         c, _, g, _, _, _, axes, e, a, want_input, sums = _training._group_backward_sums_plan(
-            n(x), n(dy), num_groups, n(mean), n(inv_std), o(w), o(b), ca, eps, _ops._activation(*act), *want)
-        plan = _store(key, lambda: _backward_route(x, (axes, True, True, e, False, a, True, c, False, want_input),
-                                                   sums, g))  # (c: the channel axis)
-    return _backward_into(plan, dy, x, mean, inv_std, w, b)
+            n(x), n(dy), num_groups, n(mean), n(inv_std), o(w), o(b), ca, eps, activation, *want)
+        return (axes, True, True, e, False, a, True, c, False, want_input), sums, g
+
+    return _backward("group_bwd", (num_groups, eps, ca), dy, x, mean, inv_std, w, b, act, want, make)
 
 
 # ----------------------------------------------------------------------------------------------------
