@@ -515,12 +515,24 @@ def _check_differentiable(kw: dict, name: str) -> None:
             "after the op")
 
 
-def _act_kw(kw: dict) -> dict:
-    """The activation's keyword arguments for a backward op: none without one (the dispatcher
-    converts each keyword argument given, at a cost)."""
-    if kw["activation"] is None:
-        return {}
-    return {"activation": kw["activation"], "activation_params": kw["activation_params"]}
+# The backward ops' keyword arguments' defaults (each name's the same in every schema of _TABLE),
+# read from their schemas at the first backward.
+_BACKWARD_DEFAULTS: Dict[str, Any] = {}
+_BACKWARD_OPS = ("batch_normalization_backward", "mean_variance_normalization_backward", "layer_norm_backward",
+                 "rms_norm_backward", "instance_norm_backward", "group_norm_backward")
+
+
+def _given(kw: dict, *names: str, **more: Any) -> dict:
+    """A backward op's keyword arguments, the forward call's attributes `names` (from its kw) and
+    `more`, without those equal to their default: the dispatcher parses each one given (about 1.5 us
+    apiece, in a step that small tensors spend mostly in overhead)."""
+    d = _BACKWARD_DEFAULTS
+    if not d:
+        for name in _BACKWARD_OPS:
+            d.update(_defaults(getattr(_ops, name).default)[1])
+    given = {n: kw[n] for n in names if kw[n] != d[n]}
+    given.update((k, v) for k, v in more.items() if v != d[k])
+    return given
 
 
 def _placed(p: torch.Tensor, nd: int, ca: int) -> torch.Tensor:
@@ -557,8 +569,9 @@ def _backward_batch_normalization(ctx, need, go):
         b = None if bias is None else _placed(bias, nd, ca).expand(joint)
     want_stats = need[1] or need[2]
     gi, gs, gb, _ = _ops.batch_normalization_backward(
-        go, x, m, v, s, b, epsilon=kw["epsilon"], channel_axis=ca, training=False,
-        grad_input=need[0] or want_stats, grad_scale=need[3], grad_bias=need[4], **_act_kw(kw))
+        go, x, m, v, s, b, **_given(kw, "epsilon", "channel_axis", "activation", "activation_params", training=False,
+                                    grad_input=need[0] or want_stats, grad_scale=None if need[3] else False,
+                                    grad_bias=None if need[4] else False))
     gs = _sum_to(gs, scale, _placed(scale, nd, ca)) if need[3] and gs.shape != scale.shape else gs
     gb = _sum_to(gb, bias, _placed(bias, nd, ca)) if need[4] and gb.shape != bias.shape else gb
     gm = gv = None
@@ -584,8 +597,8 @@ def _backward_batch_normalization_training(ctx, need, go, _gm, _gv):
     x, scale, bias, fa, mean, var = ctx.saved_tensors
     kw = ctx.kw
     gi, gs, gb, gf = _ops.batch_normalization_backward(
-        go, x, mean, var, scale, bias, fa, epsilon=kw["epsilon"], channel_axis=kw["channel_axis"], training=True,
-        grad_input=need[0], grad_scale=need[1], grad_bias=need[2], **_act_kw(kw))
+        go, x, mean, var, scale, bias, fa, **_given(kw, "epsilon", "channel_axis", "activation", "activation_params",
+                                                    **_flags(need, 0, 1, 2)))
     return (gi if need[0] else None, gs if need[1] else None, gb if need[2] else None, gf if need[3] else None)
 
 
@@ -597,9 +610,11 @@ def _save_stats(ctx, a, kw, result, name, n_tensors):
 
 
 def _flags(need: Sequence[bool], gi: int, gs: int, gb: Optional[int] = None) -> dict:
-    f = {"grad_input": need[gi], "grad_scale": need[gs]}
+    """grad_input, grad_scale, grad_bias by `need` (the positions of input, scale and bias): a
+    parameter's gradient wanted as None, "when given" (one that wants a gradient was given)."""
+    f = {"grad_input": need[gi], "grad_scale": None if need[gs] else False}
     if gb is not None:
-        f["grad_bias"] = need[gb]
+        f["grad_bias"] = None if need[gb] else False
     return f
 
 
@@ -617,8 +632,8 @@ def _backward_mean_variance_normalization(ctx, need, go, _gm, _gs):
     kw = ctx.kw
     grads = _ops.mean_variance_normalization_backward(
         go, x, ctx.a[0], mean if kw["normalize_mean"] else None, inv_std if kw["normalize_variance"] else None,
-        scale, bias, normalize_mean=kw["normalize_mean"], normalize_variance=kw["normalize_variance"],
-        epsilon=kw["epsilon"], epsilon_mode=kw["epsilon_mode"], **_act_kw(kw), **_flags(need, 0, 2, 3))
+        scale, bias, **_given(kw, "normalize_mean", "normalize_variance", "epsilon", "epsilon_mode", "activation",
+                              "activation_params", **_flags(need, 0, 2, 3)))
     return _keep(need, grads, (0, None, 1, 2))
 
 
@@ -629,8 +644,8 @@ def _setup_layer_norm(ctx, a, kw, result):
 def _backward_layer_norm(ctx, need, go, _gm, _gs):
     x, scale, bias, mean, inv_std = ctx.saved_tensors
     kw = ctx.kw
-    grads = _ops.layer_norm_backward(go, x, mean, inv_std, scale, bias, axis=kw["axis"], epsilon=kw["epsilon"],
-                                     **_act_kw(kw), **_flags(need, 0, 1, 2))
+    grads = _ops.layer_norm_backward(go, x, mean, inv_std, scale, bias, **_given(
+        kw, "axis", "epsilon", "activation", "activation_params", **_flags(need, 0, 1, 2)))
     return _keep(need, grads, (0, 1, 2))
 
 
@@ -641,8 +656,8 @@ def _setup_rms_norm(ctx, a, kw, result):
 def _backward_rms_norm(ctx, need, go, _gs):
     x, scale, inv_rms = ctx.saved_tensors
     kw = ctx.kw
-    grads = _ops.rms_norm_backward(go, x, inv_rms, scale, axis=kw["axis"], epsilon=kw["epsilon"], **_act_kw(kw),
-                                   **_flags(need, 0, 1))
+    grads = _ops.rms_norm_backward(go, x, inv_rms, scale, **_given(kw, "axis", "epsilon", "activation",
+                                                                   "activation_params", **_flags(need, 0, 1)))
     return _keep(need, grads, (0, 1))
 
 
@@ -653,8 +668,8 @@ def _setup_instance_norm(ctx, a, kw, result):
 def _backward_instance_norm(ctx, need, go, _gm, _gs):
     x, scale, bias, mean, inv_std = ctx.saved_tensors
     kw = ctx.kw
-    grads = _ops.instance_norm_backward(go, x, mean, inv_std, scale, bias, channel_axis=kw["channel_axis"],
-                                        epsilon=kw["epsilon"], **_act_kw(kw), **_flags(need, 0, 1, 2))
+    grads = _ops.instance_norm_backward(go, x, mean, inv_std, scale, bias, **_given(
+        kw, "channel_axis", "epsilon", "activation", "activation_params", **_flags(need, 0, 1, 2)))
     return _keep(need, grads, (0, 1, 2))
 
 
@@ -665,8 +680,8 @@ def _setup_group_norm(ctx, a, kw, result):
 def _backward_group_norm(ctx, need, go, _gm, _gs):
     x, scale, bias, mean, inv_std = ctx.saved_tensors
     kw = ctx.kw
-    grads = _ops.group_norm_backward(go, x, ctx.a[0], mean, inv_std, scale, bias, channel_axis=kw["channel_axis"],
-                                     epsilon=kw["epsilon"], **_act_kw(kw), **_flags(need, 0, 2, 3))
+    grads = _ops.group_norm_backward(go, x, ctx.a[0], mean, inv_std, scale, bias, **_given(
+        kw, "channel_axis", "epsilon", "activation", "activation_params", **_flags(need, 0, 2, 3)))
     return _keep(need, grads, (0, None, 1, 2))
 
 
