@@ -225,6 +225,18 @@ def test_schemas_are_the_ones_the_docs_list():
         assert s == registered[k], f"docs/torch.rst's {k} differs from the registered schema:\n{s}\n{registered[k]}"
 
 
+def test_a_keyword_has_one_default_in_every_schema():
+    # (the autograd backward and the modules leave out keyword arguments equal to the default the
+    # name has in _ops._KW_DEFAULTS: a schema giving it another would change those calls)
+    defaults = {}
+    for name in FORWARD + BACKWARD + ("update_running_stats_",):
+        for arg in getattr(ops, name).default._schema.arguments:
+            if arg.kwarg_only:
+                d = arg.default_value if arg.has_default_value() else None
+                assert defaults.setdefault(arg.name, d) == d, f"{name}: {arg.name}={d!r}, elsewhere {defaults[arg.name]!r}"
+    assert defaults == _ops._KW_DEFAULTS
+
+
 # ----------------------------------------------------------------------------------------------------
 # opcheck
 

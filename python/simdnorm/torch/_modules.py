@@ -87,6 +87,7 @@ def _plain(fn: Any, input: Tensor, *args: Any, **kw: Any) -> Tensor:
 _is_compiling = torch.compiler.is_compiling
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 _transformed = _ops._transformed
+_given = _ops._given  # (keyword arguments past their defaults: the dispatcher parses each)
 _is_tracing = torch._C._is_tracing
 _Parameter = nn.Parameter
 _Proxy = torch.fx.Proxy
@@ -152,7 +153,7 @@ class _BatchNormForward(_BatchNorm):
         if not self.training and rm is not None:
             if direct:
                 return _plain(_sn.batch_normalization, input, rm, rv, w, b, epsilon=self.eps)
-            return _bn(input, rm, rv, w, b, epsilon=self.eps)
+            return _bn(input, rm, rv, w, b, **_given({}, epsilon=self.eps))
         if self.training or rm is None:  # batch statistics, as torch.nn's bn_training
             F._verify_batch_size(input.size())  # type: ignore[attr-defined]
         (nbt,) = _state(self, "num_batches_tracked")
@@ -170,13 +171,13 @@ class _BatchNormForward(_BatchNorm):
                           running_mean=_ops._as_out(rm, "running_mean"), running_var=_ops._as_out(rv, "running_var"),
                           **mom)
         train = _ops.batch_normalization_training if direct else _bn_training
-        out, mean, var = train(input, w, b, epsilon=self.eps)
+        out, mean, var = train(input, w, b, **_given({}, epsilon=self.eps))
         if self.training and self.track_running_stats:
             if rm is not None:
                 # momentum=None without a counter: torch.nn's factor is then 0 (nothing moves)
                 momentum = 0.0 if self.momentum is None and nbt is None else self.momentum
                 update = _ops.update_running_stats_ if direct and _direct(rm, rv, nbt) else _update
-                update(rm, rv, mean, var, nbt, count=input.numel() // input.shape[1], momentum=momentum)
+                update(rm, rv, mean, var, nbt, **_given({}, count=input.numel() // input.shape[1], momentum=momentum))
             elif nbt is not None:
                 nbt.add_(1)
         return out
@@ -209,13 +210,13 @@ class _InstanceNormForward(_InstanceNorm):
                 or input.dim() < 3 or _onnx_exporting()):
             return super()._apply_instance_norm(input)
         if not self.training and self.track_running_stats and rm is not None:  # torch.nn's use_input_stats
-            return _bn(input, rm, rv, self.weight, self.bias, epsilon=self.eps)
+            return _bn(input, rm, rv, self.weight, self.bias, **_given({}, epsilon=self.eps))
         F._verify_spatial_size(input.size())  # type: ignore[attr-defined]
         if rm is None:
             if _direct(input, self.weight, self.bias):
                 y = _routes.instance_norm(input, self.weight, self.bias, self.eps, module=True)
                 return _plain(_sn.instance_norm, input, self.weight, self.bias, epsilon=self.eps) if y is None else y
-            return _instance_norm(input, self.weight, self.bias, epsilon=self.eps)[0]
+            return _instance_norm(input, self.weight, self.bias, **_given({}, epsilon=self.eps))[0]
         # Running statistics need the variance: batch norm with (N, C, 1, ...) parameters takes the
         # statistics of each (n, c), the (C,) weight and bias expanded to that shape (no copy).
         n, c = input.shape[0], input.shape[1]
@@ -258,7 +259,7 @@ class LayerNorm(nn.LayerNorm):
             return super().forward(input)
         if _direct(input, w, b):
             return _plain(_sn.layer_norm, input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)
-        return _layer_norm(input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)[0]
+        return _layer_norm(input, w, b, **_given({}, axis=-len(self.normalized_shape), epsilon=self.eps))[0]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -283,7 +284,7 @@ class RMSNorm(nn.RMSNorm):
             return super().forward(x)
         if direct:
             return _plain(_sn.rms_norm, x, w, axis=-len(self.normalized_shape), epsilon=eps)
-        return _rms_norm(x, w, axis=-len(self.normalized_shape), epsilon=eps)[0]
+        return _rms_norm(x, w, **_given({}, axis=-len(self.normalized_shape), epsilon=eps))[0]
 
 
 class GroupNorm(nn.GroupNorm):
@@ -306,7 +307,7 @@ class GroupNorm(nn.GroupNorm):
             return super().forward(input)
         if direct:
             return _plain(_sn.group_norm, input, self.num_groups, w, b, epsilon=self.eps)
-        return _group_norm(input, self.num_groups, w, b, epsilon=self.eps)[0]
+        return _group_norm(input, self.num_groups, w, b, **_given({}, epsilon=self.eps))[0]
 
 
 _DROP_INS = {

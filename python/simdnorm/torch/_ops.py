@@ -515,23 +515,18 @@ def _check_differentiable(kw: dict, name: str) -> None:
             "after the op")
 
 
-# The backward ops' keyword arguments' defaults (each name's the same in every schema of _TABLE),
-# read from their schemas at the first backward.
-_BACKWARD_DEFAULTS: Dict[str, Any] = {}
-_BACKWARD_OPS = ("batch_normalization_backward", "mean_variance_normalization_backward", "layer_norm_backward",
-                 "rms_norm_backward", "instance_norm_backward", "group_norm_backward")
+# The ops' keyword arguments' defaults by name (each name's default is the same in every schema),
+# read from the schemas once they are registered (_register).
+_KW_DEFAULTS: Dict[str, Any] = {}
 
 
 def _given(kw: dict, *names: str, **more: Any) -> dict:
-    """A backward op's keyword arguments, the forward call's attributes `names` (from its kw) and
-    `more`, without those equal to their default: the dispatcher parses each one given (about 1.5 us
-    apiece, in a step that small tensors spend mostly in overhead)."""
-    d = _BACKWARD_DEFAULTS
-    if not d:
-        for name in _BACKWARD_OPS:
-            d.update(_defaults(getattr(_ops, name).default)[1])
+    """An op call's keyword arguments, the attributes `names` from kw (a forward call's) and `more`,
+    without those equal to their default: the dispatcher parses each one given (about 1.5 us
+    apiece, where small tensors spend a training step mostly in overhead)."""
+    d = _KW_DEFAULTS
     given = {n: kw[n] for n in names if kw[n] != d[n]}
-    given.update((k, v) for k, v in more.items() if v != d[k])
+    given.update((k, v) for k, v in more.items() if k not in d or v != d[k])
     return given
 
 
@@ -1167,6 +1162,8 @@ def _register() -> None:
 
 
 _register()
+for _name, _, _ in _TABLE + _MUTATING:
+    _KW_DEFAULTS.update(_defaults(getattr(_ops, _name).default)[1])
 
 
 # The forward ops whose plain calls a C++ kernel computes (cpp/bindings/torch_kernels.cpp): it is
