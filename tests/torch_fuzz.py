@@ -4,16 +4,17 @@ to the kernels themselves, with plans cached by shapes and dtypes. Each case dra
 the op, rank 1..8, sizes (0 and 1 included), dtype, the input's layout (dims permuted, channels
 last, steps, expanded dims of stride 0, an odd storage offset), each parameter's presence, form
 (1-D or same rank with size-1 dims), dtype and layout, the attributes (axis, channel_axis,
-groups, epsilon). The op runs twice (a plan's miss, then its hit) and must give the bits of its
-.out overload, which runs the plain function on numpy views (the path tests/fuzz_space.py checks
-against float64), and so must the plain function called with the tensors; a module, the bits of
-the plain function. Each op case runs its backward op too (the route's miss and hit) against the
-backward function on numpy views. A quarter of the float32 and float64 op cases also check the forward-mode
-derivative (dual tensors, every tensor argument given a tangent) against autograd's backward:
-<J t, g> = <t, J^T g>; a fifth of the op cases run under vmap (two samples, the batch dim anywhere,
-the parameters batched or not) against the op per sample; a quarter check the op's torch-ops
-decomposition (what torch.onnx exports) against the op. Case i of a seed is rebuilt from (seed,
-i) alone.
+groups, epsilon). The op (batch norm with given or batch statistics, layer, RMS, instance or
+group norm) runs twice (a plan's miss, then its hit) and must give the bits of its .out overload,
+which runs the plain function on numpy views (the path tests/fuzz_space.py checks against
+float64), and so must the plain function called with the tensors; a module, the bits of the plain
+function. Each op case runs its backward op too (the route's miss and hit) against the backward
+function on numpy views. Of the op cases but batch norm training's, a quarter of the float32 and
+float64 ones also check the forward-mode derivative (dual tensors, every tensor argument given a
+tangent) against autograd's backward: <J t, g> = <t, J^T g>; a fifth run under vmap (two samples,
+the batch dim anywhere, the parameters batched or not) against the op per sample; a quarter check
+the op's torch-ops decomposition (what torch.onnx exports) against the op. Case i of a seed is
+rebuilt from (seed, i) alone.
 
     python tests/torch_fuzz.py --seed N --cases 20000        # a long run, in child processes
     python tests/torch_fuzz.py --seed N --replay I           # one case here, traceback and all
@@ -30,7 +31,8 @@ import traceback
 import numpy as np
 
 FLOATS = ("float32", "float16", "bfloat16", "float64")
-OPS = ("layer_norm", "rms_norm", "instance_norm", "group_norm", "batch_normalization", "module")
+OPS = ("layer_norm", "rms_norm", "instance_norm", "group_norm", "batch_normalization", "batch_normalization_training",
+       "module")
 
 
 def _pick(rng, options):
@@ -112,6 +114,14 @@ def draw_case(torch, seed, index):
         params = [bn_param(), bn_param(True), param([c]), param([c])]
         if params[2] is not None and params[2].dim() != 1 or params[3] is not None and params[3].dim() != 1:
             params[2:] = [None, None]
+    elif op == "batch_normalization_training":  # the batch's statistics: scale and bias each (C,) or same-rank
+        ca = _pick(rng, [1, -1, 0]) if nd > 1 else 0
+        ca = ca if ca < nd else 0
+        args_kw = {"channel_axis": ca, "epsilon": eps}
+        c = shape[ca % nd]
+        params = [_layout(torch, rng, (c,) if rng.random() < 0.6 else tuple(
+            s if d == ca % nd else 1 for d, s in enumerate(shape)), pdt) if rng.random() < 0.7 else None
+            for _ in range(2)]
     else:  # a drop-in module, eval or train, in torch.no_grad()
         return _module_case(torch, rng, dtype, pdt, shape, eps, seed, index)
     x = _layout(torch, rng, tuple(shape), dtype)
@@ -123,6 +133,8 @@ def draw_case(torch, seed, index):
     vmap_at, vmap_params, vmap_apart = int(rng.integers(0, x.dim() + 1)), bool(rng.random() < 0.5), bool(
         rng.random() < 0.5)
     decomposed = rng.random() < 0.25
+    if op == "batch_normalization_training":  # (its route's bits and its backward's only)
+        dual = vmapped = decomposed = False
     desc = (f"case {seed}:{index}: {op} {dtype} shape={tuple(x.shape)} strides={x.stride()} {args_kw} "
             f"params={[None if p is None else (tuple(p.shape), p.stride(), p.dtype) for p in params]}"
             f"{' dual' if dual else ''}{f' vmap at {vmap_at}' + (' with params' if vmap_params else '') + (' apart' if vmap_apart else '') if vmapped else ''}"
@@ -155,6 +167,8 @@ def draw_case(torch, seed, index):
             # the plain function on the same tensors (its own route) gives the same bits
             if op == "batch_normalization":
                 plain = (getattr(simdnorm, op)(*pos, **args_kw),)
+            elif op == "batch_normalization_training":
+                plain = getattr(simdnorm, op)(*pos, **args_kw)
             else:
                 plain = tuple(t for t in getattr(simdnorm, op)(*pos, **args_kw, return_stats=True) if t is not None)
             for i, (a, b) in enumerate(zip(plain, want)):
@@ -278,6 +292,9 @@ def _backward_matches_plain(torch, rng, op, pos, kw, got):
         mean, var, scale, bias = params
         args, names = (go, x, mean, var, scale, bias), ("scale", "bias")
         kw = dict(kw, training=bool(rng.random() < 0.5))
+    elif op == "batch_normalization_training":
+        args, names = (go, x, got[1], got[2], *params), ("scale", "bias")
+        kw = dict(kw, training=bool(rng.random() < 0.8))
     elif op == "rms_norm":
         args, names = (go, x, got[1], params[0]), ("scale",)
     elif op == "group_norm":
@@ -288,7 +305,7 @@ def _backward_matches_plain(torch, rng, op, pos, kw, got):
     flags = {"grad_input": bool(rng.random() < 0.8)}
     for n in names:
         flags["grad_" + n] = _pick(rng, (None, False) + ((True,) if present[n] is not None else ()))
-    name = "batch_normalization_backward" if op == "batch_normalization" else op + "_backward"
+    name = "batch_normalization_backward" if op.startswith("batch_normalization") else op + "_backward"
     np_args = [_as_numpy(a) if isinstance(a, torch.Tensor) else a for a in args]
     # (into what the op writes, torch.empty_like(x): the sums' order follows the operands' layouts)
     out = {"out": _as_numpy(torch.empty_like(x))} if flags["grad_input"] else {}

@@ -238,6 +238,10 @@ def group_norm(input, num_groups, scale=None, bias=None, *, epsilon=1e-05, chann
 
 def batch_normalization_training(input, scale=None, bias=None, fused_add=None, *, epsilon=1e-05, channel_axis=1,
                                  activation=None, activation_params=None, out=None):
+    if out is None and fused_add is None:
+        r = _routes.bn_training(input, scale, bias, epsilon, channel_axis, (activation, activation_params))
+        if r is not None:
+            return r
     res = torch.empty_like(input) if out is None else out
     _, m, v = _sn_batch_normalization_training(
         _as_numpy(input), _opt(scale), _opt(bias), epsilon=epsilon, channel_axis=channel_axis,
@@ -382,12 +386,19 @@ def update_running_stats_(running_mean, running_var, mean, variance, num_batches
         raise ValueError("count: 1 element per channel, whose unbiased variance is undefined")
     if count < 0:
         raise ValueError(f"count: {count}; the number of elements each statistic was taken over, >= 0")
-    rm, rv = _as_out(running_mean, "running_mean"), _as_out(running_var, "running_var")  # (may raise: first)
+    # (C-contiguous float buffers, none with the negative bit: the tensors straight to the kernel)
+    direct = not (running_mean.is_neg() or running_var.is_neg() or mean.is_neg() or variance.is_neg())
+    rm, rv = (running_mean, running_var) if direct else (_as_out(running_mean, "running_mean"),
+                                                         _as_out(running_var, "running_var"))  # (may raise: first)
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)  # as torch.nn counts batches: before the update, which may use it
     if count == 0:
         return  # (an empty batch: NaN statistics, running statistics untouched)
     m = 1.0 / float(num_batches_tracked) if momentum is None else float(momentum)
+    if direct and _core.update_running(rm, rv, mean, variance, count, m, momentum_convention == "pytorch"):
+        return
+    if direct:
+        rm, rv = _as_out(running_mean, "running_mean"), _as_out(running_var, "running_var")
     update_running(rm, rv, _as_numpy(mean), _as_numpy(variance), count, m, momentum_convention)
 
 

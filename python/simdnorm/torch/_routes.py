@@ -61,6 +61,7 @@ def trailing(x: Tensor, normalized_shape: Any) -> bool:
 
 
 _MISS = object()
+_GENERAL = ()  # a plan the route does not take: the caller's general path
 
 
 def _cached(key: Any) -> Any:
@@ -238,6 +239,29 @@ def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Opt
     return res
 
 
+def bn_training(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float, ca: int,
+                act: tuple) -> Optional[Result]:
+    """Batch norm with the batch's statistics (the training op without fused_add or out=): (out,
+    mean, variance), the statistics shaped as the op returns them."""
+    key = ("bn_training", x.shape, x.dtype, _spec(w), _spec(b), eps, eps.__class__, ca, ca.__class__, act[0],
+           None if act[1] is None else tuple(act[1]))
+    plan = _cached(key)
+    if plan is None:
+        return None
+    if plan is _MISS:
+        o = _ops._opt
+        e, a, axes, sshape, c = _training._bn_training_plan(_ops._as_numpy(x), o(w), o(b), None, eps,
+                                                            _ops._activation(*act), ca)[:5]
+        stats = _empty(sshape, dtype=_F64 if x.dtype is _F64 else _F32)  # (the template of each statistic)
+        plan = _store(key, lambda: _GENERAL if x.numel() == 0 else (axes, e, a, c, stats))
+    if plan is _GENERAL or not _readable(x, w, b):
+        return None
+    axes, e, a, c, stats = plan
+    res, mean, inv_std, var = _empty_like(x), _empty_like(stats), _empty_like(stats), _empty_like(stats)
+    _mvn(x, axes, w, b, res, e, True, True, False, a, mean, inv_std, c, False, var)
+    return res, mean, var
+
+
 # ----------------------------------------------------------------------------------------------------
 # the backward ops' CPU kernels (an autograd backward's call among them): a call without out= or
 # fused_add, planned by the plain function's own planner on a miss, then straight into the kernel
@@ -245,7 +269,6 @@ def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Opt
 # kernel's sums (a parameter broadcast along more dims, or a 16-bit one), the general path.
 
 _mvn_backward = _core.mvn_backward
-_GENERAL = ()  # a plan this route does not take
 _CONTIGUOUS = torch.contiguous_format
 
 
