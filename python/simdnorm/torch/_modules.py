@@ -141,7 +141,8 @@ class _BatchNormForward(_BatchNorm):
         if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         rm, rv, w, b = _state(self, "running_mean", "running_var", "weight", "bias")
-        if not self.training and rm is not None and rv is not None and _direct(input, w, b):
+        direct = _direct(input, w, b)
+        if not self.training and rm is not None and rv is not None and direct:
             self._check_input_dim(input)
             y = _routes.batch_norm(input, rm, rv, w, b, self.eps, module=True)
             if y is not None:
@@ -149,7 +150,6 @@ class _BatchNormForward(_BatchNorm):
         if (rm is None) != (rv is None) or not _routes.takes(input, w, b, rm, rv) or _onnx_exporting():
             return super().forward(input)
         self._check_input_dim(input)
-        direct = _direct(input, w, b)
         if not self.training and rm is not None:
             if direct:
                 return _plain(_sn.batch_normalization, input, rm, rv, w, b, epsilon=self.eps)
@@ -250,14 +250,15 @@ class LayerNorm(nn.LayerNorm):
         if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         w, b = _state(self, "weight", "bias")
-        if _direct(input, w, b):
+        direct = _direct(input, w, b)
+        if direct:
             ns = self.normalized_shape
             y = _routes.layer_norm(input, w, b, -len(ns), self.eps, module=ns)
             if y is not None:
                 return y
         if not _routes.trailing(input, self.normalized_shape) or not _routes.takes(input, w, b) or _onnx_exporting():
             return super().forward(input)
-        if _direct(input, w, b):
+        if direct:
             return _plain(_sn.layer_norm, input, w, b, axis=-len(self.normalized_shape), epsilon=self.eps)
         return _layer_norm(input, w, b, **_given({}, axis=-len(self.normalized_shape), epsilon=self.eps))[0]
 
