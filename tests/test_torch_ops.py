@@ -629,6 +629,11 @@ def test_update_running_stats_refusals_leave_everything_untouched(rng):
         ops.update_running_stats_(rm, rv, mean, var, count=8, momentum=None)
     with pytest.raises(TypeError, match="0-d integer tensor"):
         ops.update_running_stats_(rm, rv, mean, var, torch.tensor(2.0), count=8)
+    for i in range(4):  # a buffer or statistic of another dtype, refused before the counter moves
+        args = [rm, rv, mean, var]
+        args[i] = args[i].to(torch.int32)
+        with pytest.raises(TypeError, match="unsupported dtype int32"):
+            ops.update_running_stats_(*args, nbt, count=8)
     assert int(nbt) == 2 and torch.equal(rm, before[0]) and torch.equal(rv, before[1])
 
 

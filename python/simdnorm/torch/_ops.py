@@ -370,6 +370,10 @@ def update_running_stats_(running_mean, running_var, mean, variance, num_batches
     for name, r, b in (("running_mean", running_mean, mean), ("running_var", running_var, variance)):
         if r.shape != b.shape:
             raise ValueError(f"{name}: shape {tuple(r.shape)} differs from the batch statistic's {tuple(b.shape)}")
+        for n, t in ((name, r), ("mean" if b is mean else "variance", b)):  # (before anything is written)
+            if t.dtype not in _ACCEPTED:
+                raise TypeError(f"{n}: unsupported dtype {str(t.dtype).replace('torch.', '')} (accepted: float32, "
+                                "float16, bfloat16, float64)")
     nbt = num_batches_tracked
     if nbt is not None and (nbt.dim() != 0 or nbt.dtype.is_floating_point or nbt.dtype == torch.bool):
         raise TypeError(f"num_batches_tracked: a 0-d integer tensor (torch.nn's buffer), got a {nbt.dim()}-d "
