@@ -390,19 +390,19 @@ def update_running_stats_(running_mean, running_var, mean, variance, num_batches
         raise ValueError("count: 1 element per channel, whose unbiased variance is undefined")
     if count < 0:
         raise ValueError(f"count: {count}; the number of elements each statistic was taken over, >= 0")
-    # (C-contiguous float buffers, none with the negative bit: the tensors straight to the kernel)
+    # None with the negative bit: the tensors straight to the kernel (which takes C-contiguous float32
+    # and float64 ones); else numpy views, made before the counter moves (they may refuse the buffers)
     direct = not (running_mean.is_neg() or running_var.is_neg() or mean.is_neg() or variance.is_neg())
-    rm, rv = (running_mean, running_var) if direct else (_as_out(running_mean, "running_mean"),
-                                                         _as_out(running_var, "running_var"))  # (may raise: first)
+    views = None if direct else (_as_out(running_mean, "running_mean"), _as_out(running_var, "running_var"))
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)  # as torch.nn counts batches: before the update, which may use it
     if count == 0:
         return  # (an empty batch: NaN statistics, running statistics untouched)
     m = 1.0 / float(num_batches_tracked) if momentum is None else float(momentum)
-    if direct and _core.update_running(rm, rv, mean, variance, count, m, momentum_convention == "pytorch"):
+    if direct and _core.update_running(running_mean, running_var, mean, variance, count, m,
+                                       momentum_convention == "pytorch"):
         return
-    if direct:
-        rm, rv = _as_out(running_mean, "running_mean"), _as_out(running_var, "running_var")
+    rm, rv = views or (_as_out(running_mean, "running_mean"), _as_out(running_var, "running_var"))
     update_running(rm, rv, _as_numpy(mean), _as_numpy(variance), count, m, momentum_convention)
 
 
