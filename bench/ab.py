@@ -6,8 +6,9 @@ before and after a change); CASES is a Python file defining ``cases(simdnorm) ->
 script, so that a build without it can be compared too), because two builds
 imported into one process share the first one's compiled module (the second import of
 ``simdnorm._core`` returns the module already loaded): an in-process A/B compares a build with
-itself. The parent alternates the builds, call batch by call batch (the order flipped every round,
-so that drift on a shared machine falls on both), and prints each case's medians and B/A.
+itself. Every round starts both anew (their arrays made again), and the parent alternates the
+builds, call batch by call batch (the order flipped every round, so that drift on a shared machine
+falls on both), and prints each case's medians and B/A.
 """
 from __future__ import annotations
 
@@ -71,24 +72,31 @@ class _Build:
 def compare(a_dir: str, b_dir: str, cases_file: str, rounds: int = 11, threads: int = 1,
             batch_seconds: float = 0.05) -> Dict[str, Dict[str, float]]:
     """{case: {"A": median seconds, "B": median seconds, "ratio": B / A}}."""
-    builds = {"A": _Build(a_dir, cases_file, threads), "B": _Build(b_dir, cases_file, threads)}
-    try:
-        if builds["A"].module == builds["B"].module:
-            print(f"ab: note: both sides load {builds['A'].module}", file=sys.stderr)
-        out = {}
-        for name in builds["A"].names:
-            reps = max(1, int(batch_seconds / max(builds["A"].time(name, 1), 1e-7)))
-            samples: Dict[str, List[float]] = {"A": [], "B": []}
-            for r in range(rounds):
+    samples: Dict[str, Dict[str, List[float]]] = {}
+    reps: Dict[str, int] = {}
+    for r in range(rounds):
+        # Both builds in fresh processes every round: where a process's arrays land in memory moved
+        # a memory-bound case by 30% between two processes of the same build on a virtual machine,
+        # which two processes kept for the whole run gave to one side.
+        builds = {"A": _Build(a_dir, cases_file, threads), "B": _Build(b_dir, cases_file, threads)}
+        try:
+            if r == 0 and builds["A"].module == builds["B"].module:
+                print(f"ab: note: both sides load {builds['A'].module}", file=sys.stderr)
+            for name in builds["A"].names:
+                if name not in reps:
+                    reps[name] = max(1, int(batch_seconds / max(builds["A"].time(name, 1), 1e-7)))
+                got = samples.setdefault(name, {"A": [], "B": []})
                 for tag in ("A", "B") if r % 2 else ("B", "A"):
-                    samples[tag].append(builds[tag].time(name, reps))
-            a, b = statistics.median(samples["A"]), statistics.median(samples["B"])
-            out[name] = {"A": a, "B": b, "ratio": b / a}
-            print(f"{name:32s} A {a * 1e3:9.3f} ms  B {b * 1e3:9.3f} ms  B/A {b / a:.3f}", flush=True)
-        return out
-    finally:
-        for b in builds.values():
-            b.close()
+                    got[tag].append(builds[tag].time(name, reps[name]))
+        finally:
+            for b in builds.values():
+                b.close()
+    out = {}
+    for name, got in samples.items():
+        a, b = statistics.median(got["A"]), statistics.median(got["B"])
+        out[name] = {"A": a, "B": b, "ratio": b / a}
+        print(f"{name:32s} A {a * 1e3:9.3f} ms  B {b * 1e3:9.3f} ms  B/A {b / a:.3f}", flush=True)
+    return out
 
 
 def main(argv=None) -> None:
