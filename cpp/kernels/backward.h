@@ -110,6 +110,7 @@ template <class V, class Fn> void visit_inline_derivative(const Activation& act,
 enum BackwardStep : int { kConst = 0, kUnit = 1, kAny = 2 };
 constexpr int64_t kSumFlush = 1024;  // elements a target's vector lanes sum before their tree
 constexpr int64_t kOneRowBlockBytes = 512;  // rows_stream: rows from memory this long go one a block
+constexpr int64_t kL1SetBytes = 4096;  // rows_stream: addresses this far apart share an L1 set
 constexpr int64_t kRowsBlockL1Bytes = 16 << 10;  // rows_stream: four rows a block within this (half an L1)
 
 // The task's rule for c1 and c2, copied: read through the task, its fields cost a load per group
@@ -1494,7 +1495,10 @@ static void backward_groups_of(const BackwardTask& task, const BackwardGroups& g
             // stays within kRowsBlockL1Bytes: rows of a multiple of 4 KB fall on the same L1 sets,
             // and past that the block's lines evicted each other. On AVX2, float rows from memory
             // of kOneRowBlockBytes and more go one a block (rows_stream<1>), which measured faster
-            // there: its sums read two streams, not four, between the block's writes. 16-bit rows,
+            // there: its sums read two streams, not four, between the block's writes. Float rows
+            // of a multiple of 4 KB go one a block on every ISA, from memory or not: each row's
+            // element e falls on the same L1 set, which two blocks of two rows (one summed, one
+            // written) and the parameters' lines overflow (docs/BENCHMARKS.md). 16-bit rows,
             // bound by their conversions rather than by memory, keep the shared loads.
             // (One callback for every R: each rows_stream instantiation is a copy of the loops.)
             int64_t first = 0, per_block = 1;
@@ -1515,7 +1519,10 @@ static void backward_groups_of(const BackwardTask& task, const BackwardGroups& g
               if (4 * n * es * (t.stream_stores ? 2 : 3) + 4 * n * cs <= kRowsBlockL1Bytes)
                 return in_blocks(std::integral_constant<int, 4>{});
             }
-            if (kVectorRegisters < 32 && es >= 4 && t.from_memory && n * es >= kOneRowBlockBytes)
+            bool rows_share_sets = false;
+            for (int op : {kX, kGradOut, kGradIn}) rows_share_sets |= gs.step[op] != 0 && gs.step[op] % kL1SetBytes == 0;
+            if (es >= 4 && (rows_share_sets ||
+                            (kVectorRegisters < 32 && t.from_memory && n * es >= kOneRowBlockBytes)))
               return in_blocks(std::integral_constant<int, 1>{});
             return in_blocks(std::integral_constant<int, 2>{});
           }
