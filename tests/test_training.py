@@ -623,15 +623,15 @@ def test_channels_last_rows_written_as_one_run(rng, threads, dtype, channels, of
 # counts that leave odd rows, a row without a y term (its dy zero: its block is written by itself),
 # 1 and 2 threads; float32 rows from memory too (rows of 4 KB one a block, as in the caches; on
 # AVX-512 others two), a few of their rows alone. (The parameters' sums take another order in the general loops.)
-@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=dtype_id)
-@pytest.mark.parametrize("n", [100, 256, 300, 512, 1024, 1500])
+_ROW_BLOCK_CASES = [(dtype, n, "cache") for dtype in (F32, BF16, F64) for n in (100, 256, 300, 512, 1024, 1500)] + [
+    (F32, n, "memory") for n in (1024, 1500)]
+
+
+@pytest.mark.parametrize("dtype,n,where", _ROW_BLOCK_CASES, ids=lambda v: dtype_id(v) if isinstance(v, np.dtype) else v)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("where", ["cache", "memory"])
 def test_row_blocks_as_rows_alone(rng, isa, threads, dtype, n, op, where):
     from simdnorm import _core
 
-    if where == "memory" and (dtype != F32 or n not in (1024, 1500)):
-        pytest.skip("from memory: float32 rows of 1024 and 1500 elements (the others take the same blocks)")
     rows = 7 if where == "cache" else _core.stream_threshold_bytes() // (3 * 4 * n) + 3
     shape = (rows, n)
     x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(0.5, dtype)
