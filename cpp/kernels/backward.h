@@ -1520,7 +1520,8 @@ static void backward_groups_of(const BackwardTask& task, const BackwardGroups& g
                 return in_blocks(std::integral_constant<int, 4>{});
             }
             bool rows_share_sets = false;
-            for (int op : {kX, kGradOut, kGradIn}) rows_share_sets |= gs.step[op] != 0 && gs.step[op] % kL1SetBytes == 0;
+            for (int op : {kX, kGradOut, kGradIn})
+              rows_share_sets |= gs.step[op] != 0 && gs.step[op] % kL1SetBytes == 0;
             if (es >= 4 && (rows_share_sets ||
                             (kVectorRegisters < 32 && t.from_memory && n * es >= kOneRowBlockBytes)))
               return in_blocks(std::integral_constant<int, 1>{});
