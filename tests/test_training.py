@@ -622,17 +622,19 @@ def test_channels_last_rows_written_as_one_run(rng, threads, dtype, channels, of
 # on both sides of the four-row bound and past one flush of the vector sums (1024 elements), row
 # counts that leave odd rows, a row without a y term (its dy zero: its block is written by itself),
 # 1 and 2 threads; float32 rows from memory too (rows of 4 KB one a block, as in the caches; on
-# AVX-512 others two), a few of their rows alone. (The parameters' sums take another order in the general loops.)
-_ROW_BLOCK_CASES = [(dtype, n, "cache") for dtype in (F32, BF16, F64) for n in (100, 256, 300, 512, 1024, 1500)] + [
-    (F32, n, "memory") for n in (1024, 1500)]
+# AVX-512 others two), a few of their rows alone. (The parameters' sums take another order in the
+# general loops.)
+_ROW_BLOCK_CASES = [(dtype, n, "cache") for dtype in (F32, BF16, F64) for n in (100, 256, 300, 512, 1024, 1500)]
+_ROW_BLOCK_CASES += [(F32, n, "memory") for n in (1024, 1500)]
 
 
-@pytest.mark.parametrize("dtype,n,where", _ROW_BLOCK_CASES, ids=lambda v: dtype_id(v) if isinstance(v, np.dtype) else v)
+@pytest.mark.parametrize("dtype,n,where", _ROW_BLOCK_CASES,
+                         ids=lambda v: dtype_id(v) if isinstance(v, np.dtype) else v)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_row_blocks_as_rows_alone(rng, isa, threads, dtype, n, op, where):
     from simdnorm import _core
 
-    rows = 7 if where == "cache" else _core.stream_threshold_bytes() // (3 * 4 * n) + 3
+    rows = 7 if where == "cache" else _core.stream_threshold_bytes() // (3 * np.dtype(dtype).itemsize * n) + 3
     shape = (rows, n)
     x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(0.5, dtype)
     dy = rand_values(rng, shape, dtype, scale=1.0)
