@@ -96,6 +96,50 @@ class CallsTheOps(torch.nn.Module):
         return simdnorm.rms_norm(h, self.g, activation="gelu")
 
 
+_COMPILE_WHERE_CI_IS_SET = """
+import torch, simdnorm.torch
+ops = torch.ops.simdnorm
+g = torch.Generator().manual_seed(5)
+x = torch.randn(4, 8, 5, 6, generator=g, requires_grad=True)
+w, b = (torch.randn(8, generator=g, requires_grad=True) for _ in range(2))
+mean, var = torch.randn(8, generator=g), torch.rand(8, generator=g) + 0.5
+
+def every_forward_op(x):  # (each of them has a decomposition in torch._decomp's table)
+    h = ops.batch_normalization(x, mean, var, w, b)
+    h = ops.batch_normalization_training(h, w, b, None, activation="relu")[0]
+    h = ops.group_norm(h, 4, w, b)[0] + ops.instance_norm(h, w, b)[0]
+    h = ops.mean_variance_normalization(h, [0, 2])[0]
+    return ops.rms_norm(ops.layer_norm(h, w[:6], b[:6])[0], w[:6])[0]
+
+compiled = torch.compile(every_forward_op, fullgraph=True)
+for f in (compiled, every_forward_op):
+    y = f(x)
+    y.square().sum().backward()
+    grads = [t.grad.clone() for t in (x, w, b)]
+    x.grad = w.grad = b.grad = None
+    if f is compiled:
+        got = [y.detach()] + grads
+want = [y.detach()] + grads
+for a, e in zip(got, want):
+    torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+"""
+
+
+def test_inductor_compiles_the_ops_where_ci_is_set():
+    # With CI set, inductor's implicit fallback raises for an op that has a decomposition in
+    # torch._decomp's table; simdnorm declares the ops' fallbacks. In a child: a fallback once
+    # declared (implicitly, by an earlier compile in this process) hides the error; caches are off
+    # so that inductor lowers the graph.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CI="1", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_WHERE_CI_IS_SET], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 def test_onnx_export_of_a_model_calling_the_ops(rng, tmp_path):
     onnx = pytest.importorskip("onnx", reason="onnx is not installed (the test extra installs it)")
     pytest.importorskip("onnxscript", reason="torch.onnx's dynamo exporter needs onnxscript (the test extra)")

@@ -14,6 +14,7 @@ traced the op on real shapes), so only the alignment is worked out here.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -247,4 +248,31 @@ def register() -> None:
         op = getattr(_ops, name).default
         if op not in torch._decomp.decomposition_table:
             register_decomposition(op)(fn)
+    declare_inductor_fallbacks()
+
+
+_inductor_fallbacks_declared = False
+
+
+def declare_inductor_fallbacks() -> None:
+    """Each forward op's inductor fallback declared, once inductor's lowerings are loaded.
+
+    Inductor runs an op it has no lowering for by an implicit fallback, which raises where the
+    environment variable CI is set if the op has a decomposition in torch._decomp's table (it takes
+    it for a decomposition inductor should have used). The fallback inductor would make is declared
+    explicitly instead. Every forward op's fake kernel calls this: inductor lowers a graph traced
+    after it was loaded (by AOTAutograd), and such a trace ran the fake kernel of each op in it.
+    """
+    global _inductor_fallbacks_declared
+    lowering = sys.modules.get("torch._inductor.lowering")
+    if _inductor_fallbacks_declared or lowering is None:
+        return
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in FORWARD:
+        op = getattr(_ops, name).default
+        if op not in lowering.lowerings:  # (the layout constraint an implicit fallback takes)
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+    _inductor_fallbacks_declared = True
 

@@ -1144,6 +1144,15 @@ def _out_kernel(kernel: Callable, returns: str) -> Callable:
     return out_kernel
 
 
+def _declaring_inductor_fallbacks(fake: Callable) -> Callable:
+    @functools.wraps(fake)
+    def declaring(*args, **kwargs):
+        _decompositions.declare_inductor_fallbacks()
+        return fake(*args, **kwargs)
+
+    return declaring
+
+
 def _register() -> None:
     g = globals()
     for name, args, returns in _TABLE:
@@ -1153,6 +1162,8 @@ def _register() -> None:
         _LIB.impl(name, kernel, "CPU")
         out_kernel = _out_kernel(kernel, returns)
         _LIB.impl(name + ".out", out_kernel, "CPU")
+        if name in _decompositions.FORWARD:
+            fake = _declaring_inductor_fallbacks(fake)
         torch.library.register_fake(f"simdnorm::{name}", fake, lib=_LIB)
         torch.library.register_fake(f"simdnorm::{name}.out", _out_kernel(fake, returns), lib=_LIB)
         packet = getattr(_ops, name)
