@@ -82,6 +82,20 @@ def test_quick_end_to_end_json(monkeypatch, tmp_path, capsys):
             inside = r["norm_inside"]
             assert 0 < inside["simdnorm"]["median_ns"] < r["simdnorm"]["median_ns"]
             assert 0 < inside["torch.nn"]["median_ns"] < r["torch.nn"]["median_ns"]
+        # the memory floor: timed with the plain measures, a model row's its plain measure's
+        if r["measure"] == "call":
+            assert "floor_ns" not in r and "ceiling" not in r
+            continue
+        if r["measure"] in ("fwd", "fwd+bwd"):
+            assert r["floor_ns"] == r["floor"]["median_ns"] > 0
+            torch_ns = r["torch.nn"]["median_ns"]
+        else:
+            plain = [p for p in doc["rows"] if (p["threads"], p["case"], "model " + p["measure"]) ==
+                     (r["threads"], r["case"], r["measure"])]
+            assert len(plain) == 1 and r["floor_ns"] == plain[0]["floor_ns"] and "floor" not in r
+            torch_ns = r["norm_inside"]["torch.nn"]["median_ns"]
+        assert r["ceiling"] == pytest.approx(torch_ns / r["floor_ns"])
+    assert "floor ms ceiling" in out
 
 
 def test_a_mismatch_is_reported_instead_of_a_time(monkeypatch, capsys):
