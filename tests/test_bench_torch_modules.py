@@ -87,12 +87,14 @@ def test_quick_end_to_end_json(monkeypatch, tmp_path, capsys):
             assert "floor_ns" not in r and "ceiling" not in r
             continue
         if r["measure"] in ("fwd", "fwd+bwd"):
-            assert r["floor_ns"] == r["floor"]["median_ns"] > 0
+            copy_ns = min(r[k]["median_ns"] for k in TM.COPIES)
+            assert r["floor_ns"] == pytest.approx(TM.FLOOR_PASSES[r["measure"]] * copy_ns / 2) and copy_ns > 0
             torch_ns = r["torch.nn"]["median_ns"]
         else:
             plain = [p for p in doc["rows"] if (p["threads"], p["case"], "model " + p["measure"]) ==
                      (r["threads"], r["case"], r["measure"])]
-            assert len(plain) == 1 and r["floor_ns"] == plain[0]["floor_ns"] and "floor" not in r
+            assert len(plain) == 1 and r["floor_ns"] == plain[0]["floor_ns"]
+            assert not set(TM.COPIES) & set(r)
             torch_ns = r["norm_inside"]["torch.nn"]["median_ns"]
         assert r["ceiling"] == pytest.approx(torch_ns / r["floor_ns"])
     assert "floor ms ceiling" in out
@@ -124,3 +126,24 @@ def test_list_and_thread_lists(capsys):
         cli.main(["--list", "--threads", "1,2"])  # a list is for --torch-modules only
     assert e.value.code == 2 and "a list is for --torch-modules" in capsys.readouterr().err
     assert cli.build_parser().parse_args(["--threads", "2,1,2"]).threads == (2, 1)
+
+
+def test_goal_summary_names_the_ceilings_and_counts_those_under_the_goal():
+    timing = importlib.import_module(TM.__package__ + ".timing").Timing
+    case = next(c for c in TM.CASES if c.kind == "layer" and not c.tiny)
+
+    def row(torch_ms, simdnorm_ms, copy_ms):  # a fwd row timed with its copies
+        r = TM.Row(case, "fwd", 1, timings={"torch.nn": timing(1, [torch_ms * 1e6]),
+                                            "simdnorm": timing(1, [simdnorm_ms * 1e6])})
+        for k in TM.COPIES:
+            r.timings[k] = timing(1, [copy_ms * 1e6])
+        r.floor_ns = TM.FLOOR_PASSES["fwd"] * copy_ms * 1e6 / 2
+        return r
+
+    met, under, reachable = row(3.0, 1.0, 1.0), row(1.2, 1.0, 1.0), row(2.4, 2.0, 1.0)
+    assert (met.ceiling, under.ceiling, reachable.ceiling) == (3.0, 1.2, 2.4)
+    s = TM.format_goal_summary([met, under, reachable], 1)
+    assert "met on 1 of 3 rows" in s
+    assert f"{case.name} fwd (1.20x, ceiling 1.20x)" in s and f"{case.name} fwd (1.20x, ceiling 2.40x)" in s
+    assert s.endswith("1 of the missed rows has a ceiling under the goal: torch.nn runs within 1.5x of the "
+                      "memory floor there, so no implementation can meet it on this machine")
