@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -20,6 +21,7 @@
 #include "bindings/torch_kernels.h"
 #include "bindings/common.h"
 #include "runtime/cpu.h"
+#include "runtime/huge_blocks.h"
 #include "runtime/thread_pool.h"
 #include "simdnorm/ops.h"
 
@@ -896,6 +898,69 @@ PyMethodDef g_dlpack_methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
+// ---- large outputs for torch: DLPack capsules over blocks of huge pages (runtime/huge_blocks.h)
+
+struct BlockTensor {
+  dlpack::DLManagedTensor managed;
+  int64_t shape[kMaxViewDims];
+  int64_t strides[kMaxViewDims];
+  size_t bytes;
+};
+
+void release_block_tensor(dlpack::DLManagedTensor* self) {  // (any thread, without the GIL)
+  auto* t = static_cast<BlockTensor*>(self->manager_ctx);
+  give_huge_block(t->managed.dl_tensor.data, t->bytes);
+  delete t;
+}
+
+void destroy_unused_capsule(PyObject* capsule) {  // (a consumer renames the capsule it takes)
+  if (PyCapsule_IsValid(capsule, "used_dltensor")) return;
+  auto* m = static_cast<dlpack::DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (m != nullptr) m->deleter(m);
+  else PyErr_Clear();
+}
+
+// A legacy DLPack capsule of a new, uninitialized dense tensor of `sizes` on a block of huge pages:
+// the given element strides (a permutation of a dense layout), or row-major ones where none; None
+// where no block could be mapped.
+py::object huge_block_capsule(const std::vector<int64_t>& sizes, const std::optional<std::vector<int64_t>>& strides,
+                              int code, int bits) {
+  const int ndim = static_cast<int>(sizes.size());
+  if (ndim < 1 || ndim > kMaxViewDims || (strides && strides->size() != sizes.size()) || bits % 8 != 0 || bits <= 0)
+    throw py::value_error("huge_block_capsule: a shape of 1 to 9 dims, strides as many, whole bytes");
+  auto t = std::make_unique<BlockTensor>();
+  int64_t span = 1, step = 1;  // (elements: the largest offset plus one, of a dense layout)
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (sizes[d] < 1) throw py::value_error("huge_block_capsule: sizes must be positive");
+    t->shape[d] = sizes[d];
+    t->strides[d] = strides ? (*strides)[d] : step;
+    if (t->strides[d] < 0) throw py::value_error("huge_block_capsule: strides must not be negative");
+    step *= sizes[d];
+    span += (sizes[d] - 1) * t->strides[d];
+  }
+  if (span != step) throw py::value_error("huge_block_capsule: the strides must lay the elements out densely");
+  t->bytes = static_cast<size_t>(span) * static_cast<size_t>(bits / 8);
+  void* data = take_huge_block(t->bytes);
+  if (data == nullptr) return py::none();  // (the caller takes torch's allocator instead)
+  dlpack::DLTensor& dl = t->managed.dl_tensor;
+  dl.data = data;
+  dl.device = {dlpack::kDLCPU, 0};
+  dl.ndim = ndim;
+  dl.dtype = {static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+  dl.shape = t->shape;
+  dl.strides = t->strides;
+  dl.byte_offset = 0;
+  t->managed.manager_ctx = t.get();
+  t->managed.deleter = release_block_tensor;
+  PyObject* capsule = PyCapsule_New(&t->managed, "dltensor", destroy_unused_capsule);
+  if (capsule == nullptr) {
+    give_huge_block(data, t->bytes);
+    throw py::error_already_set();
+  }
+  t.release();
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -967,4 +1032,11 @@ PYBIND11_MODULE(_core, m) {
   m.def("use_own_threads", &use_own_threads, "Parallel calls on simdnorm's own pool again.");
   m.def("sharing_openmp_team", &sharing_openmp_team);
   m.def("caller_threads", &caller_threads, "The thread count the calling thread's calls use.");
+  m.def("huge_block_capsule", &huge_block_capsule, py::arg("sizes"), py::arg("strides"), py::arg("code"),
+        py::arg("bits"),
+        "A DLPack capsule ('dltensor') of a new dense tensor on a block of 2 MB pages, given back to "
+        "simdnorm's cache when the consumer's tensor dies (large torch outputs: simdnorm.torch).");
+  m.def("huge_cache_bytes", &cached_huge_bytes, "The bytes of freed huge-page blocks kept for reuse.");
+  m.def("huge_cache_limit", &huge_cache_limit, "The bound on those (SIMDNORM_TORCH_CACHE_MB, default 1024 MB).");
+  m.def("release_huge_blocks", &release_huge_blocks, "Unmap the kept blocks; returns the bytes released.");
 }

@@ -50,6 +50,7 @@ from ._modules import (  # noqa: E402
     revert,
 )
 from ._ops import SCHEMAS  # noqa: E402
+from ._routes import empty_cache  # noqa: E402
 from .._runtime import share_torch_threads as share_threads, share_torch_threads_once  # noqa: E402
 
 share_torch_threads_once()
@@ -68,4 +69,5 @@ __all__ = [
     "revert",
     "SCHEMAS",
     "share_threads",
+    "empty_cache",
 ]

@@ -32,6 +32,31 @@ _PLANS: Dict[Any, Any] = {}
 _PLANS_MAX = 512
 _empty_like = torch.empty_like
 _empty = torch.empty
+_from_dlpack = torch.from_dlpack
+_huge_block_capsule = _core.huge_block_capsule
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+_DLPACK_TYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.float64: (2, 64)}
+_HUGE_ELEMENTS = 1 << 20  # (4 MB of float32)
+
+
+def _new_like(x: Tensor) -> Tensor:
+    """torch.empty_like(x) for a route's output; a large one laid out densely (row-major or channels
+    last) on a block of 2 MB pages that simdnorm keeps for the next output of its size once the
+    tensor dies (cpp/runtime/huge_blocks.h): with torch's 4 KB pages the kernels' stores miss the
+    TLB every 64 lines."""
+    if x.numel() < _HUGE_ELEMENTS or x.dtype not in _DLPACK_TYPES:
+        return _empty_like(x)
+    cl = _CHANNELS_LAST.get(x.dim())
+    if not (x.is_contiguous() or (cl is not None and x.is_contiguous(memory_format=cl))):
+        return _empty_like(x)
+    capsule = _huge_block_capsule(x.shape, x.stride(), *_DLPACK_TYPES[x.dtype])
+    return _empty_like(x) if capsule is None else _from_dlpack(capsule)  # (None: no block mapped)
+
+
+def empty_cache() -> int:
+    """Unmap the blocks of 2 MB pages simdnorm keeps for its next large outputs (those of tensors
+    that have died; the ones alive are untouched) and return their bytes."""
+    return _core.release_huge_blocks()
 _mvn = _core.mvn
 _batch_norm = _core.batch_norm
 _F64 = torch.float64
@@ -126,7 +151,7 @@ def _mvn_into(x: Tensor, route: tuple, scale: Optional[Tensor], bias: Optional[T
     """The MVN kernel into torch.empty_like(x); with stats also (out, mean, inv_std), new tensors
     shaped as the route's templates (the kernel takes them in any shape equal up to size-1 dims)."""
     (axes, _, _, eps, nm, nv, eo, act), mean_like, inv_like = route
-    res = _empty_like(x)
+    res = _new_like(x)
     if not stats:
         _mvn(x, axes, scale, bias, res, eps, nm, nv, eo, act, None, None, ca, False, None, groups)
         return res
@@ -234,7 +259,7 @@ def batch_norm(x: Tensor, mean: Tensor, var: Tensor, w: Optional[Tensor], b: Opt
     if not _readable(x, mean, var, w, b):
         return None
     e, act, channel_axis = plan
-    res = _empty_like(x)
+    res = _new_like(x)
     _batch_norm(x, mean, var, w, b, res, e, act, channel_axis, False)
     return res
 
@@ -257,7 +282,7 @@ def bn_training(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float,
     if plan is _GENERAL or not _readable(x, w, b):
         return None
     axes, e, a, c, stats = plan
-    res, mean, inv_std, var = _empty_like(x), _empty_like(stats), _empty_like(stats), _empty_like(stats)
+    res, mean, inv_std, var = _new_like(x), _empty_like(stats), _empty_like(stats), _empty_like(stats)
     _mvn(x, axes, w, b, res, e, True, True, False, a, mean, inv_std, c, False, var)
     return res, mean, var
 
@@ -294,7 +319,7 @@ def _backward_into(plan: tuple, dy: Tensor, x: Tensor, mean: Optional[Tensor], i
     if plan is _GENERAL or not _readable(x, dy, mean, inv_std, w, b):
         return None
     (axes, nm, nv, eps, eo, act, terms, ca, variance_given), want_input, grads, groups = plan
-    gi = _empty_like(x) if want_input else x.new_empty(0)
+    gi = _new_like(x) if want_input else x.new_empty(0)
     # (each the parameter's shape, contiguous, as the kernel writes the sums)
     gs = _empty_like(w, memory_format=_CONTIGUOUS) if grads[0] else None
     gb = _empty_like(b, memory_format=_CONTIGUOUS) if grads[1] else None

@@ -1,0 +1,112 @@
+#include "runtime/huge_blocks.h"
+
+#include <pthread.h>
+#include <sys/mman.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace simdnorm {
+namespace {
+
+size_t rounded(size_t bytes) { return (bytes + kHugePageBytes - 1) & ~(kHugePageBytes - 1); }
+
+struct Cache {
+  std::mutex mutex;
+  std::vector<std::pair<void*, size_t>> blocks;  // (block, rounded bytes), the latest given last
+  size_t bytes = 0;
+};
+
+// Never destroyed: a tensor may die after the library's static objects (at interpreter exit).
+// Held across fork() so that a child never inherits it locked by another thread.
+Cache& cache() {
+  static Cache* c = [] {
+    auto* made = new Cache;
+    pthread_atfork([] { cache().mutex.lock(); }, [] { cache().mutex.unlock(); }, [] { cache().mutex.unlock(); });
+    return made;
+  }();
+  return *c;
+}
+
+void* map_aligned(size_t n) {
+  void* p = mmap(nullptr, n + kHugePageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t aligned = (start + kHugePageBytes - 1) & ~uintptr_t{kHugePageBytes - 1};
+  const size_t head = aligned - start, tail = kHugePageBytes - head;
+  if (head != 0) munmap(p, head);
+  if (tail != 0) munmap(reinterpret_cast<void*>(aligned + n), tail);
+#ifdef MADV_HUGEPAGE
+  madvise(reinterpret_cast<void*>(aligned), n, MADV_HUGEPAGE);  // (advice: its failure changes nothing)
+#endif
+  return reinterpret_cast<void*>(aligned);
+}
+
+}  // namespace
+
+size_t huge_cache_limit() {
+  static const size_t limit = [] {
+    const char* env = std::getenv("SIMDNORM_TORCH_CACHE_MB");
+    char* end = nullptr;
+    const unsigned long long mb = env != nullptr ? std::strtoull(env, &end, 10) : 0;
+    return env != nullptr && end != env && *end == '\0' ? static_cast<size_t>(mb) << 20 : size_t{1024} << 20;
+  }();
+  return limit;
+}
+
+void* take_huge_block(size_t bytes) {
+  const size_t n = rounded(bytes);
+  {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    for (size_t i = c.blocks.size(); i-- > 0;) {
+      if (c.blocks[i].second != n) continue;
+      void* block = c.blocks[i].first;
+      c.blocks.erase(c.blocks.begin() + static_cast<std::ptrdiff_t>(i));
+      c.bytes -= n;
+      return block;
+    }
+  }
+  return map_aligned(n);
+}
+
+void give_huge_block(void* block, size_t bytes) {
+  const size_t n = rounded(bytes);
+  {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    if (c.bytes + n <= huge_cache_limit()) {
+      c.blocks.emplace_back(block, n);
+      c.bytes += n;
+      return;
+    }
+  }
+  munmap(block, n);
+}
+
+size_t release_huge_blocks() {
+  std::vector<std::pair<void*, size_t>> blocks;
+  {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    blocks.swap(c.blocks);
+    c.bytes = 0;
+  }
+  size_t released = 0;
+  for (const auto& [block, n] : blocks) {
+    munmap(block, n);
+    released += n;
+  }
+  return released;
+}
+
+size_t cached_huge_bytes() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return c.bytes;
+}
+
+}  // namespace simdnorm
