@@ -191,8 +191,9 @@ def steady_malloc() -> Optional[str]:
     Inside the model step three input-sized tensors are alive at once, and with glibc's default
     thresholds some steps' output came from a fresh mapping: 6272 page faults for a 25.7 MB tensor,
     ~10 ms here, landing at random on whichever norm wrote it first (bimodal samples, either
-    implementation). Both implementations allocate their outputs with torch.empty_like, from the
-    same allocator, so this takes nothing from either; it keeps the allocator out of the ratio."""
+    implementation). simdnorm.torch's large outputs come from blocks it keeps itself (docs/torch.rst,
+    "Output memory"), which fault only when first mapped; torch.nn's from this heap: this spares
+    torch.nn's samples the faults, and keeps the heap's state out of the ratio."""
     try:
         import ctypes
 

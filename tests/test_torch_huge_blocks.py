@@ -153,13 +153,20 @@ def test_the_kept_blocks_are_bounded():
         xs = [torch.randn(8, 256, 768) for _ in range(3)]  # 6 MB each, 6 MB blocks
         with torch.no_grad():
             ys = [m(x) for x in xs]
-        del ys
+        first, last = ys[0].data_ptr(), ys[2].data_ptr()
+        for i in range(3):  # (freed first to last)
+            ys[i] = None
         print(_core.huge_cache_bytes())
+        with torch.no_grad():
+            again = [m(x) for x in xs[:2]]  # (the two latest blocks kept, the first one unmapped)
+        print(sorted(y.data_ptr() == last for y in again), first in [y.data_ptr() for y in again])
     """)
     env = dict(os.environ, SIMDNORM_TORCH_CACHE_MB="16")
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout.split()[-1]) == 12 << 20  # two of the three kept: a third would pass 16 MB
+    kept, reused = r.stdout.strip().splitlines()[-2:]
+    assert int(kept) == 12 << 20  # two of the three kept: a third would pass 16 MB
+    assert reused == "[False, True] False"
 
 
 def _child_layer_norm(queue):

@@ -73,18 +73,28 @@ void* take_huge_block(size_t bytes) {
   return map_aligned(n);
 }
 
+// The oldest kept blocks make room for the latest (the sizes a loop still asks for); a block past
+// the whole bound is unmapped at once.
 void give_huge_block(void* block, size_t bytes) {
-  const size_t n = rounded(bytes);
+  const size_t n = rounded(bytes), limit = huge_cache_limit();
+  std::vector<std::pair<void*, size_t>> evicted;
   {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
-    if (c.bytes + n <= huge_cache_limit()) {
+    if (n <= limit) {
+      size_t oldest = 0;
+      while (c.bytes + n > limit) {
+        evicted.push_back(c.blocks[oldest]);
+        c.bytes -= c.blocks[oldest++].second;
+      }
+      c.blocks.erase(c.blocks.begin(), c.blocks.begin() + static_cast<std::ptrdiff_t>(oldest));
       c.blocks.emplace_back(block, n);
       c.bytes += n;
-      return;
+    } else {
+      evicted.emplace_back(block, n);
     }
   }
-  munmap(block, n);
+  for (const auto& [b, size] : evicted) munmap(b, size);  // (outside the lock)
 }
 
 size_t release_huge_blocks() {

@@ -1,7 +1,8 @@
 // Blocks of whole 2 MB pages for large outputs that leave the library as another library's
 // tensors (simdnorm.torch's): mapped 2 MB-aligned and advised for huge pages, so that the kernels'
 // streams over them miss the TLB once a 2 MB page, not once a 4 KB one; given back when their
-// tensor dies and kept for the next output of the same rounded size, up to a bound.
+// tensor dies and kept for the next output of the same rounded size, up to a bound (the oldest
+// kept blocks unmapped first).
 #pragma once
 
 #include <cstddef>
@@ -12,7 +13,7 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 // A block of at least `bytes` (rounded up to whole 2 MB pages), nullptr where the system has none.
 void* take_huge_block(size_t bytes);
-// Back to the cache (or unmapped past the bound); from any thread, without the GIL.
+// Back to the cache, the oldest kept ones unmapped past the bound; from any thread, without the GIL.
 void give_huge_block(void* block, size_t bytes);
 // The cached blocks unmapped; returns the bytes released.
 size_t release_huge_blocks();
