@@ -37,6 +37,14 @@ _huge_block_capsule = _core.huge_block_capsule
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 _DLPACK_TYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.float64: (2, 64)}
 _HUGE_ELEMENTS = 1 << 20  # (4 MB of float32)
+_mvn = _core.mvn
+_batch_norm = _core.batch_norm
+_F64 = torch.float64
+_F32 = torch.float32
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
+
+Result = Union[Tensor, Tuple[Tensor, Tensor, Tensor]]
 
 
 def _new_like(x: Tensor) -> Tensor:
@@ -57,14 +65,6 @@ def empty_cache() -> int:
     """Unmap the blocks of 2 MB pages simdnorm keeps for its next large outputs (those of tensors
     that have died; the ones alive are untouched) and return their bytes."""
     return _core.release_huge_blocks()
-_mvn = _core.mvn
-_batch_norm = _core.batch_norm
-_F64 = torch.float64
-_F32 = torch.float32
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_HALF = (torch.float16, torch.bfloat16)
-
-Result = Union[Tensor, Tuple[Tensor, Tensor, Tensor]]
 
 
 def takes(x: Tensor, *params: Optional[Tensor]) -> bool:
