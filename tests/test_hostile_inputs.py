@@ -517,3 +517,128 @@ def test_byte_extent_overflow_is_rejected(case, tmp_path):
     assert res["value_error"], f"{case}: {res['raised']} is not a ValueError/OverflowError: {res['msg']}"
     assert res["name"] in res["msg"], f"{case}: the message does not name {res['name']!r}: {res['msg']}"
     assert res["untouched"], f"{case}: memory was written before the error"
+
+
+# Every array argument of every op (forward, training, backward, moments), one at a time, in float32
+# and float16: that argument replaced by a view of its shape whose byte extent overflows int64, the
+# others valid. One process per op runs its cases in turn, printing each before the call, so a crash
+# names its case.
+EVERY_ARGUMENT_DRIVER = r"""
+import json, sys
+import numpy as np
+import simdnorm
+from numpy.lib.stride_tricks import as_strided
+
+op = sys.argv[1]
+H = 2 ** 62
+AXES = (0, 2)
+
+def hostile(a, writeable):
+    # a's shape; its first dim of size >= 3 two steps of 2**62 bytes wide (the extent 2**63)
+    big = next(d for d in range(a.ndim) if a.shape[d] >= 3)
+    strides = [H if d == big else a.itemsize for d in range(a.ndim)]
+    return as_strided(np.zeros(64, a.dtype), shape=a.shape, strides=strides, writeable=writeable)
+
+def cases(dt):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 3, 2)).astype(dt)
+    dy = rng.standard_normal(x.shape).astype(dt)
+    c = np.linspace(0.5, 2.0, 3).astype(dt)
+    fa = rng.standard_normal(x.shape).astype(dt)
+    out = np.empty_like(x)
+    if op == "batch_normalization":
+        return dict(input=x, mean=c, variance=c, scale=c, bias=c, out=out), \
+            lambda a: simdnorm.batch_normalization(a["input"], a["mean"], a["variance"], a["scale"], a["bias"],
+                                                   out=a["out"])
+    if op == "mean_variance_normalization":
+        return dict(input=x, scale=c.reshape(1, 3, 1), bias=c.reshape(1, 3, 1), out=out), \
+            lambda a: simdnorm.mean_variance_normalization(a["input"], AXES, a["scale"], a["bias"], out=a["out"])
+    if op in ("layer_norm", "rms_norm", "instance_norm", "group_norm"):
+        fn = getattr(simdnorm, op)
+        w = np.ones(2, dt) if op in ("layer_norm", "rms_norm") else c
+        w = np.concatenate([w, w[:1]]) if op in ("layer_norm", "rms_norm") else w  # (3,): a dim of size 3
+        xx = rng.standard_normal((2, 3, 3)).astype(dt) if op in ("layer_norm", "rms_norm") else x
+        args = dict(input=xx, scale=w, out=np.empty_like(xx))
+        if op != "rms_norm":
+            args["bias"] = w
+        lead = (3,) if op == "group_norm" else ()
+        return args, lambda a: fn(a["input"], *lead, a["scale"], *([a["bias"]] if "bias" in a else []),
+                                  out=a["out"])
+    if op.startswith("batch_normalization_training"):  # (with fused_add, numpy reads and writes some)
+        added = dict(fused_add=fa) if op.endswith("fused_add") else {}
+        return dict(input=x, scale=c, bias=c, **added, running_mean=np.zeros(3, np.float32),
+                    running_var=np.ones(3, np.float32), out=out), \
+            lambda a: simdnorm.batch_normalization_training(
+                a["input"], a["scale"], a["bias"], fused_add=a.get("fused_add"), running_mean=a["running_mean"],
+                running_var=a["running_var"], out=a["out"])
+    if op.startswith("batch_normalization_backward"):
+        training = op.endswith("training")
+        _, mean, var = simdnorm.batch_normalization_training(x, c, c)
+        return dict(grad_output=dy, input=x, mean=mean, variance=var, scale=c, bias=c, fused_add=fa, out=out), \
+            lambda a: simdnorm.batch_normalization_backward(
+                a["grad_output"], a["input"], a["mean"], a["variance"], a["scale"], a["bias"],
+                training=training, fused_add=a["fused_add"], out=a["out"])
+    if op == "mean_variance_normalization_backward":
+        s3 = c.reshape(1, 3, 1)
+        _, mean, inv = simdnorm.mean_variance_normalization(x, AXES, s3, s3, return_stats=True)
+        return dict(grad_output=dy, input=x, mean=mean, inv_std=inv, scale=s3, bias=s3, out=out), \
+            lambda a: simdnorm.mean_variance_normalization_backward(
+                a["grad_output"], a["input"], AXES, a["mean"], a["inv_std"], a["scale"], a["bias"], out=a["out"])
+    if op in ("layer_norm_backward", "rms_norm_backward", "instance_norm_backward", "group_norm_backward"):
+        name = op[:-9]
+        xx = rng.standard_normal((3, 3, 3)).astype(dt)
+        w = np.linspace(0.5, 2.0, 3).astype(dt)
+        lead = (3,) if name == "group_norm" else ()
+        res = getattr(simdnorm, name)(xx, *lead, w, *([] if name == "rms_norm" else [w]), return_stats=True)
+        stats = dict(inv_std=res[2]) if name == "rms_norm" else dict(mean=res[1], inv_std=res[2])
+        params = dict(scale=w) if name == "rms_norm" else dict(scale=w, bias=w)
+        args = dict(grad_output=np.ones_like(xx), input=xx, **stats, **params, out=np.empty_like(xx))
+        fn = getattr(simdnorm, op)
+        order = ["grad_output", "input"] + list(stats) + list(params)
+        return args, lambda a: fn(*[a[k] for k in order[:2]], *lead, *[a[k] for k in order[2:]], out=a["out"])
+    if op == "moments":
+        return dict(input=x), lambda a: simdnorm.moments(a["input"], AXES)
+    raise SystemExit(f"unknown op {op}")
+
+for dt in (np.float32, np.float16):
+    args, call = cases(dt)
+    call(args)  # the valid call runs
+    for name in args:
+        a = dict(args)
+        a[name] = hostile(args[name], name in ("out", "running_mean", "running_var"))
+        print(json.dumps({"case": f"{np.dtype(dt).name} {name}"}), flush=True)
+        try:
+            call(a)
+            res = {"raised": None}
+        except Exception as e:
+            res = {"raised": type(e).__name__, "value_error": isinstance(e, (ValueError, OverflowError)),
+                   "msg": str(e)}
+        res["name"] = name.replace("input", "input")
+        print(json.dumps(res), flush=True)
+"""
+
+EVERY_ARGUMENT_OPS = ["batch_normalization", "mean_variance_normalization", "layer_norm", "rms_norm",
+                      "instance_norm", "group_norm", "batch_normalization_training", "batch_normalization_training_fused_add",
+                      "batch_normalization_backward_training", "batch_normalization_backward_given",
+                      "mean_variance_normalization_backward", "layer_norm_backward", "rms_norm_backward",
+                      "instance_norm_backward", "group_norm_backward", "moments"]
+
+
+@pytest.mark.parametrize("op", EVERY_ARGUMENT_OPS)
+def test_byte_extent_overflow_every_array_argument(op, tmp_path):
+    script = tmp_path / "every_argument_driver.py"
+    script.write_text(textwrap.dedent(EVERY_ARGUMENT_DRIVER))
+    env = dict(os.environ)
+    env.setdefault("SIMDNORM_NUM_THREADS", "1")
+    r = subprocess.run([sys.executable, str(script), op], capture_output=True, text=True, timeout=300, env=env,
+                       check=False)
+    lines = [json.loads(line) for line in r.stdout.strip().splitlines()]
+    started = [line["case"] for line in lines if "case" in line]
+    assert r.returncode == 0, (f"{op}: the process died (exit {r.returncode}) in case {started[-1:]}: the op ran "
+                               f"on a view whose byte extent overflows int64\n{r.stderr[-3000:]}")
+    results = [line for line in lines if "case" not in line]
+    assert len(results) == len(started) >= 2, (op, started)
+    for case, res in zip(started, results):
+        assert res["raised"] is not None, f"{op} {case}: no error for a byte extent that overflows int64"
+        assert res["value_error"], f"{op} {case}: {res['raised']} is not a ValueError: {res['msg']}"
+        assert res["name"] in res["msg"], f"{op} {case}: the message does not name {res['name']!r}: {res['msg']}"

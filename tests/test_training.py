@@ -667,7 +667,8 @@ def test_row_blocks_as_rows_alone(rng, isa, threads, dtype, n, op, where):
 
 # out= for grad_input where it shares memory with an operand: the result is as if it did not
 # (a temporary where the memory overlaps: the kernels decide by byte ranges, numpy exactly), out = the
-# grad_output itself is in place, and out over the input is refused (the backward reads it to the end).
+# grad_output itself is in place; out as the input itself is refused (the backward reads it to the end),
+# out overlapping the input otherwise is written through a temporary.
 BACKWARD_CALLS = {
     "batch_norm": lambda dy, x, sc, b, **kw: simdnorm.batch_normalization_backward(
         dy, x, *simdnorm.batch_normalization_training(x, sc, b)[1:], sc, b, **kw),
@@ -710,8 +711,21 @@ def test_backward_out_sharing_memory_as_if_apart(rng, op):
     res = call(dy, x, out.ravel()[:4], b, out=out)
     for got, ref in zip(res, want):
         np.testing.assert_array_equal(bits(got), bits(ref))
-    with pytest.raises(simdnorm.DescriptorError, match="shares memory with the input"):
+    # out over the input's memory otherwise than as the input itself: as if apart
+    for name, out_of in (("shifted", lambda a: a[..., 2:]), ("reversed", lambda a: a[..., ::-1][..., 2:]),
+                         ("interleaved", lambda a: a[..., 1::2])):
+        width = 16 if name == "interleaved" else 10
+        base = rand_values(rng, x.shape[:-1] + (width,), F32, scale=2.0)
+        xv = base[..., ::2] if name == "interleaved" else base[..., :8]
+        want = call(dy, xv, sc, b)  # (before out overwrites it)
+        res = call(dy, xv, sc, b, out=out_of(base))
+        assert res[0].base is base, name
+        for got, ref in zip(res, want):
+            np.testing.assert_array_equal(bits(got), bits(ref), err_msg=name)
+    with pytest.raises(simdnorm.DescriptorError, match="out: is the input"):
         call(dy, x, sc, b, out=x)
+    with pytest.raises(simdnorm.DescriptorError, match="out: is the input"):
+        call(dy, x, sc, b, out=x[...])  # (another array object, the same elements)
 
 
 # Groups of short runs (small planes of NCHW data; instance norm's a run each) are written run by
@@ -1000,6 +1014,37 @@ def test_same_rank_parameters_of_full_size(rng, form):
                     eval_stats=(mean, var))
         res = simdnorm.batch_normalization_backward(dy, x, mean, var, full, full, training=training)
         check_grads(res, p.backward(dy, (f64(mean), f64(var))), x=x, scale=full, bias=full, context=form)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["training", "given"])
+@pytest.mark.parametrize("stats_form", ["1C11", "NC11", "C", "mixed"])
+@pytest.mark.parametrize("param_form", ["none", "C", "1C11", "scale-C-bias-1C11"])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_batch_norm_backward_statistics_in_either_form(rng, training, stats_form, param_form, dtype):
+    # Each of mean, variance, scale and bias in either of the forward's forms (same-rank, or 1-D of
+    # C at channel_axis), independently: the statistics' size-1 dims are the normalized ones.
+    n, c = 3, 4
+    x = rand_values(rng, (n, c, 2, 5), dtype, scale=2.0)
+    dy = rand_values(rng, x.shape, dtype)
+    sshape = {"1C11": (1, c, 1, 1), "NC11": (n, c, 1, 1), "C": (c,), "mixed": (c,)}[stats_form]
+    mean = rand_values(rng, sshape, F32, scale=0.5)
+    var = rand_values(rng, (1, c, 1, 1) if stats_form == "mixed" else sshape, F32, loc=1.0, scale=0.2)
+    pshape = {"none": None, "C": (c,), "1C11": (1, c, 1, 1), "scale-C-bias-1C11": (c,)}[param_form]
+    scale = None if pshape is None else rand_values(rng, pshape, dtype, loc=1.0, scale=0.3)
+    bias = None if pshape is None else rand_values(rng, (1, c, 1, 1) if param_form.endswith("1C11") else pshape,
+                                                      dtype, scale=0.3)
+    res = simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, training=training)
+    ref = bn_backward_ref(dy, x, mean, var, scale, bias, training=training)
+    check_grads(res, ref, x=x, scale=scale, bias=bias, want=("input",) + (("scale", "bias") if scale is not None
+                                                                       else ()), context=f"{stats_form} {param_form}")
+    # the same call on the statistics reshaped to the other form: the same bits
+    if stats_form in ("1C11", "C"):
+        other = (c,) if stats_form == "1C11" else (1, c, 1, 1)
+        again = simdnorm.batch_normalization_backward(dy, x, mean.reshape(other), var.reshape(other), scale, bias,
+                                                      training=training)
+        for got, want in zip(again, res):
+            if want is not None:
+                np.testing.assert_array_equal(bits(got), bits(want))
 
 
 # ----------------------------------------------------------------------------------------------

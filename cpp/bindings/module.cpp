@@ -340,13 +340,15 @@ py::object py_mvn_backward(PyObject* const* raw) {
     if (axis < 0 || axis >= a.input.ndim) throw py::value_error("axes: out of range");
     a.reduced |= 1u << axis;
   }
+  a.variance_given = bool_of(args[20], "variance_given");
+  const char* const inv_std_name = a.variance_given ? "variance" : "inv_std";  // (the caller's argument)
   if (grouped) {
     for (auto [stats, k] : {std::pair{&a.mean, 3}, std::pair{&a.inv_std, 4}})
-      if (!args[k].is_none()) *stats = kept_view(view_of(args[k], k == 3 ? "mean" : "inv_std", false), a.input,
-                                                 a.reduced, k == 3 ? "mean" : "inv_std");
+      if (!args[k].is_none()) *stats = kept_view(view_of(args[k], k == 3 ? "mean" : inv_std_name, false), a.input,
+                                                 a.reduced, k == 3 ? "mean" : inv_std_name);
   } else {
     a.mean = optional_param(args[3], "mean", a.input, channel_axis);
-    a.inv_std = optional_param(args[4], "inv_std", a.input, channel_axis);
+    a.inv_std = optional_param(args[4], inv_std_name, a.input, channel_axis);
     a.fused_add = optional_param(args[7], "fused_add", a.input, -1);
   }
   for (const auto* stats : {&a.mean, &a.inv_std})
@@ -372,7 +374,6 @@ py::object py_mvn_backward(PyObject* const* raw) {
   a.activation = activation_of(args[15]);
   a.statistics_terms = bool_of(args[16], "statistics_terms");
   a.write_ga = bool_of(args[17], "write_ga");
-  a.variance_given = bool_of(args[20], "variance_given");
   if (a.variance_given && !a.inv_std) throw py::value_error("variance_given: no variance given");
   // Their count must be that of scale and bias's broadcast shape (what the op folds them into).
   int64_t count = 1;

@@ -145,6 +145,13 @@ _I64_MIN = -(1 << 63)
 _EXTENT_MAX = _I64_MAX - 8
 
 
+def check_extent(name: str, a: np.ndarray) -> None:
+    """An array numpy will read itself (not through a kernel, which checks the same): its byte
+    extent must fit int64, or numpy's own loops wrap past the mapping."""
+    if a.size and sum((n - 1) * abs(s) for n, s in zip(a.shape, a.strides)) > _EXTENT_MAX:
+        raise DescriptorError(f"{name}: the byte extent of its sizes and strides overflows 64-bit arithmetic")
+
+
 def _too_large_sizes(name: str, sizes: Tuple[int, ...], count: int, isz: int) -> None:
     """A size, or the element count in bytes, past int64: name the first size past it, else the count."""
     for i, s in enumerate(sizes):

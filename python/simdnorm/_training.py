@@ -23,6 +23,7 @@ from ._compile import (as_input, as_param, check_arg, check_out, dlpack_array, f
 from ._descriptors import (
     MAX_DIMS,
     as_int_tuple,
+    bn_param_rule,
     DescriptorAxisError,
     DescriptorError,
     DescriptorTypeError,
@@ -33,6 +34,7 @@ from ._descriptors import (
     channel_axis_rule,
     check_epsilon,
     check_epsilon_mode,
+    check_extent,
     dtype_name,
     is_int,
     mvn_param_rule,
@@ -214,11 +216,14 @@ def _targets(out: Any, want_input: bool, x: np.ndarray, *others: Any) -> Tuple[O
     if out is None:
         return np.empty_like(x, subok=False), None
     check_out(out, x)
+    check_extent("out", out)  # (the kernel's own check would name it grad_input)
     if not _core.may_overlap(out, x, *others):  # (byte ranges: a yes goes to numpy's exact tests)
         return out, None
     if np.may_share_memory(out, x) and np.shares_memory(out, x):
-        raise DescriptorError("out: shares memory with the input; the backward reads the input to the end, "
-                              "so out may not be (or overlap) the input")
+        if out.__array_interface__["data"][0] == x.__array_interface__["data"][0] and out.strides == x.strides:
+            raise DescriptorError("out: is the input; the backward reads the input to the end, so out may not be "
+                                  "the input (an out overlapping it otherwise is written through a temporary)")
+        return np.empty_like(x, subok=False), out
     if needs_temporary(out, others[0], *others[1:]):
         return np.empty_like(x, subok=False), out
     return out, None
@@ -428,11 +433,36 @@ def _plan_bn_backward(x: Any, dy: Any, mean: Any, variance: Any, scale: Any, bia
             layout = (("mean", np.broadcast_to(mean, np.broadcast_shapes(mean.shape, variance.shape))),)
         except ValueError:
             layout = (("mean", mean),)  # (variance's shape is then refused below)
-    axes, sshape, ca = _bn_layout(x, channel_axis, layout)
-    for name, st in (("mean", mean), ("variance", variance)):
-        if st.shape != sshape and not (st.shape == (1,) * len(sshape)):
-            raise DescriptorError(f"{name}: shape {st.shape}; the statistics have shape {sshape}")
+    try:
+        axes, sshape, ca = _bn_layout(x, channel_axis, layout)
+        for name, st in (("mean", mean), ("variance", variance)):
+            if st.shape != sshape and not (st.shape == (1,) * len(sshape)):
+                raise DescriptorError(f"{name}: shape {st.shape}; the statistics have shape {sshape}")
+    except DescriptorError as e:
+        if isinstance(e, (DescriptorAxisError, DescriptorTypeError)):
+            raise
+        axes, ca = _given_stats_layout(x, channel_axis, mean, variance, scale, bias, e)
     return (eps, act, terms, axes, ca) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
+
+
+def _given_stats_layout(x: Any, channel_axis: Any, mean: Any, variance: Any, scale: Any, bias: Any,
+                        error: DescriptorError) -> Tuple[Tuple[int, ...], int]:
+    """Batch norm backward's layout read from the statistics, where the parameters' forms do not
+    give theirs: each of the four by the forward op's rule (the input's rank, or 1-D of C at
+    channel_axis), the statistics taken over the dims where both have size 1. (reduced axes, ca);
+    the parameters' error when the statistics do not fit either."""
+    nd = x.ndim
+    ca = normalize_axis("channel_axis", channel_axis, nd) if nd > 1 else None
+    try:
+        forms = {name: bn_param_rule(name, p.shape, x.shape, ca)
+                 for name, p in (("mean", mean), ("variance", variance), ("scale", scale), ("bias", bias))
+                 if p is not None}
+    except DescriptorError:
+        raise error from None
+    full = [p.shape if forms[name] is None else _full_shape(p.shape, nd, ca)
+            for name, p in (("mean", mean), ("variance", variance))]
+    stats = np.broadcast_shapes(*full)
+    return tuple(d for d in range(nd) if stats[d] == 1), -1 if ca is None else ca
 
 
 def _plan_mvn_backward(x: Any, dy: Any, axes: Any, mean: Any, inv_std: Any, scale: Any, bias: Any,
@@ -520,6 +550,10 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
 
     eps, act, axes, sshape, ca, full, count, sdt = _planned(
         key, _bn_training_plan, x, scale, bias, fa, epsilon, activation, channel_axis)
+    if fa is not None:  # (then numpy reads fused_add, with 16-bit data scale and bias, and writes out itself)
+        for name, a in (("scale", scale), ("bias", bias), ("fused_add", fa), ("out", out)):
+            if a is not None:
+                check_extent(name, a)
     if (running_mean is None) != (running_var is None):
         raise DescriptorError("running_mean, running_var: give both or neither")
     m = 0.0
@@ -607,7 +641,8 @@ _BACKWARD_DOC = """grad_output : array_like
     grad_scale, grad_bias : bool, optional
         Compute the parameter's gradient; None means "when that parameter is given".
     out : ndarray, optional
-        Receives grad_input: the input's shape and dtype, any strides, not overlapping the input."""
+        Receives grad_input: the input's shape and dtype, any strides; not the input itself
+        (another overlap gives the result as if there were none)."""
 
 
 def _documented_backward(fn: Any) -> Any:
