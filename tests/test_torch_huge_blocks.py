@@ -56,6 +56,39 @@ def test_a_large_output_sits_on_a_block_with_torchs_strides_and_simdnorms_bits(d
     assert torch.equal(y.view(bits), ref.view(bits))
 
 
+@pytest.mark.parametrize("shape,channels_last", [(BIG, False), ((4, 64, 64, 64), True), (SMALL, False)],
+                         ids=["rows", "channels-last", "small"])
+def test_the_cpp_kernels_outputs_sit_on_blocks(shape, channels_last):
+    # a planned torch.ops call's repeat runs in the C++ kernel (no Python): its large dense output
+    # takes a block too where torch has torch_from_blob (2.11 and later), a small one torch's allocator
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=g) * 2 + 1
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        c = shape[1]
+        params = (torch.rand(c, generator=g) - 0.5, torch.rand(c, generator=g) + 0.5, torch.rand(c, generator=g),
+                  torch.rand(c, generator=g))
+        call = lambda: torch.ops.simdnorm.batch_normalization(x, *params)  # noqa: E731
+    else:
+        w, b = torch.rand(shape[-1], generator=g) + 0.5, torch.rand(shape[-1], generator=g)
+        call = lambda: torch.ops.simdnorm.layer_norm(x, w, b)[0]  # noqa: E731
+    first = call()  # (plans the call)
+    computed = _core.torch_kernel_calls()
+    y = call()
+    assert _core.torch_kernel_calls() == computed + 1, "not computed by the C++ kernel"
+    assert y.stride() == torch.empty_like(x).stride()
+    large = x.numel() >= _core.huge_block_min_elements
+    from_blob = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
+    assert _on_block(y) == (large and from_blob), (x.numel(), y.data_ptr() % HUGE)
+    assert torch.equal(y.view(torch.int32), first.view(torch.int32))
+    if large and from_blob:
+        kept = _core.huge_cache_bytes()
+        ptr = y.data_ptr()
+        del y
+        assert _core.huge_cache_bytes() > kept, "the block did not come back when its tensor died"
+        assert call().data_ptr() == ptr
+
+
 def test_channels_last_training_and_its_gradient_sit_on_blocks():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(8, 64, 48, 48, generator=g).contiguous(memory_format=torch.channels_last).requires_grad_()

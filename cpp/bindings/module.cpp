@@ -1037,6 +1037,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("bits"),
         "A DLPack capsule ('dltensor') of a new dense tensor on a block of 2 MB pages, given back to "
         "simdnorm's cache when the consumer's tensor dies (large torch outputs: simdnorm.torch).");
+  m.attr("huge_block_min_elements") = kHugeBlockMinElements;
   m.def("huge_cache_bytes", &cached_huge_bytes, "The bytes of freed huge-page blocks kept for reuse.");
   m.def("huge_cache_limit", &huge_cache_limit, "The bound on those (SIMDNORM_TORCH_CACHE_MB, default 1024 MB).");
   m.def("release_huge_blocks", &release_huge_blocks, "Unmap the kept blocks; returns the bytes released.");

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "bindings/common.h"
+#include "runtime/huge_blocks.h"
 #include "simdnorm/ops.h"
 
 namespace py = pybind11;
@@ -76,6 +77,9 @@ struct Torch {
   TorchError (*call_dispatcher)(const char*, const char*, StableIValue*, uint64_t) = nullptr;
   TorchError (*delete_stable_ivalue)(StableIValue*) = nullptr;  // (2.13; before: delete)
   const char* (*exception_what)() = nullptr;                    // (2.13)
+  TorchError (*from_blob)(void*, int64_t, const int64_t*, const int64_t*, int64_t, int32_t, int32_t, int32_t,
+                          TensorHandle*, int32_t, const uint8_t*, int64_t, void (*)(void*, void*),
+                          void*) = nullptr;                     // (2.11: torch_from_blob, with a deleter)
   // torch's C++: what no stable function tells
   int64_t (*dispatch_modes)() = nullptr;             // c10::impl::TorchDispatchModeTLS::stack_len()
   const void* (*python_dispatcher)() = nullptr;      // c10::impl::PythonDispatcherTLS::get_state()
@@ -130,6 +134,7 @@ std::string attach(const std::string& libtorch_cpu) {
   std::string optional;
   find(lib, t.delete_stable_ivalue, "torch_delete_stable_ivalue", optional);
   find(lib, t.exception_what, "torch_exception_get_what_without_backtrace", optional);
+  find(lib, t.from_blob, "torch_from_blob", optional);
   if (!missing.empty()) return "missing: " + missing;
   t.f32 = code[0](), t.f16 = code[1](), t.bf16 = code[2](), t.f64 = code[3](), t.cpu = code[4](),
   t.strided = code[5]();
@@ -298,7 +303,30 @@ int32_t torch_dtype(DType d) {
   }
 }
 
-// A new tensor: the given strides (in bytes, as a view's), or contiguous ones when none.
+void give_block_back(void* block, void* bytes) { give_huge_block(block, reinterpret_cast<size_t>(bytes)); }
+
+// A large dense output on a kept block of 2 MB pages (runtime/huge_blocks.h), as simdnorm.torch's
+// routes give theirs; false where torch has no torch_from_blob or no block can be mapped.
+bool new_tensor_on_block(OwnedTensor& owner, DType dtype, int ndim, const int64_t* sizes, const int64_t* strides,
+                         int64_t count) {
+  if (g_torch.from_blob == nullptr || count < kHugeBlockMinElements) return false;
+  int64_t span = 1;
+  for (int d = 0; d < ndim; ++d) span += (sizes[d] - 1) * strides[d];
+  if (span != count) return false;  // (not dense: torch's allocator)
+  const size_t bytes = static_cast<size_t>(count) * static_cast<size_t>(itemsize(dtype));
+  void* block = take_huge_block(bytes);
+  if (block == nullptr) return false;
+  // (device index -1: the data's device is "cpu", which torch tells apart from "cpu:0")
+  if (g_torch.from_blob(block, ndim, sizes, strides, 0, torch_dtype(dtype), g_torch.cpu, -1, &owner.h, g_torch.strided,
+                        nullptr, 0, give_block_back, reinterpret_cast<void*>(bytes)) != 0) {
+    owner.h = nullptr;
+    give_huge_block(block, bytes);
+    return false;
+  }
+  return true;
+}
+
+// A new tensor: the given strides (in bytes, as a view's: dense), or contiguous ones when none.
 TensorView new_tensor(OwnedTensor& owner, DType dtype, int ndim, const int64_t* sizes, const int64_t* byte_strides) {
   const int64_t item = itemsize(dtype);
   int64_t strides[kMaxViewDims];
@@ -307,7 +335,8 @@ TensorView new_tensor(OwnedTensor& owner, DType dtype, int ndim, const int64_t* 
     strides[d] = byte_strides != nullptr ? byte_strides[d] / item : step;
     step *= sizes[d];
   }
-  if (g_torch.empty_strided(ndim, sizes, strides, torch_dtype(dtype), g_torch.cpu, 0, &owner.h) != 0)
+  if (!new_tensor_on_block(owner, dtype, ndim, sizes, strides, step) &&
+      g_torch.empty_strided(ndim, sizes, strides, torch_dtype(dtype), g_torch.cpu, 0, &owner.h) != 0)
     throw std::runtime_error(std::string("simdnorm: allocating a tensor failed: ") +
                              (g_torch.exception_what != nullptr ? g_torch.exception_what() : ""));
   void* data = nullptr;

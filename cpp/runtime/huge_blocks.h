@@ -6,10 +6,13 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace simdnorm {
 
 constexpr size_t kHugePageBytes = size_t{2} << 20;
+// The outputs given to torch on such blocks: those of this many elements or more (4 MB of float32).
+constexpr int64_t kHugeBlockMinElements = int64_t{1} << 20;
 
 // A block of at least `bytes` (rounded up to whole 2 MB pages), nullptr where the system has none.
 void* take_huge_block(size_t bytes);
