@@ -498,17 +498,22 @@ OVERFLOW_CASES = ["bn-input-stride", "bn-input-negative", "mvn-input-sum", "laye
                   "mvn-out-stride", "bn-mean-stride", "layer_norm-scale-stride", "compiled-input"]
 
 
-@pytest.mark.parametrize("case", OVERFLOW_CASES)
-def test_byte_extent_overflow_is_rejected(case, tmp_path):
-    script = tmp_path / "overflow_driver.py"
-    script.write_text(textwrap.dedent(OVERFLOW_DRIVER))
+def run_driver(driver: str, arg: str, tmp_path) -> subprocess.CompletedProcess:
+    """The driver script run in a child process with argv[1] = arg, on one simdnorm thread."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(driver))
     env = dict(os.environ)
     env.setdefault("SIMDNORM_NUM_THREADS", "1")
     try:
-        r = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=300, env=env,
-                           check=False)
+        return subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, timeout=300,
+                              env=env, check=False)
     except subprocess.TimeoutExpired:  # pragma: no cover - reported as a failure
-        pytest.fail(f"{case}: the call did not return within 300 s (it ran on the hostile strides)")
+        pytest.fail(f"{arg}: the call did not return within 300 s (it ran on the hostile strides)")
+
+
+@pytest.mark.parametrize("case", OVERFLOW_CASES)
+def test_byte_extent_overflow_is_rejected(case, tmp_path):
+    r = run_driver(OVERFLOW_DRIVER, case, tmp_path)
     assert r.returncode == 0, (
         f"{case}: the process died (exit {r.returncode}): the op ran on a view whose byte extent overflows "
         f"int64 instead of rejecting it\n{r.stderr[-3000:]}")
@@ -626,12 +631,7 @@ EVERY_ARGUMENT_OPS = ["batch_normalization", "mean_variance_normalization", "lay
 
 @pytest.mark.parametrize("op", EVERY_ARGUMENT_OPS)
 def test_byte_extent_overflow_every_array_argument(op, tmp_path):
-    script = tmp_path / "every_argument_driver.py"
-    script.write_text(textwrap.dedent(EVERY_ARGUMENT_DRIVER))
-    env = dict(os.environ)
-    env.setdefault("SIMDNORM_NUM_THREADS", "1")
-    r = subprocess.run([sys.executable, str(script), op], capture_output=True, text=True, timeout=300, env=env,
-                       check=False)
+    r = run_driver(EVERY_ARGUMENT_DRIVER, op, tmp_path)
     lines = [json.loads(line) for line in r.stdout.strip().splitlines()]
     started = [line["case"] for line in lines if "case" in line]
     assert r.returncode == 0, (f"{op}: the process died (exit {r.returncode}) in case {started[-1:]}: the op ran "
