@@ -172,6 +172,27 @@ def test_forked_child_of_a_sharing_process_uses_the_pool():
 
 
 @needs_openmp
+def test_child_forked_before_any_sharing_uses_the_pool():
+    # simdnorm imported (not simdnorm.torch, nothing shared or run in parallel yet), torch's team run,
+    # then fork(): the child's first torch tensor must not start sharing the runtime, whose team
+    # waits there for threads that are gone
+    out = run_child(CHILD_PREAMBLE, """
+        import simdnorm
+        simdnorm.set_num_threads(2)
+        t = torch.from_numpy(a)
+        pid = os.fork()
+        if pid == 0:
+            y = simdnorm.layer_norm(t)
+            import simdnorm.torch as st
+            print(st.share_threads(), bool(np.abs(y.numpy().mean(axis=1)).max() < 1e-4), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(status)
+    """)
+    assert out.split() == ["False", "True", "0"]
+
+
+@needs_openmp
 def test_child_with_one_torch_thread_shares_but_runs_the_pool():
     # as DataLoader's workers: forked after torch's team ran, torch.set_num_threads(1), and only then
     # simdnorm.torch: its 2-thread calls must not wait in the OpenMP runtime for threads that are gone

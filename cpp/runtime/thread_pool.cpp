@@ -162,7 +162,8 @@ std::mutex g_pool_mutex;
 Pool* g_pool = nullptr;
 
 // The shared team (never freed: a call may still be reading it), the lock its one region at a
-// time holds, and whether this process is a fork()ed child of one that shared a team.
+// time holds, and whether this process is a fork()ed child (of one that loaded simdnorm: an
+// OpenMP runtime the parent used hangs there, so a child never starts sharing one).
 std::atomic<const OpenMpTeam*> g_team{nullptr};
 std::mutex g_team_mutex;
 bool g_forked_child = false;
@@ -180,6 +181,8 @@ void register_fork_handler() {
   static const int registered = pthread_atfork(nullptr, nullptr, forget_pool_in_child);
   (void)registered;
 }
+// (at load: a fork before simdnorm's first parallel call marks the child as well)
+[[maybe_unused]] const bool g_fork_handler_at_load = (register_fork_handler(), true);
 
 // One parallel_for on the shared team. Team thread t first runs its own block of parts, the t-th
 // of nthreads in order (as torch's parallel ops split their range: the data the previous op's

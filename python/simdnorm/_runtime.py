@@ -58,8 +58,8 @@ def share_torch_threads(enabled: bool = True) -> bool:
     lose time slices; on torch's threads a simdnorm call takes the cores they hold. The number of
     threads stays simdnorm's (:func:`set_num_threads`); a call wanting more threads than torch's
     (``torch.set_num_threads``) runs on simdnorm's pool instead. Results are bitwise the same
-    either way. A process forked from one that shared torch's threads uses simdnorm's own pool
-    (the OpenMP runtime's threads do not exist there).
+    either way. A process forked after simdnorm was imported uses simdnorm's own pool (an OpenMP
+    runtime the parent used waits there for threads that do not exist).
     """
     global _torch_threads_decided
     _torch_threads_decided = True
