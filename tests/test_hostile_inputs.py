@@ -642,3 +642,28 @@ def test_byte_extent_overflow_every_array_argument(op, tmp_path):
         assert res["raised"] is not None, f"{op} {case}: no error for a byte extent that overflows int64"
         assert res["value_error"], f"{op} {case}: {res['raised']} is not a ValueError: {res['msg']}"
         assert res["name"] in res["msg"], f"{op} {case}: the message does not name {res['name']!r}: {res['msg']}"
+
+
+@pytest.mark.parametrize("op", ["batch_normalization", "layer_norm", "batch_normalization_training",
+                                "batch_normalization_training_fused_add", "layer_norm_backward"])
+def test_an_out_with_a_zero_stride_is_refused(op):
+    # several elements on one location: threads would race for it (numpy's ufuncs write them in
+    # turn); refused before anything is written. Without elements it is just an empty out.
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(F32)
+    c = np.ones(4, F32)
+    call = {
+        "batch_normalization": lambda o: bn(x, c, c, channel_axis=-1, out=o),
+        "layer_norm": lambda o: ln(x, out=o),
+        "batch_normalization_training": lambda o: simdnorm.batch_normalization_training(x, channel_axis=-1, out=o),
+        "batch_normalization_training_fused_add": lambda o: simdnorm.batch_normalization_training(
+            x, channel_axis=-1, fused_add=x, out=o),
+        "layer_norm_backward": lambda o: simdnorm.layer_norm_backward(x, x, *ln(x, return_stats=True)[1:], out=o),
+    }[op]
+    buf = np.full(4, 7.0, F32)
+    out = np.lib.stride_tricks.as_strided(buf, shape=(3, 4), strides=(0, 4), writeable=True)
+    with pytest.raises(ValueError, match=r"out: strides\[0\] is 0 with size 3"):
+        call(out)
+    assert (buf == 7.0).all()
+    if op == "layer_norm":
+        empty = np.lib.stride_tricks.as_strided(buf, shape=(0, 4), strides=(0, 4), writeable=True)
+        assert ln(x[:0], out=empty) is empty

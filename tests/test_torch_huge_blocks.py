@@ -1,6 +1,7 @@
 """simdnorm.torch's large outputs on blocks of 2 MB pages (cpp/runtime/huge_blocks.cpp,
 simdnorm/torch/_routes.py _new_like): where they sit, their values and strides, the blocks' reuse
 and bound, their return from other threads and after fork()."""
+import gc
 import multiprocessing
 import os
 import subprocess
@@ -27,6 +28,7 @@ def _on_block(t) -> bool:
 
 @pytest.fixture(autouse=True)
 def _empty_cache():
+    gc.collect()  # (an earlier test's tensors in reference cycles: their blocks back now, not mid-test)
     st.empty_cache()
     yield
     st.empty_cache()

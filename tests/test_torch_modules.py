@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -772,3 +774,66 @@ def test_fuse_modules_after_revert(rng):
     x = rand(rng, 2, 3, 6, 6)
     fused = torch.ao.quantization.fuse_modules(snt.revert(ours), [["conv", "bn", "relu"]])
     assert_close(fused(x).detach(), ref(x).detach(), "fused")
+
+
+def _plain_attribute_weight(m, value):
+    """m's weight (and bias) as plain attributes, no longer registered parameters (as an old-style
+    weight_norm leaves them, or a tensor set by hand)."""
+    for name, v in (("weight", value), ("bias", value - 0.5)):
+        del m._parameters[name]
+        setattr(m, name, torch.full_like(v, 0) + v)
+    return m
+
+
+@pytest.mark.parametrize("make,shape", [(lambda: nn.LayerNorm(6), (3, 6)), (lambda: nn.RMSNorm(6), (3, 6)),
+                                        (lambda: nn.GroupNorm(2, 6), (3, 6, 4)),
+                                        (lambda: nn.BatchNorm2d(6), (3, 6, 2, 2)),
+                                        (lambda: nn.BatchNorm2d(6).eval(), (3, 6, 2, 2))],
+                         ids=["layer", "rms", "group", "bn-train", "bn-eval"])
+def test_plain_attribute_parameters_are_read(rng, make, shape):
+    ref = make()
+    value = torch.linspace(0.5, 2.0, 6)
+    if isinstance(ref, nn.RMSNorm):
+        del ref._parameters["weight"]
+        ref.weight = value.clone()
+    else:
+        _plain_attribute_weight(ref, value)
+    mine = snt.convert(copy.deepcopy(ref))
+    x = rand(rng, *shape)
+    torch.testing.assert_close(mine(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_norm_on_a_drop_in(rng):
+    ref, mine = nn.LayerNorm(5), snt.LayerNorm(5)
+    for m in (ref, mine):
+        with pytest.warns(FutureWarning):
+            nn.utils.weight_norm(m, dim=0)
+        with torch.no_grad():
+            m.weight_g.fill_(3.0)
+    x = rand(rng, 4, 5)
+    torch.testing.assert_close(mine(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make,shape", [(lambda c: nn.BatchNorm2d(c), (2, 4, 5, 5)),
+                                        (lambda c: nn.BatchNorm2d(c).eval(), (2, 4, 5, 5)),
+                                        (lambda c: nn.BatchNorm1d(c, affine=False), (2, 4)),
+                                        (lambda c: nn.InstanceNorm1d(c, track_running_stats=True), (2, 4, 5))],
+                         ids=["bn-train", "bn-eval", "bn1d-no-affine", "instance-running"])
+def test_a_wrong_channel_count_raises_torch_nns_error(rng, make, shape):
+    ref = make(3)
+    mine = snt.convert(copy.deepcopy(ref))
+    x = rand(rng, *shape)
+    with pytest.raises(Exception) as theirs, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref(x)
+    with pytest.raises(type(theirs.value), match=re.escape(str(theirs.value))), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine(x)
+
+
+def test_a_sparse_input_gets_torch_nns_error(rng):
+    x = rand(rng, 3, 4).to_sparse()
+    with pytest.raises(Exception) as theirs:
+        nn.LayerNorm(4)(x)
+    with pytest.raises(type(theirs.value)):
+        snt.LayerNorm(4)(x)

@@ -666,3 +666,73 @@ def test_invalid_inputs_raise_clear_errors(rng):
         ops.layer_norm.out(x, out=torch.empty(2, 4, 5, dtype=torch.float64))
     with pytest.raises(ValueError, match="grad_output"):
         ops.layer_norm_backward(x[:1], x, *ops.layer_norm(x)[1:])
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def test_a_tensor_on_another_device_is_refused(rng):
+    # (a meta argument sends the call to the op's fake kernel, which must not hand back CPU tensors
+    # it never computed)
+    x, c = rand(rng, 2, 4, 3), rand(rng, 4, positive=True)
+    w = rand(rng, 3)
+    same = "Expected all tensors to be on the same device"
+    calls = [lambda: ops.layer_norm(x, _meta(w)), lambda: ops.rms_norm(x, _meta(w)),
+             lambda: ops.group_norm(x, 2, _meta(c)), lambda: ops.instance_norm(x, None, _meta(c)),
+             lambda: ops.batch_normalization(x, c, _meta(c)), lambda: ops.batch_normalization_training(x, _meta(c)),
+             lambda: ops.mean_variance_normalization(x, [0, 2], None, _meta(c).reshape(1, 4, 1)),
+             lambda: ops.layer_norm.out(x, out=_meta(x)),
+             lambda: ops.layer_norm_backward(x, x, *ops.layer_norm(x)[1:], _meta(w))]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=same):
+            call()
+    rm, rv = torch.zeros(4), torch.ones(4)
+    _, mean, var = ops.batch_normalization_training(x)
+    with pytest.raises(RuntimeError, match=same):
+        ops.update_running_stats_(_meta(rm), rv, mean, var, count=6)
+    assert torch.equal(rv, torch.ones(4))
+
+
+def test_out_overloads_refuse_an_out_that_cannot_hold_the_result(rng):
+    x = rand(rng, 3, 4)
+    base = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match=r"out: strides\[0\] is 0 with size 3"):
+        ops.layer_norm.out(x, out=base.expand(3, 4))
+    assert torch.equal(base, torch.zeros(1, 4))
+    for call in (lambda o: ops.layer_norm.out(x, out=o),
+                 lambda o: ops.batch_normalization.out(x, torch.zeros(4), torch.ones(4), channel_axis=-1, out=o)):
+        with pytest.raises(ValueError, match="out: a torch tensor with the negative bit set"):
+            call(torch._neg_view(torch.empty(3, 4)))
+
+
+@pytest.mark.parametrize("case", ["running f16", "axis float", "num_groups bool", "momentum str", "axes tensor",
+                                  "group divides", "no spatial dims"])
+def test_plain_functions_refuse_alike_with_and_without_autograd(rng, case):
+    # a tensor that requires grad goes through the op (autograd records it): the plain function's
+    # own error all the same, and the running statistics untouched
+    x0 = rand(rng, 6, 4, 5)
+    rm, rv = torch.zeros(4, dtype=torch.float16), torch.ones(4, dtype=torch.float16)
+    call = {
+        "running f16": lambda x: simdnorm.batch_normalization_training(x, running_mean=rm, running_var=rv),
+        "axis float": lambda x: simdnorm.layer_norm(x, axis=1.0),
+        "num_groups bool": lambda x: simdnorm.group_norm(x, True),
+        "momentum str": lambda x: simdnorm.batch_normalization_training(
+            x, running_mean=torch.zeros(4), running_var=torch.ones(4), momentum="abc"),
+        "axes tensor": lambda x: simdnorm.mean_variance_normalization(x, 1.5),
+        "group divides": lambda x: simdnorm.group_norm(x, 3),
+        "no spatial dims": lambda x: simdnorm.instance_norm(x[:, :, 0], channel_axis=-1),
+    }[case]
+    with pytest.raises(Exception) as plain:
+        call(x0)
+    with pytest.raises(type(plain.value), match=re.escape(str(plain.value))):
+        call(x0.clone().requires_grad_())
+    assert torch.equal(rm, torch.zeros(4, dtype=torch.float16)) and torch.equal(rv, torch.ones(4, dtype=torch.float16))
+
+
+def test_a_sparse_tensor_is_a_type_error(rng):
+    x = rand(rng, 3, 4)
+    with pytest.raises(TypeError, match="input: a torch tensor of layout torch.sparse_coo"):
+        simdnorm.layer_norm(x.to_sparse())
+    with pytest.raises(TypeError, match="scale: a torch tensor of layout torch.sparse_coo"):
+        simdnorm.layer_norm(x, torch.ones(4).to_sparse())

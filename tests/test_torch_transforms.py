@@ -7,6 +7,7 @@ derivative against finite differences: test_torch_ops.test_gradcheck_float64.)""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import numpy as np
@@ -556,3 +557,32 @@ def test_vmap_of_samples_of_eight_dims(rng, case):
     for k, g in enumerate(got):
         want = torch.stack([r[k] for r in rows])
         assert g.shape == want.shape and torch.equal(g, want), k
+
+
+@pytest.mark.parametrize("mode", ["real", "fake", "symbolic"])
+def test_make_fx_records_the_plain_functions_ops(rng, mode):
+    # make_fx traces through a dispatch mode, which sees ops only: a plain call must become its op
+    # (a call reading memory directly would be missing from the graph), and moments (no op) refuses
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, dy):
+        y, mean, inv_std = simdnorm.layer_norm(x, return_stats=True)
+        return y, simdnorm.layer_norm_backward(dy, x, mean, inv_std)[0]
+
+    x, dy = (torch.from_numpy(rng.standard_normal((3, 5))) for _ in range(2))
+    gm = make_fx(step, tracing_mode=mode)(x, dy)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "simdnorm.layer_norm.default" in targets and "simdnorm.layer_norm_backward.default" in targets, targets
+    x2, dy2 = (torch.from_numpy(rng.standard_normal((3, 5))) for _ in range(2))
+    for got, want in zip(gm(x2, dy2), step(x2, dy2)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="dispatch mode"):
+        make_fx(lambda x: torch.from_numpy(simdnorm.moments(x, (0,)).mean) + x, tracing_mode=mode)(x)
+
+
+def test_plain_function_errors_under_vmap_as_without(rng):
+    x = torch.from_numpy(rng.standard_normal((3, 4, 5)))
+    with pytest.raises(ValueError) as alone:
+        simdnorm.group_norm(x[0], 2)
+    with pytest.raises(type(alone.value), match=re.escape(str(alone.value))):
+        func.vmap(lambda a: simdnorm.group_norm(a, 2))(x)

@@ -92,10 +92,17 @@ TensorView view_of(const py::handle& obj, const char* name, bool writeable) {
   if (writeable && !(a->flags & py::detail::npy_api::NPY_ARRAY_WRITEABLE_))
     throw py::value_error(std::string(name) + " is read-only");
   v.data = a->data;
+  bool empty = false;
   for (int d = 0; d < kMaxViewDims; ++d) {  // every slot: TensorView's arrays have no initializer
     v.sizes[d] = d < v.ndim ? a->dimensions[d] : 0;
     v.strides[d] = d < v.ndim ? a->strides[d] : 0;
+    empty |= d < v.ndim && v.sizes[d] == 0;
   }
+  for (int d = 0; writeable && !empty && d < v.ndim; ++d)  // (threads would race for one location)
+    if (v.strides[d] == 0 && v.sizes[d] > 1)
+      throw py::value_error(std::string(name) + ": strides[" + std::to_string(d) + "] is 0 with size " +
+                            std::to_string(v.sizes[d]) +
+                            ": more than one element of it is one memory location, so it cannot be written");
   check_extent(v, name);
   return v;
 }

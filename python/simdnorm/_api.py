@@ -153,7 +153,8 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
         As ``mean``; ``None`` means 1 and 0.
     {common}
     channel_axis : int, default 1
-        The axis 1-D parameters lie along: 1 for (N, C, ...), -1 for channels last.
+        The axis 1-D parameters lie along: 1 for (N, C, ...), -1 for channels last. A 1-D input
+        has no channel axis (its parameters are of its own rank), so there it is not used.
 
     Returns
     -------

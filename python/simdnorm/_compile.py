@@ -105,7 +105,8 @@ def dlpack_array(obj: Any, name: str, writeable: bool = False) -> np.ndarray:
     TypeError."""
     if is_tensor(obj):
         torch = sys.modules["torch"]
-        if torch._C._is_tracing() or _transforming(torch) and _transformed(torch, obj):
+        if (torch._C._is_tracing() or _transforming(torch) and _transformed(torch, obj)
+                or torch._C._len_torch_dispatch_stack() and _tracing_mode(torch)):
             raise _refuse_transformed(name)
         if obj.requires_grad:
             if torch.is_grad_enabled():  # (follow_input sends the forward ops' such calls to their torch op)
@@ -182,9 +183,29 @@ def _transformed_tensors(torch: Any, kw: dict) -> bool:
 
 
 def _refuse_transformed(what: str) -> TypeError:
-    return TypeError(f"{what}: a tensor under torch.jit.trace, torch.compile, torch.export, a torch.func transform "
-                     "(vmap, grad, jvp, ...) or with a forward-mode tangent; this function reads tensors' memory, "
+    return TypeError(f"{what}: a tensor under torch.jit.trace, torch.compile, torch.export, a dispatch mode, a "
+                     "torch.func transform (vmap, grad, jvp, ...) or with a forward-mode tangent; this function reads tensors' memory, "
                      "which the trace or transform would not see: call it outside, or call the torch.ops.simdnorm op")
+
+
+_TRACING_MODES = ("ProxyTorchDispatchMode", "FakeTensorMode")
+
+
+def _tracing_mode(torch: Any) -> bool:
+    """Whether a dispatch mode that traces (make_fx's proxy mode) or has no memory (fake tensors) is
+    active: what reads a tensor's memory there would be missing from the trace."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(type(m).__name__ in _TRACING_MODES for m in _get_current_dispatch_mode_stack())
+
+
+def _refuse_sparse(torch: Any, kw: dict) -> None:
+    """A sparse tensor among the arguments (torch's numpy() and DLPack exports fail each their own
+    way): a TypeError naming it. Asked only once a call has failed (it costs as much as a call)."""
+    for k, v in kw.items():
+        if isinstance(v, torch.Tensor) and v.layout is not torch.strided:
+            raise TypeError(f"{'input' if k == 'x' else k}: a torch tensor of layout {v.layout}; simdnorm reads "
+                            "dense (strided) tensors' memory: pass t.to_dense()") from None
 
 
 def follow_input(fn: Callable[..., Any], args: dict) -> Any:
@@ -201,8 +222,9 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
     kw = args if len(args) == len(names) else {k: args[k] for k in names}
     x = kw["x"]
     torch = sys.modules.get("torch") if is_tensor(x) else None
-    if torch is not None and torch.compiler.is_compiling():
-        # torch.compile's or torch.export's trace: its tensors have no memory to read; the op records the call
+    if torch is not None and (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()):
+        # torch.compile's or torch.export's trace (its tensors have no memory to read), or a dispatch
+        # mode (make_fx's tracer, FakeTensorMode, a counter), which sees ops only: the op records the call
         from .torch._ops import call_backward, call_differentiable
 
         if fn.__name__ in _DIFFERENTIABLE:
@@ -218,23 +240,28 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
         return call_differentiable(fn.__name__, kw)
     if transformed:
         raise _refuse_transformed(fn.__name__)
-    if torch is not None:
-        share_torch_threads_once()
-        from .torch._routes import plain_call  # (loads simdnorm.torch: torch is loaded already)
+    try:
+        if torch is not None:
+            share_torch_threads_once()
+            from .torch._routes import plain_call  # (loads simdnorm.torch: torch is loaded already)
 
-        r = plain_call(fn, kw)  # plain tensors, no activation or out=: straight to the kernels
-        if r is not None:
-            return r
-        kw["x"] = dlpack_array(x, "input")
-    out = result = kw.get("out")  # result: what the call returns for the array it writes
-    if out is not None:
-        if is_foreign_out(out):
-            kw["out"] = dlpack_array(out, "out", writeable=True)
-    elif torch is not None and kw.get("grad_input", True) is True:  # (a backward op may be asked for none)
-        result = torch.empty_like(x, requires_grad=False)
-        kw["out"] = dlpack_array(result, "out", writeable=True)
-    target = kw.get("out")
-    r = fn(**kw)
+            r = plain_call(fn, kw)  # plain tensors, no activation or out=: straight to the kernels
+            if r is not None:
+                return r
+            kw["x"] = dlpack_array(x, "input")
+        out = result = kw.get("out")  # result: what the call returns for the array it writes
+        if out is not None:
+            if is_foreign_out(out):
+                kw["out"] = dlpack_array(out, "out", writeable=True)
+        elif torch is not None and kw.get("grad_input", True) is True:  # (a backward op may be asked for none)
+            result = torch.empty_like(x, requires_grad=False)
+            kw["out"] = dlpack_array(result, "out", writeable=True)
+        target = kw.get("out")
+        r = fn(**kw)
+    except (TypeError, ValueError, RuntimeError):
+        if torch is not None:
+            _refuse_sparse(torch, kw)
+        raise
 
     def back(v: Any) -> Any:
         if v is target and v is not None:
@@ -272,8 +299,8 @@ def check_return_stats(v: Any) -> bool:
 # out
 
 def check_out(out: Any, x: np.ndarray) -> None:
-    """out=: a writeable ndarray of the input's shape and dtype (any strides), not a masked
-    array that masks an element."""
+    """out=: a writeable ndarray of the input's shape and dtype (any strides but a zero one, which
+    makes several elements one location), not a masked array that masks an element."""
     if not isinstance(out, _nd):
         raise DescriptorTypeError(f"out: expected a numpy.ndarray, got {type(out).__name__}")
     if out.dtype != x.dtype:
@@ -287,6 +314,10 @@ def check_out(out: Any, x: np.ndarray) -> None:
         )
     if not out.flags.writeable:
         raise ValueError("out: the array is read-only; out must be writeable")
+    for d, (n, st) in enumerate(zip(out.shape, out.strides)):
+        if st == 0 and n > 1 and out.size:
+            raise ValueError(f"out: strides[{d}] is 0 with size {n}: more than one element of it is one memory "
+                             "location, so it cannot be written")
     if isinstance(out, np.ma.MaskedArray) and np.ma.is_masked(out):
         # numpy's ufuncs replace out's mask by the result's; a mask left in place would hide results
         # written under it, and clearing it unasked would lose the caller's mask.

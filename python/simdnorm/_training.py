@@ -554,6 +554,8 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
         for name, a in (("scale", scale), ("bias", bias), ("fused_add", fa), ("out", out)):
             if a is not None:
                 check_extent(name, a)
+        if out is not None:
+            check_out(out, x)
     if (running_mean is None) != (running_var is None):
         raise DescriptorError("running_mean, running_var: give both or neither")
     m = 0.0

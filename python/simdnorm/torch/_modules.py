@@ -56,7 +56,8 @@ def _state(m: nn.Module, *names: str) -> tuple:
     compute them, so it goes through getattr."""
     if type(m) in _OWN:
         p, b = m._parameters, m._buffers
-        return tuple(p[n] if n in p else b.get(n) for n in names)
+        # (neither: a plain attribute, as an old-style weight_norm's weight or a tensor set by hand)
+        return tuple(p[n] if n in p else b[n] if n in b else getattr(m, n, None) for n in names)
     return tuple(getattr(m, n) for n in names)
 
 
@@ -141,6 +142,8 @@ class _BatchNormForward(_BatchNorm):
         if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         rm, rv, w, b = _state(self, "running_mean", "running_var", "weight", "bias")
+        if input.dim() < 2 or input.shape[1] != self.num_features:
+            return super().forward(input)  # (its dims' or channels' error, as torch.nn words it)
         direct = _direct(input, w, b)
         if not self.training and rm is not None and rv is not None and direct:
             self._check_input_dim(input)
@@ -207,7 +210,7 @@ class _InstanceNormForward(_InstanceNorm):
     def _apply_instance_norm(self, input: Tensor) -> Tensor:
         rm, rv = self.running_mean, self.running_var
         if ((rm is None) != (rv is None) or not _routes.takes(input, self.weight, self.bias, rm, rv)
-                or input.dim() < 3 or _onnx_exporting()):
+                or input.dim() < 3 or (rm is not None and rm.shape != (input.shape[1],)) or _onnx_exporting()):
             return super()._apply_instance_norm(input)
         if not self.training and self.track_running_stats and rm is not None:  # torch.nn's use_input_stats
             return _bn(input, rm, rv, self.weight, self.bias, **_given({}, epsilon=self.eps))

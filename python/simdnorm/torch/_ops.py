@@ -81,20 +81,26 @@ def _as_numpy(t: torch.Tensor, writeable: bool = False, name: str = "input") -> 
     (numpy() is tried first: a test before it would cost every call.)"""
     try:
         return t.numpy()
-    except TypeError:  # a dtype numpy cannot hold
+    except (TypeError, RuntimeError) as e:
+        error = e
+    if t.layout is not torch.strided:  # (sparse: no memory of its shape to read)
+        raise TypeError(f"{name}: a torch tensor of layout {t.layout}; simdnorm reads dense (strided) tensors' "
+                        "memory: pass t.to_dense()")
+    if isinstance(error, TypeError):  # a dtype numpy cannot hold
         if t.dtype is _BF16:
             if t.is_neg():
                 return _as_numpy(resolved_negative(t, name, writeable), writeable, name)
             return t.view(torch.int16).numpy().view(_np_bf16())
         raise TypeError(f"dtype {t.dtype} is not accepted: simdnorm takes "
                         f"{', '.join(map(str, _ACCEPTED))}") from None
-    except RuntimeError as e:  # requires grad (a caller outside the Autograd kernel), the negative bit,
-        if t.is_neg():         # or no memory to read (a torch.func transform's wrapper)
-            return _as_numpy(resolved_negative(t, name, writeable), writeable, name)
-        if t.requires_grad:
-            return _as_numpy(t.detach(), writeable, name)
-        raise TypeError(f"{name}: simdnorm reads a tensor's memory, and this one has none to read ({e}); "
-                        "under torch.func transforms call the torch.ops.simdnorm ops") from None
+    # RuntimeError: requires grad (a caller outside the Autograd kernel), the negative bit, or no
+    # memory to read (a torch.func transform's wrapper)
+    if t.is_neg():
+        return _as_numpy(resolved_negative(t, name, writeable), writeable, name)
+    if t.requires_grad:
+        return _as_numpy(t.detach(), writeable, name)
+    raise TypeError(f"{name}: simdnorm reads a tensor's memory, and this one has none to read ({error}); "
+                    "under torch.func transforms call the torch.ops.simdnorm ops") from None
 
 
 def _as_out(t: torch.Tensor, name: str = "out") -> np.ndarray:
@@ -1075,14 +1081,24 @@ def _not_differentiable(qualname: str, op: Any, cpu: Callable) -> Callable:
 _PLAIN_CPU_MUTATING = _PLAIN_CPU | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
 
 
+def _written(op: Any) -> Callable:
+    """written(args, kwargs): a mutating op's written arguments, as (name, tensor) pairs."""
+    pos = [(i, a.name) for i, a in enumerate(op._schema.arguments) if a.is_write and not a.kwarg_only]
+    kws = [a.name for a in op._schema.arguments if a.is_write and a.kwarg_only]
+
+    def written(args, kwargs):
+        return [(n, args[i]) for i, n in pos if i < len(args)] + [(k, kwargs.get(k)) for k in kws]
+
+    return written
+
+
 def _mutated(op: Any) -> Callable:
     """bump(args, kwargs): autograd must see a mutating op's arguments change (their version)."""
-    pos = [i for i, a in enumerate(op._schema.arguments) if a.is_write and not a.kwarg_only]
-    kws = [a.name for a in op._schema.arguments if a.is_write and a.kwarg_only]
+    written = _written(op)
     increment = torch.autograd.graph.increment_version
 
     def bump(args, kwargs):
-        for t in [args[i] for i in pos if i < len(args)] + [kwargs.get(k) for k in kws]:
+        for _, t in written(args, kwargs):
             if t is not None:
                 increment(t)
 
@@ -1102,6 +1118,7 @@ def _no_autograd(qualname: str, op: Any, cpu: Callable, out: bool = True) -> Cal
     kernel's work itself."""
     redispatch = op._handle.redispatch_boxed
     bump = _mutated(op)
+    written = _written(op)
 
     def kernel(keyset, *args, **kwargs):
         if _grad_enabled() and _any_requires_grad(*args, **kwargs):
@@ -1114,6 +1131,9 @@ def _no_autograd(qualname: str, op: Any, cpu: Callable, out: bool = True) -> Cal
             result = cpu(*args, **kwargs)
             bump(args, kwargs)
             return result
+        for name, t in written(args, kwargs):  # (torch's negative-bit fallback would write a copy)
+            if isinstance(t, torch.Tensor) and t.is_neg():
+                resolved_negative(t, name, writeable=True)
         with _below_autograd():
             return redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
 
@@ -1144,6 +1164,25 @@ def _out_kernel(kernel: Callable, returns: str) -> Callable:
     return out_kernel
 
 
+def _on_one_device(fake: Callable) -> Callable:
+    """A fake kernel is also the op's Meta kernel, which the dispatcher picks when any argument is
+    a meta tensor: a CPU call with one meta parameter would return uninitialized CPU tensors. Such a
+    call gets torch's own error for tensors on two devices."""
+    @functools.wraps(fake)
+    def checked(*args, **kwargs):
+        device = None
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor):
+                if device is None:
+                    device = t.device
+                elif t.device != device:
+                    raise RuntimeError("Expected all tensors to be on the same device, but found at least two "
+                                       f"devices, {device} and {t.device}!")
+        return fake(*args, **kwargs)
+
+    return checked
+
+
 def _declaring_inductor_fallbacks(fake: Callable) -> Callable:
     @functools.wraps(fake)
     def declaring(*args, **kwargs):
@@ -1158,7 +1197,7 @@ def _register() -> None:
     for name, args, returns in _TABLE:
         _LIB.define(SCHEMAS[name])
         _LIB.define(SCHEMAS[name + ".out"])
-        kernel, fake = g[name], g["_fake_" + name]
+        kernel, fake = g[name], _on_one_device(g["_fake_" + name])
         _LIB.impl(name, kernel, "CPU")
         out_kernel = _out_kernel(kernel, returns)
         _LIB.impl(name + ".out", out_kernel, "CPU")
@@ -1179,7 +1218,7 @@ def _register() -> None:
     for name, args, returns in _MUTATING:
         _LIB.define(SCHEMAS[name])
         _LIB.impl(name, g[name], "CPU")
-        torch.library.register_fake(f"simdnorm::{name}", g["_fake_" + name], lib=_LIB)
+        torch.library.register_fake(f"simdnorm::{name}", _on_one_device(g["_fake_" + name]), lib=_LIB)
         op = getattr(_ops, name).default
         _LIB.impl(name, _no_autograd(f"simdnorm::{name}", op, g[name], out=False), "Autograd", with_keyset=True)
         _LIB.impl(name, _bump_versions(op), "ADInplaceOrView", with_keyset=True)
@@ -1296,6 +1335,55 @@ def _call_op(name: str, kw: Dict[str, Any]) -> Any:
     return op(*args, **kwargs)
 
 
+class _Shape:
+    """An input's numpy dtype and shape: what the plain functions' shape rules read."""
+
+    __slots__ = ("dtype", "shape", "ndim")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.dtype = _np_bf16() if x.dtype is _BF16 else np.dtype(str(x.dtype)[6:])
+        self.shape = tuple(x.shape)
+        self.ndim = len(self.shape)
+
+
+def _check_as_plain(name: str, kw: Dict[str, Any], running: Dict[str, Any]) -> None:
+    """The plain function's own rules on the call's scalars and shapes, before the op: the same
+    errors as on arrays (the op's schema parsing words a wrong type its own way, and under vmap a
+    sample's shape meets the op's batched one), and the running statistics untouched by a call
+    that raises."""
+    from .. import _descriptors as d, _training as t
+    from .._api import group_split
+
+    x = kw["x"]
+    if x.dtype not in _ACCEPTED or not all(type(n) is int for n in x.shape):
+        return  # (the op refuses such a dtype by name; symbolic sizes: its fake kernel checks them)
+    s = _Shape(x)
+    d.check_epsilon(kw.get("epsilon", 1e-5), s.dtype)
+    ca = kw.get("channel_axis", 1)
+    if name in ("layer_norm", "rms_norm"):
+        d.trailing_axes_rule(s, kw.get("axis", -1))
+    elif name == "mean_variance_normalization":
+        d.normalize_axes(kw.get("axes"), s.ndim)
+    elif name == "instance_norm":
+        d.spatial_axes_rule(s, d.channel_axis_rule(s, ca, "instance_norm"))
+    elif name == "group_norm":
+        group_split(s, kw.get("num_groups"), ca)
+    elif s.ndim > 1:
+        ca = d.normalize_axis("channel_axis", ca, s.ndim)
+    rm, rv = running.get("running_mean"), running.get("running_var")
+    if rm is None and rv is None:
+        return
+    if (rm is None) != (rv is None):
+        raise d.DescriptorError("running_mean, running_var: give both or neither")
+    t._momentum(running.get("momentum"), running.get("momentum_convention", "pytorch"),
+                running.get("num_batches_tracked"))
+    same = [tuple(np.shape(p)) for p in (kw.get("scale"), kw.get("bias")) if p is not None and np.ndim(p) == s.ndim]
+    if same or s.ndim > 1:
+        stats = same[0] if same else (s.shape[ca],)
+        for n, r in (("running_mean", rm), ("running_var", rv)):
+            t._running(r, n, stats, s)
+
+
 def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
     """The plain function `name` called with `kw` (its arguments by name, x a torch tensor), through
     the op of the same name; the results as the plain function returns them."""
@@ -1306,6 +1394,8 @@ def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
                         "into out=: leave out= out, or call under torch.no_grad()")
     return_stats = kw.pop("return_stats", False)
     running = {k: kw.pop(k) for k in _RUNNING if k in kw}
+    if not torch.compiler.is_compiling():  # (a trace's tensors are checked by the op's fake kernel)
+        _check_as_plain(name, kw, running)
     res = _call_op(name, kw)
     if name == "batch_normalization":
         return res

@@ -40,6 +40,7 @@ _HUGE_ELEMENTS = _core.huge_block_min_elements  # (4 MB of float32)
 _mvn = _core.mvn
 _batch_norm = _core.batch_norm
 _F64 = torch.float64
+_STRIDED = torch.strided
 _F32 = torch.float32
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HALF = (torch.float16, torch.bfloat16)
@@ -68,10 +69,11 @@ def empty_cache() -> int:
 
 
 def takes(x: Tensor, *params: Optional[Tensor]) -> bool:
-    """Whether simdnorm computes a module's call as torch.nn would: a non-empty CPU tensor of 1 to
-    8 dims in one of its dtypes, each parameter of the input's dtype or, for 16-bit data, float32
+    """Whether simdnorm computes a module's call as torch.nn would: a non-empty dense CPU tensor of 1
+    to 8 dims in one of its dtypes, each parameter of the input's dtype or, for 16-bit data, float32
     (the mixed precision torch.nn takes too); not a nested tensor (whose rows torch.nn normalizes)."""
-    if x.is_nested or not x.is_cpu or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8 or x.numel() == 0:
+    if (x.is_nested or not x.is_cpu or x.layout is not _STRIDED or x.dtype not in _FLOATS or not 1 <= x.dim() <= 8
+            or x.numel() == 0):
         return False
     xd = x.dtype
     for p in params:
