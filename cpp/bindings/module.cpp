@@ -135,18 +135,27 @@ std::optional<TensorView> optional_param(py::handle obj, const char* name, const
 }
 
 // The bytes [lo, hi) that an array of ndim sizes and byte strides addresses from data; false when
-// it has no elements. (The spans fit: the array's extent was checked, by check_extent or numpy.)
+// it has no elements. An extent past int64 (a view not yet checked: its kernel refuses it) gives
+// the whole address space: it may overlap anything.
 template <class I>
 bool byte_range(const void* data, int ndim, const I* sizes, const I* strides, int64_t item, uintptr_t& lo,
                 uintptr_t& hi) {
   int64_t below = 0, above = 0;
+  bool overflow = false;
   for (int d = 0; d < ndim; ++d) {
     if (sizes[d] == 0) return false;
-    const int64_t span = static_cast<int64_t>(sizes[d] - 1) * static_cast<int64_t>(strides[d]);
-    (span < 0 ? below : above) += span;
+    int64_t span;
+    overflow |= __builtin_mul_overflow(static_cast<int64_t>(sizes[d] - 1), static_cast<int64_t>(strides[d]), &span);
+    overflow |= __builtin_add_overflow(span < 0 ? below : above, span, span < 0 ? &below : &above);
   }
-  lo = reinterpret_cast<uintptr_t>(data) + below;
-  hi = reinterpret_cast<uintptr_t>(data) + above + item;
+  int64_t top;
+  overflow |= __builtin_add_overflow(above, item, &top);
+  if (overflow) {
+    lo = 0, hi = UINTPTR_MAX;
+    return true;
+  }
+  lo = reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(below);  // (below <= 0: wraps down)
+  hi = reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(top);
   return true;
 }
 
@@ -602,9 +611,10 @@ py::object call_dlpack(py::handle producer, const char* name) {
   if (cap != nullptr) return py::reinterpret_steal<py::object>(cap);
   py::error_already_set e;
   if (!e.matches(PyExc_Exception) || e.matches(PyExc_MemoryError)) throw e;
+  std::string cause = py::str(e.value()).cast<std::string>();
+  cause = cause.substr(0, cause.find('\n'));  // (torch's C++ errors go on with a stack trace; chained below)
   const std::string msg = std::string(name) + ": cannot read this " + type_name(producer) + " through DLPack: its " +
-                          what + " raised " + py::str(e.type().attr("__name__")).cast<std::string>() + ": " +
-                          py::str(e.value()).cast<std::string>();
+                          what + " raised " + py::str(e.type().attr("__name__")).cast<std::string>() + ": " + cause;
   py::raise_from(e, PyExc_TypeError, msg.c_str());
   throw py::error_already_set();
 }
