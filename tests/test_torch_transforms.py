@@ -579,6 +579,17 @@ def test_make_fx_records_the_plain_functions_ops(rng, mode):
     with pytest.raises(TypeError, match="dispatch mode"):
         make_fx(lambda x: torch.from_numpy(simdnorm.moments(x, (0,)).mean) + x, tracing_mode=mode)(x)
 
+    def train(x, rm, rv):  # the running statistics' update is an op of the graph too
+        return simdnorm.batch_normalization_training(x, running_mean=rm, running_var=rv, channel_axis=-1)[0]
+
+    gm = make_fx(train, tracing_mode=mode)(x, torch.zeros(5, dtype=D), torch.ones(5, dtype=D))
+    assert "simdnorm.update_running_stats_.default" in [str(n.target) for n in gm.graph.nodes]
+    got_stats, want_stats = (torch.zeros(5, dtype=D), torch.ones(5, dtype=D)), (torch.zeros(5, dtype=D),
+                                                                              torch.ones(5, dtype=D))
+    torch.testing.assert_close(gm(x2, *got_stats), train(x2, *want_stats), rtol=0, atol=0)
+    for got, want in zip(got_stats, want_stats):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
 
 def test_plain_function_errors_under_vmap_as_without(rng):
     x = torch.from_numpy(rng.standard_normal((3, 4, 5)))

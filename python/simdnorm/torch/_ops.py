@@ -1394,8 +1394,8 @@ def call_differentiable(name: str, kw: Dict[str, Any]) -> Any:
                         "into out=: leave out= out, or call under torch.no_grad()")
     return_stats = kw.pop("return_stats", False)
     running = {k: kw.pop(k) for k in _RUNNING if k in kw}
-    if not torch.compiler.is_compiling():  # (a trace's tensors are checked by the op's fake kernel)
-        _check_as_plain(name, kw, running)
+    if not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()):
+        _check_as_plain(name, kw, running)  # (a trace's or a mode's tensors: the op's fake kernel checks)
     res = _call_op(name, kw)
     if name == "batch_normalization":
         return res
