@@ -199,13 +199,17 @@ def _tracing_mode(torch: Any) -> bool:
     return any(type(m).__name__ in _TRACING_MODES for m in _get_current_dispatch_mode_stack())
 
 
+def sparse_error(name: str, layout: Any) -> TypeError:
+    return TypeError(f"{name}: a torch tensor of layout {layout}; simdnorm reads dense (strided) tensors' memory: "
+                     "pass t.to_dense()")
+
+
 def _refuse_sparse(torch: Any, kw: dict) -> None:
     """A sparse tensor among the arguments (torch's numpy() and DLPack exports fail each their own
     way): a TypeError naming it. Asked only once a call has failed (it costs as much as a call)."""
     for k, v in kw.items():
         if isinstance(v, torch.Tensor) and v.layout is not torch.strided:
-            raise TypeError(f"{'input' if k == 'x' else k}: a torch tensor of layout {v.layout}; simdnorm reads "
-                            "dense (strided) tensors' memory: pass t.to_dense()") from None
+            raise sparse_error("input" if k == "x" else k, v.layout) from None
 
 
 def follow_input(fn: Callable[..., Any], args: dict) -> Any:

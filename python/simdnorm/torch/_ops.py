@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._compile import _transformed as _tensor_transformed, _transforming, resolved_negative
+from .._compile import _transformed as _tensor_transformed, _transforming, resolved_negative, sparse_error
 from .._descriptors import is_bfloat16
 from .._training import update_running
 from .. import _core
@@ -84,8 +84,7 @@ def _as_numpy(t: torch.Tensor, writeable: bool = False, name: str = "input") -> 
     except (TypeError, RuntimeError) as e:
         error = e
     if t.layout is not torch.strided:  # (sparse: no memory of its shape to read)
-        raise TypeError(f"{name}: a torch tensor of layout {t.layout}; simdnorm reads dense (strided) tensors' "
-                        "memory: pass t.to_dense()")
+        raise sparse_error(name, t.layout)
     if isinstance(error, TypeError):  # a dtype numpy cannot hold
         if t.dtype is _BF16:
             if t.is_neg():
