@@ -441,6 +441,42 @@ def test_compiled_operators_follow_the_input(rng, dtype):
     np.testing.assert_allclose(rm.numpy(), 0.1 * bm.numpy(), rtol=1e-6)
 
 
+def test_compiled_operators_differentiate_with_their_descriptors_attributes(rng):
+    """A compiled operator on a tensor that requires grad runs the torch op (SPEC section 10) with
+    the descriptor's epsilon, activation, channel axis and axes, not the functions' defaults; its
+    tensors are checked against the descriptors as arrays are."""
+    pytest.importorskip("simdnorm.torch", reason="simdnorm.torch needs torch")
+    td = simdnorm.TensorDesc
+    x = tensor(rng, (2, 3, 4, 5), F32)
+    m, v = tensor(rng, (5,), F32), torch.rand(5) + 0.5
+    op = simdnorm.compile(simdnorm.BatchNormalizationDesc(td(F32, x.shape), td(F32, (5,)), td(F32, (5,)),
+                                                          epsilon=3.0, activation="leaky_relu", channel_axis=-1))
+    mop = simdnorm.compile(simdnorm.MeanVarianceNormalizationDesc(td(F32, x.shape), (1, 3), epsilon=0.5,
+                                                                  epsilon_mode="outside", activation="relu"))
+    for f, args in ((op, (m, v)), (mop, ())):
+        want = f(x, *args)
+        xg = x.clone().requires_grad_()
+        got = f(xg, *args)
+        assert got.grad_fn is not None
+        assert torch.equal(got.detach(), want), f.desc
+        # the gradient of the described op, not of the defaults'
+        g = torch.autograd.grad(got, xg, torch.ones_like(got))[0]
+        eps = 1e-3
+        xp, xm = x.clone(), x.clone()
+        xp[0, 1, 2, 3] += eps
+        xm[0, 1, 2, 3] -= eps
+        fd = (f(xp, *args).double().sum() - f(xm, *args).double().sum()) / (2 * eps)
+        assert abs(g[0, 1, 2, 3].item() - fd.item()) < 2e-2 * max(1.0, abs(fd.item())), (g[0, 1, 2, 3], fd)
+    with pytest.raises(simdnorm.DescriptorError, match="input: shape"):
+        op(torch.zeros(2, 3, 4, 6, requires_grad=True), m, v)
+    with pytest.raises(TypeError, match="mean: dtype float64"):
+        op(x.clone().requires_grad_(), m.double(), v)
+    with pytest.raises(simdnorm.DescriptorError, match="no scale tensor"):
+        op(x.clone().requires_grad_(), m, v, torch.ones(5))
+    f = torch.compile(lambda t: mop(t), fullgraph=True)
+    assert torch.equal(f(x), mop(x))
+
+
 # ----------------------------------------------------------------------------------------------
 # what is refused, and what is never written
 # ----------------------------------------------------------------------------------------------

@@ -212,6 +212,35 @@ def _refuse_sparse(torch: Any, kw: dict) -> None:
             raise sparse_error("input" if k == "x" else k, v.layout) from None
 
 
+def _as_function_args(fn: Callable[..., Any], kw: dict) -> dict:
+    """The arguments of the plain function named fn.__name__: kw itself, or for a compiled operator
+    (which the op records in its stead) its arrays checked against its descriptors and the
+    descriptor's attributes added (epsilon, axes, activation, ...)."""
+    descs = getattr(fn, "arg_descs", None)
+    if descs is None:
+        return kw
+    for arg, (name, d) in descs.items():
+        a = kw.get(arg)
+        if not is_tensor(a):
+            kw[arg] = check_arg(name, a, d)
+        elif d is None or (str(a.dtype).rpartition(".")[2], tuple(a.shape)) != (dtype_name(d.dtype), d.sizes) or (
+                d.strides is not None and tuple(a.stride()) != d.strides):
+            raise _tensor_mismatch(name, a, d)
+    return {**kw, **fn.desc_args}
+
+
+def _tensor_mismatch(name: str, t: Any, d: Optional[TensorDesc]) -> Exception:
+    if d is None:
+        return _mismatch(name, t, d)
+    dt = str(t.dtype).rpartition(".")[2]
+    if dt != dtype_name(d.dtype):
+        return DescriptorTypeError(f"{name}: dtype {dt} does not match the compiled descriptor's {dtype_name(d.dtype)}")
+    if tuple(t.shape) != d.sizes:
+        return DescriptorError(f"{name}: shape {tuple(t.shape)} does not match the compiled descriptor's sizes {d.sizes}")
+    return DescriptorError(f"{name}: strides {tuple(t.stride())} (elements) do not match the compiled descriptor's "
+                           f"strides {d.strides}")
+
+
 def follow_input(fn: Callable[..., Any], args: dict) -> Any:
     """Run the public function fn on numpy views of a torch input x and of a DLPack out=, and give
     the results the caller's type (SPEC section 10). args: fn's locals() at the call (fn's own
@@ -232,7 +261,7 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
         from .torch._ops import call_backward, call_differentiable
 
         if fn.__name__ in _DIFFERENTIABLE:
-            return call_differentiable(fn.__name__, kw)
+            return call_differentiable(fn.__name__, _as_function_args(fn, kw))
         if fn.__name__.endswith("_backward"):
             return call_backward(fn.__name__, kw)
         raise _refuse_transformed(fn.__name__)
@@ -241,7 +270,7 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
             getattr(kw.get(k), "requires_grad", False) for k in _DIFFERENTIABLE[fn.__name__])):
         from .torch._ops import call_differentiable  # (loads simdnorm.torch: torch is loaded already)
 
-        return call_differentiable(fn.__name__, kw)
+        return call_differentiable(fn.__name__, _as_function_args(fn, kw))
     if transformed:
         raise _refuse_transformed(fn.__name__)
     try:
@@ -507,6 +536,10 @@ def _gen_body(name: str, params, ns, kernel_call: str, out_desc: TensorDesc, ret
         st_cond = " or out.strides != OUT_T"
     ns["_run_overlapping"] = run_overlapping
     plist = "".join(f", {a}" for a, d in params if d is not None)
+    # (the locals the lambda reads, bound as defaults: a closure would make them cells, which
+    # locals() hands torch.compile unbound where the call follows a tensor input before they are set)
+    bound = "".join(f", {v}={v}" for v in ["x", *(a for a, d in params if d is not None), *(
+        v for v in ("mo", "so") if v in kernel_call)])
     return f"""    if out is None:
         out = _empty_like(x, subok=False)
         {kernel_call.format(target="out", check="False")}
@@ -517,7 +550,7 @@ def _gen_body(name: str, params, ns, kernel_call: str, out_desc: TensorDesc, ret
             return _follow({name}, locals())
         _check_out(out, x, OUT_DESC)
     if not {kernel_call.format(target="out", check="True")}:
-        _run_overlapping(lambda o, check: {kernel_call.format(target="o", check="check")}, out, x{plist})
+        _run_overlapping(lambda o, check{bound}: {kernel_call.format(target="o", check="check")}, out, x{plist})
     return {ret}
 """
 
@@ -563,6 +596,8 @@ def _compile_bn(desc: BatchNormalizationDesc):
     fn = _gen_operator("batch_normalization", "x, mean, variance, scale=None, bias=None, *, out=None", info,
                        params, "_core.batch_norm(x, ARGS, {target}, EPS, ACT, CA, {check})", ns)
     fn.desc = desc
+    fn.arg_descs = {"x": ("input", info.input), **{a: (a, d) for a, d in params}}
+    fn.desc_args = {"epsilon": desc.epsilon, "activation": desc.activation, "channel_axis": desc.channel_axis}
     fn.__doc__ = "op(x, mean, variance, scale=None, bias=None, *, out=None): a compiled batch normalization."
     return fn
 
@@ -586,6 +621,10 @@ def _compile_mvn(desc: MeanVarianceNormalizationDesc):
                        "_core.mvn(x, AXES, ARGS, {target}, EPS, NM, NV, EO, ACT, mo, so, -1, {check})", ns,
                        before_call=stats, ret="(out, mo, so) if return_stats else out")
     fn.desc = desc
+    fn.arg_descs = {"x": ("input", info.input), "scale": ("scale", info.scale), "bias": ("bias", info.bias)}
+    fn.desc_args = {"axes": desc.axes, "normalize_mean": desc.normalize_mean, "normalize_variance":
+                    desc.normalize_variance, "epsilon": desc.epsilon, "epsilon_mode": desc.epsilon_mode,
+                    "activation": desc.activation}
     fn.__doc__ = ("op(x, scale=None, bias=None, *, out=None, return_stats=False): a compiled "
                   "mean-variance normalization.")
     return fn
