@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -236,7 +237,8 @@ DASK_CASES = int(os.environ.get("SIMDNORM_DASK_FUZZ_CASES", "60"))
 
 
 def _random_chunks(rng, shape):
-    """Each dim whole, cut at 1-3 random points, or in chunks of 1."""
+    """Each dim whole, cut at 1-3 random points, or in chunks of 1; now and then with an empty
+    chunk among them (dask allows them)."""
     chunks = []
     for n in shape:
         kind = rng.integers(0, 4)
@@ -248,6 +250,9 @@ def _random_chunks(rng, shape):
             cuts = sorted(set(rng.integers(1, n, size=min(int(kind), n - 1)).tolist()))
             edges = [0, *cuts, n]
             chunks.append(tuple(b - a for a, b in zip(edges, edges[1:])))
+        if rng.random() < 0.1:
+            at = int(rng.integers(0, len(chunks[-1]) + 1))
+            chunks[-1] = chunks[-1][:at] + (0,) + chunks[-1][at:]
     return tuple(chunks)
 
 
@@ -292,6 +297,34 @@ def test_empty_arrays(rng):
         np.testing.assert_array_equal(inv, winv)
     y, mean, inv = materialize(*sd.group_norm(da.zeros((2, 0, 3), dtype=F32), 3, return_stats=True))
     assert y.shape == (2, 0, 3) and mean.shape == (2, 3) and np.isnan(mean).all() and np.isnan(inv).all()
+    # the statistics merged across chunks where another dim is empty, or from an empty chunk
+    for shape, chunks, axes in (((6, 0), 3, 0), ((6, 0, 4), 3, (0, 2)), ((6, 7), ((3, 0, 3), (7,)), 0),
+                                ((6, 7), ((3, 3), (0, 7)), 0)):
+        x = offset(rng, shape, F32)
+        y, mean, inv = materialize(*sd.mean_variance_normalization(lazy(x, chunks), axes, return_stats=True))
+        wy, wmean, winv = simdnorm.mean_variance_normalization(x, axes, return_stats=True)
+        np.testing.assert_allclose(y, wy, rtol=1e-6, atol=1e-6, err_msg=f"{shape} {chunks}")
+        np.testing.assert_allclose(mean, wmean, rtol=1e-7, err_msg=f"{shape} {chunks}")
+        y, bm, bv = materialize(*sd.batch_normalization_training(lazy(x, chunks), channel_axis=x.ndim - 1))
+        assert y.shape == shape and bm.shape == bv.shape == (shape[-1],)
+
+
+def test_no_numpy_warnings_where_the_in_memory_ops_give_none(rng):
+    """The tasks' numpy arithmetic on a constant group with epsilon 0 (0 * inf) or a variance
+    float32 cannot hold is as silent as the kernels, with the same values."""
+    const = np.full((4, 6), 3.0, F32)
+    wide = (3e38 * rng.choice([-1.0, 1.0], (4, 6))).astype(F32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, m, v = materialize(*sd.batch_normalization_training(lazy(const, 2), channel_axis=1, epsilon=0.0,
+                                                              fused_add=lazy(const, 2)))
+        want = simdnorm.batch_normalization_training(const, channel_axis=1, epsilon=0.0, fused_add=const)
+        for got, w in zip((y, m, v), want):
+            np.testing.assert_array_equal(got, w)
+        y, m, v = materialize(*sd.batch_normalization_training(lazy(wide, 2), channel_axis=1))
+        want = simdnorm.batch_normalization_training(wide, channel_axis=1)
+        np.testing.assert_allclose(y, want[0], rtol=1e-6)
+        np.testing.assert_array_equal(v, want[2])
 
 
 def test_tiny_spread_beyond_float32_variances(rng):

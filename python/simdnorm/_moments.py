@@ -251,7 +251,10 @@ def merge_record(rec: np.ndarray, axes: Tuple[int, ...]) -> np.ndarray:
     """A record array's Moments merged along ``axes`` (kept as 1), pairwise in their row-major order."""
     kept = [d for d in range(rec.ndim) if d not in axes]
     moved = np.transpose(rec, kept + sorted(axes))
-    flat = moved.reshape(moved.shape[:len(kept)] + (-1,))
+    parts = 1
+    for d in axes:
+        parts *= rec.shape[d]
+    flat = moved.reshape(moved.shape[:len(kept)] + (parts,))  # (not -1: a kept dim may be 0)
     out_shape = tuple(1 if d in axes else rec.shape[d] for d in range(rec.ndim))
     out = np.zeros(out_shape, RECORD)  # no parts at all: the identity
     if flat.shape[-1]:

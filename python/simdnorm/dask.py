@@ -126,8 +126,8 @@ def _aligned(p: Any, shape: Tuple[int, ...], x: "da.Array") -> Any:
     if p is None:
         return None
     chunks = tuple(x.chunks[d] if shape[d] == x.shape[d] else (shape[d],) for d in range(x.ndim))
-    if isinstance(p, da.Array):
-        return p.reshape(shape).rechunk(chunks)
+    if isinstance(p, da.Array):  # (in one chunk first: dask's reshape fails on empty chunks)
+        return p.rechunk(-1).reshape(shape).rechunk(chunks)
     return da.from_array(p.reshape(shape), chunks=chunks)
 
 
@@ -219,18 +219,32 @@ def _second(rec, nm):
     return var if nm else var + rec["mean"] * rec["mean"]
 
 
+def _quiet(fn):
+    """fn under np.errstate(all="ignore"): the numpy arithmetic of a task (inf, NaN, a float32
+    overflow) warns where the in-memory ops' kernels give the same values silently."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+    return run
+
+
+@_quiet
 def _mean_stat(rec, *, sdt):
     return rec["mean"].astype(sdt)
 
 
+@_quiet
 def _inv_std_stat(rec, *, nm, eps, outside, sdt):
     return inv_std_of(_second(rec, nm), eps, outside).astype(sdt)
 
 
+@_quiet
 def _variance_stat(rec, *, sdt):
     return _variance(rec).astype(sdt)
 
 
+@_quiet
 def _normalize_task(xb, rec, sb, bb, fab, *, nm, nv, eps, outside, act, threads):
     """One chunk normalized with statistics merged from all chunks: batch norm's kernel with
     shift = mean and variance (and epsilon) chosen so that 1 / sqrt(variance + epsilon) is MVN's
@@ -253,6 +267,7 @@ def _normalize_task(xb, rec, sb, bb, fab, *, nm, nv, eps, outside, act, threads)
         return _composed(xb, shift, inv_std_of(var, e, False), sb, bb, fab, act)
 
 
+@_quiet
 def _composed(xb, shift, inv, sb, bb, fab, act):
     """act(scale * (x - shift) * inv + bias + fused_add) in the compute type, rounded once at the end
     (the in-memory batch_normalization_training's way for a fused add)."""
@@ -575,6 +590,6 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     meta = _meta(x.ndim, sdt)
     mean = rec.map_blocks(_mean_stat, sdt=sdt, dtype=sdt, meta=meta)
     var = rec.map_blocks(_variance_stat, sdt=sdt, dtype=sdt, meta=meta)
-    if tuple(sshape) != full:
-        mean, var = mean.reshape(sshape), var.reshape(sshape)
+    if tuple(sshape) != full:  # (C,): the reduced dims dropped (dask's reshape fails on empty chunks)
+        mean, var = (da.squeeze(a, axis=axes).reshape(sshape) for a in (mean, var))
     return res, mean, var
