@@ -245,6 +245,44 @@ def test_fork_after_threaded_use():
 
 
 # ----------------------------------------------------------------------------------------------
+# Daemon threads inside a call when the interpreter exits: the process exits as numpy's would
+# ----------------------------------------------------------------------------------------------
+
+DAEMON_SCRIPT = r"""
+import sys, threading, time
+import numpy as np
+import simdnorm
+x = np.ones((256, 4096), np.float32)
+_, m, inv = simdnorm.layer_norm(x, return_stats=True)
+calls = {
+    "layer_norm": lambda: simdnorm.layer_norm(x),
+    "batch_normalization_training": lambda: simdnorm.batch_normalization_training(x, channel_axis=1),
+    "layer_norm_backward": lambda: simdnorm.layer_norm_backward(x, x, m, inv),
+}
+started = threading.Event()
+def loop(call):
+    started.set()
+    while True:
+        call()
+for _ in range(2):
+    threading.Thread(target=loop, args=(calls[sys.argv[1]],), daemon=True).start()
+started.wait()
+time.sleep(0.05)
+print("exiting")
+"""
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "batch_normalization_training", "layer_norm_backward"])
+def test_daemon_threads_inside_calls_at_exit(op):
+    """A daemon thread that retakes the GIL while the interpreter finalizes is ended by Python
+    (pthread_exit before 3.14): a call releasing the GIL must let that unwind pass, not abort."""
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", DAEMON_SCRIPT, op], env=clean_env(), capture_output=True, text=True,
+                           timeout=120, check=False)
+        assert r.returncode == 0 and r.stdout.strip() == "exiting", (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+# ----------------------------------------------------------------------------------------------
 # Worker threads that cannot start: the call still completes, with the same bits
 # ----------------------------------------------------------------------------------------------
 

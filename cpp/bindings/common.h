@@ -24,12 +24,20 @@ inline int64_t element_count(const TensorView& v) {
 constexpr int64_t kReleaseGilElements = 1 << 14;
 
 // f() with the GIL released, where this thread holds it (torch calls its kernels without) and the
-// call is large enough.
+// call is large enough. Not pybind11's gil_scoped_release: a daemon thread that retakes the GIL
+// while the interpreter finalizes is ended by pthread_exit (Python before 3.14), whose unwinding
+// std::terminate stops at a noexcept frame, as that class's destructor is: the process aborted.
 template <class F>
 void run_without_gil(int64_t elements, F&& f) {
   if (elements < kReleaseGilElements || !PyGILState_Check()) return f();
-  pybind11::gil_scoped_release release;
-  f();
+  PyThreadState* const state = PyEval_SaveThread();
+  try {
+    f();
+  } catch (...) {
+    PyEval_RestoreThread(state);
+    throw;
+  }
+  PyEval_RestoreThread(state);
 }
 
 // p seen with x's rank: a 1-D p goes to channel_axis when one is given (batch norm's (C,)
