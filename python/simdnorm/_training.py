@@ -260,30 +260,39 @@ def _backward(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Option
             sums = (gs, gb)
         else:
             sums = np.zeros(shape, np.float64)
+    # (before grad_input is written: out may be grad_output itself)
+    gf = None if fused_add is None else _grad_fused_add(dy, x, axes, mean, inv_std, scale, bias, fused_add, eps, nm, nv,
+                                                        eo, act, terms, ca, variance_given)
     if x.size == 0:
         pass  # nothing to write; the sums of nothing are 0
     elif target is not None or sums[0] is not None or sums[1] is not None:
         _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, target, sums[0], sums[1], eps, nm,
                            nv, eo, act, terms, False, ca, False, variance_given)
-    if fused_add is None and (direct or sums_plan is None):
-        return target, gs, gb
+    if direct or sums_plan is None:
+        return (target, gs, gb) if fused_add is None else (target, gs, gb, gf)
     with np.errstate(over="ignore", invalid="ignore"):  # a sum past the parameter's range is inf, as numpy's
-        if sums_plan is not None and not direct:
-            gs = None if to_scale is None else _reduce_to(sums[0], to_scale, scale.dtype)
-            gb = None if to_bias is None else _reduce_to(sums[1], to_bias, bias.dtype)
-        if fused_add is None:
-            return target, gs, gb
-        # grad_fused_add: dy * act'(pre) (in the compute type) summed to fused_add's shape, rounded once
-        if act[0] == 0 or x.size == 0:
-            ga = dy
-        else:
-            ga = np.empty(x.shape, stats_dtype(x.dtype))
-            _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, ga, None, None, eps, nm, nv, eo,
-                               act, terms, True, ca, False, variance_given)
-        full = (1,) * (nd - fused_add.ndim) + fused_add.shape
-        red = tuple(d for d in range(nd) if full[d] == 1 and x.shape[d] != 1)
+        gs = None if to_scale is None else _reduce_to(sums[0], to_scale, scale.dtype)
+        gb = None if to_bias is None else _reduce_to(sums[1], to_bias, bias.dtype)
+    return (target, gs, gb) if fused_add is None else (target, gs, gb, gf)
+
+
+def _grad_fused_add(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: Optional[np.ndarray],
+                    inv_std: Optional[np.ndarray], scale: Optional[np.ndarray], bias: Optional[np.ndarray],
+                    fused_add: np.ndarray, eps: float, nm: bool, nv: bool, eo: bool, act: Tuple[int, float, float],
+                    terms: bool, ca: int, variance_given: bool) -> np.ndarray:
+    """grad_fused_add: dy * act'(pre) (in the compute type) summed to fused_add's shape, rounded once."""
+    nd = x.ndim
+    if act[0] == 0 or x.size == 0:
+        ga = dy
+    else:
+        ga = np.empty(x.shape, stats_dtype(x.dtype))
+        _core.mvn_backward(x, dy, axes, mean, inv_std, scale, bias, fused_add, ga, None, None, eps, nm, nv, eo,
+                           act, terms, True, ca, False, variance_given)
+    full = (1,) * (nd - fused_add.ndim) + fused_add.shape
+    red = tuple(d for d in range(nd) if full[d] == 1 and x.shape[d] != 1)
+    with np.errstate(over="ignore", invalid="ignore"):  # a sum past the parameter's range is inf, as numpy's
         gf = ga.astype(np.float64).sum(axis=red, keepdims=True) if red else ga
-        return target, gs, gb, np.asarray(gf).reshape(fused_add.shape).astype(fused_add.dtype, copy=True)
+        return np.asarray(gf).reshape(fused_add.shape).astype(fused_add.dtype, copy=True)
 
 
 def _fused_add(fused_add: Any, x: np.ndarray) -> Optional[np.ndarray]:
