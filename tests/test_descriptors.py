@@ -9,6 +9,8 @@ import dataclasses
 import math
 import pickle
 import re
+import subprocess
+import sys
 from fractions import Fraction
 
 import ml_dtypes
@@ -73,6 +75,48 @@ def test_tensor_desc_normalizes():
     assert d == TD(np.float32, (2, 3), (3, 1)) and hash(d) == hash(TD(np.float32, (2, 3), (3, 1)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.sizes = (1,)
+
+
+def test_bfloat16_named_before_ml_dtypes_is_imported():
+    """A descriptor is made before any array exists: "bfloat16" by name is ml_dtypes' bfloat16
+    even in a process that has not imported ml_dtypes (numpy knows the name only after)."""
+    code = (
+        "import sys, simdnorm\n"
+        "assert 'ml_dtypes' not in sys.modules\n"
+        "d = simdnorm.TensorDesc('bfloat16', (2, 3))\n"
+        "d.validate()\n"
+        "import ml_dtypes, numpy as np\n"
+        "assert d.dtype == np.dtype(ml_dtypes.bfloat16)\n"
+        "e = simdnorm.TensorDesc(ml_dtypes.bfloat16, (2, 3))\n"
+        "assert d == e and hash(d) == hash(e)\n"
+        "op = simdnorm.compile(simdnorm.MeanVarianceNormalizationDesc(d, (1,)))\n"
+        "assert op(np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3)).dtype == d.dtype\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_broadcast_input_gets_a_packed_default_output(rng):
+    """Without an output descriptor the output is the input's, or packed where the input's strides
+    broadcast or overlap (no output may): as np.empty_like lays out such an input's result."""
+    x = np.broadcast_to(rng.standard_normal((1, 4, 5)).astype(np.float32), (3, 4, 5))
+    xd = TD.from_array(x, strides=True)
+    assert xd.strides == (0, 5, 1)
+    m, v = np.zeros(4, np.float32), np.ones(4, np.float32)
+    bn = simdnorm.BatchNormalizationDesc(xd, TD("float32", (4,)), TD("float32", (4,)))
+    mvn = simdnorm.MeanVarianceNormalizationDesc(xd, 2)
+    for d in (bn, mvn):
+        assert d.output == TD("float32", x.shape)
+        d.validate()
+    np.testing.assert_array_equal(simdnorm.compile(bn)(x, m, v), simdnorm.batch_normalization(x, m, v))
+    np.testing.assert_array_equal(simdnorm.compile(mvn)(x), simdnorm.mean_variance_normalization(x, 2))
+    overlapping = TD("float32", (3, 4), (1, 1))
+    assert simdnorm.MeanVarianceNormalizationDesc(overlapping, 1).output == TD("float32", (3, 4))
+    transposed = TD("float32", (4, 3), (1, 4))
+    assert simdnorm.MeanVarianceNormalizationDesc(transposed, 1).output is transposed
+    with pytest.raises(simdnorm.DescriptorError, match="output.strides"):  # (given, it is checked)
+        simdnorm.MeanVarianceNormalizationDesc(xd, 2, output=xd).validate()
 
 
 def test_tensor_desc_from_array():

@@ -211,7 +211,11 @@ class TensorDesc:
             try:
                 dt = np.dtype(dt)
             except (TypeError, ValueError):
-                pass  # reported by validate()
+                if isinstance(dt, str) and dt == "bfloat16":  # (numpy knows the name once ml_dtypes is loaded)
+                    import ml_dtypes
+
+                    dt = np.dtype(ml_dtypes.bfloat16)
+                # anything else is reported by validate()
         object.__setattr__(self, "dtype", dt)
         object.__setattr__(self, "sizes", as_int_tuple(self.sizes))
         object.__setattr__(self, "strides", as_int_tuple(self.strides))
@@ -341,21 +345,38 @@ def _check_output(out: TensorDesc, x: TensorDesc, max_dims: int = MAX_DIMS) -> N
 _OVERLAP_EXACT_MAX = 1 << 22
 
 
+def _provably_disjoint(sizes: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
+    """The sufficient test: with the dims of size > 1 sorted by |stride|, each |stride| reaches past
+    the span of the dims before it (no zero stride, no two elements at one address)."""
+    span = 1
+    for s, n in sorted((abs(s), n) for n, s in zip(sizes, strides) if n > 1):
+        if s < span:
+            return False
+        span += s * (n - 1)
+    return True
+
+
+def _default_output(x: Any) -> Any:
+    """A descriptor's output when none is given: the input's, or packed (as np.empty_like lays out
+    such an input's result) where the input's strides broadcast or overlap, as no output's may."""
+    if not isinstance(x, TensorDesc) or x.strides is None:
+        return x
+    try:
+        if _provably_disjoint(x.sizes, x.strides):
+            return x
+    except TypeError:  # (invalid sizes or strides: validate() names them, on the input)
+        return x
+    return TensorDesc(x.dtype, x.sizes)
+
+
 def _check_output_disjoint(sizes: Tuple[int, ...], strides: Tuple[int, ...]) -> None:
     """The output's elements must not overlap (the kernels would write one element twice, from two
-    results). Sufficient: with the dims of size > 1 sorted by |stride|, each |stride| reaches past the
-    span of the dims before it. Otherwise the element offsets decide (up to _OVERLAP_EXACT_MAX
-    elements; beyond, a layout that fails the sufficient test is refused as unproven)."""
-    if 0 in sizes:
+    results). Sufficient: _provably_disjoint. Otherwise the element offsets decide (up to
+    _OVERLAP_EXACT_MAX elements; beyond, a layout that fails the sufficient test is refused as
+    unproven)."""
+    if 0 in sizes or _provably_disjoint(sizes, strides):
         return
     dims = sorted((abs(s), n) for n, s in zip(sizes, strides) if n > 1)
-    span = 1
-    for s, n in dims:
-        if s < span:
-            break
-        span += s * (n - 1)
-    else:
-        return
     count = math.prod(n for _, n in dims)
     if count > _OVERLAP_EXACT_MAX:
         raise DescriptorError(
@@ -588,7 +609,7 @@ class BatchNormalizationDesc:
         s(self, "variance", variance)
         s(self, "scale", scale)
         s(self, "bias", bias)
-        s(self, "output", input if output is None else output)
+        s(self, "output", _default_output(input) if output is None else output)
         s(self, "epsilon", epsilon)
         s(self, "activation", activation)
         s(self, "channel_axis", channel_axis)
@@ -664,7 +685,7 @@ class MeanVarianceNormalizationDesc:
         s(self, "axes", axes if is_int(axes) else as_int_tuple(axes))
         s(self, "scale", scale)
         s(self, "bias", bias)
-        s(self, "output", input if output is None else output)
+        s(self, "output", _default_output(input) if output is None else output)
         s(self, "normalize_mean", normalize_mean)
         s(self, "normalize_variance", normalize_variance)
         s(self, "epsilon", epsilon)
