@@ -72,6 +72,63 @@ def test_arrays_that_do_not_match_raise(rng):
         op(x, x, m, v, np.ones(8, np.float32))
 
 
+def test_grad_output_takes_any_strides(rng):
+    """grad_output must have the input's dtype and shape (SPEC section 9), not its descriptor's
+    strides: a channels-last input descriptor with a packed grad_output, and the other way."""
+    x = np.ascontiguousarray(_data(rng, (2, 4, 3, 5), np.float32).transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    dy = _data(rng, x.shape, np.float32)
+    xd = T("float32", x.shape, tuple(s // 4 for s in x.strides))
+    _, m, v = simdnorm.batch_normalization_training(x)
+    _, mean, inv = simdnorm.mean_variance_normalization(x, (2, 3), return_stats=True)
+    ops = [
+        (simdnorm.compile(simdnorm.BatchNormalizationGradDesc(xd, T("float32", (4,)), T("float32", (4,)))),
+         lambda g, a: simdnorm.batch_normalization_backward(g, a, m, v), (m, v)),
+        (simdnorm.compile(simdnorm.MeanVarianceNormalizationGradDesc(xd, (2, 3), T("float32", mean.shape),
+                                                                     T("float32", inv.shape))),
+         lambda g, a: simdnorm.mean_variance_normalization_backward(g, a, (2, 3), mean, inv), (mean, inv)),
+    ]
+    for op, functional, stats in ops:
+        for g in (dy, np.ascontiguousarray(dy.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2), dy[:, ::-1][:, ::-1]):
+            for a, c in zip(op(g, x, *stats), functional(g, x)):
+                assert (a is None) == (c is None)
+                assert a is None or np.array_equal(*(np.ascontiguousarray(r).view(np.uint8) for r in (a, c)))
+        with pytest.raises(simdnorm.DescriptorError, match="input: strides"):  # (the input's are the descriptor's)
+            op(dy, np.ascontiguousarray(x), *stats)
+
+
+def test_compiled_operators_cost_less_than_the_functions(rng):
+    """SPEC section 7: calling a compiled operator costs less than the functional call (the best of
+    interleaved rounds of small calls, where the per-call work is what there is to see)."""
+    import timeit
+
+    x, dy = _data(rng, (2, 8, 4), np.float32), _data(rng, (2, 8, 4), np.float32)
+    xd, cd = T("float32", x.shape), T("float32", (8,))
+    _, m, v = simdnorm.batch_normalization_training(x)
+    _, mu, inv = simdnorm.mean_variance_normalization(x, -1, return_stats=True)
+    sd = T("float32", mu.shape)
+    pairs = {
+        "batch_normalization": (lambda: simdnorm.batch_normalization(x, m, v),
+                                simdnorm.compile(simdnorm.BatchNormalizationDesc(xd, cd, cd)), (x, m, v)),
+        "mean_variance_normalization": (lambda: simdnorm.mean_variance_normalization(x, -1),
+                                        simdnorm.compile(simdnorm.MeanVarianceNormalizationDesc(xd, -1)), (x,)),
+        "batch_normalization_training": (lambda: simdnorm.batch_normalization_training(x),
+                                         simdnorm.compile(simdnorm.BatchNormalizationTrainingDesc(xd)), (x,)),
+        "batch_normalization_backward": (lambda: simdnorm.batch_normalization_backward(dy, x, m, v),
+                                         simdnorm.compile(simdnorm.BatchNormalizationGradDesc(xd, cd, cd)),
+                                         (dy, x, m, v)),
+        "mean_variance_normalization_backward": (
+            lambda: simdnorm.mean_variance_normalization_backward(dy, x, -1, mu, inv),
+            simdnorm.compile(simdnorm.MeanVarianceNormalizationGradDesc(xd, -1, sd, sd)), (dy, x, mu, inv)),
+    }
+    for name, (functional, op, args) in pairs.items():
+        compiled = lambda: op(*args)  # noqa: E731
+        best = {functional: float("inf"), compiled: float("inf")}
+        for _ in range(15):
+            for f in best:
+                best[f] = min(best[f], timeit.timeit(f, number=300))
+        assert best[compiled] < best[functional], (name, best[compiled] / 300 * 1e6, best[functional] / 300 * 1e6)
+
+
 def test_descriptors_compare_hash_pickle_and_are_immutable():
     d = simdnorm.MeanVarianceNormalizationGradDesc(T("float32", (2, 3)), [1], T("float32", (2, 1)),
                                                    T("float32", (2, 1)), epsilon_mode="outside")

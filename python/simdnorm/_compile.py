@@ -451,7 +451,7 @@ def _mismatch(name: str, a: Any, d: Optional[TensorDesc]) -> Exception:
     )
 
 
-def _expect(d: Optional[TensorDesc]) -> Optional[tuple]:
+def expect(d: Optional[TensorDesc]) -> Optional[tuple]:
     """(dtype, shape, byte strides or None) that a call's array must match; None when absent."""
     if d is None:
         return None
@@ -466,7 +466,7 @@ def check_arg(name: str, a: Any, d: Optional[TensorDesc]) -> Any:
         raise _mismatch(name, a, d)
     if a is None:
         raise _mismatch(name, a, d)
-    dt, shape, st = _expect(d)
+    dt, shape, st = expect(d)
     if isinstance(a, _nd):
         reject_masked(a, name)
     else:
@@ -497,7 +497,7 @@ def _gen_conditions(specs, ns) -> str:
     """The fast-path mismatch condition for [(argument, TensorDesc)]."""
     conds = []
     for arg, d in specs:
-        dt, shape, st = _expect(d)
+        dt, shape, st = expect(d)
         ns[f"{arg}_S"], ns[f"{arg}_D"] = shape, dt
         conds.append(f"{arg}.shape != {arg}_S or {arg}.dtype is not {arg}_D")
         if st is not None:

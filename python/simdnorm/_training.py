@@ -18,8 +18,8 @@ import numpy as np
 from . import _core
 from ._activation import ActivationLike, core_tuple
 from ._api import documented, group_split, split_view
-from ._compile import (as_input, as_param, check_arg, check_out, dlpack_array, follow_input, is_foreign_out,
-                       is_tensor, needs_temporary)
+from ._compile import (as_input, as_param, check_arg, check_out, dlpack_array, expect,
+                       follow_input, is_foreign_out, is_tensor, needs_temporary)
 from ._descriptors import (
     MAX_DIMS,
     as_int_tuple,
@@ -557,8 +557,15 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     except TypeError:
         key = []
 
-    eps, act, axes, sshape, ca, full, count, sdt = _planned(
-        key, _bn_training_plan, x, scale, bias, fa, epsilon, activation, channel_axis)
+    plan = _planned(key, _bn_training_plan, x, scale, bias, fa, epsilon, activation, channel_axis)
+    return _bn_training_run(plan, x, scale, bias, fa, running_mean, running_var, momentum, momentum_convention,
+                            num_batches_tracked, out)
+
+
+def _bn_training_run(plan: tuple, x: np.ndarray, scale: Any, bias: Any, fa: Any, running_mean: Any, running_var: Any,
+                     momentum: Any, momentum_convention: Any, num_batches_tracked: Any, out: Any) -> tuple:
+    """batch_normalization_training with its plan (_bn_training_plan's), the arrays converted."""
+    eps, act, axes, sshape, ca, full, count, sdt = plan
     if fa is not None:  # (then numpy reads fused_add, with 16-bit data scale and bias, and writes out itself)
         for name, a in (("scale", scale), ("bias", bias), ("fused_add", fa), ("out", out)):
             if a is not None:
@@ -715,9 +722,14 @@ def batch_normalization_backward(grad_output: Any, x: Any, mean: Any, variance: 
     except TypeError:
         key = []
 
-    eps, act, terms, axes, ca, want_input, sums = _planned(
-        key, _bn_backward_sums_plan, x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis, training,
-        activation, grad_input, grad_scale, grad_bias)
+    plan = _planned(key, _bn_backward_sums_plan, x, dy, mean, variance, scale, bias, fa, epsilon, channel_axis,
+                    training, activation, grad_input, grad_scale, grad_bias)
+    return _bn_backward_run(plan, out, x, dy, mean, variance, scale, bias, fa)
+
+
+def _bn_backward_run(plan: tuple, out: Any, x: np.ndarray, dy: np.ndarray, mean: Any, variance: Any, scale: Any,
+                     bias: Any, fa: Any) -> tuple:
+    eps, act, terms, axes, ca, want_input, sums = plan
     target, copy_to = _targets(out, want_input, x, dy, mean, variance, scale, bias, fa)
     return _finish(_backward(dy, x, axes, mean, variance, scale, bias, fa, target, sums, eps, True, True, False, act,
                              terms, ca, variance_given=True), copy_to)
@@ -1196,46 +1208,72 @@ class MeanVarianceNormalizationGradDesc(_TrainingDesc):
                                   self.grad_input, self.grad_scale, self.grad_bias)
 
 
+def _arg_check(name: str, d: Optional[TensorDesc]) -> Any:
+    """A compiled operator's check of one argument against its descriptor: a plain ndarray of the
+    descriptor's dtype, shape (and strides, where it gives them) passes as it is; anything else goes
+    to check_arg, which converts it or raises."""
+    slow = partial(check_arg, name, d=d)
+    if d is None:
+        return lambda a: a if a is None else slow(a)
+    dt, shape, st = expect(d)
+    if st is None:
+        return lambda a: a if a.__class__ is _nd and a.shape == shape and a.dtype is dt else slow(a)
+    return lambda a: a if a.__class__ is _nd and a.shape == shape and a.dtype is dt and a.strides == st else slow(a)
+
+
 def compile_training(desc: Any) -> Any:
     """compile() for the training descriptors: an operator that checks its arrays against the
-    descriptors, then calls the functional op with the descriptor's attributes."""
+    descriptors and runs the functional op's plan, made on its first call (the descriptors fix every
+    dtype, shape and attribute the plan depends on; the functional op looks it up on each call)."""
     desc._validated()
     d = desc
+    plan: list = []  # (made on the first call, from its arrays: the functional op's own rules)
+    chk_x, chk_scale, chk_bias = _arg_check("input", d.input), _arg_check("scale", d.scale), _arg_check("bias", d.bias)
     if isinstance(d, BatchNormalizationTrainingDesc):
+        chk_fa = _arg_check("fused_add", d.fused_add)
+
         def op(x: Any, scale: Any = None, bias: Any = None, fused_add: Any = None, *, running_mean: Any = None,
                running_var: Any = None, momentum: Any = None, momentum_convention: str = "pytorch",
                num_batches_tracked: Any = None, out: Any = None) -> Any:
             if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
                 return follow_input(op, locals())  # torch in, torch out
-            return batch_normalization_training(
-                check_arg("input", x, d.input), check_arg("scale", scale, d.scale), check_arg("bias", bias, d.bias),
-                epsilon=d.epsilon, channel_axis=d.channel_axis, fused_add=check_arg("fused_add", fused_add, d.fused_add),
-                activation=d.activation, running_mean=running_mean, running_var=running_var, momentum=momentum,
-                momentum_convention=momentum_convention, num_batches_tracked=num_batches_tracked, out=out)
-    elif isinstance(d, BatchNormalizationGradDesc):
-        def op(grad_output: Any, x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None,
-               fused_add: Any = None, *, out: Any = None) -> Any:  # type: ignore[misc]
-            if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
-                return follow_input(op, locals())
-            return batch_normalization_backward(
-                check_arg("grad_output", grad_output, d.input), check_arg("input", x, d.input),
-                check_arg("mean", mean, d.mean), check_arg("variance", variance, d.variance),
-                check_arg("scale", scale, d.scale), check_arg("bias", bias, d.bias), epsilon=d.epsilon,
-                channel_axis=d.channel_axis, training=d.training,
-                fused_add=check_arg("fused_add", fused_add, d.fused_add), activation=d.activation,
-                grad_input=d.grad_input, grad_scale=d.grad_scale, grad_bias=d.grad_bias, out=out)
+            x, scale, bias, fused_add = chk_x(x), chk_scale(scale), chk_bias(bias), chk_fa(fused_add)
+            if not plan:
+                plan.append(_bn_training_plan(x, scale, bias, fused_add, d.epsilon, d.activation, d.channel_axis))
+            return _bn_training_run(plan[0], x, scale, bias, fused_add, running_mean, running_var, momentum,
+                                    momentum_convention, num_batches_tracked, out)
     else:
-        def op(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale: Any = None, bias: Any = None, *,
-               out: Any = None) -> Any:  # type: ignore[misc]
-            if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
-                return follow_input(op, locals())
-            return mean_variance_normalization_backward(
-                check_arg("grad_output", grad_output, d.input), check_arg("input", x, d.input), d.axes,
-                check_arg("mean", mean, d.mean), check_arg("inv_std", inv_std, d.inv_std),
-                check_arg("scale", scale, d.scale), check_arg("bias", bias, d.bias),
-                normalize_mean=d.normalize_mean, normalize_variance=d.normalize_variance, epsilon=d.epsilon,
-                epsilon_mode=d.epsilon_mode, activation=d.activation, grad_input=d.grad_input,
-                grad_scale=d.grad_scale, grad_bias=d.grad_bias, out=out)
+        # grad_output: the input's dtype and shape, any strides (SPEC section 9)
+        chk_dy = _arg_check("grad_output", TensorDesc(d.input.dtype, d.input.sizes))
+        if isinstance(d, BatchNormalizationGradDesc):
+            chk_mean, chk_var, chk_fa = (_arg_check(n, t) for n, t in (("mean", d.mean), ("variance", d.variance),
+                                                                        ("fused_add", d.fused_add)))
+
+            def op(grad_output: Any, x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None,
+                   fused_add: Any = None, *, out: Any = None) -> Any:  # type: ignore[misc]
+                if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+                    return follow_input(op, locals())
+                dy, x, mean, variance = chk_dy(grad_output), chk_x(x), chk_mean(mean), chk_var(variance)
+                scale, bias, fused_add = chk_scale(scale), chk_bias(bias), chk_fa(fused_add)
+                if not plan:
+                    plan.append(_bn_backward_sums_plan(x, dy, mean, variance, scale, bias, fused_add, d.epsilon,
+                                                       d.channel_axis, d.training, d.activation, d.grad_input,
+                                                       d.grad_scale, d.grad_bias))
+                return _bn_backward_run(plan[0], out, x, dy, mean, variance, scale, bias, fused_add)
+        else:
+            chk_mean, chk_inv = _arg_check("mean", d.mean), _arg_check("inv_std", d.inv_std)
+
+            def op(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale: Any = None, bias: Any = None, *,
+                   out: Any = None) -> Any:  # type: ignore[misc]
+                if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
+                    return follow_input(op, locals())
+                dy, x, mean, inv_std = chk_dy(grad_output), chk_x(x), chk_mean(mean), chk_inv(inv_std)
+                scale, bias = chk_scale(scale), chk_bias(bias)
+                if not plan:
+                    plan.append(_mvn_backward_plan(x, dy, d.axes, mean, inv_std, scale, bias, d.normalize_mean,
+                                                   d.normalize_variance, d.epsilon, d.epsilon_mode, d.activation,
+                                                   d.grad_input, d.grad_scale, d.grad_bias))
+                return _mvn_backward_run(plan[0], out, x, dy, mean, inv_std, scale, bias)
     op.desc = d  # type: ignore[attr-defined]
     return op
 
