@@ -228,6 +228,21 @@ def test_softplus_any_positive_steepness(steepness):
     check_close(y, z, np.abs(z), "softplus", {"steepness": steepness}, dtype=F32)
 
 
+@pytest.mark.parametrize("name,params", [
+    ("softplus", {"steepness": 1e-20}), ("softplus", {"steepness": 1e-30}), ("softplus", {"steepness": 3e-3}),
+    ("parametric_softplus", {"alpha": 1e30, "beta": 1e-5}), ("parametric_softplus", {"alpha": -1e20, "beta": -3.0}),
+], ids=lambda v: str(v))
+def test_softplus_family_where_exp_leaves_float32(name, params):
+    """c * log1p(exp(z)) with z far below 0 and c large (1 / steepness, alpha): exp(z) is subnormal
+    or 0 in float32 where the result is a normal float (softplus(1e-20) of -1.1e22: 1.69e-28, which
+    came out 0). Every z from -200 to 30."""
+    k = params.get("steepness", params.get("beta"))
+    x = (np.linspace(-200.0, 30.0, 2301) / k).astype(F32).reshape(1, 1, -1)
+    y = run_identity_bn(x, simdnorm.Activation(name, **params))
+    z = x.astype(np.float64)
+    check_close(y, z, np.abs(z), name, params, dtype=F32)
+
+
 F32_MAX = float(np.finfo(np.float32).max)
 MIN_DIVISOR = 2.0 ** -128 + 2.0 ** -149  # the smallest float32 whose reciprocal is finite in float32
 LIMIT_PARAMS = [

@@ -73,15 +73,43 @@ template <class V> struct ActScaledTanh {
 static inline vf act_product_lo(vf p_hi, vf p_lo, vf x, vf z) { return vfma(p_lo, x, vprod_err(p_hi, x, z)); }
 static inline vd act_product_lo(vd p_hi, vd, vd x, vd z) { return vprod_err(p_hi, x, z); }
 
+// The softplus family's term c * log1p(exp(-|z|)), z = zh + zl, given as `near` (computed as the
+// caller writes it). Where |z| >= 80 (lane by lane) exp(-|z|) leaves float's normal range while c
+// (a large 1 / steepness, alpha) could bring the product back into it: float lanes take it there as
+// sign(c) * exp(-|z| + log|c|) (vm_exp_negabs_plus; log|c| in two parts, LogParts).
+template <class V>
+V act_softplus_far(V zh, V zl, V near, V log_c_hi, V log_c_lo, V sign_c) {
+  if constexpr (std::is_same_v<V, vf>) {
+    const V edge = splat<V>(80.0);
+    if (__builtin_expect(vany_ge(vabs(zh), edge), 0))
+      return vselect(vabs(zh) >= edge, sign_c * vm_exp_negabs_plus(zh, zl, log_c_hi, log_c_lo), near);
+  }
+  return near;
+}
+
+// log|c| as a float and the double remainder (c = 0: a log far below exp's domain: a result of 0).
+struct LogParts {
+  double hi, lo;
+  explicit LogParts(double c) {
+    const double l = c != 0.0 ? std::log(std::fabs(c)) : -1e4;
+    hi = (float)l;
+    lo = l - hi;
+  }
+};
+
 // softplus(p0 = steepness s > 0): log(1 + exp(s x)) / s = max(x, 0) + log1p(exp(-|s x|)) / s.
 // max(s x, 0) / s is taken as max(x, 0) exactly, so s x overflowing to inf cannot give inf.
 template <class V> struct ActSoftplus {
-  V s, s_lo;
-  explicit ActSoftplus(const Activation& a)
-      : s(splat<V>(a.p0)), s_lo(splat<V>(a.p0 - (double)(float)a.p0)) {}
+  V s, s_lo, log_c_hi, log_c_lo;
+  explicit ActSoftplus(const Activation& a) : s(splat<V>(a.p0)), s_lo(splat<V>(a.p0 - (double)(float)a.p0)) {
+    const LogParts l(1.0 / a.p0);
+    log_c_hi = splat<V>(l.hi), log_c_lo = splat<V>(l.lo);
+  }
   V operator()(V x) const {
     const V z = s * x;
-    return vmax(splat<V>(0.0), x) + vlog1p_exp_negabs(z, act_product_lo(s, s_lo, x, z)) / s;
+    const V zl = act_product_lo(s, s_lo, x, z);
+    return vmax(splat<V>(0.0), x) +
+           act_softplus_far(z, zl, vlog1p_exp_negabs(z, zl) / s, log_c_hi, log_c_lo, splat<V>(1.0));
   }
 };
 
@@ -89,14 +117,18 @@ template <class V> struct ActSoftplus {
 //   = (beta x > 0 ? (alpha beta) x : 0) + alpha log1p(exp(-|beta x|)), any signs of alpha and beta;
 // alpha beta is rounded once, so beta x overflowing does not overflow the result. NaN: second term.
 template <class V> struct ActParametricSoftplus {
-  V alpha, beta, beta_lo, alpha_beta;
+  V alpha, beta, beta_lo, alpha_beta, log_c_hi, log_c_lo, sign_alpha;
   explicit ActParametricSoftplus(const Activation& a)
       : alpha(splat<V>(a.p0)), beta(splat<V>(a.p1)), beta_lo(splat<V>(a.p1 - (double)(float)a.p1)),
-        alpha_beta(splat<V>(a.p0 * a.p1)) {}
+        alpha_beta(splat<V>(a.p0 * a.p1)), sign_alpha(splat<V>(a.p0 > 0 ? 1.0 : a.p0 < 0 ? -1.0 : 0.0)) {
+    const LogParts l(a.p0);
+    log_c_hi = splat<V>(l.hi), log_c_lo = splat<V>(l.lo);
+  }
   V operator()(V x) const {
     const V z = beta * x;
+    const V zl = act_product_lo(beta, beta_lo, x, z);
     return vselect(z > splat<V>(0.0), alpha_beta * x, splat<V>(0.0)) +
-           alpha * vlog1p_exp_negabs(z, act_product_lo(beta, beta_lo, x, z));
+           act_softplus_far(z, zl, alpha * vlog1p_exp_negabs(z, zl), log_c_hi, log_c_lo, sign_alpha);
   }
 };
 

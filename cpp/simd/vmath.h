@@ -202,6 +202,23 @@ static inline vf vlog1p_exp_negabs(vf zh, vf zl) {
   return vlog1p(vm_exp_finish(q, n));
 }
 
+// exp(-|z| + L) for z = zh + zl (as vlog1p_exp_negabs takes it) and L = lh + ll given as two floats:
+// the softplus family's term c * log1p(exp(-|z|)) where exp(-|z|) leaves float's normal range
+// (|z| >= 80, where log1p(e) = e): c e = exp(-|z| + log c) in one exp, so that a result in float's
+// range keeps its bits where e alone would be subnormal or 0. The sum's rounding error (two-sum)
+// joins the correction term; past exp's domain the argument is clamped and its correction dropped.
+static inline vf vm_exp_negabs_plus(vf zh, vf zl, vf lh, vf ll) {
+  const vf a = vbroadcast(0.0f) - vabs(zh);
+  const vf sum = a + lh;
+  const vf bp = sum - a;
+  const vf err = (a - (sum - bp)) + (lh - bp);
+  const vf hi = vmin(vbroadcast(89.0f), vmax(vbroadcast(-120.0f), sum));  // (NaN survives)
+  const vf lo = vselect(sum == hi, vselect(zh < vbroadcast(0.0f), zl, vbroadcast(0.0f) - zl) + ll + err, vf{});
+  vi n;
+  const vf q = vm_expm1_core<true>(hi, lo, n);
+  return vm_exp_finish(q, n);
+}
+
 // exp(-x) for |x| <= 80 (x clamped there), a normal float: one power of two, no final scaling step.
 // sigmoid, silu and silu' take their values there from it, and lanes past 80 from their tails.
 static inline vf vm_exp_neg_near(vf x) {
