@@ -17,6 +17,7 @@ import pytest
 import simdnorm
 from cases import F32, run_in_threads
 from simdnorm import _core
+from simdnorm._runtime import MAX_THREADS
 
 
 def run_py(code: str, env_update: dict, drop=("SIMDNORM_NUM_THREADS", "OMP_NUM_THREADS", "SIMDNORM_ISA")):
@@ -48,11 +49,12 @@ def test_set_num_threads_returns_previous():
     ("2", TypeError, r"^set_num_threads: n must be an int >= 1, got str$"),
     (None, TypeError, r"^set_num_threads: n must be an int >= 1, got NoneType$"),
     (True, TypeError, r"^set_num_threads: n must be an int >= 1, got bool$"),
-    (1 << 40, ValueError, r"^set_num_threads: n must be <= 65536, got 1099511627776$"),
+    (1 << 40, ValueError, rf"^set_num_threads: n must be <= {MAX_THREADS}, got 1099511627776$"),
     # past 4300 digits an int has no str(): named by its size, not Python's "Exceeds the limit" ValueError
-    pytest.param(10 ** 5000, ValueError, r"^set_num_threads: n must be <= 65536, got about 10\*\*5000$", id="10**5000"),
+    pytest.param(10 ** 5000, ValueError, rf"^set_num_threads: n must be <= {MAX_THREADS}, got about 10\*\*5000$",
+                 id="10**5000"),
     pytest.param(-10 ** 5000, ValueError, r"^set_num_threads: n must be >= 1, got about -10\*\*5000$", id="-10**5000"),
-    (np.int64(2 ** 63 - 1), ValueError, r"^set_num_threads: n must be <= 65536, got 9223372036854775807$"),
+    (np.int64(2 ** 63 - 1), ValueError, rf"^set_num_threads: n must be <= {MAX_THREADS}, got 9223372036854775807$"),
 ])
 def test_set_num_threads_errors(n, exc, msg):
     before = simdnorm.get_num_threads()
@@ -86,7 +88,7 @@ def test_initial_threads_from_environment(env, want):
 def test_bad_simdnorm_num_threads_warns_and_falls_back(value):
     out, err = run_py(CODE_THREADS, {"SIMDNORM_NUM_THREADS": value, "OMP_NUM_THREADS": "3"})
     assert int(out) == 3
-    assert "RuntimeWarning" in err and f"SIMDNORM_NUM_THREADS={value!r} is not a positive integer <= 65536" in err
+    assert "RuntimeWarning" in err and f"SIMDNORM_NUM_THREADS={value!r} is not a positive integer <= {MAX_THREADS}" in err
 
 
 def test_threads_limited_by_affinity():

@@ -21,8 +21,10 @@ __all__ = ["set_num_threads", "get_num_threads", "isa", "available_isas", "set_i
 #: Every instruction-set name the package knows (those this CPU runs: ``available_isas()``).
 KNOWN_ISAS = ("avx512bf16", "avx512", "avx2", "baseline")
 
-#: The most threads set_num_threads accepts (the pool starts that many OS threads).
-MAX_THREADS = 1 << 16
+#: The most threads set_num_threads accepts: 1024, or the CPU count where it is larger. The pool
+#: starts that many OS threads; tens of thousands (once accepted) exhaust the system's limits on
+#: threads and memory maps, and other processes on the machine could then not start theirs.
+MAX_THREADS = max(1024, os.cpu_count() or 1)
 
 
 _OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")
