@@ -283,6 +283,7 @@ def _grad_fused_add(dy: np.ndarray, x: np.ndarray, axes: Tuple[int, ...], mean: 
     """grad_fused_add: dy * act'(pre) (in the compute type) summed to fused_add's shape, rounded once."""
     nd = x.ndim
     if act[0] == 0 or x.size == 0:
+        check_extent("grad_output", dy)  # (numpy reads it here, before any kernel has checked it)
         ga = dy
     else:
         ga = np.empty(x.shape, stats_dtype(x.dtype))
