@@ -108,6 +108,11 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=11, help="timed batches of each build per case (default 11)")
     p.add_argument("--threads", type=int, default=1, help="simdnorm's threads in both builds (default 1)")
     args = p.parse_args(argv)
+    # (this file runs as a script in the children: no import of the package's cli for these)
+    if args.rounds < 1:
+        p.error(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    if not 1 <= args.threads <= max(1024, os.cpu_count() or 1):
+        p.error(f"--threads: expected an integer >= 1 and <= simdnorm's maximum, got {args.threads}")
     if args.child:  # (a: the package directory, b: the cases file)
         return _child(args.a, args.b, args.threads)
     if args.b is None or args.cases is None:

@@ -20,7 +20,7 @@ from .timing import loop_overhead_ns
 
 DEFAULT_ROUNDS = 9
 QUICK_ROUNDS = 5
-FALLBACK_MAX_THREADS = 1 << 16  # simdnorm's own limit, when simdnorm does not import
+FALLBACK_MAX_THREADS = max(1024, os.cpu_count() or 1)  # simdnorm's limit (_runtime), when it does not import
 
 
 # ------------------------------------------------------------------------ option validation
@@ -30,7 +30,9 @@ def _shown(s: str) -> str:
     return repr(s) if len(s) <= 40 else repr(s[:37] + "...")
 
 
-def _int_in(lo: int, hi: Optional[int] = None):
+def int_in(lo: int, hi: Optional[int] = None):
+    """An argparse type: an int in [lo, hi] (a usage error otherwise); also bench/placement.py's
+    and bench/ab.py's."""
     def parse(s: str) -> int:
         top = f" and <= {hi}" if hi is not None else ""
         try:
@@ -67,15 +69,16 @@ def max_threads() -> int:
     return FALLBACK_MAX_THREADS
 
 
-def _threads(s: str) -> int:
-    return _int_in(1, max_threads())(s)
+def threads_arg(s: str) -> int:
+    """An argparse type: a thread count simdnorm takes."""
+    return int_in(1, max_threads())(s)
 
 
 def _thread_list(s: str) -> tuple[int, ...]:
     """N or N,N,... (the list for --torch-modules), each N as _threads takes it."""
     out: list[int] = []
     for part in s.split(","):
-        n = _threads(part.strip())
+        n = threads_arg(part.strip())
         if n not in out:
             out.append(n)
     return tuple(out)
@@ -109,13 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", metavar="NAMES",
                    help=f"comma-separated implementations to run (default all: {','.join(IMPL_NAMES)}); "
                         "the floors (copy; add in the backward cases) are always included")
-    p.add_argument("--rounds", type=_int_in(1), default=None,
+    p.add_argument("--rounds", type=int_in(1), default=None,
                    help=f"interleaved rounds (default {DEFAULT_ROUNDS}, --quick {QUICK_ROUNDS})")
     p.add_argument("--min-sample-ms", type=_nonnegative_ms, default=2.0,
                    help="minimum duration of one timing sample (default 2 ms)")
     p.add_argument("--warmup-ms", type=_nonnegative_ms, default=None,
                    help="warm-up time per implementation and case (default 20 ms, --quick 5 ms)")
-    p.add_argument("--seed", type=_int_in(0), default=0, help="seed of the input data (>= 0)")
+    p.add_argument("--seed", type=int_in(0), default=0, help="seed of the input data (>= 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     return p
 
@@ -186,6 +189,8 @@ def _writable_file(opt: str, path: str) -> Optional[str]:
     """Why `path` cannot be written as a file (None if it can), checked before any timing."""
     if os.path.isdir(path):
         return f"{opt}: {path} is a directory"
+    if path.endswith(("/", os.sep)):
+        return f"{opt}: {path} names a directory (it ends with a slash), not a file"
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return f"{opt}: directory {parent} does not exist"
@@ -204,6 +209,8 @@ def plot_path(path: str) -> str:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError as e:
         raise ValueError(f"--plot needs matplotlib, which does not import: {e}") from None
+    if path.endswith(("/", os.sep)):  # (before a name for matplotlib is made of it: dir/.png)
+        raise ValueError(_writable_file("--plot", path))
     ext = os.path.splitext(path)[1].lower()
     if not ext or ext == ".":
         path, ext = path.rstrip(".") + ".png", ".png"
@@ -258,6 +265,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         why = _writable_file(opt, path) if path and not args.list else None
         if why:
             parser.error(why)
+    if json_path and args.plot and not args.list and os.path.realpath(json_path) == os.path.realpath(args.plot):
+        parser.error(f"--json and --plot name the same file, {args.plot}")
     if args.list:
         for c in cases:
             print(f"{c.name:<34} {c.describe()}  ({fmt_bytes(c.bytes_moved)} moved)")
@@ -338,8 +347,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         try:
             plot(results, args.plot, title=f"simdnorm bench, threads={args.threads}")
             print(f"wrote {args.plot}")
-        except (ImportError, OSError, ValueError) as e:
-            print(f"--plot: cannot write {args.plot}: {e}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - matplotlib's own (a backend's tool missing: RuntimeError)
+            print(f"--plot: cannot write {args.plot}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                  file=sys.stderr)
             rc = 2
     if failed:
         print("simdnorm produced a wrong result or failed on some case (see above)", file=sys.stderr)

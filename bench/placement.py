@@ -17,6 +17,8 @@ import numpy as np
 
 import simdnorm
 
+from .cli import int_in, threads_arg
+
 IMAGE, ROWS = (8, 256, 56, 56), (8, 512, 768)
 DEFAULT_OFFSETS = (0, 16, 48, 80, 112, 256, 1040, 2048, 2064, 4048)
 
@@ -92,13 +94,16 @@ def main(argv=None) -> None:
     p.add_argument("cases", nargs="*", help=f"of {', '.join(CASES)} (default: all)")
     p.add_argument("--offsets", default=",".join(map(str, DEFAULT_OFFSETS)),
                    help="bytes past the input's phase to a page, the first the reference (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=7, help="rounds (default 7)")
-    p.add_argument("--threads", type=int, default=1, help="simdnorm's threads (default 1)")
+    p.add_argument("--rounds", type=int_in(1), default=7, help="rounds (default 7)")
+    p.add_argument("--threads", type=threads_arg, default=1, help="simdnorm's threads (default 1)")
     args = p.parse_args(argv)
     unknown = [c for c in args.cases if c not in CASES]
     if unknown:
         p.error(f"unknown case {unknown[0]!r}: give some of {', '.join(CASES)}")
-    offsets = [int(o) for o in args.offsets.split(",")]
+    try:
+        offsets = [int(o) for o in args.offsets.split(",")]
+    except ValueError:
+        p.error(f"--offsets: expected integers separated by commas, got {args.offsets!r}")
     if any(o < 0 or o >= 4096 for o in offsets):
         p.error("offsets are bytes in [0, 4096)")
     simdnorm.set_num_threads(args.threads)

@@ -65,8 +65,8 @@ def format_case(cr: CaseResult) -> str:
             best = "-" if r.vs_best_other is None else f"{r.vs_best_other:.2f} ({r.best_other})"
             note = f"INACCURATE {r.inaccurate}; {r.note}" if r.inaccurate else r.note
             lines.append(f"  {name:<12}{fmt_time(r.median_ns):>11}{iqr:>7.1f}%{mm:>19}"
-                         f"{r.gbps:>8.2f}{_ratio(r.vs_copy):>8}"
-                         + (f"{_ratio(r.vs_add):>7}" if add else "") + f"  {best:<22}{note}".rstrip())
+                         f" {r.gbps:>7.2f} {_ratio(r.vs_copy):>7}"  # (a space apart however wide)
+                         + (f" {_ratio(r.vs_add):>6}" if add else "") + f"  {best:<22}{note}".rstrip())
         else:
             why = r.reason + (f"  [{r.note}]" if r.note else "")
             lines.append(f"  {name:<12}{r.status:>11}  {why}")

@@ -624,6 +624,24 @@ class _OffImpl(impls.Impl):
         return impls.Prepared(fn, lambda: (fn(), {ref.primary: out, **outs})[1], out=out)
 
 
+class _SlowImpl(impls.Impl):
+    """The reference's outputs, each call 20 ms late: over 10000x a tiny case's copy."""
+
+    name = "slow"
+
+    def prepare(self, data):
+        import time
+
+        out = data.new_output()
+        want = bcases.reference(data).astype(out.dtype)  # (a forward case's: one array)
+
+        def fn():
+            time.sleep(0.02)
+            np.copyto(out, want)
+
+        return impls.Prepared(fn, lambda: (fn(), out)[1], out=out)
+
+
 def test_runner_times_an_inaccurate_parameter_gradient_but_flags_it():
     """A wrong grad_input is WRONG and not timed; a grad_bias past its tolerance (PyTorch's bfloat16
     layer-norm backward sums in bfloat16) is timed, flagged INACCURATE in the table and the JSON."""
@@ -1258,10 +1276,13 @@ def _usage_error(capsys, argv):
 @pytest.mark.parametrize("opt, path, says", [
     ("--json", "nodir/r.json", "does not exist"),
     ("--json", ".", "is a directory"),
+    ("--json", "newdir/", "names a directory"),  # (its parent exists: was written only after the run)
     ("--plot", "nodir/p.png", "does not exist"),
     ("--plot", "p.xyz", "cannot write .xyz"),
     ("--plot", "p.png", "needs matplotlib"),  # matplotlib made unimportable
-], ids=["json-no-dir", "json-is-dir", "plot-no-dir", "plot-bad-ext", "plot-no-matplotlib"])
+    ("--plot", "newdir/", "names a directory"),  # (was written as newdir/.png.png, said newdir/.png)
+], ids=["json-no-dir", "json-is-dir", "json-slash", "plot-no-dir", "plot-bad-ext", "plot-no-matplotlib",
+        "plot-slash"])
 def test_output_paths_are_checked_before_any_timing(tmp_path, capsys, monkeypatch, opt, path, says):
     """A --json/--plot that cannot be written is a usage error up front, not a traceback (or a
     late error) after the whole run, its results lost."""
@@ -1274,8 +1295,39 @@ def test_output_paths_are_checked_before_any_timing(tmp_path, capsys, monkeypatc
         raise AssertionError("timed before checking the output paths")
 
     monkeypatch.setattr(cli, "run_case", no_timing)
-    line = _usage_error(capsys, TINY_RUN + [opt, str(tmp_path / path)])
+    line = _usage_error(capsys, TINY_RUN + [opt, f"{tmp_path}/{path}"])  # (pathlib would drop a final /)
     assert opt in line and says in line
+
+
+def test_json_and_plot_naming_one_file_is_a_usage_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    line = _usage_error(capsys, TINY_RUN + ["--json", str(tmp_path / "r.png"), "--plot", str(tmp_path / "r.png")])
+    assert "--json and --plot name the same file" in line
+
+
+def test_a_plot_that_fails_late_is_a_message_and_status_2(tmp_path, capsys, monkeypatch):
+    """matplotlib can fail when it writes (pgf without LaTeX: RuntimeError): the results stand, the
+    JSON is written, and the failure is one line and exit status 2, not a traceback."""
+    pytest.importorskip("matplotlib")
+
+    def fails(*a, **k):
+        raise RuntimeError("'xelatex' not found; install it\nsecond line")
+
+    monkeypatch.setattr(cli, "plot", fails)
+    rc = B.main(TINY_RUN + ["--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--plot: cannot write" in err and "RuntimeError: 'xelatex' not found" in err
+    assert "Traceback" not in err and "second line" not in err
+    assert json.loads((tmp_path / "r.json").read_text())["cases"]
+
+
+def test_case_table_columns_stay_apart_however_wide(rng):
+    """A t/copy of 10000 or more ran into the GB/s column ('0.0010470.89')."""
+    case = shapes.get_case("tiny/bn/1x16x8x8/f32")
+    cr = runner.run_case(case, [impls.CopyImpl(), _SlowImpl()], rounds=1, min_sample_ns=1e4, warmup_ns=0)
+    row = next(line for line in report.format_case(cr).splitlines() if line.strip().startswith("slow"))
+    gbps, vs_copy = f"{cr.results['slow'].gbps:.2f}", f"{cr.results['slow'].vs_copy:.2f}"
+    assert float(vs_copy) >= 10000 and f" {gbps} " in row and f" {vs_copy}" in row, row
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -1360,6 +1412,10 @@ def test_ab_runs_each_build_in_a_process_of_its_own(tmp_path):
     finally:
         a.close()
         b.close()
+    for bad in (["--threads", "0"], ["--rounds", "0"]):  # (the child's traceback, before)
+        with pytest.raises(SystemExit) as e:
+            ab.main(bad + [str(installed.parent), str(copy), str(cases)])
+        assert e.value.code == 2, bad
     res = ab.compare(str(installed.parent), str(copy), str(cases), rounds=3)
     assert set(res) == {"mvn"} and res["mvn"]["ratio"] == pytest.approx(res["mvn"]["B"] / res["mvn"]["A"])
 
@@ -1386,6 +1442,7 @@ def test_placement_puts_each_output_at_its_offset_and_times_the_call(capsys):
     placement.main(["bn-nhwc", "--offsets", "0,48", "--rounds", "1"])
     fields = capsys.readouterr().out.split()
     assert fields[0] == "bn-nhwc" and fields[3] == "0:1.00" and fields[4].startswith("48:"), fields
-    for bad in (["nope"], ["--offsets", "0,4096"]):
-        with pytest.raises(SystemExit):
+    for bad in (["nope"], ["--offsets", "0,4096"], ["--offsets", "abc"], ["--rounds", "0"], ["--threads", "0"]):
+        with pytest.raises(SystemExit) as e:  # (the last three were tracebacks)
             placement.main(bad)
+        assert e.value.code == 2, bad
