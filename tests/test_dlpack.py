@@ -477,6 +477,32 @@ def test_compiled_operators_differentiate_with_their_descriptors_attributes(rng)
     assert torch.equal(f(x), mop(x))
 
 
+def test_compiled_training_operators_differentiate_and_trace(rng):
+    """The compiled training and backward operators as their functions: a tensor requiring grad
+    runs the differentiable op with the descriptor's attributes, and torch.compile records them."""
+    pytest.importorskip("simdnorm.torch", reason="simdnorm.torch needs torch")
+    td = simdnorm.TensorDesc
+    x, dy = tensor(rng, (4, 3, 5, 2), F32), tensor(rng, (4, 3, 5, 2), F32)
+    w, b = torch.rand(3) + 0.5, tensor(rng, (3,), F32)
+    c = td(F32, (3,))
+    kw = dict(epsilon=0.5, activation="relu")
+    train = simdnorm.compile(simdnorm.BatchNormalizationTrainingDesc(td(F32, x.shape), c, c, **kw))
+    want = simdnorm.batch_normalization_training(x, w, b, **kw)
+    xg = x.clone().requires_grad_()
+    got = train(xg, w, b)
+    assert got[0].grad_fn is not None and all(torch.equal(g.detach(), h) for g, h in zip(got, want))
+    xf = x.clone().requires_grad_()
+    ref = simdnorm.batch_normalization_training(xf, w, b, **kw)[0]
+    assert torch.equal(torch.autograd.grad(got[0], xg, dy)[0], torch.autograd.grad(ref, xf, dy)[0])
+    assert torch.equal(torch.compile(lambda t: train(t, w, b)[0], fullgraph=True)(x), want[0])
+    grad = simdnorm.compile(simdnorm.BatchNormalizationGradDesc(td(F32, x.shape), c, c, c, c, **kw))
+    bwd = simdnorm.batch_normalization_backward(dy, x, want[1], want[2], w, b, **kw)
+    traced = torch.compile(lambda g, t: grad(g, t, want[1], want[2], w, b), fullgraph=True)(dy, x)
+    for g, h in zip(traced, bwd):
+        torch.testing.assert_close(g, h)
+    assert grad.__name__ == "batch_normalization_backward"
+
+
 # ----------------------------------------------------------------------------------------------
 # what is refused, and what is never written
 # ----------------------------------------------------------------------------------------------

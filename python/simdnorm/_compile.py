@@ -263,7 +263,7 @@ def follow_input(fn: Callable[..., Any], args: dict) -> Any:
         if fn.__name__ in _DIFFERENTIABLE:
             return call_differentiable(fn.__name__, _as_function_args(fn, kw))
         if fn.__name__.endswith("_backward"):
-            return call_backward(fn.__name__, kw)
+            return call_backward(fn.__name__, _as_function_args(fn, kw))
         raise _refuse_transformed(fn.__name__)
     transformed = torch is not None and _transformed_tensors(torch, kw)
     if torch is not None and fn.__name__ in _DIFFERENTIABLE and (transformed or torch.is_grad_enabled() and any(

@@ -1275,6 +1275,27 @@ def compile_training(desc: Any) -> Any:
                                                    d.normalize_variance, d.epsilon, d.epsilon_mode, d.activation,
                                                    d.grad_input, d.grad_scale, d.grad_bias))
                 return _mvn_backward_run(plan[0], out, x, dy, mean, inv_std, scale, bias)
+    # (named as the function: a torch call that autograd or a trace must record goes through its op,
+    # with the descriptor's attributes: _compile.follow_input)
+    dy_desc = None if isinstance(d, BatchNormalizationTrainingDesc) else TensorDesc(d.input.dtype, d.input.sizes)
+    if isinstance(d, BatchNormalizationTrainingDesc):
+        name, descs = "batch_normalization_training", {"fused_add": d.fused_add}
+        attrs = {"epsilon": d.epsilon, "channel_axis": d.channel_axis, "activation": d.activation}
+    elif isinstance(d, BatchNormalizationGradDesc):
+        name, descs = "batch_normalization_backward", {"mean": d.mean, "variance": d.variance, "fused_add": d.fused_add}
+        attrs = {"epsilon": d.epsilon, "channel_axis": d.channel_axis, "training": d.training,
+                 "activation": d.activation}
+    else:
+        name, descs = "mean_variance_normalization_backward", {"mean": d.mean, "inv_std": d.inv_std}
+        attrs = {"axes": d.axes, "normalize_mean": d.normalize_mean, "normalize_variance": d.normalize_variance,
+                 "epsilon": d.epsilon, "epsilon_mode": d.epsilon_mode, "activation": d.activation}
+    if dy_desc is not None:
+        descs["grad_output"] = dy_desc
+        attrs.update(grad_input=d.grad_input, grad_scale=d.grad_scale, grad_bias=d.grad_bias)
+    op.__name__, op.__qualname__ = name, f"compiled.{name}"
+    op.arg_descs = {"x": ("input", d.input), "scale": ("scale", d.scale), "bias": ("bias", d.bias),  # type: ignore
+                    **{k: (k, t) for k, t in descs.items()}}
+    op.desc_args = attrs  # type: ignore[attr-defined]
     op.desc = d  # type: ignore[attr-defined]
     return op
 
