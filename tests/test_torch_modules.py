@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import re
 import warnings
 
@@ -449,6 +450,45 @@ def _not_taken(rng):
         nn.GroupNorm(2, 4)(torch.nested.nested_tensor(rows, layout=torch.jagged))
     with pytest.raises(type(theirs.value)):
         snt.GroupNorm(2, 4)(torch.nested.nested_tensor(rows, layout=torch.jagged))
+    # a nested tensor of the strided layout (it has no shape to read): torch.nn's LayerNorm takes it
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # (torch: the strided layout is a prototype)
+        strided = torch.nested.nested_tensor([r[0] for r in rows])
+    theirs, ours = nn.LayerNorm(8), snt.LayerNorm(8)
+    assert all(torch.equal(a, b) for a, b in zip(ours(strided).unbind(), theirs(strided).unbind()))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.LayerNorm(5, eps=-1e-3), (3, 5)),
+    (lambda: nn.LayerNorm(5, eps=math.inf), (3, 5)),
+    (lambda: nn.RMSNorm(5, eps=math.nan), (3, 5)),
+    (lambda: nn.GroupNorm(2, 4, eps=-1e-3), (2, 4, 3)),
+    (lambda: nn.InstanceNorm1d(3, eps=-1e-3), (2, 3, 5)),
+    (lambda: nn.InstanceNorm1d(3, momentum=2.0, track_running_stats=True), (2, 3, 5)),
+    (lambda: nn.BatchNorm1d(3, momentum=2.0), (4, 3)),
+    (lambda: nn.BatchNorm1d(3, momentum=-0.5), (4, 3)),
+    (lambda: nn.BatchNorm1d(3, eps=0.0), (4, 3)),  # (torch.nn's ValueError in training)
+    (lambda: nn.BatchNorm1d(3, eps=-1.0), (4, 3)),
+], ids=lambda v: "" if callable(v) else str(v))
+def test_attributes_simdnorm_does_not_take_are_torch_nns(rng, make, shape, grad):
+    """eps and momentum values torch.nn computes with (negative, infinite or NaN eps, momentum
+    outside [0, 1]) or refuses (batch norm's eps <= 0 with batch statistics): torch.nn's result or
+    error, not simdnorm's refusal or a result torch.nn does not give."""
+    ref = make().train()
+    mine = snt.convert(copy.deepcopy(ref))
+    x = rand(rng, *shape)
+    with torch.set_grad_enabled(grad):
+        try:
+            want = ref(x.clone())
+        except (ValueError, RuntimeError) as e:
+            with pytest.raises(type(e)):
+                mine(x.clone())
+            return
+        got = mine(x.clone())
+    torch.testing.assert_close(got, want, equal_nan=True)
+    for name, buf in ref.named_buffers():
+        torch.testing.assert_close(dict(mine.named_buffers())[name], buf, equal_nan=True)
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])

@@ -13,6 +13,7 @@ no translation of simdnorm's ops), torch.fx a call_module node, torch.jit.script
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import warnings
 from typing import Any, Callable, Dict, Optional
@@ -116,6 +117,14 @@ def _onnx_exporting() -> bool:
     return exporting
 
 
+def _attributes_taken(eps: Any, momentum: Any = None, positive: bool = False) -> bool:
+    """Whether simdnorm takes a module's eps (finite and >= 0; > 0 where torch.nn's batch norm asks
+    it, with batch statistics) and momentum (None or in [0, 1]); torch.nn's forward has any other
+    value, and computes with it or raises its own error."""
+    return (0.0 < eps < math.inf if positive else 0.0 <= eps < math.inf) and (
+        momentum is None or 0.0 <= momentum <= 1.0)
+
+
 def _fx_call(m: nn.Module, input: Any, nn_forward: Callable[[Any], Any]) -> Any:
     """A drop-in's forward on a torch.fx Proxy: a call_module node of m, as torch.fx's tracer makes
     for torch.nn's own modules (its rule knows them by their module path, torch.nn's), so that the
@@ -142,7 +151,8 @@ class _BatchNormForward(_BatchNorm):
         if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         rm, rv, w, b = _state(self, "running_mean", "running_var", "weight", "bias")
-        if input.dim() < 2 or input.shape[1] != self.num_features:
+        if (input.dim() < 2 or input.shape[1] != self.num_features
+                or not _attributes_taken(self.eps, self.momentum, positive=self.training or rm is None)):
             return super().forward(input)  # (its dims' or channels' error, as torch.nn words it)
         direct = _direct(input, w, b)
         if not self.training and rm is not None and rv is not None and direct:
@@ -210,7 +220,8 @@ class _InstanceNormForward(_InstanceNorm):
     def _apply_instance_norm(self, input: Tensor) -> Tensor:
         rm, rv = self.running_mean, self.running_var
         if ((rm is None) != (rv is None) or not _routes.takes(input, self.weight, self.bias, rm, rv)
-                or input.dim() < 3 or (rm is not None and rm.shape != (input.shape[1],)) or _onnx_exporting()):
+                or input.dim() < 3 or (rm is not None and rm.shape != (input.shape[1],))
+                or not _attributes_taken(self.eps, self.momentum) or _onnx_exporting()):
             return super()._apply_instance_norm(input)
         if not self.training and self.track_running_stats and rm is not None:  # torch.nn's use_input_stats
             return _bn(input, rm, rv, self.weight, self.bias, **_given({}, epsilon=self.eps))
@@ -252,6 +263,8 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, input: Tensor) -> Tensor:
         if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
+        if input.is_nested or not _attributes_taken(self.eps):  # (a strided nested tensor has no shape)
+            return super().forward(input)
         w, b = _state(self, "weight", "bias")
         direct = _direct(input, w, b)
         if direct:
@@ -278,6 +291,8 @@ class RMSNorm(nn.RMSNorm):
         eps = self.eps
         if eps is None:
             eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+        elif not _attributes_taken(eps):
+            return super().forward(x)
         direct = _direct(x, w)
         if direct:
             ns = self.normalized_shape
@@ -298,7 +313,8 @@ class GroupNorm(nn.GroupNorm):
         if isinstance(input, _Proxy):
             return _fx_call(self, input, super().forward)
         w, b = _state(self, "weight", "bias")
-        if input.is_nested or input.numel() == self.num_groups:  # (one sample of one-element groups: torch.nn's ValueError)
+        # (one sample of one-element groups: torch.nn's ValueError)
+        if input.is_nested or input.numel() == self.num_groups or not _attributes_taken(self.eps):
             return super().forward(input)
         direct = _direct(input, w, b)
         if direct:
