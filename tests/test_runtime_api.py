@@ -88,7 +88,8 @@ def test_initial_threads_from_environment(env, want):
 def test_bad_simdnorm_num_threads_warns_and_falls_back(value):
     out, err = run_py(CODE_THREADS, {"SIMDNORM_NUM_THREADS": value, "OMP_NUM_THREADS": "3"})
     assert int(out) == 3
-    assert "RuntimeWarning" in err and f"SIMDNORM_NUM_THREADS={value!r} is not a positive integer <= {MAX_THREADS}" in err
+    assert "RuntimeWarning" in err
+    assert f"SIMDNORM_NUM_THREADS={value!r} is not a positive integer <= {MAX_THREADS}" in err
 
 
 def test_threads_limited_by_affinity():

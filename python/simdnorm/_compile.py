@@ -236,7 +236,8 @@ def _tensor_mismatch(name: str, t: Any, d: Optional[TensorDesc]) -> Exception:
     if dt != dtype_name(d.dtype):
         return DescriptorTypeError(f"{name}: dtype {dt} does not match the compiled descriptor's {dtype_name(d.dtype)}")
     if tuple(t.shape) != d.sizes:
-        return DescriptorError(f"{name}: shape {tuple(t.shape)} does not match the compiled descriptor's sizes {d.sizes}")
+        return DescriptorError(f"{name}: shape {tuple(t.shape)} does not match the compiled descriptor's sizes "
+                               f"{d.sizes}")
     return DescriptorError(f"{name}: strides {tuple(t.stride())} (elements) do not match the compiled descriptor's "
                            f"strides {d.strides}")
 

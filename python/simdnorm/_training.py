@@ -1225,78 +1225,72 @@ def _arg_check(name: str, d: Optional[TensorDesc]) -> Any:
 def compile_training(desc: Any) -> Any:
     """compile() for the training descriptors: an operator that checks its arrays against the
     descriptors and runs the functional op's plan, made on its first call (the descriptors fix every
-    dtype, shape and attribute the plan depends on; the functional op looks it up on each call)."""
+    dtype, shape and attribute the plan depends on; the functional op looks it up on each call). It
+    carries its function's name, its arrays' descriptors and the descriptor's attributes: a torch
+    call that autograd or a trace must record goes through the function's op with them
+    (_compile.follow_input)."""
     desc._validated()
     d = desc
     plan: list = []  # (made on the first call, from its arrays: the functional op's own rules)
-    chk_x, chk_scale, chk_bias = _arg_check("input", d.input), _arg_check("scale", d.scale), _arg_check("bias", d.bias)
+    descs = {"x": ("input", d.input), "scale": ("scale", d.scale), "bias": ("bias", d.bias)}
     if isinstance(d, BatchNormalizationTrainingDesc):
-        chk_fa = _arg_check("fused_add", d.fused_add)
+        name = "batch_normalization_training"
+        descs["fused_add"] = ("fused_add", d.fused_add)
+        attrs = {"epsilon": d.epsilon, "channel_axis": d.channel_axis, "activation": d.activation}
 
         def op(x: Any, scale: Any = None, bias: Any = None, fused_add: Any = None, *, running_mean: Any = None,
                running_var: Any = None, momentum: Any = None, momentum_convention: str = "pytorch",
                num_batches_tracked: Any = None, out: Any = None) -> Any:
             if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
                 return follow_input(op, locals())  # torch in, torch out
-            x, scale, bias, fused_add = chk_x(x), chk_scale(scale), chk_bias(bias), chk_fa(fused_add)
+            x, scale, bias, fused_add = chk["x"](x), chk["scale"](scale), chk["bias"](bias), chk["fused_add"](fused_add)
             if not plan:
                 plan.append(_bn_training_plan(x, scale, bias, fused_add, d.epsilon, d.activation, d.channel_axis))
             return _bn_training_run(plan[0], x, scale, bias, fused_add, running_mean, running_var, momentum,
                                     momentum_convention, num_batches_tracked, out)
     else:
         # grad_output: the input's dtype and shape, any strides (SPEC section 9)
-        chk_dy = _arg_check("grad_output", TensorDesc(d.input.dtype, d.input.sizes))
+        descs["grad_output"] = ("grad_output", TensorDesc(d.input.dtype, d.input.sizes))
+        attrs = {"epsilon": d.epsilon, "activation": d.activation, "grad_input": d.grad_input,
+                 "grad_scale": d.grad_scale, "grad_bias": d.grad_bias}
         if isinstance(d, BatchNormalizationGradDesc):
-            chk_mean, chk_var, chk_fa = (_arg_check(n, t) for n, t in (("mean", d.mean), ("variance", d.variance),
-                                                                        ("fused_add", d.fused_add)))
+            name = "batch_normalization_backward"
+            descs.update(mean=("mean", d.mean), variance=("variance", d.variance), fused_add=("fused_add", d.fused_add))
+            attrs.update(channel_axis=d.channel_axis, training=d.training)
 
             def op(grad_output: Any, x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None,
                    fused_add: Any = None, *, out: Any = None) -> Any:  # type: ignore[misc]
                 if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
                     return follow_input(op, locals())
-                dy, x, mean, variance = chk_dy(grad_output), chk_x(x), chk_mean(mean), chk_var(variance)
-                scale, bias, fused_add = chk_scale(scale), chk_bias(bias), chk_fa(fused_add)
+                dy, x, mean, variance = chk["grad_output"](grad_output), chk["x"](x), chk["mean"](mean), \
+                    chk["variance"](variance)
+                scale, bias, fused_add = chk["scale"](scale), chk["bias"](bias), chk["fused_add"](fused_add)
                 if not plan:
                     plan.append(_bn_backward_sums_plan(x, dy, mean, variance, scale, bias, fused_add, d.epsilon,
                                                        d.channel_axis, d.training, d.activation, d.grad_input,
                                                        d.grad_scale, d.grad_bias))
                 return _bn_backward_run(plan[0], out, x, dy, mean, variance, scale, bias, fused_add)
         else:
-            chk_mean, chk_inv = _arg_check("mean", d.mean), _arg_check("inv_std", d.inv_std)
+            name = "mean_variance_normalization_backward"
+            descs.update(mean=("mean", d.mean), inv_std=("inv_std", d.inv_std))
+            attrs.update(axes=d.axes, normalize_mean=d.normalize_mean, normalize_variance=d.normalize_variance,
+                         epsilon_mode=d.epsilon_mode)
 
             def op(grad_output: Any, x: Any, mean: Any, inv_std: Any, scale: Any = None, bias: Any = None, *,
                    out: Any = None) -> Any:  # type: ignore[misc]
                 if (x.__class__ is not _nd and is_tensor(x)) or (out is not None and is_foreign_out(out)):
                     return follow_input(op, locals())
-                dy, x, mean, inv_std = chk_dy(grad_output), chk_x(x), chk_mean(mean), chk_inv(inv_std)
-                scale, bias = chk_scale(scale), chk_bias(bias)
+                dy, x, mean, inv_std = chk["grad_output"](grad_output), chk["x"](x), chk["mean"](mean), \
+                    chk["inv_std"](inv_std)
+                scale, bias = chk["scale"](scale), chk["bias"](bias)
                 if not plan:
                     plan.append(_mvn_backward_plan(x, dy, d.axes, mean, inv_std, scale, bias, d.normalize_mean,
                                                    d.normalize_variance, d.epsilon, d.epsilon_mode, d.activation,
                                                    d.grad_input, d.grad_scale, d.grad_bias))
                 return _mvn_backward_run(plan[0], out, x, dy, mean, inv_std, scale, bias)
-    # (named as the function: a torch call that autograd or a trace must record goes through its op,
-    # with the descriptor's attributes: _compile.follow_input)
-    dy_desc = None if isinstance(d, BatchNormalizationTrainingDesc) else TensorDesc(d.input.dtype, d.input.sizes)
-    if isinstance(d, BatchNormalizationTrainingDesc):
-        name, descs = "batch_normalization_training", {"fused_add": d.fused_add}
-        attrs = {"epsilon": d.epsilon, "channel_axis": d.channel_axis, "activation": d.activation}
-    elif isinstance(d, BatchNormalizationGradDesc):
-        name, descs = "batch_normalization_backward", {"mean": d.mean, "variance": d.variance, "fused_add": d.fused_add}
-        attrs = {"epsilon": d.epsilon, "channel_axis": d.channel_axis, "training": d.training,
-                 "activation": d.activation}
-    else:
-        name, descs = "mean_variance_normalization_backward", {"mean": d.mean, "inv_std": d.inv_std}
-        attrs = {"axes": d.axes, "normalize_mean": d.normalize_mean, "normalize_variance": d.normalize_variance,
-                 "epsilon": d.epsilon, "epsilon_mode": d.epsilon_mode, "activation": d.activation}
-    if dy_desc is not None:
-        descs["grad_output"] = dy_desc
-        attrs.update(grad_input=d.grad_input, grad_scale=d.grad_scale, grad_bias=d.grad_bias)
+    chk = {k: _arg_check(n, t) for k, (n, t) in descs.items()}
     op.__name__, op.__qualname__ = name, f"compiled.{name}"
-    op.arg_descs = {"x": ("input", d.input), "scale": ("scale", d.scale), "bias": ("bias", d.bias),  # type: ignore
-                    **{k: (k, t) for k, t in descs.items()}}
-    op.desc_args = attrs  # type: ignore[attr-defined]
-    op.desc = d  # type: ignore[attr-defined]
+    op.arg_descs, op.desc_args, op.desc = descs, attrs, d  # type: ignore[attr-defined]
     return op
 
 
