@@ -251,10 +251,8 @@ def merge_record(rec: np.ndarray, axes: Tuple[int, ...]) -> np.ndarray:
     """A record array's Moments merged along ``axes`` (kept as 1), pairwise in their row-major order."""
     kept = [d for d in range(rec.ndim) if d not in axes]
     moved = np.transpose(rec, kept + sorted(axes))
-    parts = 1
-    for d in axes:
-        parts *= rec.shape[d]
-    flat = moved.reshape(moved.shape[:len(kept)] + (parts,))  # (not -1: a kept dim may be 0)
+    parts = math.prod(rec.shape[d] for d in axes)  # (not -1 below: a kept dim may be 0)
+    flat = moved.reshape(moved.shape[:len(kept)] + (parts,))
     out_shape = tuple(1 if d in axes else rec.shape[d] for d in range(rec.ndim))
     out = np.zeros(out_shape, RECORD)  # no parts at all: the identity
     if flat.shape[-1]:
