@@ -238,7 +238,7 @@ def register_threadpoolctl() -> None:
     except ImportError:  # pragma: no cover - a declared dependency, but optional at run time
         return
     if not hasattr(threadpoolctl, "register") or not hasattr(threadpoolctl, "LibController"):
-        return  # pragma: no cover - threadpoolctl < 3.5
+        return  # pragma: no cover - threadpoolctl < 3.2 (register came in 3.2)
 
     core_file = getattr(_core, "__file__", None)
     ours = os.path.realpath(core_file) if core_file else None
