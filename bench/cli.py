@@ -45,6 +45,12 @@ def int_in(lo: int, hi: Optional[int] = None):
     return parse
 
 
+def _file_name(s: str) -> str:
+    if not s:  # (an empty name was taken as no option at all: nothing written, nothing said)
+        raise argparse.ArgumentTypeError("expected a file name, got an empty one")
+    return s
+
+
 def _nonnegative_ms(s: str) -> float:
     try:
         v = float(s)
@@ -105,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
                    help="run the cases whose name contains SUBSTR (repeatable: any of them)")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
-    p.add_argument("--json", metavar="FILE", help="write the results and machine info as JSON")
-    p.add_argument("--plot", metavar="FILE",
+    p.add_argument("--json", metavar="FILE", type=_file_name, help="write the results and machine info as JSON")
+    p.add_argument("--plot", metavar="FILE", type=_file_name,
                    help="draw GB/s per implementation vs the copy (needs matplotlib; the format from "
                         "the extension: .png, .svg, .pdf...; no extension: FILE.png)")
     p.add_argument("--impl", metavar="NAMES",

@@ -619,8 +619,11 @@ def _us(ns: Optional[float]) -> str:
     return "-" if ns is None else f"{ns / 1e3:.2f}"
 
 
-def _x(r: Optional[float]) -> str:
-    return "-" if r is None else f"{r:.2f}x"
+def _x(r: Optional[float], goal: Optional[float] = None) -> str:
+    """A ratio to 2 decimals; one under the goal cut, not rounded (1.4962 is not 1.50x)."""
+    if r is None:
+        return "-"
+    return f"{math.floor(r * 100) / 100:.2f}x" if goal is not None and r < goal else f"{r:.2f}x"
 
 
 def _goal(row: Row) -> str:
@@ -660,12 +663,12 @@ def format_tables(rows: Sequence[Row], threads: int) -> str:
                 continue
             tn, sn = r.median("torch.nn"), r.median("simdnorm")
             line = (f"{r.case.name:<{w}}  {r.case.nbytes / 1e6:>6.1f}  {_ms(tn):>11} {_ms(sn):>11} "
-                    f"{_x(r.ratio):>7}")
+                    f"{_x(r.ratio, None if model else r.goal):>7}")
             if model:
                 line += (f" {_ms(None if tn is None or sn is None else tn - sn):>9}  {_ms(r.inner_median('torch.nn')):>11} "
-                         f"{_ms(r.inner_median('simdnorm')):>11} {_x(r.inner_ratio):>7}  {_x(r.ceiling):>7}")
+                         f"{_ms(r.inner_median('simdnorm')):>11} {_x(r.inner_ratio, r.goal):>7}  {_x(r.ceiling, r.goal):>7}")
             else:
-                line += f"  {_ms(r.floor_ns):>8} {_x(r.ceiling):>7}"
+                line += f"  {_ms(r.floor_ns):>8} {_x(r.ceiling, r.goal):>7}"
             out.append(line + f"  {_goal(r)}" + (" *" if r.torch_off else ""))
         out.append("")
     tiny = [r for r in rows if r.case.tiny]
@@ -681,7 +684,7 @@ def format_tables(rows: Sequence[Row], threads: int) -> str:
                 out.append(bad)
                 continue
             out.append(f"{r.case.name:<{w}}  {r.case.describe():<{dw}}  {_us(r.median('torch.nn')):>11} "
-                       f"{_us(r.median('simdnorm')):>11} {_x(r.ratio):>7}  {_goal(r)}"
+                       f"{_us(r.median('simdnorm')):>11} {_x(r.ratio, r.goal):>7}  {_goal(r)}"
                        + (" *" if r.torch_off else ""))
         out.append("")
     if any(r.torch_off for r in rows):
@@ -699,7 +702,7 @@ def format_goal_summary(rows: Sequence[Row], threads: int) -> str:
          f"{1 / TINY_GOAL:g}x)")
     if missed:
         s += "; missed: " + ", ".join(
-            f"{r.case.name} {r.measure}" + (f" ({r.goal_ratio:.2f}x" + (f", ceiling {r.ceiling:.2f}x" if r.ceiling else "")
+            f"{r.case.name} {r.measure}" + (f" ({_x(r.goal_ratio, r.goal)}" + (f", ceiling {_x(r.ceiling, r.goal)}" if r.ceiling else "")
                                             + ")" if r.goal_ratio else f" ({r.status})")
             for r in missed)
         beyond = [r for r in missed if r.ceiling is not None and r.ceiling < r.goal]

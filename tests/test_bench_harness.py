@@ -1299,6 +1299,14 @@ def test_output_paths_are_checked_before_any_timing(tmp_path, capsys, monkeypatc
     assert opt in line and says in line
 
 
+@pytest.mark.parametrize("opt", ["--json", "--plot"])
+def test_an_empty_output_name_is_a_usage_error(capsys, opt):
+    """`--json ""` (an unset shell variable) was taken as no option: the run ended with nothing
+    written and nothing said."""
+    line = _usage_error(capsys, TINY_RUN + [opt, ""])
+    assert f"argument {opt}: expected a file name, got an empty one" in line
+
+
 def test_json_and_plot_naming_one_file_is_a_usage_error(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     line = _usage_error(capsys, TINY_RUN + ["--json", str(tmp_path / "r.png"), "--plot", str(tmp_path / "r.png")])

@@ -147,3 +147,9 @@ def test_goal_summary_names_the_ceilings_and_counts_those_under_the_goal():
     assert f"{case.name} fwd (1.20x, ceiling 1.20x)" in s and f"{case.name} fwd (1.20x, ceiling 2.40x)" in s
     assert s.endswith("1 of the missed rows has a ceiling under the goal: torch.nn runs within 1.5x of the "
                       "memory floor there, so no implementation can meet it on this machine")
+
+
+def test_ratios_near_the_goal_are_not_rounded_across_it():
+    assert TM._x(1.4962, 1.5) == "1.49x" and TM._x(1.4999996, 1.5) == "1.49x" and TM._x(1.5, 1.5) == "1.50x"
+    assert TM._x(1.5004, 1.5) == "1.50x" and TM._x(1.4962) == "1.50x" and TM._x(None, 1.5) == "-"
+    assert TM._x(0.6660, TM.TINY_GOAL) == "0.66x" and TM._x(0.6670, TM.TINY_GOAL) == "0.67x"

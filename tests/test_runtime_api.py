@@ -318,6 +318,20 @@ def test_cli_bench_delegates(monkeypatch):
     assert seen == [["--quick", "-k", "bn"]]
 
 
+def test_cli_ctrl_c_is_a_line_and_status_130(monkeypatch, capsys):
+    from simdnorm.__main__ import main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    fake = types.ModuleType("simdnorm.bench")
+    fake.main = interrupted
+    monkeypatch.setitem(sys.modules, "simdnorm.bench", fake)
+    assert main(["bench"]) == 130
+    err = capsys.readouterr().err
+    assert err == "interrupted\n", err
+
+
 # ----------------------------------------------------------------------------------------------
 # many Python threads at once
 # ----------------------------------------------------------------------------------------------

@@ -31,7 +31,14 @@ def info() -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # (Ctrl-C in a long run: a line and the shell's status, no traceback)
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+def _dispatch(args: List[str]) -> int:
     if not args:  # a usage error, as argparse reports one: on stderr, exit 2
         sys.stderr.write(USAGE)
         return 2
