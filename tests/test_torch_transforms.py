@@ -226,6 +226,30 @@ def test_derivatives_of_gradients_raise_never_vanish(rng):
             torch.ops.simdnorm.layer_norm_backward(d, x, m, s)
 
 
+_NESTED = {
+    "jacfwd(jacfwd)": lambda f, x, t: func.jacfwd(func.jacfwd(f))(x),
+    "jacrev(jacfwd)": lambda f, x, t: func.jacrev(func.jacfwd(f))(x),
+    "grad(jvp)": lambda f, x, t: func.grad(lambda x: func.jvp(f, (x,), (t,))[1])(x),
+    "jvp(jvp)": lambda f, x, t: func.jvp(lambda x: func.jvp(f, (x,), (t,))[1], (x,), (t,))[1],
+    "jvp(grad)": lambda f, x, t: func.jvp(func.grad(f), (x,), (t,))[1],  # (the usual Hessian-vector product)
+    "vjp(jvp)": lambda f, x, t: func.vjp(lambda x: func.jvp(f, (x,), (t,))[1], x)[1](torch.ones((), dtype=D))[0],
+}
+
+
+@pytest.mark.parametrize("nesting", sorted(_NESTED))
+@pytest.mark.parametrize("through", ["op", "module", "batch_norm"])
+def test_nested_forward_mode_derivatives_raise_never_vanish(rng, nesting, through):
+    """A transform over a forward-mode one took the inner derivative as a constant: Hessians of
+    zeros, no error. They raise as a double backward does."""
+    x = torch.from_numpy(rng.standard_normal((2, 3)))
+    t, c = torch.from_numpy(rng.standard_normal((2, 3))), torch.from_numpy(rng.standard_normal((2, 3)))
+    norm = {"op": lambda x: torch.ops.simdnorm.layer_norm(x)[0], "module": st.LayerNorm(3, dtype=D),
+            "batch_norm": lambda x: simdnorm.batch_normalization(x, x[0] * 0, x[0].exp(), activation="silu")}[through]
+    f = lambda x: (norm(x) ** 2 * c).sum()  # noqa: E731
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        _NESTED[nesting](f, x, t)
+
+
 def test_functions_without_an_op_refuse_transformed_tensors(rng):
     x = torch.from_numpy(rng.standard_normal((3, 4, 5)))
     for call in (lambda x: simdnorm.moments(x, (1, 2)).mean,

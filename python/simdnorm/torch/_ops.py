@@ -942,6 +942,21 @@ _any_requires_grad: Callable[..., bool] = getattr(
                                                        for t in (*a, *k.values())))
 
 
+_interpreters = torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters
+_DIFFERENTIATING = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
+
+
+def _refuse_nested_derivative(qualname: str) -> None:
+    """Raise where torch.func transforms differentiate a derivative (jvp of grad, jacfwd of jacfwd,
+    grad of jvp): an op's derivative is computed by a single-level autograd.Function, invisible to
+    the outer transform, which would take it as constant (a Hessian of zeros). Called while a
+    transform is active; vmap levels are no derivative."""
+    if sum(i.key() in _DIFFERENTIATING for i in _interpreters()) > 1:
+        raise RuntimeError(f"Trying to differentiate the derivative of {qualname} under nested torch.func transforms "
+                           "(jvp of grad, jacfwd of jacfwd or of jacrev, grad of jvp), but no autograd formula was "
+                           "registered for it: simdnorm's ops have first derivatives only")
+
+
 def _defaults(op: Any) -> Tuple[List[Any], Dict[str, Any]]:
     """The schema's defaults: the dispatcher drops arguments equal to them before a Python kernel."""
     pos, kw = [], {}
@@ -1043,9 +1058,14 @@ def _differentiable(name: str, cpu: Callable, setup: Callable, backward: Callabl
 
     apply = _function(name, run, {"setup_context": setup_context, "backward": backward_, "jvp": jvp_})
 
+    qualname = f"simdnorm::{name}"
+
     def kernel(keyset, *args, **kwargs):
         # (a tangent, or a transform's wrapper, is not requires_grad)
-        if (_grad_enabled() and _any_requires_grad(*args)) or _functorch_active() or _forward_ad._current_level >= 0:
+        if _functorch_active():
+            _refuse_nested_derivative(qualname)
+            return apply(keyset, kwargs, *args)
+        if (_grad_enabled() and _any_requires_grad(*args)) or _forward_ad._current_level >= 0:
             return apply(keyset, kwargs, *args)
         if keyset == _PLAIN_CPU:
             return cpu(*args, **kwargs)
@@ -1070,7 +1090,10 @@ def _not_differentiable(qualname: str, op: Any, cpu: Callable) -> Callable:
     apply = _function(op._opname, run, {"setup_context": setup_context, "backward": refuse, "jvp": refuse})
 
     def kernel(keyset, *args, **kwargs):
-        if (_grad_enabled() and _any_requires_grad(*args)) or _functorch_active() or _forward_ad._current_level >= 0:
+        if _functorch_active():
+            _refuse_nested_derivative(qualname)
+            return apply(keyset, kwargs, *args)
+        if (_grad_enabled() and _any_requires_grad(*args)) or _forward_ad._current_level >= 0:
             return apply(keyset, kwargs, *args)
         return run(keyset, args, kwargs)
 
