@@ -480,6 +480,10 @@ def _vmap_cases(rng, dtype):
          (2, 4, C), (C,), (C,)),
         ("bn-1d-sample", lambda x, w, b: ops.batch_normalization(x, b, w.abs() + 0.5, w, b, channel_axis=0),
          (C,), (C,), (C,)),
+        ("bn-1d-sample-broadcast", lambda x, w, b: ops.batch_normalization(  # ((1,) statistics: one channel)
+            x, b[:1], w[:1].abs() + 0.5, w[:1], b[1:2], channel_axis=0), (C,), (C,), (C,)),
+        ("bn-1d-sample-mixed", lambda x, w, b: ops.batch_normalization(x, b[:1], w.abs() + 0.5, w, b[:1]), (C,),
+         (C,), (C,)),
         ("instance", lambda x, w, b: ops.instance_norm(x, w, b, activation="gelu"), (2, C, 3, 4), (C,), (C,)),
         ("instance-channels-last", lambda x, w, b: ops.instance_norm(x, w, b, channel_axis=-1), (2, 3, 4, C),
          (C,), (C,)),
@@ -505,6 +509,10 @@ def _vmap_cases(rng, dtype):
          (3, C, 2), (C,), None),
         ("bn-backward-given", lambda x, w, b: ops.batch_normalization_backward(
             x.sin(), x, b, w.abs() + 0.5, w, b, training=False, activation="leaky_relu"), (2, C, 4), (C,), (C,)),
+        ("bn-backward-given-1d-sample-broadcast", lambda x, w, b: ops.batch_normalization_backward(
+            x.sin(), x, b[:1], w[:1].abs() + 0.5, w[:1], None, training=False, channel_axis=0), (C,), (C,), (C,)),
+        ("bn-train-1d-sample-broadcast", lambda x, w, b: ops.batch_normalization_training(x, w[:1], b[:1]), (C,),
+         (C,), (C,)),
         ("bn-backward-given-same-rank", lambda x, w, b: ops.batch_normalization_backward(
             x.sin(), x, b.reshape(1, C, 1), w.abs().reshape(1, C, 1) + 0.5, w.reshape(1, C, 1), None, training=False,
             channel_axis=1), (2, C, 4), (C,), (C,)),

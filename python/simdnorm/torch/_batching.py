@@ -44,11 +44,12 @@ def _trailing(p: Optional[torch.Tensor], d: Optional[int], b: int, nd: int, want
 def _channel(p: Optional[torch.Tensor], d: Optional[int], b: int, nd: int, ca: int, want_own: bool = False
              ) -> Optional[torch.Tensor]:
     """A batch norm parameter (1-D of the channels, or same-rank) for a batched input of nd dims
-    whose channels are at ca: unbatched 1-D as it is; else same-rank with the batch dim in front."""
+    whose channels are at ca: unbatched 1-D as it is (but for 1-D samples, nd 2, whose parameters are
+    same-rank: a (1,) one broadcasts); else same-rank with the batch dim in front."""
     if p is None:
         return None
     if d is None and not want_own:
-        return p if p.dim() == 1 else p.unsqueeze(0)
+        return p if p.dim() == 1 and nd > 2 else p.unsqueeze(0)
     p = _front(p, d, b)
     if p.dim() == nd:
         return p
