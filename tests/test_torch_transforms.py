@@ -291,6 +291,29 @@ def test_jit_trace_records_the_ops(rng, grad):
         torch.jit.trace(lambda x: simdnorm.moments(x, (1, 2)).mean, x, check_trace=False)
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("make", [lambda: torch.nn.BatchNorm2d(3), lambda: torch.nn.BatchNorm2d(3, momentum=None),
+                                  lambda: torch.nn.BatchNorm1d(3, momentum=1.0),
+                                  lambda: torch.nn.InstanceNorm2d(3, track_running_stats=True)],
+                         ids=["bn2d", "bn2d-cumulative", "bn1d-momentum-1", "instance2d"])
+def test_jit_trace_of_training_updates_running_stats_of_each_batch(rng, make):
+    """The count behind the unbiased variance was traced as the traced batch's constant: a model
+    traced on 2 samples and run on 64 kept 2/1 where 64/63 was due."""
+    m = make().train()
+    ours, eager = st.convert(copy.deepcopy(m)), st.convert(copy.deepcopy(m))
+    shape = {torch.nn.BatchNorm1d: lambda n: (n, 3, 5), torch.nn.BatchNorm2d: lambda n: (n, 3, 2, 3),
+             torch.nn.InstanceNorm2d: lambda n: (2, 3, 2, n)}[type(m)]  # (instance norm: a count of each sample)
+    draw = lambda n: torch.from_numpy(rng.standard_normal(shape(n)) * 2 + 1).float()  # noqa: E731
+    traced = torch.jit.trace(ours, draw(2), check_trace=False)
+    ours.load_state_dict(m.state_dict())  # (undo the tracing call's own update)
+    for n in (64, 2, 7):
+        x = draw(n)
+        traced(x), eager(x), m(x)
+        for k, v in eager.state_dict().items():
+            assert torch.equal(ours.state_dict()[k], v), (n, k)
+            assert torch.allclose(v.double(), m.state_dict()[k].double(), rtol=1e-6, atol=0), (n, k)
+
+
 def _plain_calls(rng):
     """(name, function of x, parameters) for each plain function with an op: a model's call of it on
     tensors (return_stats and activations too)."""

@@ -16,7 +16,7 @@ import copy
 import math
 import sys
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -143,6 +143,33 @@ def _fx_call(m: nn.Module, input: Any, nn_forward: Callable[[Any], Any]) -> Any:
     return tracer.create_proxy("call_module", path, (input,), {})
 
 
+def _update_running(rm: Tensor, rv: Tensor, mean: Tensor, var: Tensor, nbt: Optional[Tensor], input: Tensor,
+                    skip: Tuple[int, ...], momentum: Optional[float]) -> None:
+    """The running statistics' update (update_running_stats_ with count = the product of input's
+    sizes but the skip dims). Under torch.jit.trace in torch's own ops: the op's count is an int,
+    which a trace records as the traced batch's constant, where the sizes read here are traced
+    values (n / (n - 1) of each later batch). The same arithmetic: in double, rounded once."""
+    if not _is_tracing():
+        count = 1
+        for d, size in enumerate(input.shape):
+            count *= 1 if d in skip else size
+        _update(rm, rv, mean, var, nbt, **_given({}, count=count, momentum=momentum))
+        return
+    if nbt is not None:
+        nbt.add_(1)
+    n = torch.ones((), dtype=torch.float64)
+    for d in range(input.dim()):
+        if d not in skip:
+            n = n * input.size(d)
+    f64 = torch.float64
+    m = 1.0 / nbt.to(f64) if momentum is None else torch.tensor(float(momentum), dtype=f64)
+    unbias = torch.where(n > 1, n / (n - 1), torch.ones((), dtype=f64))
+    new_mean = (1.0 - m) * rm.to(f64) + m * mean.to(f64)
+    new_var = (1.0 - m) * rv.to(f64) + (m * var.to(f64)) * unbias
+    rm.copy_(torch.where(n > 0, new_mean, rm.to(f64)))  # (an empty batch moves nothing)
+    rv.copy_(torch.where(n > 0, new_var, rv.to(f64)))
+
+
 class _BatchNormForward(_BatchNorm):
     """forward of _BatchNorm (torch/nn/modules/batchnorm.py), step for step. (A subclass of it, so
     that it types; BatchNorm1d's MRO puts nn.BatchNorm1d after it: super() is torch.nn's.)"""
@@ -189,8 +216,11 @@ class _BatchNormForward(_BatchNorm):
             if rm is not None:
                 # momentum=None without a counter: torch.nn's factor is then 0 (nothing moves)
                 momentum = 0.0 if self.momentum is None and nbt is None else self.momentum
-                update = _ops.update_running_stats_ if direct and _direct(rm, rv, nbt) else _update
-                update(rm, rv, mean, var, nbt, **_given({}, count=input.numel() // input.shape[1], momentum=momentum))
+                if direct and _direct(rm, rv, nbt):
+                    _ops.update_running_stats_(rm, rv, mean, var, nbt, count=input.numel() // input.shape[1],
+                                               momentum=momentum)
+                else:
+                    _update_running(rm, rv, mean, var, nbt, input, (1,), momentum)
             elif nbt is not None:
                 nbt.add_(1)
         return out
@@ -240,8 +270,8 @@ class _InstanceNormForward(_InstanceNorm):
         b = None if self.bias is None else self.bias.reshape([1, c] + [1] * (input.dim() - 2)).expand(shape)
         out, mean, var = _bn_training(input, w, b, epsilon=self.eps)
         # torch.nn averages each (n, c)'s update over n, and leaves num_batches_tracked alone
-        _update(rm, rv, mean.reshape(n, c).mean(0), var.reshape(n, c).mean(0), None,
-                count=input.numel() // (n * c), momentum=self.momentum if self.momentum is not None else 0.0)
+        _update_running(rm, rv, mean.reshape(n, c).mean(0), var.reshape(n, c).mean(0), None, input, (0, 1),
+                        self.momentum if self.momentum is not None else 0.0)
         return out
 
 
