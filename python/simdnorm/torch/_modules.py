@@ -149,7 +149,7 @@ def _update_running(rm: Tensor, rv: Tensor, mean: Tensor, var: Tensor, nbt: Opti
     sizes but the skip dims). Under torch.jit.trace in torch's own ops: the op's count is an int,
     which a trace records as the traced batch's constant, where the sizes read here are traced
     values (n / (n - 1) of each later batch). The same arithmetic: in double, rounded once."""
-    if not _is_tracing():
+    if _is_compiling() or not _is_tracing():  # (dynamo cannot trace _is_tracing: asked outside it only)
         count = 1
         for d, size in enumerate(input.shape):
             count *= 1 if d in skip else size
