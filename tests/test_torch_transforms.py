@@ -314,6 +314,52 @@ def test_jit_trace_of_training_updates_running_stats_of_each_batch(rng, make):
             assert torch.allclose(v.double(), m.state_dict()[k].double(), rtol=1e-6, atol=0), (n, k)
 
 
+@pytest.mark.parametrize("make", [lambda: torch.nn.BatchNorm2d(3), lambda: torch.nn.BatchNorm2d(3, momentum=None),
+                                  lambda: torch.nn.InstanceNorm2d(3, affine=True, track_running_stats=True)],
+                         ids=["bn2d", "bn2d-cumulative", "instance2d"])
+def test_vmap_ensemble_in_training_updates_each_members_buffers(rng, make):
+    """stack_module_state + vmap(functional_call): torch.nn's updates each member's running
+    statistics; the drop-ins found no vmap rule for their update and raised."""
+    E = 3
+    members = [make().double() for _ in range(E)]
+    for i, m in enumerate(members):
+        if m.weight is not None:
+            with torch.no_grad():
+                m.weight.add_(i), m.bias.sub_(i)  # (members of their own)
+        if m.num_batches_tracked is not None:
+            m.num_batches_tracked.fill_(i)  # (momentum=None: each member's own count)
+    x = torch.from_numpy(rng.standard_normal((E, 4, 3, 2, 5)) * 3 + 1)
+
+    def ensemble(ms):
+        params, buffers = func.stack_module_state(ms)
+        base = copy.deepcopy(ms[0]).to("meta")
+        return func.vmap(lambda p, b, x: func.functional_call(base, (p, b), (x,)))(params, buffers, x), buffers
+
+    got, got_buffers = ensemble([st.convert(copy.deepcopy(m)) for m in members])
+    if members[0].momentum is not None:  # (torch.nn's reads its count with .item(): not under vmap)
+        want, want_buffers = ensemble([copy.deepcopy(m) for m in members])
+        assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+        for k, v in want_buffers.items():
+            assert torch.allclose(got_buffers[k], v, rtol=1e-13, atol=0), k
+    for i, m in enumerate(members):  # (each member as if run alone)
+        want = m(x[i])
+        assert (got[i] - want).abs().max() <= 1e-12 * want.abs().max()
+        for k, v in m.named_buffers():
+            assert torch.allclose(got_buffers[k][i], v, rtol=1e-13, atol=0), (i, k)
+
+
+def test_vmap_update_of_unbatched_running_stats_is_refused(rng):
+    rm, rv = torch.zeros(3, dtype=D), torch.ones(3, dtype=D)
+    mean, var = (torch.from_numpy(rng.random((4, 3))) for _ in range(2))
+    with pytest.raises(RuntimeError, match="the same running_mean, running_var, which is not batched"):
+        func.vmap(lambda m, v: (torch.ops.simdnorm.update_running_stats_(rm, rv, m, v, count=5), m)[1])(mean, var)
+    assert torch.equal(rm, torch.zeros(3, dtype=D)) and torch.equal(rv, torch.ones(3, dtype=D))
+    rms, rvs = torch.zeros(4, 3, dtype=D), torch.ones(3, 4, dtype=D)  # (batched at different dims)
+    func.vmap(lambda a, b, m, v: (torch.ops.simdnorm.update_running_stats_(a, b, m, v, count=5, momentum=0.5), m)[1],
+              in_dims=(0, 1, 0, 0))(rms, rvs, mean, var)
+    assert torch.allclose(rms, 0.5 * mean, rtol=1e-15) and torch.allclose(rvs.T, 0.5 + 0.5 * var * 5 / 4, rtol=1e-15)
+
+
 def _plain_calls(rng):
     """(name, function of x, parameters) for each plain function with an op: a model's call of it on
     tensors (return_stats and activations too)."""

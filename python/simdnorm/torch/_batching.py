@@ -343,6 +343,25 @@ def _backward_results(gi: torch.Tensor, params: Sequence[Tuple[torch.Tensor, Opt
     return tuple(results), tuple(dims)
 
 
+def _update_running_stats_(info, in_dims, running_mean, running_var, mean, variance, num_batches_tracked=None,
+                           **kw):
+    """Each member's running statistics from its own batch's (an ensemble's stacked buffers, as
+    torch.func.stack_module_state makes them): the op once per member, in place in its slice."""
+    dims = (list(in_dims) + [None])[:5]
+    buffers = [(n, d) for n, d in zip(("running_mean", "running_var", "num_batches_tracked"), dims[:2] + dims[4:])
+               if not (n == "num_batches_tracked" and num_batches_tracked is None)]
+    unbatched = [n for n, d in buffers if d is None]
+    if unbatched:
+        raise RuntimeError(f"vmap: simdnorm::update_running_stats_ would write every member's statistics into "
+                           f"the same {', '.join(unbatched)}, which is not batched: batch the buffers too "
+                           "(torch.func.stack_module_state stacks a module's buffers), or update outside vmap")
+    args = (running_mean, running_var, mean, variance, num_batches_tracked)
+    for i in range(info.batch_size):
+        _ops.update_running_stats_(*[a if d is None or a is None else a.select(d, i) for a, d in zip(args, dims)],
+                                   **kw)
+    return None, None
+
+
 RULES = {
     "layer_norm": _layer_norm,
     "rms_norm": _rms_norm,
@@ -357,6 +376,7 @@ RULES = {
     "mean_variance_normalization_backward": _mean_variance_normalization_backward,
     "instance_norm_backward": _instance_norm_backward,
     "group_norm_backward": _group_norm_backward,
+    "update_running_stats_": _update_running_stats_,
 }
 
 
@@ -378,6 +398,9 @@ def _guarded(name: str, rule: Any) -> Any:
     op = getattr(_ops, name).default
     extra = 2 if name.startswith("group_norm") else 1
     at = 1 if name.endswith("_backward") else 0  # (the input's place among the arguments)
+
+    if name == "update_running_stats_":  # (per member already)
+        return rule
 
     def run(info, in_dims, *args, **kwargs):
         x, d = args[at], in_dims[at]
