@@ -1930,6 +1930,28 @@ def test_error_backward_input_dtype_and_rank(rng):
         simdnorm.layer_norm_backward(x9, x9, np.zeros((1,) * 9, F32), np.ones((1,) * 9, F32))
 
 
+def test_error_zero_dim_parameters_of_training_and_backward_ops(rng):
+    """A 0-d fused_add was taken by batch_normalization_training (and refused by its backward and
+    its descriptor); a 0-d statistic of a backward op was refused as 'expected 1 to 9 dimensions'.
+    Every op's 0-d parameter is the same clear error."""
+    x = rand_values(rng, (2, 3, 4), F32)
+    c, zero = np.ones(3, F32), np.array(0.5, F32)
+    ln_stats = (np.zeros((2, 3, 1), F32), np.ones((2, 3, 1), F32))
+    calls = {
+        "training fused_add": lambda: simdnorm.batch_normalization_training(x, fused_add=zero),
+        "training scale": lambda: simdnorm.batch_normalization_training(x, zero),
+        "bn backward mean": lambda: simdnorm.batch_normalization_backward(x, x, zero, c),
+        "bn backward fused_add": lambda: simdnorm.batch_normalization_backward(x, x, c, c, fused_add=zero),
+        "layer backward mean": lambda: simdnorm.layer_norm_backward(x, x, zero, ln_stats[1]),
+        "mvn backward inv_std": lambda: simdnorm.mean_variance_normalization_backward(x, x, (2,), ln_stats[0], zero),
+        "rms backward scale": lambda: simdnorm.rms_norm_backward(x, x, ln_stats[1], zero),
+    }
+    for what, call in calls.items():
+        with pytest.raises(simdnorm.DescriptorError, match="0 dimensions .*tensors must have 1 to 8 dimensions"):
+            call()
+            pytest.fail(what)
+
+
 def test_exported():
     for name in ("batch_normalization_training", "batch_normalization_backward",
                  "mean_variance_normalization_backward", "layer_norm_backward", "rms_norm_backward",

@@ -136,6 +136,8 @@ def _grad_output(dy: Any, x: Any) -> Any:
 def _param(p: Any, name: str, x: Any) -> Any:
     if p is None:
         return None
+    if not 1 <= len(p.shape) <= MAX_DIMS:  # (a 0-d one: refused as every op's parameters are)
+        TensorDesc(p.dtype, p.shape)._check(name, "param")
     check_param_dtype(name, TensorDesc(p.dtype, p.shape), TensorDesc(x.dtype, x.shape))
     return p
 
