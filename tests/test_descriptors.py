@@ -563,6 +563,12 @@ def test_output_with_disjoint_elements_compiles_and_runs(sizes, strides, dtype):
         idx = np.indices(sizes).reshape(len(sizes), -1)
         written[-lo + np.asarray(strides) @ idx] = True
         assert np.all(buf[~written] == POISON)
+        # without out=, a new result of the descriptor's layout (it was np.empty_like(x)'s), which
+        # out= then takes, and the same values
+        new = op(*args)
+        assert new.strides == out.strides and new.dtype == out.dtype and new.flags.writeable
+        assert np.array_equal(new, out, equal_nan=True)
+        assert op(*args, out=new) is new
 
 
 def test_compiled_in_place_with_parameter_inside_input():

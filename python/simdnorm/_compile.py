@@ -526,6 +526,21 @@ def _kernel_args(params) -> str:
     return ", ".join("None" if d is None else a for a, d in params)
 
 
+def _allocator(desc: TensorDesc) -> Callable[[], np.ndarray]:
+    """new(): an array of the output descriptor's dtype, sizes and strides (a new result takes the
+    layout the descriptor gives, which out= is held to)."""
+    dt, shape, st = expect(desc)
+    packed, step = [], dt.itemsize
+    for n in reversed(shape):  # (numpy's C-order strides: a dim's, the product of those after it)
+        packed.insert(0, step)
+        step *= max(n, 1)
+    if st is None or 0 in shape or st == tuple(packed):
+        return functools.partial(np.empty, shape, dt)
+    low = sum(s * (n - 1) for s, n in zip(st, shape) if s < 0)
+    span = sum(abs(s) * (n - 1) for s, n in zip(st, shape)) + dt.itemsize
+    return lambda: np.ndarray(shape, dt, np.empty(span, np.uint8), -low, st)
+
+
 def _gen_body(name: str, params, ns, kernel_call: str, out_desc: TensorDesc, ret: str) -> str:
     """The rest of a compiled operator after its argument checks: a new output, or out= with its fast
     checks (the slow path raises, or writes a torch out through follow_input) and the overlap rule
@@ -541,8 +556,12 @@ def _gen_body(name: str, params, ns, kernel_call: str, out_desc: TensorDesc, ret
     # locals() hands torch.compile unbound where the call follows a tensor input before they are set)
     bound = "".join(f", {v}={v}" for v in ["x", *(a for a, d in params if d is not None), *(
         v for v in ("mo", "so") if v in kernel_call)])
+    new_out = "_empty_like(x, subok=False)"
+    if ost is not None:
+        ns["_new_out"] = _allocator(out_desc)
+        new_out = "_new_out()"
     return f"""    if out is None:
-        out = _empty_like(x, subok=False)
+        out = {new_out}
         {kernel_call.format(target="out", check="False")}
         return {ret}
     if (out.__class__ is not _nd or out.shape != x_S or out.dtype is not x_D{st_cond}
