@@ -25,6 +25,7 @@ import numpy as np
 
 try:
     import dask.array as da
+    from dask.base import tokenize as _tokenize
 except ImportError as _e:  # pragma: no cover - the test extra installs dask
     raise ImportError("simdnorm.dask needs Dask: pip install 'simdnorm[dask]' (or dask[array])") from _e
 
@@ -329,27 +330,34 @@ def _moments_of(x: "da.Array", axes: Tuple[int, ...], threads: int) -> "da.Array
                         meta=_meta(x.ndim, RECORD), name="simdnorm-moments")
 
 
-def _normalized(x, rec, s, b, fa, *, nm, nv, eps, outside, act, threads, token):
-    return da.map_blocks(_normalize_task, x, rec, s, b, fa, nm=nm, nv=nv, eps=eps, outside=outside, act=act,
-                         threads=threads, dtype=x.dtype, meta=x._meta, token=token)
+def _map_blocks(func: Any, *args: Any, prefix: str, **kw: Any) -> "da.Array":
+    """da.map_blocks with its keys named prefix-<hash of the arguments>, as token=prefix names
+    them: dask 2024.x deprecates token= (a FutureWarning a call), later versions take it again;
+    name= means the whole name in all of them."""
+    return da.map_blocks(func, *args, name=f"{prefix}-{_tokenize(func, *args, **kw)}", **kw)
+
+
+def _normalized(x, rec, s, b, fa, *, nm, nv, eps, outside, act, threads, prefix):
+    return _map_blocks(_normalize_task, x, rec, s, b, fa, nm=nm, nv=nv, eps=eps, outside=outside, act=act,
+                         threads=threads, dtype=x.dtype, meta=x._meta, prefix=prefix)
 
 
 def _mvn_graph(fn, x, axes, s, b, *, nm, nv, eps, mode, act, return_stats, threads):
     """MVN over axes with full-rank aligned scale and bias (dask arrays or None)."""
     sdt = stats_dtype(x.dtype)
-    token = f"simdnorm-{fn}"
+    prefix = f"simdnorm-{fn}"
     if not (nm or nv) or not _spans(x, axes):
         kw = dict(axes=axes, nm=nm, nv=nv, eps=eps, mode=mode, act=act, threads=threads)
         if not return_stats:
-            return da.map_blocks(_mvn_task, x, s, b, stats=False, dtype=x.dtype, meta=x._meta, token=token, **kw)
-        tmp = da.map_blocks(_mvn_task, x, s, b, stats=True, dtype=x.dtype, meta=x._meta, token=token, **kw)
+            return _map_blocks(_mvn_task, x, s, b, stats=False, dtype=x.dtype, meta=x._meta, prefix=prefix, **kw)
+        tmp = _map_blocks(_mvn_task, x, s, b, stats=True, dtype=x.dtype, meta=x._meta, prefix=prefix, **kw)
         spec = _stats_spec(x, axes, sdt)
         return tuple(_tuple_outputs(tmp, [dict(dtype=x.dtype, meta=x._meta), spec if nm else None,
                                              spec if nv else None]))
     outside = mode == "outside"
     rec = _moments_of(x, axes, threads)
     out = _normalized(x, rec, s, b, None, nm=nm, nv=nv, eps=eps, outside=outside, act=act, threads=threads,
-                      token=token)
+                      prefix=prefix)
     if not return_stats:
         return out
     meta = _meta(x.ndim, sdt)
@@ -410,8 +418,8 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
                                   activation=activation, channel_axis=channel_axis)
     eps, _, ca = plan_bn(desc._validated())
     m, v, s, b = (_at(p, x, ca) for p in params)
-    return da.map_blocks(_bn_task, x, m, v, s, b, eps=eps, act=activation, threads=threads, dtype=x.dtype,
-                         meta=x._meta, token="simdnorm-batch_normalization")
+    return _map_blocks(_bn_task, x, m, v, s, b, eps=eps, act=activation, threads=threads, dtype=x.dtype,
+                         meta=x._meta, prefix="simdnorm-batch_normalization")
 
 
 @_documented("mean_variance_normalization")
@@ -528,12 +536,12 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
         x = x.rechunk({ca: _group_chunks(x.chunks[ca], k)})
     s, b = _at(s, x, ca), _at(b, x, ca)
     spatial = tuple(d for d in range(1, x.ndim) if d != ca)
-    token = "simdnorm-group_norm"
+    prefix = "simdnorm-group_norm"
     if not _spans(x, spatial):
         kw = dict(k=k, ca=ca, eps=eps, act=activation, threads=threads)
         if not stats:
-            return da.map_blocks(_group_task, x, s, b, stats=False, dtype=x.dtype, meta=x._meta, token=token, **kw)
-        tmp = da.map_blocks(_group_task, x, s, b, stats=True, dtype=x.dtype, meta=x._meta, token=token, **kw)
+            return _map_blocks(_group_task, x, s, b, stats=False, dtype=x.dtype, meta=x._meta, prefix=prefix, **kw)
+        tmp = _map_blocks(_group_task, x, s, b, stats=True, dtype=x.dtype, meta=x._meta, prefix=prefix, **kw)
         chunks = tuple(tuple(c // k for c in x.chunks[ca]) if d == ca else x.chunks[d] if d == 0 else (1,)
                        for d in range(x.ndim))
         spec = dict(at=(0, ca), squeeze=spatial, chunks=chunks, dtype=sdt, meta=_meta(x.ndim, sdt))
@@ -542,7 +550,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     rec = _moments_of(x, spatial, threads).map_blocks(_group_moments, k=k, ca=ca, dtype=RECORD,
                                                        meta=_meta(x.ndim, RECORD))
     res = _normalized(x, rec, s, b, None, nm=True, nv=True, eps=eps, outside=False, act=activation,
-                      threads=threads, token=token)
+                      threads=threads, prefix=prefix)
     if not stats:
         return res
     firsts = rec[tuple(slice(None, None, k) if d == ca else slice(None) for d in range(x.ndim))]
@@ -576,8 +584,8 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     sdt = stats_dtype(x.dtype)
     full = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
     if not _spans(x, axes):
-        tmp = da.map_blocks(_bn_training_task, x, s, b, fa, per_channel=kca >= 0, eps=eps, ca=channel_axis,
-                            act=activation, threads=threads, dtype=x.dtype, meta=x._meta, token=f"simdnorm-{fn}")
+        tmp = _map_blocks(_bn_training_task, x, s, b, fa, per_channel=kca >= 0, eps=eps, ca=channel_axis,
+                            act=activation, threads=threads, dtype=x.dtype, meta=x._meta, prefix=f"simdnorm-{fn}")
         if len(sshape) == x.ndim:
             spec = _stats_spec(x, axes, sdt)
         else:
@@ -586,7 +594,7 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
         return _tuple_outputs(tmp, [dict(dtype=x.dtype, meta=x._meta), spec, spec])
     rec = _moments_of(x, axes, threads)
     res = _normalized(x, rec, s, b, fa, nm=True, nv=True, eps=eps, outside=False, act=activation, threads=threads,
-                      token=f"simdnorm-{fn}")
+                      prefix=f"simdnorm-{fn}")
     meta = _meta(x.ndim, sdt)
     mean = rec.map_blocks(_mean_stat, sdt=sdt, dtype=sdt, meta=meta)
     var = rec.map_blocks(_variance_stat, sdt=sdt, dtype=sdt, meta=meta)
