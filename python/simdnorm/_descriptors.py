@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+from array import array as _PyArray
 from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
@@ -117,7 +118,8 @@ def _is_sequence(v: Any) -> bool:
     cls = v.__class__
     if cls is tuple or cls is list or cls is np.ndarray:  # (the ABC's isinstance costs ~0.2-0.3 us)
         return True
-    return isinstance(v, (_Sequence, np.ndarray)) and not isinstance(v, (str, bytes))
+    # (array.array: a Sequence from Python 3.10 on, registered; named for 3.9)
+    return isinstance(v, (_Sequence, np.ndarray, _PyArray)) and not isinstance(v, (str, bytes))
 
 
 def as_int_tuple(v: Any) -> Any:
