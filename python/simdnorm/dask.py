@@ -339,7 +339,7 @@ def _map_blocks(func: Any, *args: Any, prefix: str, **kw: Any) -> "da.Array":
 
 def _normalized(x, rec, s, b, fa, *, nm, nv, eps, outside, act, threads, prefix):
     return _map_blocks(_normalize_task, x, rec, s, b, fa, nm=nm, nv=nv, eps=eps, outside=outside, act=act,
-                         threads=threads, dtype=x.dtype, meta=x._meta, prefix=prefix)
+                       threads=threads, dtype=x.dtype, meta=x._meta, prefix=prefix)
 
 
 def _mvn_graph(fn, x, axes, s, b, *, nm, nv, eps, mode, act, return_stats, threads):
@@ -419,7 +419,7 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
     eps, _, ca = plan_bn(desc._validated())
     m, v, s, b = (_at(p, x, ca) for p in params)
     return _map_blocks(_bn_task, x, m, v, s, b, eps=eps, act=activation, threads=threads, dtype=x.dtype,
-                         meta=x._meta, prefix="simdnorm-batch_normalization")
+                       meta=x._meta, prefix="simdnorm-batch_normalization")
 
 
 @_documented("mean_variance_normalization")
@@ -585,7 +585,7 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     full = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
     if not _spans(x, axes):
         tmp = _map_blocks(_bn_training_task, x, s, b, fa, per_channel=kca >= 0, eps=eps, ca=channel_axis,
-                            act=activation, threads=threads, dtype=x.dtype, meta=x._meta, prefix=f"simdnorm-{fn}")
+                          act=activation, threads=threads, dtype=x.dtype, meta=x._meta, prefix=f"simdnorm-{fn}")
         if len(sshape) == x.ndim:
             spec = _stats_spec(x, axes, sdt)
         else:
