@@ -204,6 +204,25 @@ def test_the_kept_blocks_are_bounded():
     assert reused == "[False, True] False"
 
 
+@pytest.mark.parametrize("setting, mb, warns", [
+    ("64", 64, False), ("0", 0, False), ("", 1024, False),
+    ("-1", 1024, True), ("+64", 1024, True), (" 64", 1024, True), ("64MB", 1024, True), ("1e3", 1024, True),
+    ("17592186044416", 1024, True),  # (2^44 MB: wrapped to a bound of 0 bytes)
+    ("99999999999999999999", 1024, True),  # (past unsigned long long: strtoull's saturation)
+])
+def test_a_cache_bound_not_in_whole_megabytes_is_the_default_with_a_warning(setting, mb, warns):
+    """strtoull read "-1" as 2^64 - 1 megabytes (no bound: 1.7 GB kept where 1 GB was meant),
+    2^44 as 0 (no cache), "64MB" as the default, all unsaid."""
+    script = "import simdnorm.torch; from simdnorm import _core; print(_core.huge_cache_limit() >> 20)"
+    env = dict(os.environ, SIMDNORM_TORCH_CACHE_MB=setting)
+    r = subprocess.run([sys.executable, "-W", "always::RuntimeWarning", "-c", script], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.strip().splitlines()[-1]) == mb
+    said = f"SIMDNORM_TORCH_CACHE_MB={setting!r} is not a whole number of megabytes" in r.stderr
+    assert said == warns, r.stderr
+
+
 def _child_layer_norm(queue):
     # (numpy's work, not torch's: torch's parallel ops hang in a child forked after they ran, OpenMP's)
     x = torch.from_numpy(np.random.default_rng(3).standard_normal(BIG, dtype=np.float32))

@@ -1057,5 +1057,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("huge_block_min_elements") = kHugeBlockMinElements;
   m.def("huge_cache_bytes", &cached_huge_bytes, "The bytes of freed huge-page blocks kept for reuse.");
   m.def("huge_cache_limit", &huge_cache_limit, "The bound on those (SIMDNORM_TORCH_CACHE_MB, default 1024 MB).");
+  m.def("huge_cache_setting_ignored", &huge_cache_setting_ignored,
+        "Whether SIMDNORM_TORCH_CACHE_MB was set to something other than whole megabytes (then 1024).");
   m.def("release_huge_blocks", &release_huge_blocks, "Unmap the kept blocks; returns the bytes released.");
 }

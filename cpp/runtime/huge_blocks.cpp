@@ -47,15 +47,35 @@ void* map_aligned(size_t n) {
 
 }  // namespace
 
-size_t huge_cache_limit() {
-  static const size_t limit = [] {
+namespace {
+
+struct CacheSetting {
+  size_t bytes;
+  bool ignored;  // set, but not a bound: the default instead
+};
+
+// SIMDNORM_TORCH_CACHE_MB in decimal digits only: strtoull took "-1" as 2^64 - 1 (no bound), a
+// value past size_t's bytes wrapped (to 0: no cache), and "64MB" or "1e3" fell back unsaid.
+const CacheSetting& cache_setting() {
+  static const CacheSetting setting = [] {
+    constexpr size_t kDefault = size_t{1024} << 20, kMaxMb = SIZE_MAX >> 20;
     const char* env = std::getenv("SIMDNORM_TORCH_CACHE_MB");
-    char* end = nullptr;
-    const unsigned long long mb = env != nullptr ? std::strtoull(env, &end, 10) : 0;
-    return env != nullptr && end != env && *end == '\0' ? static_cast<size_t>(mb) << 20 : size_t{1024} << 20;
+    if (env == nullptr || *env == '\0') return CacheSetting{kDefault, false};
+    size_t mb = 0;
+    for (const char* p = env; *p != '\0'; ++p) {
+      const size_t digit = static_cast<size_t>(*p - '0');
+      if (*p < '0' || *p > '9' || mb > (kMaxMb - digit) / 10) return CacheSetting{kDefault, true};
+      mb = mb * 10 + digit;
+    }
+    return CacheSetting{mb << 20, false};
   }();
-  return limit;
+  return setting;
 }
+
+}  // namespace
+
+size_t huge_cache_limit() { return cache_setting().bytes; }
+bool huge_cache_setting_ignored() { return cache_setting().ignored; }
 
 void* take_huge_block(size_t bytes) {
   const size_t n = rounded(bytes);

@@ -21,7 +21,9 @@ void give_huge_block(void* block, size_t bytes);
 // The cached blocks unmapped; returns the bytes released.
 size_t release_huge_blocks();
 size_t cached_huge_bytes();
-// The cache's bound: SIMDNORM_TORCH_CACHE_MB if set, else 1024 MB.
+// The cache's bound: SIMDNORM_TORCH_CACHE_MB (whole megabytes) if set, else 1024 MB; and whether
+// it was set to something else, ignored (simdnorm.torch warns at import).
 size_t huge_cache_limit();
+bool huge_cache_setting_ignored();
 
 }  // namespace simdnorm

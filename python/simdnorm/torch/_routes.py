@@ -18,6 +18,8 @@ one with the negative bit (its memory holds the values' negatives). The callers 
 """
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -60,6 +62,12 @@ def _new_like(x: Tensor) -> Tensor:
         return _empty_like(x)
     capsule = _huge_block_capsule(x.shape, x.stride(), *_DLPACK_TYPES[x.dtype])
     return _empty_like(x) if capsule is None else _from_dlpack(capsule)  # (None: no block mapped)
+
+
+if _core.huge_cache_setting_ignored():
+    warnings.warn(f"SIMDNORM_TORCH_CACHE_MB={os.environ.get('SIMDNORM_TORCH_CACHE_MB')!r} is not a whole number of "
+                  f"megabytes (decimal digits); using the default bound, {_core.huge_cache_limit() >> 20} MB",
+                  RuntimeWarning, stacklevel=2)
 
 
 def empty_cache() -> int:
