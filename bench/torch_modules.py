@@ -666,7 +666,8 @@ def format_tables(rows: Sequence[Row], threads: int) -> str:
                     f"{_x(r.ratio, None if model else r.goal):>7}")
             if model:
                 line += (f" {_ms(None if tn is None or sn is None else tn - sn):>9}  {_ms(r.inner_median('torch.nn')):>11} "
-                         f"{_ms(r.inner_median('simdnorm')):>11} {_x(r.inner_ratio, r.goal):>7}  {_x(r.ceiling, r.goal):>7}")
+                         f"{_ms(r.inner_median('simdnorm')):>11} {_x(r.inner_ratio, r.goal):>7}  "
+                         f"{_x(r.ceiling, r.goal):>7}")
             else:
                 line += f"  {_ms(r.floor_ns):>8} {_x(r.ceiling, r.goal):>7}"
             out.append(line + f"  {_goal(r)}" + (" *" if r.torch_off else ""))
@@ -702,7 +703,8 @@ def format_goal_summary(rows: Sequence[Row], threads: int) -> str:
          f"{1 / TINY_GOAL:g}x)")
     if missed:
         s += "; missed: " + ", ".join(
-            f"{r.case.name} {r.measure}" + (f" ({_x(r.goal_ratio, r.goal)}" + (f", ceiling {_x(r.ceiling, r.goal)}" if r.ceiling else "")
+            f"{r.case.name} {r.measure}" + (f" ({_x(r.goal_ratio, r.goal)}"
+                                            + (f", ceiling {_x(r.ceiling, r.goal)}" if r.ceiling else "")
                                             + ")" if r.goal_ratio else f" ({r.status})")
             for r in missed)
         beyond = [r for r in missed if r.ceiling is not None and r.ceiling < r.goal]

@@ -45,10 +45,6 @@ void* map_aligned(size_t n) {
   return reinterpret_cast<void*>(aligned);
 }
 
-}  // namespace
-
-namespace {
-
 struct CacheSetting {
   size_t bytes;
   bool ignored;  // set, but not a bound: the default instead
@@ -63,8 +59,9 @@ const CacheSetting& cache_setting() {
     if (env == nullptr || *env == '\0') return CacheSetting{kDefault, false};
     size_t mb = 0;
     for (const char* p = env; *p != '\0'; ++p) {
+      if (*p < '0' || *p > '9') return CacheSetting{kDefault, true};
       const size_t digit = static_cast<size_t>(*p - '0');
-      if (*p < '0' || *p > '9' || mb > (kMaxMb - digit) / 10) return CacheSetting{kDefault, true};
+      if (mb > (kMaxMb - digit) / 10) return CacheSetting{kDefault, true};
       mb = mb * 10 + digit;
     }
     return CacheSetting{mb << 20, false};
