@@ -289,6 +289,35 @@ def test_grad_fused_add_rounded_once(rng, dtype, fdtype, fshape):
                 context=f"fused_add {fshape} {fdtype}")
 
 
+# Three values of grad_output far apart along the reduced axis, so that their float32 partial sums
+# meet in the double merge: 1, half a unit in the last place of the 16-bit type at 1, and a value
+# under float32's precision that tips the tie. Rounded through float32 first, the sum lands on the
+# tie and rounds to 1.
+_TIE_BREAKERS = {F16: (1.0, 2.0 ** -11, 2.0 ** -24), BF16: (1.0, 2.0 ** -8, 2.0 ** -40)}
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+@pytest.mark.parametrize("op", ["batch_norm", "layer_norm"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+def test_half_parameter_gradients_rounded_once_from_the_double_sums(rng, dtype, op, sign):
+    # grad_bias of a 16-bit bias: the double sum rounded once to its dtype (SPEC §9, §1)
+    rows, channels = 3 * 256, 4
+    dy = np.zeros((rows, channels))
+    dy[::256] = np.multiply.outer(_TIE_BREAKERS[dtype], np.ones(channels)) * sign
+    dy = dy.astype(dtype)
+    x = rand_values(rng, dy.shape, dtype)
+    scale, bias = (f64(rand_values(rng, (channels,), dtype)) + 1).astype(dtype), rand_values(rng, (channels,), dtype)
+    if op == "batch_norm":
+        _, mean, var = simdnorm.batch_normalization_training(x, scale, bias, channel_axis=1)
+        _, _, grad_bias = simdnorm.batch_normalization_backward(dy, x, mean, var, scale, bias, channel_axis=1)
+    else:
+        _, mean, inv_std = simdnorm.layer_norm(x, scale, bias, return_stats=True)
+        _, _, grad_bias = simdnorm.layer_norm_backward(dy, x, mean, inv_std, scale, bias)
+    want = np.full(channels, sign * math.fsum(_TIE_BREAKERS[dtype])).astype(dtype)
+    assert np.float32(sign * math.fsum(_TIE_BREAKERS[dtype])).astype(dtype) != want[0]  # (the case is a tie)
+    assert grad_bias.dtype == dtype and bits(grad_bias).tolist() == bits(want).tolist(), (grad_bias, want)
+
+
 @pytest.mark.parametrize("op,variant", [c for c in CASES if c[0] in ("layer_norm", "group_norm", "batch_norm")],
                          ids=[f"{o}-{v}" for o, v in CASES if o in ("layer_norm", "group_norm", "batch_norm")])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "ops/common.h"
+#include "simd/half.h"
 #include "runtime/cpu.h"
 #include "runtime/thread_pool.h"
 #include "simdnorm/check.h"
@@ -200,8 +201,7 @@ class BackwardRunner {
     user_param_count_ = params_->count();
     param_index_ = params_->row_major_indices(x.ndim, x.sizes);
     for (const auto& out : a_.param_sums)
-      if (out) SIMDNORM_CHECK((out->dtype == DType::f64 || out->dtype == DType::f32) &&
-                              element_count_of(*out) == params_->count());
+      if (out) SIMDNORM_CHECK(element_count_of(*out) == params_->count());
   }
 
   static int64_t element_count_of(const TensorView& v) {
@@ -343,7 +343,7 @@ class BackwardRunner {
   }
 
   // The parameters' sums (sum(ga y) then sum(ga), merged), or zeros when empty, into the caller's
-  // (float32 ones rounded once, to inf past their range).
+  // (rounded once from the double sums, to inf past their range).
   void write_param_sums(const double* sums) {
     std::vector<double> per_param, ordered;
     if (!param_of_stat_.empty() && sums != nullptr && want_params_) per_param = sums_per_param(sums), sums = per_param.data();
@@ -358,12 +358,16 @@ class BackwardRunner {
     for (int o = 0; o < 2; ++o) {
       if (!a_.param_sums[o]) continue;
       const double* from = sums == nullptr ? nullptr : sums + o * np;
-      auto write = [&](auto* out) {
-        using E = std::remove_pointer_t<decltype(out)>;
-        for (int64_t i = 0; i < np; ++i) out[i] = static_cast<E>(from == nullptr ? 0.0 : 0.0 + from[i]);  // (-0: +0)
+      auto write = [&](auto* out, auto round) {
+        for (int64_t i = 0; i < np; ++i) out[i] = round(from == nullptr ? 0.0 : 0.0 + from[i]);  // (-0: +0)
       };
-      if (a_.param_sums[o]->dtype == DType::f32) write(reinterpret_cast<float*>(a_.param_sums[o]->data));
-      else write(reinterpret_cast<double*>(a_.param_sums[o]->data));
+      void* data = a_.param_sums[o]->data;
+      switch (a_.param_sums[o]->dtype) {
+        case DType::f64: write(static_cast<double*>(data), [](double v) { return v; }); break;
+        case DType::f32: write(static_cast<float*>(data), [](double v) { return static_cast<float>(v); }); break;
+        case DType::f16: write(static_cast<uint16_t*>(data), double_to_f16_bits); break;
+        default: write(static_cast<uint16_t*>(data), double_to_bf16_bits); break;
+      }
     }
   }
 

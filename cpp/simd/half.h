@@ -59,3 +59,20 @@ static inline uint16_t float_to_bf16_bits(float f) {
   return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);  // nearest even
 }
 
+
+// A double to float rounded to odd (truncated, the last bit set when anything was dropped): rounded
+// on to a format of at least two fewer significand bits, it gives the double's own nearest even,
+// where float's nearest even first could land on a tie and round twice.
+static inline float double_to_float_odd(double d) {
+  float f = (float)d;
+  if ((double)f == d || d != d || std::isinf(f)) return f;  // exact, NaN, or past float's range
+  if (std::fabs((double)f) > std::fabs(d)) f = std::nextafter(f, 0.0f);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits |= 1u;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t double_to_f16_bits(double d) { return float_to_f16_bits(double_to_float_odd(d)); }
+static inline uint16_t double_to_bf16_bits(double d) { return float_to_bf16_bits(double_to_float_odd(d)); }

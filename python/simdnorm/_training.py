@@ -62,7 +62,6 @@ __all__ = [
 
 BACKWARD_ACTIVATIONS = ("relu", "leaky_relu", "silu", "gelu")
 _IDENTITY = (0, 0.0, 0.0)
-_DIRECT_SUMS = (np.dtype(np.float32), np.dtype(np.float64))  # parameter dtypes the kernel writes gradients in
 _nd = np.ndarray
 
 # Plans (the validated attributes and shapes a call needs), keyed like the forward ops' by the
@@ -182,8 +181,8 @@ def _sums_plan(x_shape: Tuple[int, ...], scale: Any, bias: Any, ca: int, want_sc
     """How the parameters' gradients are summed (part of a call's cached plan): None when neither is
     asked for, else (the shape of the two float64 sums: 2 + scale and bias's broadcast shape at the
     input's rank; for grad_scale and grad_bias each, None or (the dims to add up, the parameter's
-    shape); direct: nothing is left to add up and each parameter is float32 or float64, so the kernel
-    writes the gradients themselves)."""
+    shape); direct: nothing is left to add up, so the kernel writes the gradients themselves, each
+    rounded once from its double sums)."""
     if not (want_scale or want_bias):
         return None
     nd = len(x_shape)
@@ -195,8 +194,7 @@ def _sums_plan(x_shape: Tuple[int, ...], scale: Any, bias: Any, ca: int, want_sc
 
     to_scale = to(full[0], scale.shape) if want_scale else None
     to_bias = to(full[1], bias.shape) if want_bias else None
-    direct = ((to_scale is None or (not to_scale[0] and scale.dtype in _DIRECT_SUMS))
-              and (to_bias is None or (not to_bias[0] and bias.dtype in _DIRECT_SUMS)))
+    direct = (to_scale is None or not to_scale[0]) and (to_bias is None or not to_bias[0])
     return (2,) + joint, to_scale, to_bias, direct
 
 

@@ -301,7 +301,7 @@ def bn_training(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float,
 # the backward ops' CPU kernels (an autograd backward's call among them): a call without out= or
 # fused_add, planned by the plain function's own planner on a miss, then straight into the kernel
 # with new tensors for the gradients. Where the parameters' gradients need summing beyond the
-# kernel's sums (a parameter broadcast along more dims, or a 16-bit one), the general path.
+# kernel's sums (a parameter broadcast along more dims), the general path.
 
 _mvn_backward = _core.mvn_backward
 _CONTIGUOUS = torch.contiguous_format
