@@ -59,7 +59,6 @@ static inline uint16_t float_to_bf16_bits(float f) {
   return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);  // nearest even
 }
 
-
 // A double to float rounded to odd (truncated, the last bit set when anything was dropped): rounded
 // on to a format of at least two fewer significand bits, it gives the double's own nearest even,
 // where float's nearest even first could land on a tie and round twice.
