@@ -949,3 +949,44 @@ def test_the_plain_functions_on_tensors_leave_no_reference_cycle(rng, dtype):
         torch.autograd.grad([y.sum() for y in ys], xg)
 
     assert _cyclic_garbage(step) == ""
+
+
+@pytest.mark.parametrize("make, shape, layout", [
+    (lambda: nn.BatchNorm2d(6), (4, 6, 5, 5), "channels_last"),
+    (lambda: nn.BatchNorm3d(6), (2, 6, 3, 4, 4), "channels_last_3d"),
+    (lambda: nn.GroupNorm(2, 6), (4, 6, 5, 5), "channels_last"),
+    (lambda: nn.InstanceNorm2d(6, affine=True), (4, 6, 5, 5), "channels_last"),
+    (lambda: nn.LayerNorm(6), (4, 5, 6), "transposed"),
+    (lambda: nn.RMSNorm(6), (4, 5, 6), "transposed"),
+], ids=["bn2d", "bn3d", "group", "instance", "layer", "rms"])
+@pytest.mark.parametrize("dy_kind", ["contiguous", "expanded"])
+def test_a_gradient_laid_out_unlike_the_input_is_the_inputs_layout_for_the_kernel(rng, make, shape, layout, dy_kind,
+                                                                                  monkeypatch):
+    """A channels-last (or transposed) input's gradient arriving contiguous or expanded (from a loss,
+    a .view, a .sum()) was read element by element by the backward kernel (3-15x its time); it is
+    put in the input's layout first, so the gradients are those of a dy already laid out so."""
+    kernel, seen = _routes._mvn_backward, []
+
+    def recording(x, dy, *args):
+        seen.append((x.stride(), dy.stride()))
+        return kernel(x, dy, *args)
+
+    monkeypatch.setattr(_routes, "_mvn_backward", recording)
+    m = randomize(snt.convert(make()), rng)
+    x = rand(rng, *shape)
+    if layout == "transposed":
+        x = rand(rng, shape[0], shape[2], shape[1]).transpose(1, 2)
+    else:
+        x = x.contiguous(memory_format=getattr(torch, layout))
+    dy = rand(rng, *shape) if dy_kind == "contiguous" else torch.full((), 0.75).expand(shape)
+    like_x = torch.empty_like(x).copy_(dy)
+    assert like_x.stride() == x.stride() and dy.stride() != x.stride()
+    got, want = ([*torch.autograd.grad(m(xg), (xg, *m.parameters()), g)]
+                 for xg, g in ((x.detach().requires_grad_(), dy), (x.detach().requires_grad_(), like_x)))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert len(seen) == 2 and all(xs == ds == x.stride() for xs, ds in seen), seen
+    from simdnorm.torch._ops import _laid_out_as
+    assert _laid_out_as(like_x, x) is like_x
+    one = rand(rng, 3, 1, 4)  # (a size-1 dim's stride says nothing of the layout: no copy)
+    assert _laid_out_as(one.as_strided(one.shape, (4, 99, 1)), one).stride() == (4, 99, 1)

@@ -546,11 +546,13 @@ def test_inputs_and_outputs_are_never_copied(rng, received, dtype):
 
 
 def test_backward_through_autograd_copies_nothing(rng, received):
+    # (a gradient in the input's layout: one laid out otherwise is put in it first, as torch.nn's
+    # backward does; tests/test_torch_modules.py)
     x = rand(rng, 4, 6, 5, 5).contiguous(memory_format=torch.channels_last).requires_grad_(True)
     w = rand(rng, 6).requires_grad_(True)
     received.clear()
     y = ops.group_norm(x, 3, w)[0]
-    g = rand(rng, 4, 6, 5, 5)
+    g = rand(rng, 4, 6, 5, 5).contiguous(memory_format=torch.channels_last)
     y.backward(g)
     assert len(received) == 2  # the forward, then the backward
     assert {x.data_ptr(), w.data_ptr(), g.data_ptr(), y.data_ptr()} <= received[0] | received[1]
