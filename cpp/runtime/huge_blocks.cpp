@@ -3,7 +3,6 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -19,7 +18,6 @@ struct Cache {
   std::mutex mutex;
   std::vector<std::pair<void*, size_t>> blocks;  // (block, rounded bytes), the latest given last
   size_t bytes = 0;
-  size_t live = 0, peak_live = 0;  // the bytes of blocks taken and not given back; the most there were
 };
 
 // Never destroyed: a tensor may die after the library's static objects (at interpreter exit).
@@ -78,37 +76,28 @@ bool huge_cache_setting_ignored() { return cache_setting().ignored; }
 
 void* take_huge_block(size_t bytes) {
   const size_t n = rounded(bytes);
-  Cache& c = cache();
-  void* block = nullptr;
   {
+    Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
     for (size_t i = c.blocks.size(); i-- > 0;) {
       if (c.blocks[i].second != n) continue;
-      block = c.blocks[i].first;
+      void* block = c.blocks[i].first;
       c.blocks.erase(c.blocks.begin() + static_cast<std::ptrdiff_t>(i));
       c.bytes -= n;
-      break;
+      return block;
     }
   }
-  if (block == nullptr && (block = map_aligned(n)) == nullptr) return nullptr;
-  std::lock_guard<std::mutex> lock(c.mutex);
-  c.live += n;
-  c.peak_live = std::max(c.peak_live, c.live);
-  return block;
+  return map_aligned(n);
 }
 
 // The oldest kept blocks make room for the latest (the sizes a loop still asks for); a block past
-// the whole bound is unmapped at once. Kept blocks never pass the most ever taken at once either: a
-// loop over sizes that seldom recur (a varying batch or sequence length) would otherwise fill the
-// bound with blocks nothing asks for, where a training loop's step gives back what it took.
+// the whole bound is unmapped at once.
 void give_huge_block(void* block, size_t bytes) {
-  const size_t n = rounded(bytes);
+  const size_t n = rounded(bytes), limit = huge_cache_limit();
   std::vector<std::pair<void*, size_t>> evicted;
   {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
-    c.live -= n;
-    const size_t limit = std::min(huge_cache_limit(), c.peak_live);
     if (n <= limit) {
       size_t oldest = 0;
       while (c.bytes + n > limit) {

@@ -1,8 +1,8 @@
 // Blocks of whole 2 MB pages for large outputs that leave the library as another library's
 // tensors (simdnorm.torch's): mapped 2 MB-aligned and advised for huge pages, so that the kernels'
 // streams over them miss the TLB once a 2 MB page, not once a 4 KB one; given back when their
-// tensor dies and kept for the next output of the same rounded size, up to a bound and to the
-// most bytes ever taken at once (the oldest kept blocks unmapped first).
+// tensor dies and kept for the next output of the same rounded size, up to a bound (the oldest
+// kept blocks unmapped first).
 #pragma once
 
 #include <cstddef>
