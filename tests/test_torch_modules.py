@@ -919,8 +919,8 @@ _SMALL = {"BatchNorm1d": ((6,), (4, 6, 5)), "BatchNorm2d": ((6,), (4, 6, 3, 3)),
 def test_a_step_leaves_no_reference_cycle(rng, cls, dtype, train):
     """A drop-in's forward and backward free their tensors when the caller drops them, as torch.nn's
     do: a cycle (an exception kept in a local once held the bfloat16 calls' frames) kept each step's
-    outputs until a collection, so that the next step's mapped new pages (bfloat16 layer norm
-    forward + backward 0.26x torch.nn's speed, the bench running with the collector off)."""
+    outputs until a collection, so that the next step's mapped new pages (the bench, which runs
+    with the collector off, freed none)."""
     args, shape = _SMALL[cls]
     extra = {"affine": True, "track_running_stats": True} if cls.startswith("Instance") else {}
     m = randomize(snt.convert(getattr(nn, cls)(*args, **extra)), rng).to(dtype).train(train)
@@ -963,7 +963,7 @@ def test_the_plain_functions_on_tensors_leave_no_reference_cycle(rng, dtype):
 def test_a_gradient_laid_out_unlike_the_input_is_the_inputs_layout_for_the_kernel(rng, make, shape, layout, dy_kind,
                                                                                   monkeypatch):
     """A channels-last (or transposed) input's gradient arriving contiguous or expanded (from a loss,
-    a .view, a .sum()) was read element by element by the backward kernel (3-15x its time); it is
+    a .view, a .sum()) was read element by element by the backward kernel; it is
     put in the input's layout first, so the gradients are those of a dy already laid out so."""
     kernel, seen = _routes._mvn_backward, []
 

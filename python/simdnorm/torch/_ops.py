@@ -75,7 +75,7 @@ def _np_bf16() -> np.dtype:
 
 def _as_numpy(t: torch.Tensor, writeable: bool = False, name: str = "input") -> np.ndarray:
     """A zero-copy numpy view of a CPU tensor (any strides). numpy has no bfloat16: its bits are
-    viewed as int16, then as ``ml_dtypes.bfloat16`` (asked first: a failing numpy() costs ~10 us).
+    viewed as int16, then as ``ml_dtypes.bfloat16`` (asked first: a failing numpy() builds an error).
     A dtype outside simdnorm's four goes through when numpy holds it (simdnorm's TypeError then
     names it), else is refused here. A tensor with the negative bit set is resolved (read) or
     refused (writeable) as the plain functions do. (The conversion is tried before any other test:
@@ -567,7 +567,7 @@ def _laid_out_as(go: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad_output in x's layout where x has one (dense: contiguous, channels last, a permutation):
     the backward kernels walk x and dy along one order of dims, and a dy laid out otherwise (the
     contiguous or expanded gradient of a channels-last or transposed input) is read element by
-    element, 3-15x the time of this copy (torch.nn's backward copies it too)."""
+    element, which costs several times this copy (torch.nn's backward copies it too)."""
     if _functorch_active() or all(a == b for a, b, n in zip(go.stride(), x.stride(), x.shape) if n > 1):
         return go
     like = torch.empty_like(x)
