@@ -990,3 +990,35 @@ def test_a_gradient_laid_out_unlike_the_input_is_the_inputs_layout_for_the_kerne
     assert _laid_out_as(like_x, x) is like_x
     one = rand(rng, 3, 1, 4)  # (a size-1 dim's stride says nothing of the layout: no copy)
     assert _laid_out_as(one.as_strided(one.shape, (4, 99, 1)), one).stride() == (4, 99, 1)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("cls", sorted(_SMALL))
+def test_an_inference_tensor_input_with_parameters_wanting_gradients(rng, cls, train):
+    """An input made under torch.inference_mode, with the module's parameters requiring gradients:
+    autograd cannot save the inference tensor itself, so the drop-in saves its copy (torch.nn.RMSNorm,
+    a composite, saves intermediates of its own and works; torch.nn's other norms raise). The output
+    and the parameters' gradients are those of the same values in an ordinary tensor."""
+    args, shape = _SMALL[cls]
+    extra = {"affine": True, "track_running_stats": True} if cls.startswith("Instance") else {}
+    ours, twin = (randomize(snt.convert(getattr(nn, cls)(*args, **extra)), np.random.default_rng(7)).train(train)
+                  for _ in range(2))
+    values, dy = rand(rng, *shape), rand(rng, *shape)
+    with torch.inference_mode():
+        x = values.clone()
+    assert x.is_inference()
+    y = ours(x)
+    assert y.requires_grad
+    got = torch.autograd.grad(y, tuple(ours.parameters()), dy)
+    want_y = twin(values.clone())
+    want = torch.autograd.grad(want_y, tuple(twin.parameters()), dy)
+    assert torch.equal(y, want_y)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(ours.buffers(), twin.buffers()):
+        assert torch.equal(a, b)
+    if cls == "RMSNorm":  # (torch.nn's own takes it too)
+        ref = nn.RMSNorm(*args)
+        ref.load_state_dict(twin.state_dict())
+        for a, b in zip(torch.autograd.grad(ref(x), tuple(ref.parameters()), dy), want):
+            assert_close(a, b, "torch.nn.RMSNorm's gradient")

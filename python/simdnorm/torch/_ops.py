@@ -1013,7 +1013,13 @@ def _transformed() -> bool:
 
 
 def _save(ctx, *tensors: Optional[torch.Tensor]) -> None:
-    """What the backward and, where forward-mode AD may ask, the jvp read."""
+    """What the backward and, where forward-mode AD may ask, the jvp read. An inference tensor (made
+    under torch.inference_mode) cannot be saved, yet a parameter's gradient needs it: its copy is
+    saved instead, as torch.nn.RMSNorm's composite saves intermediates of its own."""
+    for t in tensors:
+        if t is not None and t.is_inference():
+            tensors = tuple(t.clone() if t is not None and t.is_inference() else t for t in tensors)
+            break
     ctx.save_for_backward(*tensors)
     if _transformed():
         ctx.save_for_forward(*tensors)
