@@ -838,19 +838,28 @@ struct BackwardKernel {
     });
   }
 
-  // Groups of runs of at most kSumFlush elements, each run's statistics and parameters constant
-  // (batch, group and instance norm of NCHW data with small planes): pair_run (or sums_run and
-  // apply_run) per run pay their setup and edges on a few vectors. Here one loop sums the group's
-  // runs and one writes them from the L1, the coefficients loaded once a group. Per run the
-  // arithmetic and the order of the adds are sums_run's and apply_run's (each run one tree added
-  // into the doubles: a run of kSumFlush or fewer is one flush of sums_run's): the bits are theirs.
-  // From memory, runs longer than kShortRun stay with pair_run, whose overlap of the reads of one
-  // group with the writes of the last pays there once its per-run setup is small beside the run.
+  // Groups of runs each with its statistics and parameters constant (batch, group and instance
+  // norm of NCHW data): pair_run (or sums_run and apply_run) per run pay their setup and edges on a
+  // few vectors of a small plane. Here one loop sums the group's runs, a tree into the doubles
+  // every kSumFlush elements of a run as sums_run flushes, and one writes them from the L1 or L2,
+  // the coefficients loaded once a group: the arithmetic and the order of the adds are sums_run's
+  // and apply_run's, so the bits are theirs. A group that is one block of memory (instance norm,
+  // NCHW group norm) goes so at any length: from memory its two tight loops ran faster than
+  // pair_run's overlap. A group of runs apart (batch norm: a channel's run in each sample) keeps
+  // pair_run from memory past kShortRun, where its reads of one group beside the writes of the
+  // last pay for its setup.
   static constexpr int64_t kShortRun = 64;
   static bool short_runs(const BackwardTask& t, const LoopNest& group) {
     const int in = group.ndim - 1;
-    return t.act.kind == ActKind::identity && group.ndim >= 1 &&
-           group.sizes[in] <= (t.from_memory ? kShortRun : kSumFlush) && pairs(t, group);
+    if (t.act.kind != ActKind::identity || group.ndim < 1 || !pairs(t, group)) return false;
+    if (group.sizes[in] <= (t.from_memory ? kShortRun : kSumFlush)) return true;
+    int64_t dense = group.sizes[in] * static_cast<int64_t>(sizeof(T));  // (pairs: the runs are unit-stride)
+    for (int d = in - 1; d >= 0; --d) {
+      for (int op : {kX, kGradOut, kGradIn})
+        if (group.sizes[d] > 1 && group.strides[op][d] != dense) return false;
+      dense *= group.sizes[d];
+    }
+    return true;
   }
 
   // fn(pointers) for each run of g, in order.
@@ -915,6 +924,21 @@ struct BackwardKernel {
     }
   }
 
+  // const_run_apply with streaming stores from dx's first whole line (streamed_from), its partial
+  // first and last vectors streamed too; plain stores where dx cannot stream.
+  SIMDNORM_CURSOR_METHOD static void const_run_stream(const T* x, const T* dy, T* dx, int64_t n, V mean, V u, V scale,
+                                                      V c1, V c2) {
+    bool stream;
+    const int64_t head = streamed_from(true, reinterpret_cast<const char*>(dx), n, stream);
+    if (!stream) return const_run_apply(x, dy, dx, n, mean, u, scale, c1, c2);
+    const V scale_u = scale * u, y_coef = y_coefficient(u, c2), k_coef = k_coefficient(u, c1);
+    vectors_from(head, n, [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      const V v = grad_input((load_up_to<L>(x + e, m) - mean) * u, load_up_to<L>(dy + e, m), scale_u, y_coef, k_coef);
+      if (m == W) L::store_or_stream(dx + e, v, true);
+      else L::store_partial_stream(dx + e, v, m);
+    });
+  }
+
   // The sums of such a group into acc.
   static void short_runs_sums(const BackwardTask& t, const LoopNest& g, const BackwardSums& acc, bool prefetch_out) {
     constexpr int64_t cs = static_cast<int64_t>(sizeof(C));
@@ -923,13 +947,19 @@ struct BackwardKernel {
     const V mean = splat<V>(load_c(g.data[kStats], 0, t.stats_pitch)), u = splat<V>(load_c(g.data[kStats], 1, t.stats_pitch));
     const bool want_group = acc.group[0] != nullptr, want_param = acc.param[0] != nullptr;
     if (!want_group && !want_param) return;
-    for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
+    // Run from e0, m of its elements, one tree into the doubles.
+    auto flush = [&](char* const* p, int64_t e0, int64_t m) SIMDNORM_INLINE_LAMBDA {
       V sgay, sga;
-      const_run_sums(reinterpret_cast<const T*>(p[kX]), reinterpret_cast<const T*>(p[kGradOut]), n, mean, u,
-                     prefetch_out ? p[kGradIn] : nullptr, sgay, sga);
+      const_run_sums(reinterpret_cast<const T*>(p[kX]) + e0, reinterpret_cast<const T*>(p[kGradOut]) + e0, m, mean, u,
+                     prefetch_out ? p[kGradIn] + e0 * static_cast<int64_t>(sizeof(T)) : nullptr, sgay, sga);
       const int64_t pi = (p[kParams] - acc.params_base) / cs;
       add_run_sums(sgay, sga, want_param ? acc.param[0] + pi : nullptr, want_param ? acc.param[1] + pi : nullptr,
                    want_group ? acc.group[0] + gi : nullptr, want_group ? acc.group[1] + gi : nullptr, p[kParams]);
+    };
+    if (n <= kSumFlush) return for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA { flush(p, 0, n); });
+    // (past kSumFlush: a tree every kSumFlush elements, as sums_run flushes its lanes)
+    for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
+      for (int64_t e0 = 0; e0 < n; e0 += kSumFlush) flush(p, e0, std::min(kSumFlush, n - e0));
     });
   }
 
@@ -939,6 +969,15 @@ struct BackwardKernel {
     const char* const stats = g.data[kStats];
     const V mean = splat<V>(load_c(stats, 0, t.stats_pitch)), u = splat<V>(load_c(stats, 1, t.stats_pitch));
     const V c1 = splat<V>(load_c(stats, 2, t.stats_pitch)), c2 = splat<V>(load_c(stats, 3, t.stats_pitch));
+    // (streamed from memory, as pair_run's writes, where a run holds whole lines)
+    if (t.stream_stores && n > kShortRun) {
+      for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
+        const_run_stream(reinterpret_cast<const T*>(p[kX]), reinterpret_cast<const T*>(p[kGradOut]),
+                         reinterpret_cast<T*>(p[kGradIn]), n, mean, u, splat<V>(load_c(p[kParams], 0, t.params_pitch)),
+                         c1, c2);
+      });
+      return;
+    }
     for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
       const_run_apply(reinterpret_cast<const T*>(p[kX]), reinterpret_cast<const T*>(p[kGradOut]),
                       reinterpret_cast<T*>(p[kGradIn]), n, mean, u, splat<V>(load_c(p[kParams], 0, t.params_pitch)),
