@@ -209,3 +209,30 @@ def test_child_with_one_torch_thread_shares_but_runs_the_pool():
         print(status)
     """)
     assert out.split() == ["True", "True", "0"]
+
+
+@needs_openmp
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "own_pool"])
+def test_torch_in_a_child_forked_after_simdnorm_ran_on_its_team(shared):
+    # simdnorm's parallel call on numpy arrays ran on torch's team (torch itself ran nothing in
+    # parallel), then fork(): torch's own parallel op in the child waited for ever for the team's
+    # threads; torch now runs there on one thread, as in DataLoader's workers. A process whose calls
+    # stayed on simdnorm's pool leaves torch's thread count alone.
+    out = run_child("""
+        import os, numpy as np, torch, simdnorm, simdnorm.torch as st
+        from simdnorm import _core
+        simdnorm.set_num_threads(2)
+        torch.set_num_threads(2)
+        st.share_threads(""" + str(shared) + """)
+        simdnorm.layer_norm(np.random.default_rng(0).standard_normal((256, 65536)).astype(np.float32))
+        print(_core.openmp_team_entered(), flush=True)
+        pid = os.fork()
+        if pid == 0:
+            t = torch.randn(16, 64, 32, 16)
+            y = torch.nn.functional.layer_norm(t, (16,))
+            print(torch.get_num_threads(), bool(y.abs().max() < 10), flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(status)
+    """, timeout=60)
+    assert out.split() == ([str(shared), "1" if shared else "2", "True", "0"])

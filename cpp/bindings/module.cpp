@@ -1048,6 +1048,8 @@ PYBIND11_MODULE(_core, m) {
       "fork()ed child of a process that shared a team.");
   m.def("use_own_threads", &use_own_threads, "Parallel calls on simdnorm's own pool again.");
   m.def("sharing_openmp_team", &sharing_openmp_team);
+  m.def("openmp_team_entered", &openmp_team_entered,
+        "Whether a parallel call ran on the shared OpenMP team here or in the process this one was forked from.");
   m.def("caller_threads", &caller_threads, "The thread count the calling thread's calls use.");
   m.def("huge_block_capsule", &huge_block_capsule, py::arg("sizes"), py::arg("strides"), py::arg("code"),
         py::arg("bits"),

@@ -167,6 +167,9 @@ Pool* g_pool = nullptr;
 std::atomic<const OpenMpTeam*> g_team{nullptr};
 std::mutex g_team_mutex;
 bool g_forked_child = false;
+// Whether a parallel call of this process (or of the parent it was forked from) ran on the team:
+// its runtime then believes its threads exist in a child, where they do not.
+std::atomic<bool> g_team_entered{false};
 
 void forget_pool_in_child() {
   g_pool = nullptr;  // leaked on purpose: its mutexes may be held by threads that are gone
@@ -249,6 +252,7 @@ void parallel_for(int nparts, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> busy(g_team_mutex, std::try_to_lock);
     if (!busy.owns_lock()) return run_here();
     TeamJob job(&fn, nparts, threads, team->thread_num);
+    g_team_entered.store(true, std::memory_order_relaxed);
     team->parallel(&TeamJob::run, &job, static_cast<unsigned>(threads), 0);
     return;
   }
@@ -293,5 +297,7 @@ bool share_openmp_team(const OpenMpTeam& team) {
 void use_own_threads() { g_team.store(nullptr, std::memory_order_release); }
 
 bool sharing_openmp_team() { return g_team.load(std::memory_order_acquire) != nullptr; }
+
+bool openmp_team_entered() { return g_team_entered.load(std::memory_order_relaxed); }
 
 }  // namespace simdnorm

@@ -41,5 +41,8 @@ struct OpenMpTeam {
 bool share_openmp_team(const OpenMpTeam& team);
 void use_own_threads();
 bool sharing_openmp_team();
+// Whether a parallel call ran on a shared team in this process or in the one it was forked from
+// (whose runtime, in a child, waits in its next parallel region for threads that are not there).
+bool openmp_team_entered();
 
 }  // namespace simdnorm

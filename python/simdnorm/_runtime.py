@@ -29,6 +29,7 @@ MAX_THREADS = max(1024, os.cpu_count() or 1)
 
 _OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")
 _torch_threads_decided = False
+_fork_handler_registered = False
 
 
 def _loaded_openmp_runtimes() -> List[str]:
@@ -61,14 +62,31 @@ def share_torch_threads(enabled: bool = True) -> bool:
     threads stays simdnorm's (:func:`set_num_threads`); a call wanting more threads than torch's
     (``torch.set_num_threads``) runs on simdnorm's pool instead. Results are bitwise the same
     either way. A process forked after simdnorm was imported uses simdnorm's own pool (an OpenMP
-    runtime the parent used waits there for threads that do not exist).
+    runtime the parent used waits there for threads that do not exist), and where simdnorm's calls
+    ran on torch's threads before the fork, torch runs on one thread in the child
+    (``torch.set_num_threads(1)``, as in its DataLoader's workers), whose parallel ops would
+    otherwise wait for ever.
     """
-    global _torch_threads_decided
+    global _torch_threads_decided, _fork_handler_registered
     _torch_threads_decided = True
     if not enabled:
         _core.use_own_threads()
         return False
-    return _core.sharing_openmp_team() or any(_core.share_openmp_team(p) for p in _loaded_openmp_runtimes())
+    if _core.sharing_openmp_team() or any(_core.share_openmp_team(p) for p in _loaded_openmp_runtimes()):
+        if not _fork_handler_registered:
+            os.register_at_fork(after_in_child=_one_torch_thread_after_fork)
+            _fork_handler_registered = True
+        return True
+    return False
+
+
+def _one_torch_thread_after_fork() -> None:
+    """In a fork()ed child of a process where simdnorm's calls ran on torch's OpenMP threads: torch
+    on one thread, as in its DataLoader's workers. The runtime's threads are not there, and torch's
+    next parallel op would wait for them for ever."""
+    torch = sys.modules.get("torch")
+    if torch is not None and _core.openmp_team_entered():
+        torch.set_num_threads(1)
 
 
 def share_torch_threads_once() -> None:
