@@ -264,6 +264,11 @@ def test_errors_name_the_argument_and_rule():
         m.merge((1, 2, 3))
     with pytest.raises(ValueError, match="broadcast"):
         m.merge(simdnorm.moments(np.ones((3, 5), F32), 0))
+    cube = np.ones((4, 6, 5), F32)  # (1, 6, 1) and (1, 1, 5): groups of other axes, whose shapes broadcast
+    with pytest.raises(ValueError, match="different axes"):
+        simdnorm.moments(cube, (0, 2)).merge(simdnorm.moments(cube, (0, 1)))
+    with pytest.raises(ValueError, match="different axes"):
+        simdnorm.merge_moments([simdnorm.moments(cube, (0, 1)), simdnorm.moments(cube, (0, 2))])
     with pytest.raises(ValueError, match="at least one"):
         simdnorm.merge_moments([])
     with pytest.raises(TypeError, match="item 1"):

@@ -87,13 +87,17 @@ class Moments:
         return f"Moments(count={self.count!r}, mean={self.mean!r}, m2={self.m2!r})"
 
     def merge(self, other: "Moments") -> "Moments":
-        """The statistics of both parts together (Chan et al.), group by group; shapes broadcast."""
+        """The statistics of both parts together (Chan et al.), group by group; one part's shape
+        broadcasts to the other's (a count-0 Moments of shape () merges with any)."""
         if not isinstance(other, Moments):
             raise DescriptorTypeError(f"Moments.merge: expected a Moments, got {type(other).__name__}")
         try:
             n, m, q = _chan(self.count, self.mean, self.m2, other.count, other.mean, other.m2)
         except ValueError:
             raise DescriptorError(f"Moments.merge: shapes {self.shape} and {other.shape} do not broadcast") from None
+        if n.shape != self.shape and n.shape != other.shape:  # ((1, 6, 1) with (1, 1, 5): other groups)
+            raise DescriptorError(f"Moments.merge: shapes {self.shape} and {other.shape}: neither broadcasts to the "
+                                  "other (statistics over different axes are of different groups)")
         return _owned(n, m, q)
 
     def variance(self, ddof: Any = 0) -> np.ndarray:
@@ -153,9 +157,9 @@ def _tree(n: np.ndarray, m: np.ndarray, q: np.ndarray) -> Tuple[np.ndarray, np.n
 
 
 def merge_moments(parts: Iterable[Moments]) -> Moments:
-    """The merge of a non-empty sequence of Moments (of shapes that broadcast), pairwise in a fixed
-    order: ``merge_moments([a, b, c, d])`` is ``a.merge(b).merge(c.merge(d))`` whatever the order in
-    which the parts were computed."""
+    """The merge of a non-empty sequence of Moments (of one shape, or shapes broadcasting to it),
+    pairwise in a fixed order: ``merge_moments([a, b, c, d])`` is ``a.merge(b).merge(c.merge(d))``
+    whatever the order in which the parts were computed."""
     items = list(parts)
     if not items:
         raise DescriptorError("merge_moments: no Moments to merge; give at least one")
