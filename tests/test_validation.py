@@ -453,7 +453,8 @@ def test_axes_range_array_and_numpy_int_plans_are_cached(axes, same, monkeypatch
     (np.array([True, False]), TypeError, r"^axes: expected ints, got bool \(True\)"),
     (np.array([1, 2 ** 64 - 1], np.uint64), AxisError, r"^axes: axis 18446744073709551615 is out of range"),
     (np.array([[1, 2]]), TypeError, r"^axes: expected an int or a 1-D sequence of ints, got a 2-D array"),
-    (np.array(1), TypeError, r"^axes: expected an int or a 1-D sequence of ints, got a 0-D array"),
+    (np.array(1.0), TypeError, r"^axes: expected an int or a 1-D sequence of ints, got a 0-D array"),
+    (np.array(True), TypeError, r"^axes: expected an int or a 1-D sequence of ints, got a 0-D array"),
     (np.bool_(True), TypeError, r"^axes: expected an int or a sequence of ints, got bool"),
     (range(0), ValueError, r"^axes: empty"),
     (range(1, 1), ValueError, r"^axes: empty"),
@@ -479,8 +480,9 @@ def test_axis_error_is_also_value_error():
 
 
 @pytest.mark.parametrize("axes", [(0, 2, 3), (3, 0), [-1, 1], range(1, 4), np.array([2, 3]), np.int64(2),
-                                  (np.int32(1),), array.array("b", [3, 1])])
+                                  (np.int32(1),), array.array("b", [3, 1]), np.array(2), np.array(-1, np.int8)])
 def test_axes_any_subset_any_order(axes):
+    """Every form numpy's axis= takes: a 0-d integer array too."""
     x = np.random.default_rng(5).standard_normal((2, 4, 3, 5)).astype(F32)
     norm = tuple(sorted(int(a) % 4 for a in np.atleast_1d(np.asarray(list(axes) if isinstance(axes, range) else axes))))
     y, mu, inv = mvn(x, axes, return_stats=True)

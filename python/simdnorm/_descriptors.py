@@ -108,6 +108,8 @@ def stats_dtype(dt: np.dtype) -> np.dtype:
 
 
 def is_int(v: Any) -> bool:
+    if v.__class__ is np.ndarray:  # a 0-d integer array, as numpy's axis= takes one
+        return v.ndim == 0 and v.dtype.kind in "iu"
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
