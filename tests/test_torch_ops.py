@@ -738,3 +738,35 @@ def test_a_sparse_tensor_is_a_type_error(rng):
         simdnorm.layer_norm(x.to_sparse())
     with pytest.raises(TypeError, match="scale: a torch tensor of layout torch.sparse_coo"):
         simdnorm.layer_norm(x, torch.ones(4).to_sparse())
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: torch.ops.simdnorm.layer_norm(t, axis=7),
+    lambda t: torch.ops.simdnorm.rms_norm(t, axis=-4),
+    lambda t: torch.ops.simdnorm.mean_variance_normalization(t, [0, 0]),
+    lambda t: torch.ops.simdnorm.mean_variance_normalization(t, [1], epsilon=float("nan")),
+    lambda t: torch.ops.simdnorm.group_norm(t, 2),
+    lambda t: torch.ops.simdnorm.instance_norm(t, channel_axis=0),
+    lambda t: torch.ops.simdnorm.batch_normalization(t, t.new_zeros(3), t.new_ones(3), epsilon=-1.0),
+    lambda t: torch.ops.simdnorm.batch_normalization_training(t, channel_axis=5),
+], ids=["layer-axis", "rms-axis", "mvn-twice", "mvn-nan-eps", "group-divide", "instance-axis0", "bn-eps",
+        "bn-train-axis"])
+def test_fake_kernels_refuse_what_the_op_refuses(call):
+    """A trace or an export meets the op's error on its attributes (concrete shapes), not a program
+    whose outputs' shapes are made up and which fails only when run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with pytest.raises(ValueError) as eager:
+        call(torch.randn(2, 3, 4))
+    with FakeTensorMode(), pytest.raises(type(eager.value)) as fake:
+        call(torch.empty(2, 3, 4))
+    assert str(fake.value) == str(eager.value)
+
+
+def test_export_of_an_invalid_call_raises_the_ops_error():
+    class M(torch.nn.Module):
+        def forward(self, t):
+            return simdnorm.layer_norm(t, axis=7, return_stats=True)[1]
+
+    with pytest.raises(simdnorm.DescriptorAxisError, match="axis 7 is out of range"):
+        torch.export.export(M(), (torch.randn(2, 3, 4),))

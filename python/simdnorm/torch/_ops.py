@@ -431,35 +431,48 @@ def _kept(input: torch.Tensor, axes: Sequence[int], dtype: torch.dtype) -> torch
     return input.new_empty([1 if d in red else n for d, n in enumerate(input.shape)], dtype=dtype)
 
 
+def _checked(name: str, input: torch.Tensor, **attrs: Any) -> None:
+    """The plain function's rules on the call's attributes where the shapes are concrete
+    (_check_as_plain): a trace or an export refuses what the op would, not a program that fails
+    when run."""
+    _check_as_plain(name, {"x": input, **attrs}, {})
+
+
 def _fake_batch_normalization(input, mean, variance, scale=None, bias=None, **kw):
+    _checked("batch_normalization", input, **kw)
     return torch.empty_like(input)
 
 
 def _fake_mean_variance_normalization(input, axes, scale=None, bias=None, *, normalize_mean=True,
                                       normalize_variance=True, **kw):
+    _checked("mean_variance_normalization", input, axes=axes, **kw)
     sd = _stats_dtype(input)
     return (torch.empty_like(input), _kept(input, axes, sd) if normalize_mean else _empty(input, sd),
             _kept(input, axes, sd) if normalize_variance else _empty(input, sd))
 
 
 def _fake_layer_norm(input, scale=None, bias=None, *, axis=-1, **kw):
+    _checked("layer_norm", input, axis=axis, **kw)
     nd = _rank(input)
     s = _kept(input, range(axis % nd, nd), _stats_dtype(input))
     return torch.empty_like(input), s, torch.empty_like(s)
 
 
 def _fake_rms_norm(input, scale=None, *, axis=-1, **kw):
+    _checked("rms_norm", input, axis=axis, **kw)
     nd = _rank(input)
     return torch.empty_like(input), _kept(input, range(axis % nd, nd), _stats_dtype(input))
 
 
 def _fake_instance_norm(input, scale=None, bias=None, *, channel_axis=1, **kw):
+    _checked("instance_norm", input, channel_axis=channel_axis, **kw)
     nd = _rank(input)
     s = _kept(input, [d for d in range(1, nd) if d != channel_axis % nd], _stats_dtype(input))
     return torch.empty_like(input), s, torch.empty_like(s)
 
 
 def _fake_group_norm(input, num_groups, scale=None, bias=None, **kw):
+    _checked("group_norm", input, num_groups=num_groups, **kw)
     s = input.new_empty((input.shape[0], num_groups), dtype=_stats_dtype(input))
     return torch.empty_like(input), s, torch.empty_like(s)
 
@@ -473,6 +486,7 @@ def _bn_stats_shape(input: torch.Tensor, scale: Any, bias: Any, channel_axis: in
 
 
 def _fake_batch_normalization_training(input, scale=None, bias=None, fused_add=None, *, channel_axis=1, **kw):
+    _checked("batch_normalization_training", input, channel_axis=channel_axis, **kw)
     s = input.new_empty(_bn_stats_shape(input, scale, bias, channel_axis), dtype=_stats_dtype(input))
     return torch.empty_like(input), s, torch.empty_like(s)
 
@@ -1401,7 +1415,7 @@ def _check_as_plain(name: str, kw: Dict[str, Any], running: Dict[str, Any]) -> N
 
     x = kw["x"]
     if x.dtype not in _ACCEPTED or not all(type(n) is int for n in x.shape):
-        return  # (the op refuses such a dtype by name; symbolic sizes: its fake kernel checks them)
+        return  # (the op refuses such a dtype by name; symbolic sizes are checked when the op runs)
     s = _Shape(x)
     d.check_epsilon(kw.get("epsilon", 1e-5), s.dtype)
     ca = kw.get("channel_axis", 1)
