@@ -434,8 +434,9 @@ struct BackwardKernel {
   // parameters contiguous and shared by all rows. R rows make a block: one loop sums the block
   // (each parameter slot read and written once for R rows, the rows ahead fetched into the L2),
   // then one writes its grad_input, reading the block again from the L1. With 32 registers, blocks
-  // of two rows are written in the loop that sums the next block (on AVX2 that loop held both
-  // blocks' state and spilled it: two loops took 0.83-0.93x its time on rows in the L3).
+  // of two 16-bit rows (or of rows with parameters of their own) are written in the loop that sums
+  // the next block (on AVX2 that loop held both blocks' state and spilled it: two loops took
+  // 0.83-0.93x its time on rows in the L3).
   // Apply: dx = y (-u c2) + ga (scale u) - u c1, y = (x - mean) u. Each row's gradient
   // is written in whole vectors from `head` (streamed: its first aligned one; the arithmetic is
   // the same per element whatever the grid), its edges after.
@@ -618,9 +619,11 @@ struct BackwardKernel {
     };
     // With 32 registers, two rows' block k is written while block k + 1 is summed, vector by
     // vector: block k + 1's reads from memory then overlap block k's arithmetic (one pass after
-    // the other left the memory idle while it wrote). Where saved ga is read (a buffer per block)
-    // or a row has no y term, the block is written by itself.
-    constexpr bool kInterleaves = kVectorRegisters >= 32 && R == 2 && !kSaves;
+    // the other left the memory idle while it wrote). Not float32 and float64 rows sharing their
+    // parameters, which their loads bound, not their arithmetic: the two loops apart measured
+    // faster there. Where saved ga is read (a buffer per block) or a row has no y term, the block
+    // is written by itself.
+    constexpr bool kInterleaves = kVectorRegisters >= 32 && R == 2 && !kSaves && (OwnParams || sizeof(T) == 2);
     if constexpr (!kInterleaves) {
       Rows rows;
       for (int64_t k = 0; k < blocks; ++k) {
