@@ -908,12 +908,25 @@ struct BackwardKernel {
     if (e < n) at(e, static_cast<int>(n - e));
   }
 
-  // grad_input of such a run: apply_run's arithmetic.
+  // grad_input of such a run: apply_run's arithmetic. stream_ok: streaming stores from dx's first
+  // whole line (streamed_from), its partial first and last vectors streamed too.
   SIMDNORM_CURSOR_METHOD static void const_run_apply(const T* x, const T* dy, T* dx, int64_t n, V mean, V u, V scale,
-                                                     V c1, V c2) {
+                                                     V c1, V c2, bool stream_ok = false) {
     const V scale_u = scale * u, y_coef = y_coefficient(u, c2), k_coef = k_coefficient(u, c1);
+    auto value = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      return grad_input((load_up_to<L>(x + e, m) - mean) * u, load_up_to<L>(dy + e, m), scale_u, y_coef, k_coef);
+    };
+    bool stream;
+    const int64_t head = streamed_from(stream_ok, reinterpret_cast<const char*>(dx), n, stream);
+    if (stream) {
+      vectors_from(head, n, [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+        if (m == W) L::store_or_stream(dx + e, value(e, m), true);
+        else L::store_partial_stream(dx + e, value(e, m), m);
+      });
+      return;
+    }
     auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-      const V v = grad_input((load_up_to<L>(x + e, m) - mean) * u, load_up_to<L>(dy + e, m), scale_u, y_coef, k_coef);
+      const V v = value(e, m);
       if (m == W) L::store(dx + e, v);
       else L::store_partial(dx + e, v, m);
     };
@@ -925,21 +938,6 @@ struct BackwardKernel {
       if (n >= W && static_cast<const void*>(dx) != static_cast<const void*>(dy)) at(n - W, W);
       else at(e, static_cast<int>(n - e));
     }
-  }
-
-  // const_run_apply with streaming stores from dx's first whole line (streamed_from), its partial
-  // first and last vectors streamed too; plain stores where dx cannot stream.
-  SIMDNORM_CURSOR_METHOD static void const_run_stream(const T* x, const T* dy, T* dx, int64_t n, V mean, V u, V scale,
-                                                      V c1, V c2) {
-    bool stream;
-    const int64_t head = streamed_from(true, reinterpret_cast<const char*>(dx), n, stream);
-    if (!stream) return const_run_apply(x, dy, dx, n, mean, u, scale, c1, c2);
-    const V scale_u = scale * u, y_coef = y_coefficient(u, c2), k_coef = k_coefficient(u, c1);
-    vectors_from(head, n, [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
-      const V v = grad_input((load_up_to<L>(x + e, m) - mean) * u, load_up_to<L>(dy + e, m), scale_u, y_coef, k_coef);
-      if (m == W) L::store_or_stream(dx + e, v, true);
-      else L::store_partial_stream(dx + e, v, m);
-    });
   }
 
   // The sums of such a group into acc.
@@ -972,19 +970,11 @@ struct BackwardKernel {
     const char* const stats = g.data[kStats];
     const V mean = splat<V>(load_c(stats, 0, t.stats_pitch)), u = splat<V>(load_c(stats, 1, t.stats_pitch));
     const V c1 = splat<V>(load_c(stats, 2, t.stats_pitch)), c2 = splat<V>(load_c(stats, 3, t.stats_pitch));
-    // (streamed from memory, as pair_run's writes, where a run holds whole lines)
-    if (t.stream_stores && n > kShortRun) {
-      for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
-        const_run_stream(reinterpret_cast<const T*>(p[kX]), reinterpret_cast<const T*>(p[kGradOut]),
-                         reinterpret_cast<T*>(p[kGradIn]), n, mean, u, splat<V>(load_c(p[kParams], 0, t.params_pitch)),
-                         c1, c2);
-      });
-      return;
-    }
+    const bool stream = t.stream_stores && n > kShortRun;  // (as pair_run's writes, past a few lines)
     for_runs(g, [&](char* const* p) SIMDNORM_INLINE_LAMBDA {
       const_run_apply(reinterpret_cast<const T*>(p[kX]), reinterpret_cast<const T*>(p[kGradOut]),
                       reinterpret_cast<T*>(p[kGradIn]), n, mean, u, splat<V>(load_c(p[kParams], 0, t.params_pitch)),
-                      c1, c2);
+                      c1, c2, stream);
     });
   }
 
