@@ -55,7 +55,7 @@ def materialize(*arrays, scheduler="threads"):
     for a, d, got in zip(live, delayed, blocks):
         grid = np.empty(d.shape, dtype=object)
         for idx, blk in zip(np.ndindex(*d.shape), got):
-            want = tuple(a.chunks[k][i] for k, i in enumerate(idx))
+            want = tuple(blk.shape[k] if np.isnan(a.chunks[k][i]) else a.chunks[k][i] for k, i in enumerate(idx))
             assert type(blk) is np.ndarray and blk.shape == want and blk.dtype == a.dtype, (
                 type(blk), getattr(blk, "shape", None), want, getattr(blk, "dtype", None), a.dtype)
             grid[idx] = blk
@@ -256,6 +256,17 @@ def _random_chunks(rng, shape):
     return tuple(chunks)
 
 
+def _maybe_unknown(rng, X, free):
+    """Now and then X with its sizes along one of the dims `free` unknown to dask (NaN chunks: a
+    dask boolean index keeping every element), and that dim (None: X as it was). Not where X has
+    an empty chunk: dask's boolean index then gives its blocks the wrong shapes (2026.8)."""
+    if not free or any(0 in c for c in X.chunks) or rng.random() >= 0.2:
+        return X, None
+    d = int(rng.choice(free))
+    keep = da.from_array(np.ones(X.shape[d], bool), chunks=(X.chunks[d],))
+    return X[(slice(None),) * d + (keep,)], d
+
+
 @pytest.mark.parametrize("case", range(DASK_CASES))
 def test_drawn_ranks_dtypes_chunkings_and_axes(case):
     rng = np.random.default_rng([20261201, case])
@@ -271,8 +282,10 @@ def test_drawn_ranks_dtypes_chunkings_and_axes(case):
         ca = int(rng.integers(0, nd))
         s = scale_bias_values(rng, (shape[ca],), pdt)
         b = scale_bias_values(rng, (shape[ca],), pdt, "bias") if rng.random() < 0.5 else None
+        X, hidden = _maybe_unknown(rng, X, [d for d in range(nd) if d != ca])
         check_training(sd.batch_normalization_training(X, s, b, channel_axis=ca, activation="relu"), x, s, b,
-                       channel_axis=ca, activation="relu", context=f"{context} bn training channel_axis={ca}")
+                       channel_axis=ca, activation="relu",
+                       context=f"{context} bn training channel_axis={ca} unknown sizes along {hidden}")
         return
     axes = tuple(sorted(rng.choice(nd, size=int(rng.integers(1, nd + 1)), replace=False).tolist()))
     kept = tuple(1 if d in axes else n for d, n in enumerate(shape))
@@ -280,11 +293,70 @@ def test_drawn_ranks_dtypes_chunkings_and_axes(case):
     s = scale_bias_values(rng, kept[lead:], pdt) if rng.random() < 0.6 else None
     b = scale_bias_values(rng, kept, pdt, "bias") if rng.random() < 0.4 else None
     lazy_b = b if b is None or rng.random() < 0.5 else lazy(b, 1)
+    spanned = {d for p in (s, b) if p is not None for d, n in zip(range(nd - p.ndim, nd), p.shape) if n != 1}
+    X, hidden = _maybe_unknown(rng, X, [d for d in range(nd) if d not in spanned])
+    context += f" unknown sizes along {hidden}"
     kw = dict(normalize_mean=bool(rng.random() < 0.8), normalize_variance=bool(rng.random() < 0.8),
               epsilon_mode=("inside", "outside")[int(rng.integers(0, 2))],
               activation=(None, "relu", "gelu")[int(rng.integers(0, 3))])
     y, mean, inv = materialize(*sd.mean_variance_normalization(X, axes, s, lazy_b, return_stats=True, **kw))
     check_mvn(y, x, axes, s, b, stats=(mean, inv), context=f"{context} axes {axes} {kw}", **kw)
+
+
+@pytest.mark.parametrize("chunking", ["one chunk", "uneven everywhere"])
+def test_unknown_chunk_sizes_along_dims_the_op_does_not_need(rng, chunking):
+    # A dask boolean index leaves the sizes along its dim unknown (NaN chunks). Each op runs where
+    # it needs none of them: no parameter spans that dim, it is not group norm's channels. Where it
+    # needs one, it names that dim.
+    x = offset(rng, SHAPE)
+    X = lazy(x, chunking)
+    c = SHAPE[1]
+    s, b = scale_bias_values(rng, (c,), F32), scale_bias_values(rng, (c,), F32, "bias")
+    per_channel = (1, c, 1, 1)
+    samples, channels = np.array([True, False, True, True]), np.array([True, True, False, True, True, True])
+    xn, Xn = x[samples], X[da.from_array(samples, chunks=(X.chunks[0],))]
+    xc, Xc = x[:, channels], X[:, da.from_array(channels, chunks=(X.chunks[1],))]
+    assert np.isnan(Xn.shape[0]) and np.isnan(Xc.shape[1])
+    ctx = f"{chunking} unknown N"
+    sl, bl = scale_bias_values(rng, SHAPE[2:], F32), scale_bias_values(rng, SHAPE[2:], F32, "bias")
+    y, mean, inv = materialize(*sd.layer_norm(Xn, sl, bl, axis=2, return_stats=True))
+    check_mvn(y, xn, (2, 3), sl, bl, stats=(mean, inv), context=ctx)
+    y, _, inv = materialize(*sd.rms_norm(Xn, sl, axis=2, return_stats=True))
+    check_mvn(y, xn, (2, 3), sl, normalize_mean=False, stats=(None, inv), context=ctx)
+    y, mean, inv = materialize(*sd.mean_variance_normalization(Xn, (0, 2, 3), s.reshape(per_channel),
+                                                               return_stats=True))
+    check_mvn(y, xn, (0, 2, 3), s.reshape(per_channel), stats=(mean, inv), context=ctx)
+    y, mean, inv = materialize(*sd.instance_norm(Xn, s, b, return_stats=True))
+    check_mvn(y, xn, (2, 3), s.reshape(per_channel), b.reshape(per_channel), stats=(mean, inv), context=ctx)
+    for g in (2, 3):
+        y, mean, inv = materialize(*sd.group_norm(Xn, g, s, b, return_stats=True))
+        wy, wmean, winv = simdnorm.group_norm(xn, g, s, b, return_stats=True)
+        np.testing.assert_allclose(y, wy, rtol=1e-5, atol=1e-5, err_msg=ctx)
+        np.testing.assert_allclose(mean, wmean, rtol=1e-5, atol=1e-5, err_msg=ctx)
+        np.testing.assert_allclose(inv, winv, rtol=1e-5, err_msg=ctx)
+    mean, var = rand_values(rng, (c,), F32), np.abs(rand_values(rng, (c,), F32)) + 0.1
+    check_bn(materialize(sd.batch_normalization(Xn, mean, var, s, b))[0], xn, mean, var, s, b, context=ctx)
+    fa = offset(rng, SHAPE[1:])
+    check_training(sd.batch_normalization_training(Xn, s, b, fused_add=fa), xn, s, b, fused_add=fa, context=ctx)
+    y, mean, inv = materialize(*sd.group_norm(Xn[:, :0], 2, return_stats=True))
+    assert y.shape == (3, 0, 3, 5) and mean.shape == inv.shape == (3, 2) and np.isnan(mean).all()
+    # unknown C: the ops that need no size along it
+    ctx = f"{chunking} unknown C"
+    y, mean, inv = materialize(*sd.layer_norm(Xc, axis=1, return_stats=True))
+    check_mvn(y, xc, (1, 2, 3), stats=(mean, inv), context=ctx)
+    y, mean, inv = materialize(*sd.instance_norm(Xc, return_stats=True))
+    check_mvn(y, xc, (2, 3), stats=(mean, inv), context=ctx)
+    check_training(sd.batch_normalization_training(Xc), xc, None, None, context=ctx)
+    check_training(sd.batch_normalization_training(Xc.transpose(0, 2, 3, 1), channel_axis=-1),
+                   xc.transpose(0, 2, 3, 1), None, None, channel_axis=-1, context=ctx + " channels last")
+    for call in (lambda: sd.batch_normalization(Xc, mean[:5], var[:5]), lambda: sd.group_norm(Xc, 5),
+                 lambda: sd.instance_norm(Xc, s[:5]), lambda: sd.layer_norm(Xc, np.ones((5, 3, 5), F32), axis=1),
+                 lambda: sd.batch_normalization_training(Xc, s[:5]),
+                 lambda: sd.mean_variance_normalization(Xc, (2, 3), np.ones((5, 1, 1), F32))):
+        with pytest.raises(ValueError, match=r"unknown chunk sizes along axis 1 .*compute_chunk_sizes"):
+            call()
+    with pytest.raises(ValueError, match=r"unknown chunk sizes along axis 0 .*parameters need"):
+        sd.batch_normalization_training(Xn, fused_add=np.ones((3, *SHAPE[1:]), F32))
 
 
 def test_empty_arrays(rng):
@@ -452,8 +524,8 @@ def test_errors_are_raised_at_the_call():
         sd.rms_norm(X, num_threads="2")
     with pytest.raises(TypeError, match="return_stats"):
         sd.rms_norm(X, return_stats=1)
-    with pytest.raises(ValueError, match="unknown chunk sizes"):
-        sd.layer_norm(X[X > 0])
+    with pytest.raises(ValueError, match="unknown chunk sizes along axis 1"):  # (more: test_unknown_chunk_sizes...)
+        sd.group_norm(X[:, X[0, :, 0] > 0], 2)
     with pytest.raises(TypeError, match="numpy chunks"):
         sd.layer_norm(da.from_array(np.ma.masked_array(np.ones((3, 4), F32)), asarray=False))
     # the plain functions refuse dask arrays, naming simdnorm.dask

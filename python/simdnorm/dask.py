@@ -85,13 +85,66 @@ def _lazy_kind(obj: Any) -> str:
     return (type(obj).__module__ or "").split(".")[0]
 
 
+def _numpy_chunks(fn: str, a: "da.Array", name: str) -> None:
+    if not isinstance(a._meta, np.ndarray) or isinstance(a._meta, np.ma.MaskedArray):
+        raise TypeError(f"simdnorm.dask.{fn}: {name}: chunks of type {type(a._meta).__name__}; simdnorm runs on "
+                        "numpy chunks (on the CPU)")
+
+
 def _known(fn: str, a: "da.Array", name: str) -> None:
     if any(math.isnan(s) for s in a.shape):
         raise ValueError(f"simdnorm.dask.{fn}: {name}: unknown chunk sizes {a.chunks}; call "
                          f"{name}.compute_chunk_sizes() first")
-    if not isinstance(a._meta, np.ndarray) or isinstance(a._meta, np.ma.MaskedArray):
-        raise TypeError(f"simdnorm.dask.{fn}: {name}: chunks of type {type(a._meta).__name__}; simdnorm runs on "
-                        "numpy chunks (on the CPU)")
+    _numpy_chunks(fn, a, name)
+
+
+class _Sized:
+    """The input's dtype and shape as the in-memory validators read them, a size dask does not
+    know (NaN: chunks from a boolean index) given as 1. Only dims whose sizes the op does not need
+    may be unknown (_known_along), so no check depends on that stand-in."""
+
+    def __init__(self, x: "da.Array") -> None:
+        self.dtype, self.ndim = x.dtype, x.ndim
+        self.shape = tuple(1 if math.isnan(n) else int(n) for n in x.shape)
+
+
+def _known_along(fn: str, x: "da.Array", dims: Any, why: str) -> None:
+    for d in sorted(set(dims)):
+        if math.isnan(x.shape[d]):
+            raise ValueError(f"simdnorm.dask.{fn}: input: unknown chunk sizes along axis {d} {x.chunks[d]}, whose "
+                             f"size {why}; call input.compute_chunk_sizes() first")
+
+
+def _spanned(x: "da.Array", params: Any, ca: Optional[int] = None) -> List[int]:
+    """The dims of x along which parameters have sizes other than 1: a 1-D one's channel axis ca
+    (ca None: aligned to the right, as MVN's are), a same-rank one's own dims."""
+    dims = []
+    for p in params:
+        if p is None:
+            continue
+        if p.ndim == 1 and ca is not None:
+            dims.append(ca)
+            continue
+        off = x.ndim - p.ndim
+        dims += [off + i for i, n in enumerate(p.shape) if n != 1 and off + i >= 0]
+    return dims
+
+
+def _unknown(x: "da.Array") -> bool:
+    return any(math.isnan(n) for n in x.shape)
+
+
+def _params_known_along(fn: str, x: "da.Array", params: Any, channel_axis: Any = None) -> None:
+    """Where x has unknown sizes: the parameters span none of those dims (a 1-D one placed at the
+    channel axis when channel_axis is given, else aligned to the right)."""
+    if not _unknown(x):
+        return
+    ca = None
+    if channel_axis is not None and any(p is not None and p.ndim == 1 for p in params):
+        if not is_int(channel_axis) or not -x.ndim <= int(channel_axis) < x.ndim:
+            return  # (the op's validation refuses it)
+        ca = int(channel_axis) % x.ndim
+    _known_along(fn, x, _spanned(x, params, ca), "the parameters need")
 
 
 def _input(fn: str, x: Any) -> "da.Array":
@@ -101,8 +154,8 @@ def _input(fn: str, x: Any) -> "da.Array":
                             "array) and wrap the result, or call through xarray.apply_ufunc(..., dask='allowed')")
         raise TypeError(f"simdnorm.dask.{fn}: input: expected a dask.array.Array, got {type(x).__name__}; "
                         f"simdnorm.{fn} takes numpy arrays and CPU tensors")
-    _known(fn, x, "input")
-    TensorDesc(x.dtype, x.shape)._check("input", "data")
+    _numpy_chunks(fn, x, "input")
+    TensorDesc(x.dtype, _Sized(x).shape)._check("input", "data")
     return x
 
 
@@ -374,7 +427,7 @@ def _check_flag(fn: str, name: str, v: Any) -> bool:
 
 def _mvn_plan(x, axes, s, b, nm, nv, epsilon, epsilon_mode, activation):
     """The in-memory op's validation, on dtypes and shapes: (axes, epsilon, epsilon_mode)."""
-    info = MeanVarianceNormalizationDesc(TensorDesc(x.dtype, x.shape), axes, _td(s), _td(b), normalize_mean=nm,
+    info = MeanVarianceNormalizationDesc(TensorDesc(x.dtype, _Sized(x).shape), axes, _td(s), _td(b), normalize_mean=nm,
                                          normalize_variance=nv, epsilon=epsilon, epsilon_mode=epsilon_mode,
                                          activation=activation)._validated()
     plan = plan_mvn(info)
@@ -414,7 +467,8 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
     x = _input(fn, x)
     params = [_param(fn, p, n, x) for p, n in ((mean, "mean"), (variance, "variance"), (scale, "scale"),
                                                (bias, "bias"))]
-    desc = BatchNormalizationDesc(TensorDesc(x.dtype, x.shape), *map(_td, params), epsilon=epsilon,
+    _params_known_along(fn, x, params, channel_axis)
+    desc = BatchNormalizationDesc(TensorDesc(x.dtype, _Sized(x).shape), *map(_td, params), epsilon=epsilon,
                                   activation=activation, channel_axis=channel_axis)
     eps, _, ca = plan_bn(desc._validated())
     m, v, s, b = (_at(p, x, ca) for p in params)
@@ -438,6 +492,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
     stats = _check_flag(fn, "return_stats", return_stats)
     x = _input(fn, x)
     s, b = _param(fn, scale, "scale", x), _param(fn, bias, "bias", x)
+    _params_known_along(fn, x, (s, b))
     axes_t, eps, mode = _mvn_plan(x, axes, s, b, normalize_mean, normalize_variance, epsilon, epsilon_mode, activation)
     return _mvn_graph(fn, x, axes_t, _right(s, x), _right(b, x), nm=bool(normalize_mean), nv=bool(normalize_variance),
                       eps=eps, mode=mode, act=activation, return_stats=stats, threads=threads)
@@ -455,7 +510,8 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
     stats = _check_flag(fn, "return_stats", return_stats)
     x = _input(fn, x)
     s, b = _param(fn, scale, "scale", x), _param(fn, bias, "bias", x)
-    axes_t, eps, _ = _mvn_plan(x, trailing_axes_rule(x, axis), s, b, True, True, epsilon, "inside", activation)
+    _params_known_along(fn, x, (s, b))
+    axes_t, eps, _ = _mvn_plan(x, trailing_axes_rule(_Sized(x), axis), s, b, True, True, epsilon, "inside", activation)
     return _mvn_graph(fn, x, axes_t, _right(s, x), _right(b, x), nm=True, nv=True, eps=eps, mode="inside",
                       act=activation, return_stats=stats, threads=threads)
 
@@ -472,7 +528,9 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
     stats = _check_flag(fn, "return_stats", return_stats)
     x = _input(fn, x)
     s = _param(fn, scale, "scale", x)
-    axes_t, eps, _ = _mvn_plan(x, trailing_axes_rule(x, axis), s, None, False, True, epsilon, "inside", activation)
+    _params_known_along(fn, x, (s,))
+    axes_t, eps, _ = _mvn_plan(x, trailing_axes_rule(_Sized(x), axis), s, None, False, True, epsilon, "inside",
+                               activation)
     return _mvn_graph(fn, x, axes_t, _right(s, x), None, nm=False, nv=True, eps=eps, mode="inside", act=activation,
                       return_stats=stats, threads=threads)
 
@@ -489,9 +547,10 @@ def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float
     stats = _check_flag(fn, "return_stats", return_stats)
     x = _input(fn, x)
     s, b = _param(fn, scale, "scale", x), _param(fn, bias, "bias", x)
-    ca = channel_axis_rule(x, channel_axis, "instance_norm")
-    axes = spatial_axes_rule(x, ca)
-    c = x.shape[ca]
+    ca = channel_axis_rule(_Sized(x), channel_axis, "instance_norm")
+    axes = spatial_axes_rule(_Sized(x), ca)
+    _params_known_along(fn, x, (s, b), ca)
+    c = _Sized(x).shape[ca]
     per_channel_rule("scale", s, c, "instance_norm")
     per_channel_rule("bias", b, c, "instance_norm")
     s, b = _at(s, x, ca), _at(b, x, ca)
@@ -512,6 +571,19 @@ def _group_chunks(chunks: Tuple[int, ...], k: int) -> Tuple[int, ...]:
     return tuple(e - s for s, e in zip([0] + ends[:-1], ends))
 
 
+def _nan_block(b: np.ndarray, *, g: int, sdt: Any) -> np.ndarray:
+    return np.full((b.shape[0], g), np.nan, dtype=sdt)
+
+
+def _nan_stats(x: "da.Array", g: int, sdt: Any) -> "da.Array":
+    """(N, g) statistics of NaN, chunked as x along its first dim (whose sizes may be unknown)."""
+    if not math.isnan(x.shape[0]):
+        return da.full((x.shape[0], g), np.nan, dtype=sdt)
+    rows = x.sum(axis=tuple(range(1, x.ndim)))  # (of no elements: a cheap (N,) with x's chunks)
+    return rows.map_blocks(_nan_block, g=g, sdt=sdt, new_axis=1, chunks=(rows.chunks[0], (g,)), dtype=sdt,
+                           meta=_meta(2, sdt))
+
+
 @_documented("group_norm")
 def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
                channel_axis: int = 1, activation: ActivationLike = None, return_stats: bool = False,
@@ -525,13 +597,14 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
     stats = _check_flag(fn, "return_stats", return_stats)
     x = _input(fn, x)
     s, b = _param(fn, scale, "scale", x), _param(fn, bias, "bias", x)
-    ca, g, k, _, _, plan, _ = _api.group_plan(x, num_groups, s, b, epsilon, channel_axis, activation)
+    if _unknown(x):
+        _known_along(fn, x, [channel_axis_rule(_Sized(x), channel_axis, fn)], "the groups need")
+    ca, g, k, _, _, plan, _ = _api.group_plan(_Sized(x), num_groups, s, b, epsilon, channel_axis, activation)
     eps = plan[3]
     sdt = stats_dtype(x.dtype)
     if k == 0:  # no channels: an empty result, and groups of no elements (NaN statistics)
         res = x.map_blocks(np.copy, dtype=x.dtype, meta=x._meta)
-        return (res, da.full((x.shape[0], g), np.nan, dtype=sdt), da.full((x.shape[0], g), np.nan, dtype=sdt)) \
-            if stats else res
+        return (res, _nan_stats(x, g, sdt), _nan_stats(x, g, sdt)) if stats else res
     if k > 1:
         x = x.rechunk({ca: _group_chunks(x.chunks[ca], k)})
     s, b = _at(s, x, ca), _at(b, x, ca)
@@ -577,7 +650,9 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     threads = _threads(fn, num_threads)
     x = _input(fn, x)
     s, b, fa = (_param(fn, p, n, x) for p, n in ((scale, "scale"), (bias, "bias"), (fused_add, "fused_add")))
-    eps, _, axes, sshape, kca = _training._plan_bn_training(x, s, b, fa, epsilon, activation, channel_axis)
+    _params_known_along(fn, x, (s, b), channel_axis)
+    _params_known_along(fn, x, (fa,))
+    eps, _, axes, sshape, kca = _training._plan_bn_training(_Sized(x), s, b, fa, epsilon, activation, channel_axis)
     ca = kca if kca >= 0 else 0  # (same-rank parameters: no channel axis needed to place them)
     s, b = _at(s, x, ca), _at(b, x, ca)
     fa = _right(fa, x)
@@ -599,5 +674,7 @@ def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *,
     mean = rec.map_blocks(_mean_stat, sdt=sdt, dtype=sdt, meta=meta)
     var = rec.map_blocks(_variance_stat, sdt=sdt, dtype=sdt, meta=meta)
     if tuple(sshape) != full:  # (C,): the reduced dims dropped (dask's reshape fails on empty chunks)
-        mean, var = (da.squeeze(a, axis=axes).reshape(sshape) for a in (mean, var))
+        mean, var = (da.squeeze(a, axis=axes) for a in (mean, var))
+        if not _unknown(mean):  # (an unknown C: the squeeze's (C,) as it is)
+            mean, var = mean.reshape(sshape), var.reshape(sshape)
     return res, mean, var
