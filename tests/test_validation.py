@@ -303,16 +303,36 @@ def test_bad_epsilon_is_value_error(name, call, eps):
     assert_poisoned(out)
 
 
-def test_epsilon_must_be_finite_in_float32():
-    x = np.ones((2, 4), F32)
-    out = poisoned(x.shape)
-    with pytest.raises(ValueError, match=r"^epsilon: 1e\+39 overflows float32, the compute type of float32 data"):
-        mvn(x, -1, epsilon=1e39, out=out)
-    with pytest.raises(ValueError, match=r"^epsilon: 1e\+39 overflows float32, the compute type of bfloat16 data"):
-        bn(x.astype(BF16), np.zeros(4, F32), np.ones(4, F32), epsilon=1e39)
-    assert_poisoned(out)
-    y = mvn(x.astype(F64), -1, epsilon=1e39)  # float64 data computes in float64
-    assert y.dtype == F64
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("eps", [3.5e38, 1e39, 1e300])
+def test_any_finite_epsilon_for_every_dtype(dtype, eps):
+    # SPEC: epsilon finite and >= 0. Past float32's range too, for data computed in float32: the
+    # kernels add it in double, and the result (about (x - mean) / sqrt(epsilon)) rounds to the
+    # output type, down to 0 where it underflows there.
+    rng = np.random.default_rng(int(math.log10(eps)))
+    x, mean, var, scale, bias = bn_args((2, 4, 3, 5), dtype, F32, rng)
+    tiny = float(np.finfo(F64 if dtype == F64 else F32).smallest_subnormal) if dtype in (F32, F64) else 2.0 ** -24
+
+    def check(got, want, context):
+        got = got.astype(np.float64)
+        bound = (1e-12 if dtype == F64 else 1e-2 if dtype == BF16 else 1e-3 if dtype == F16 else 1e-6) * np.abs(
+            want).max() + 2 * tiny
+        assert np.isfinite(got).all() and np.abs(got - want).max() <= bound, (context, np.abs(got - want).max(), bound)
+
+    out = poisoned(x.shape, dtype)
+    check(mvn(x, (1, 2, 3), epsilon=eps, out=out), ref_mvn(x, (1, 2, 3), eps)[0], "mvn")
+    out = poisoned(x.shape, dtype)
+    check(bn(x, mean, var, scale, bias, epsilon=eps, out=out), ref_bn(x, mean, var, scale, bias, eps), "bn")
+    y, m, v = simdnorm.batch_normalization_training(x, epsilon=eps)
+    check(y, ref_mvn(x, (0, 2, 3), eps)[0], "bn training")
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    gx = simdnorm.batch_normalization_backward(dy, x, mean, var, training=False, epsilon=eps)[0]
+    check(gx, dy.astype(np.float64) / np.sqrt(var.astype(np.float64).reshape(1, 4, 1, 1) + eps), "bn backward")
+    y, m, inv = simdnorm.layer_norm(x, epsilon=eps, return_stats=True)  # (float32 statistics: 0 past 1e-45)
+    sdt = F64 if dtype == F64 else F32
+    want = 1 / np.sqrt(x.astype(np.float64).var(axis=-1, keepdims=True) + eps)
+    np.testing.assert_allclose(inv, want, rtol=1e-12 if dtype == F64 else 1e-6,
+                               atol=2 * float(np.finfo(sdt).smallest_subnormal))
 
 
 @pytest.mark.parametrize("name,call", CALLS, ids=CALL_IDS)

@@ -181,19 +181,11 @@ def _check_real(name: str, v: Any) -> float:
         ) from None
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def check_epsilon(v: Any, dt: Optional[np.dtype] = None) -> float:
-    """Finite and >= 0; for data computed in float32 (all but float64), representable there."""
+def check_epsilon(v: Any) -> float:
+    """Finite and >= 0. Any such value, for any dtype: the kernels add it in double."""
     eps = _check_real("epsilon", v)
     if not (math.isfinite(eps) and eps >= 0.0):
         raise DescriptorError(f"epsilon: {value_text(v)} is not allowed; epsilon must be finite and >= 0")
-    if eps > _F32_MAX and dt is not None and dt != F64:
-        raise DescriptorError(
-            f"epsilon: {value_text(v)} overflows float32, the compute type of {dtype_name(dt)} data; "
-            "epsilon must be finite in float32"
-        )
     return eps
 
 
@@ -655,7 +647,7 @@ def _validate_bn(d: BatchNormalizationDesc) -> BNInfo:
         p._check(name, "param")
         check_param_dtype(name, p, x)
         params.append((p, bn_param_rule(name, p.sizes, x.sizes, ca)))
-    eps = check_epsilon(d.epsilon, x.dtype)
+    eps = check_epsilon(d.epsilon)
     act = check_activation(d.activation)
     check_bool("spatial", d.spatial)
     return BNInfo(x, d.output, tuple(params), eps, act)
@@ -734,7 +726,7 @@ def _validate_mvn(d: MeanVarianceNormalizationDesc, max_dims: int = MAX_DIMS) ->
             mvn_param_rule(name, p.sizes, x.sizes)
     nm = check_bool("normalize_mean", d.normalize_mean)
     nv = check_bool("normalize_variance", d.normalize_variance)
-    eps = check_epsilon(d.epsilon, x.dtype)
+    eps = check_epsilon(d.epsilon)
     eo = check_epsilon_mode(d.epsilon_mode)
     act = check_activation(d.activation)
     return MVNInfo(x, d.output, axes, d.scale, d.bias, nm, nv, eps, eo, act)
