@@ -445,6 +445,21 @@ def test_backward_statistics_follow_the_input_memory_order():
     assert plan.startswith("two-pass groups=24 ") and " nest=sizes=(40,24) " in plan and " mul=(0,4) " in plan, plan
 
 
+@pytest.mark.parametrize("shape, columns", [((8, 16384), 8192), ((128, 4096), 512), ((32, 4096), 2048),
+                                            ((256, 1024), None), ((8, 4096), None), ((2048, 256), None)])
+def test_backward_sums_of_wide_channel_rows_go_by_columns(shape, columns):
+    # batch norm's backward over rows of many channels: where every chunk of elements would hold
+    # all the channels' partial sums (to clear, flush and merge) past an eighth of its data, the
+    # sums pass takes blocks of the channels instead, each over every row, its partials its own
+    x = np.zeros(shape, np.float32)
+    c = np.ones((1, shape[1]), np.float32)
+    sums = [np.zeros(shape[1], np.float64) for _ in range(2)]
+    plan = _core.mvn_backward(x, x, (0,), c, c, c, c, None, np.empty_like(x), *sums, 1e-5, True, True, False,
+                              IDENTITY, True, False, 1, True, False)
+    assert plan.startswith("two-pass "), plan
+    assert (f" sum_columns={columns}" in plan) if columns else "sum_columns" not in plan, plan
+
+
 def test_backward_two_passes_go_in_slabs_only_from_memory_and_apart():
     # From memory, the two passes go slab by slab (each summed, then written from the L2): slabs of
     # whole samples where the statistics are per sample (instance norm of channels-last data), any

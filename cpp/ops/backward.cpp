@@ -157,6 +157,12 @@ class BackwardRunner {
       if (!grouped && write_in_sums(t)) *explain += " sums-write";
       const std::vector<Slab> slabs = grouped ? std::vector<Slab>() : slabs_of(two_pass, total, t);
       if (!slabs.empty()) *explain += " slabs=" + std::to_string(slabs.size());
+      const int in = two_pass.ndim - 1;
+      if (slabs.empty() && (t.group || t.params)) {
+        const std::vector<Slab> chunks = sum_chunks(two_pass, total, t);
+        if (chunks.front().nest.sizes[in] != two_pass.sizes[in])
+          *explain += " sum_columns=" + std::to_string(chunks.front().nest.sizes[in]);
+      }
       return;
     }
     task_.grouped = grouped;
@@ -687,6 +693,36 @@ class BackwardRunner {
   // The two passes slab by slab, each slab by one thread: its sums, its statistics' coefficients,
   // its grad_input. The parameters' sums are each slab's, added in the slabs' order. derive: the
   // group sums are the scale times the parameters' (shared_layout), which the slab holds whole.
+  // The sums pass's chunks, each with partial sums of its own: fixed by the shape, never by the
+  // thread count, so that the sums are the same bits on any. Ranges of the nest's elements; but
+  // where the statistics or parameters vary along the runs (the channels of batch norm's rows) and
+  // the chunks' partials would outweigh an eighth of their data (each chunk holds every channel's
+  // sums, to clear, flush and merge: (8, 16384) spent a third of its time there), blocks of the
+  // runs' columns instead, each over every row, holding its own channels' sums alone.
+  std::vector<Slab> sum_chunks(const LoopNest& nest, int64_t total, const SumTargets& t) const {
+    const int64_t bytes = ((t.group ? 2 * stats_->count() : 0) + (t.params ? 2 * params_->count() : 0)) * (8 + csize_);
+    const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
+    const int in = nest.ndim - 1;
+    const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
+    const int64_t n = nest.sizes[in], es = itemsize(a_.input.dtype), line = std::max<int64_t>(1, kLineBytes / es);
+    const int64_t data_bytes = total * (es + itemsize(a_.grad_output.dtype));
+    std::vector<Slab> out;
+    if (varying && chunks > 1 && n >= 2 * line && chunks * bytes > data_bytes / 8) {
+      const int64_t blocks = std::min(chunks, n / line);
+      const int64_t cols = (n + blocks - 1) / blocks, per = (cols + line - 1) / line * line;
+      for (int64_t c0 = 0; c0 < n; c0 += per) {
+        Slab c{nest, 0, total / n * std::min(per, n - c0)};
+        c.nest.sizes[in] = std::min(per, n - c0);
+        for (int op = 0; op < kNumOperands; ++op) c.nest.data[op] += c0 * nest.strides[op][in];
+        out.push_back(c);
+      }
+      return out;
+    }
+    const int64_t per = (total + chunks - 1) / chunks;
+    for (int64_t c = 0; c < chunks; ++c) out.push_back({nest, c * per, std::min(total, (c + 1) * per)});
+    return out;
+  }
+
   void run_slabs(const std::vector<Slab>& slabs, int64_t total, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count();
@@ -727,16 +763,14 @@ class BackwardRunner {
     const std::vector<Slab> slabs = slabs_of(nest, total, t);  // (none where the sums pass writes)
     if (!slabs.empty()) return run_slabs(slabs, total, t, flush_every);
     if (group_sums || param_sums) {
-      const int64_t bytes = ((group_sums ? 2 * ns : 0) + (param_sums ? 2 * np : 0)) * (8 + csize_);
-      // (A chunk holds only the slots it reaches; the bound is for the chunks that reach them all.)
-      const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
-      const int64_t per = (total + chunks - 1) / chunks;
+      const std::vector<Slab> chunks = sum_chunks(nest, total, t);
       std::vector<Partial> partials;
-      for (int64_t c = 0; c < chunks; ++c)
-        partials.push_back(partial_for(t, nest, c * per, std::min(total, (c + 1) * per)));
+      for (const Slab& c : chunks) partials.push_back(partial_for(t, c.nest, c.begin, c.end));
       allocate_partials(partials);
-      for_parts(chunks, total, [&](int c) {
-        sum_range(partials[static_cast<size_t>(c)], t, nest, c * per, std::min(total, (c + 1) * per), flush_every);
+      for_parts(static_cast<int64_t>(chunks.size()), total, [&](int i) {
+        const Slab& c = chunks[static_cast<size_t>(i)];
+        sum_range(partials[static_cast<size_t>(i)], t, c.nest, c.begin, c.end,
+                  varying ? kFlushRuns * c.nest.sizes[in] : total);
         if (task_.sums_write && task_.stream_stores) fence_streaming_stores();
       });
       const double* const params = param_sums ? merged_params(partials) : nullptr;
