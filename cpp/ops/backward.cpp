@@ -690,17 +690,15 @@ class BackwardRunner {
     return slabs;
   }
 
-  // The two passes slab by slab, each slab by one thread: its sums, its statistics' coefficients,
-  // its grad_input. The parameters' sums are each slab's, added in the slabs' order. derive: the
-  // group sums are the scale times the parameters' (shared_layout), which the slab holds whole.
   // The sums pass's chunks, each with partial sums of its own: fixed by the shape, never by the
   // thread count, so that the sums are the same bits on any. Ranges of the nest's elements; but
   // where the statistics or parameters vary along the runs (the channels of batch norm's rows) and
   // the chunks' partials would outweigh an eighth of their data (each chunk holds every channel's
-  // sums, to clear, flush and merge: (8, 16384) spent a third of its time there), blocks of the
-  // runs' columns instead, each over every row, holding its own channels' sums alone.
+  // sums, to clear, flush and merge), blocks of the runs' columns instead, each over every row,
+  // holding its own channels' sums alone.
   std::vector<Slab> sum_chunks(const LoopNest& nest, int64_t total, const SumTargets& t) const {
     const int64_t bytes = ((t.group ? 2 * stats_->count() : 0) + (t.params ? 2 * params_->count() : 0)) * (8 + csize_);
+    // (A chunk holds only the slots it reaches; the bound is for the chunks that reach them all.)
     const int64_t chunks = blocks_for(total, bytes, kMinChunkElements);
     const int in = nest.ndim - 1;
     const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
@@ -723,6 +721,9 @@ class BackwardRunner {
     return out;
   }
 
+  // The two passes slab by slab, each slab by one thread: its sums, its statistics' coefficients,
+  // its grad_input. The parameters' sums are each slab's, added in the slabs' order. derive: the
+  // group sums are the scale times the parameters' (shared_layout), which the slab holds whole.
   void run_slabs(const std::vector<Slab>& slabs, int64_t total, const SumTargets& t, int64_t flush_every) {
     const KernelTable& k = kernels();
     const int64_t ns = stats_->count();
