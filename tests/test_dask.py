@@ -357,6 +357,13 @@ def test_unknown_chunk_sizes_along_dims_the_op_does_not_need(rng, chunking):
             call()
     with pytest.raises(ValueError, match=r"unknown chunk sizes along axis 0 .*parameters need"):
         sd.batch_normalization_training(Xn, fused_add=np.ones((3, *SHAPE[1:]), F32))
+    # a 1-D input's (C,) parameters run along its one dim, whatever channel_axis says
+    v = da.from_array(x[0, 0, 0], chunks=2)
+    vn = v[v > -np.inf]
+    for call in (lambda: sd.batch_normalization(vn, np.zeros(5, F32), np.ones(5, F32)),
+                 lambda: sd.batch_normalization_training(vn, np.ones(5, F32))):
+        with pytest.raises(ValueError, match=r"unknown chunk sizes along axis 0 .*parameters need"):
+            call()
 
 
 def test_empty_arrays(rng):
@@ -379,6 +386,12 @@ def test_empty_arrays(rng):
         np.testing.assert_allclose(mean, wmean, rtol=1e-7, err_msg=f"{shape} {chunks}")
         y, bm, bv = materialize(*sd.batch_normalization_training(lazy(x, chunks), channel_axis=x.ndim - 1))
         assert y.shape == shape and bm.shape == bv.shape == (shape[-1],)
+    # statistics of no elements, merged from several empty chunks: NaN, as in memory
+    X = da.from_array(np.zeros((0, 6), F32), chunks=((0, 0, 0), (6,)))
+    y, mean, inv = materialize(*sd.mean_variance_normalization(X, 0, return_stats=True))
+    assert y.shape == (0, 6) and mean.shape == inv.shape == (1, 6) and np.isnan(mean).all() and np.isnan(inv).all()
+    y, bm, bv = materialize(*sd.batch_normalization_training(X, channel_axis=1))
+    assert bm.shape == bv.shape == (6,) and np.isnan(bm).all() and np.isnan(bv).all()
 
 
 def test_no_numpy_warnings_where_the_in_memory_ops_give_none(rng):
@@ -408,6 +421,12 @@ def test_tiny_spread_beyond_float32_variances(rng):
         y, mean, inv = materialize(*sd.mean_variance_normalization(X, 0, epsilon=0.0, epsilon_mode=mode,
                                                                    return_stats=True))
         check_mvn(y, x, 0, epsilon=0.0, epsilon_mode=mode, stats=(mean, inv), context=mode)
+    # float64 with epsilon outside the root past ~1e154, where (std + epsilon) ** 2 overflows double
+    x = rng.standard_normal((8, 6))
+    for eps in (1e160, 1e300):
+        y = materialize(sd.mean_variance_normalization(da.from_array(x, chunks=(3, 6)), 0, epsilon=eps,
+                                                       epsilon_mode="outside"))[0]
+        check_mvn(y, x, 0, epsilon=eps, epsilon_mode="outside", context=f"float64 outside {eps:g}")
 
 
 # ----------------------------------------------------------------------------------------------------

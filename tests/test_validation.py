@@ -304,13 +304,24 @@ def test_bad_epsilon_is_value_error(name, call, eps):
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("eps", [3.5e38, 1e39, 1e300])
-def test_any_finite_epsilon_for_every_dtype(dtype, eps):
-    # SPEC: epsilon finite and >= 0. Past float32's range too, for data computed in float32: the
-    # kernels add it in double, and the result (about (x - mean) / sqrt(epsilon)) rounds to the
-    # output type, down to 0 where it underflows there.
+@pytest.mark.parametrize("eps", [3.5e38, 1e39, 2.0 ** 252, 1e300])
+def test_epsilon_up_to_where_it_keeps_1_over_std_normal(dtype, eps):
+    # SPEC: epsilon finite and >= 0. The kernels add it in double and multiply by 1 / std in the
+    # compute type: data computed in float32 take any epsilon up to 2**252 (2**126 outside the
+    # root), where 1 / sqrt(epsilon) (1 / epsilon) is still a normal float32; past it, a clear
+    # error (1 / std would lose its bits: 0 past 2**276), and float64 data take any. The result,
+    # about (x - mean) / sqrt(epsilon), rounds to the output type, down to 0 where it underflows.
     rng = np.random.default_rng(int(math.log10(eps)))
     x, mean, var, scale, bias = bn_args((2, 4, 3, 5), dtype, F32, rng)
+    if dtype != F64 and eps > 2.0 ** 252:
+        out = poisoned(x.shape, dtype)
+        for call in (lambda: mvn(x, (1, 2, 3), epsilon=eps, out=out), lambda: bn(x, mean, var, epsilon=eps, out=out),
+                     lambda: simdnorm.layer_norm_backward(x, x, mean[:1], var[:1], epsilon=eps)):
+            with pytest.raises(ValueError, match=r"^epsilon: 1e\+300 is past 2\*\*252 \(7.237e\+75\), where "
+                                                 r"1 / sqrt\(epsilon\) leaves float32's normal range"):
+                call()
+        assert_poisoned(out)
+        return
     tiny = float(np.finfo(F64 if dtype == F64 else F32).smallest_subnormal) if dtype in (F32, F64) else 2.0 ** -24
 
     def check(got, want, context):
@@ -333,6 +344,25 @@ def test_any_finite_epsilon_for_every_dtype(dtype, eps):
     want = 1 / np.sqrt(x.astype(np.float64).var(axis=-1, keepdims=True) + eps)
     np.testing.assert_allclose(inv, want, rtol=1e-12 if dtype == F64 else 1e-6,
                                atol=2 * float(np.finfo(sdt).smallest_subnormal))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=lambda d: np.dtype(d).name)
+def test_epsilon_outside_the_root_up_to_2_to_the_126_in_float32(dtype):
+    x = np.random.default_rng(3).standard_normal((3, 40)).astype(dtype)
+    for eps in (2.0 ** 126, 3e38):
+        if dtype != F64 and eps > 2.0 ** 126:
+            with pytest.raises(ValueError, match=r"^epsilon: 3e\+38 is past 2\*\*126 \(8.507e\+37\), where "
+                                                 r"1 / epsilon leaves float32's normal range"):
+                mvn(x, 1, epsilon=eps, epsilon_mode="outside")
+            with pytest.raises(ValueError, match=r"past 2\*\*126"):
+                simdnorm.mean_variance_normalization_backward(x, x, 1, np.zeros((3, 1), F32), np.ones((3, 1), F32),
+                                                              epsilon=eps, epsilon_mode="outside")
+            continue
+        xd = x.astype(np.float64)
+        want = (xd - xd.mean(1, keepdims=True)) / (xd.std(1, keepdims=True) + eps)
+        got = mvn(x, 1, epsilon=eps, epsilon_mode="outside").astype(np.float64)
+        rt = 1e-12 if dtype == F64 else 1e-2 if dtype == BF16 else 1e-6
+        assert np.abs(got - want).max() <= rt * np.abs(want).max(), (eps, np.abs(got - want).max())
 
 
 @pytest.mark.parametrize("name,call", CALLS, ids=CALL_IDS)

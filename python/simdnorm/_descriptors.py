@@ -181,11 +181,19 @@ def _check_real(name: str, v: Any) -> float:
         ) from None
 
 
-def check_epsilon(v: Any) -> float:
-    """Finite and >= 0. Any such value, for any dtype: the kernels add it in double."""
+def check_epsilon(v: Any, dt: Optional[np.dtype] = None, outside: bool = False) -> float:
+    """Finite and >= 0. For data computed in float32 (all but float64), at most 2**252 (2**126
+    outside the root): the kernels add epsilon in double but multiply by 1 / std in float32, and
+    past that bound epsilon alone takes 1 / std below float32's normal range, where it loses bits."""
     eps = _check_real("epsilon", v)
     if not (math.isfinite(eps) and eps >= 0.0):
         raise DescriptorError(f"epsilon: {value_text(v)} is not allowed; epsilon must be finite and >= 0")
+    power = 126 if outside else 252
+    if eps > 2.0 ** power and dt is not None and np.dtype(dt) != F64:
+        root = "epsilon" if outside else "sqrt(epsilon)"
+        raise DescriptorError(
+            f"epsilon: {value_text(v)} is past 2**{power} ({2.0 ** power:.4g}), where 1 / {root} leaves float32's "
+            f"normal range; float32 is the compute type of {dtype_name(dt)} data")
     return eps
 
 
@@ -647,7 +655,7 @@ def _validate_bn(d: BatchNormalizationDesc) -> BNInfo:
         p._check(name, "param")
         check_param_dtype(name, p, x)
         params.append((p, bn_param_rule(name, p.sizes, x.sizes, ca)))
-    eps = check_epsilon(d.epsilon)
+    eps = check_epsilon(d.epsilon, x.dtype)
     act = check_activation(d.activation)
     check_bool("spatial", d.spatial)
     return BNInfo(x, d.output, tuple(params), eps, act)
@@ -726,7 +734,7 @@ def _validate_mvn(d: MeanVarianceNormalizationDesc, max_dims: int = MAX_DIMS) ->
             mvn_param_rule(name, p.sizes, x.sizes)
     nm = check_bool("normalize_mean", d.normalize_mean)
     nv = check_bool("normalize_variance", d.normalize_variance)
-    eps = check_epsilon(d.epsilon)
     eo = check_epsilon_mode(d.epsilon_mode)
+    eps = check_epsilon(d.epsilon, x.dtype, eo)
     act = check_activation(d.activation)
     return MVNInfo(x, d.output, axes, d.scale, d.bias, nm, nv, eps, eo, act)

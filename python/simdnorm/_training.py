@@ -405,7 +405,7 @@ def _plan_bn_training(x: Any, scale: Any, bias: Any, fa: Any, epsilon: Any, acti
     _param(scale, "scale", x)
     _param(bias, "bias", x)
     _fused_add(fa, x)
-    return (check_epsilon(epsilon), core_tuple(check_activation(activation)))\
+    return (check_epsilon(epsilon, x.dtype), core_tuple(check_activation(activation)))\
         + _bn_layout(x, channel_axis, (("scale", scale), ("bias", bias)))
 
 
@@ -434,7 +434,7 @@ def _plan_bn_backward(x: Any, dy: Any, mean: Any, variance: Any, scale: Any, bia
             raise DescriptorTypeError(f"{name}: expected an array, got None; {name} is required")
         _param(p, name, x)
     _fused_add(fa, x)
-    eps = check_epsilon(epsilon)
+    eps = check_epsilon(epsilon, x.dtype)
     act = _backward_activation(activation)
     terms = check_bool("training", training)
     layout: Tuple[Tuple[str, Optional[np.ndarray]], ...] = (("scale", scale), ("bias", bias))
@@ -491,7 +491,8 @@ def _plan_mvn_backward(x: Any, dy: Any, axes: Any, mean: Any, inv_std: Any, scal
         _stats(mean, "mean", x, axes_t)
     if nv:
         _stats(inv_std, "inv_std", x, axes_t)
-    return (axes_t, nm, nv, check_epsilon(epsilon), check_epsilon_mode(epsilon_mode),
+    outside = check_epsilon_mode(epsilon_mode)
+    return (axes_t, nm, nv, check_epsilon(epsilon, x.dtype, outside), outside,
             _backward_activation(activation)) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
 
 
@@ -936,7 +937,7 @@ def _plan_instance_backward(x: Any, dy: Any, mean: Any, inv_std: Any, scale: Any
     per_channel_rule("bias", bias, c, "instance_norm")
     _stats(mean, "mean", x, axes)
     _stats(inv_std, "inv_std", x, axes)
-    return (axes, ca, check_epsilon(epsilon),
+    return (axes, ca, check_epsilon(epsilon, x.dtype),
             _backward_activation(activation)) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
 
 
@@ -1026,7 +1027,7 @@ def _plan_group_backward(x: Any, dy: Any, num_groups: Any, mean: Any, inv_std: A
         if st.shape != (n, g):
             raise DescriptorError(f"{name}: shape {st.shape}; group_norm's statistics have shape (N, num_groups) = "
                                   f"({n}, {g})")
-    return (ca, c, g, k, sshape, pshape, axes, check_epsilon(epsilon),
+    return (ca, c, g, k, sshape, pshape, axes, check_epsilon(epsilon, x.dtype),
             _backward_activation(activation)) + _gradients_wanted(grad_input, grad_scale, grad_bias, scale, bias)
 
 

@@ -141,9 +141,12 @@ def _params_known_along(fn: str, x: "da.Array", params: Any, channel_axis: Any =
         return
     ca = None
     if channel_axis is not None and any(p is not None and p.ndim == 1 for p in params):
-        if not is_int(channel_axis) or not -x.ndim <= int(channel_axis) < x.ndim:
+        if x.ndim == 1:
+            ca = 0  # (a 1-D input's parameters run along it, whatever channel_axis says)
+        elif not is_int(channel_axis) or not -x.ndim <= int(channel_axis) < x.ndim:
             return  # (the op's validation refuses it)
-        ca = int(channel_axis) % x.ndim
+        else:
+            ca = int(channel_axis) % x.ndim
     _known_along(fn, x, _spanned(x, params, ca), "the parameters need")
 
 
@@ -285,7 +288,7 @@ def _quiet(fn):
 
 @_quiet
 def _mean_stat(rec, *, sdt):
-    return rec["mean"].astype(sdt)
+    return np.where(rec["count"] > 0, rec["mean"], np.nan).astype(sdt)  # (of no elements: NaN, as in memory)
 
 
 @_quiet
@@ -313,12 +316,15 @@ def _normalize_task(xb, rec, sb, bb, fab, *, nm, nv, eps, outside, act, threads)
         var, e = _second(rec, nm), eps
     finite = np.isfinite(var) & (var != 0)
     in_range = sdt != np.float32 or bool(np.all((np.abs(var[finite]) >= _F32_MIN) & (np.abs(var[finite]) <= _F32_MAX)))
+    # (outside the root, (std + epsilon) ** 2 overflows double past epsilon ~1e154, where 1 / it is not 0)
+    in_range = in_range and not (outside and np.isinf(var).any())
     with caller_threads(threads):
         if fab is None and in_range:
             return _api.batch_normalization(xb, shift.astype(sdt), var.astype(sdt), sb, bb, epsilon=e, activation=act)
-        # A fused add, or a variance float32 cannot hold (data spread below ~1e-19): the same
-        # terms from 1 / std in float64, in the compute type, then the activation.
-        return _composed(xb, shift, inv_std_of(var, e, False), sb, bb, fab, act)
+        # A fused add, or a variance the statistics' type cannot hold (data spread below ~1e-19 in
+        # float32): the same terms from 1 / std in float64, in the compute type, then the activation.
+        inv = inv_std_of(_second(rec, nm), eps, True) if outside else inv_std_of(var, e, False)
+        return _composed(xb, shift, inv, sb, bb, fab, act)
 
 
 @_quiet

@@ -1417,7 +1417,7 @@ def _check_as_plain(name: str, kw: Dict[str, Any], running: Dict[str, Any]) -> N
     if x.dtype not in _ACCEPTED or not all(type(n) is int for n in x.shape):
         return  # (the op refuses such a dtype by name; symbolic sizes are checked when the op runs)
     s = _Shape(x)
-    d.check_epsilon(kw.get("epsilon", 1e-5))
+    d.check_epsilon(kw.get("epsilon", 1e-5), s.dtype, kw.get("epsilon_mode") == "outside")
     ca = kw.get("channel_axis", 1)
     if name in ("layer_norm", "rms_norm"):
         d.trailing_axes_rule(s, kw.get("axis", -1))
