@@ -357,6 +357,9 @@ def test_unknown_chunk_sizes_along_dims_the_op_does_not_need(rng, chunking):
             call()
     with pytest.raises(ValueError, match=r"unknown chunk sizes along axis 0 .*parameters need"):
         sd.batch_normalization_training(Xn, fused_add=np.ones((3, *SHAPE[1:]), F32))
+    # an invalid call's message shows the input's shape as dask has it, beside the stand-in's
+    with pytest.raises(ValueError, match=r"no spatial dims.*the input's shape \(nan, 5\): its unknown sizes read "):
+        sd.instance_norm(Xn[:, 0, 0])
     # a 1-D input's (C,) parameters run along its one dim, whatever channel_axis says
     v = da.from_array(x[0, 0, 0], chunks=2)
     vn = v[v > -np.inf]

@@ -34,6 +34,7 @@ from ._activation import ActivationLike
 from ._compile import as_param, plan_bn, plan_mvn
 from ._descriptors import (
     BatchNormalizationDesc,
+    DescriptorError,
     MeanVarianceNormalizationDesc,
     TensorDesc,
     channel_axis_rule,
@@ -456,7 +457,16 @@ def _documented(twin: str) -> Any:
     def wrap(fn: Any) -> Any:
         if fn.__doc__ is not None:  # (None under python -OO)
             fn.__doc__ = f"Lazy :func:`simdnorm.{twin}` of a dask array.\n" + fn.__doc__ + _COMMON
-        return fn
+
+        @functools.wraps(fn)
+        def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(x, *args, **kwargs)
+            except DescriptorError as e:  # (the validators read unknown sizes as 1: _Sized)
+                if isinstance(x, da.Array) and _unknown(x):
+                    raise type(e)(f"{e} (the input's shape {x.shape}: its unknown sizes read as 1 here)") from None
+                raise
+        return call
     return wrap
 
 
