@@ -453,7 +453,9 @@ _COMMON = """
     and messages of the in-memory function."""
 
 
-def _documented(twin: str) -> Any:
+def _public(twin: str) -> Any:
+    """A public function: its docstring after the in-memory twin's, and its errors on an input of
+    unknown sizes naming that input's shape."""
     def wrap(fn: Any) -> Any:
         if fn.__doc__ is not None:  # (None under python -OO)
             fn.__doc__ = f"Lazy :func:`simdnorm.{twin}` of a dask array.\n" + fn.__doc__ + _COMMON
@@ -470,7 +472,7 @@ def _documented(twin: str) -> Any:
     return wrap
 
 
-@_documented("batch_normalization")
+@_public("batch_normalization")
 def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bias: Any = None, *,
                         epsilon: float = 1e-5, activation: ActivationLike = None, channel_axis: int = 1,
                         num_threads: Optional[int] = None, out: Any = None) -> Any:
@@ -492,7 +494,7 @@ def batch_normalization(x: Any, mean: Any, variance: Any, scale: Any = None, bia
                        meta=x._meta, prefix="simdnorm-batch_normalization")
 
 
-@_documented("mean_variance_normalization")
+@_public("mean_variance_normalization")
 def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any = None, *,
                                 normalize_mean: bool = True, normalize_variance: bool = True,
                                 epsilon: float = 1e-5, epsilon_mode: str = "inside",
@@ -514,7 +516,7 @@ def mean_variance_normalization(x: Any, axes: Any, scale: Any = None, bias: Any 
                       eps=eps, mode=mode, act=activation, return_stats=stats, threads=threads)
 
 
-@_documented("layer_norm")
+@_public("layer_norm")
 def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, epsilon: float = 1e-5,
                activation: ActivationLike = None, return_stats: bool = False, num_threads: Optional[int] = None,
                out: Any = None) -> Any:
@@ -532,7 +534,7 @@ def layer_norm(x: Any, scale: Any = None, bias: Any = None, *, axis: int = -1, e
                       act=activation, return_stats=stats, threads=threads)
 
 
-@_documented("rms_norm")
+@_public("rms_norm")
 def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5, activation: ActivationLike = None,
              return_stats: bool = False, num_threads: Optional[int] = None, out: Any = None) -> Any:
     """
@@ -551,7 +553,7 @@ def rms_norm(x: Any, scale: Any = None, *, axis: int = -1, epsilon: float = 1e-5
                       return_stats=stats, threads=threads)
 
 
-@_documented("instance_norm")
+@_public("instance_norm")
 def instance_norm(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5, channel_axis: int = 1,
                   activation: ActivationLike = None, return_stats: bool = False, num_threads: Optional[int] = None,
                   out: Any = None) -> Any:
@@ -600,7 +602,7 @@ def _nan_stats(x: "da.Array", g: int, sdt: Any) -> "da.Array":
                            meta=_meta(2, sdt))
 
 
-@_documented("group_norm")
+@_public("group_norm")
 def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
                channel_axis: int = 1, activation: ActivationLike = None, return_stats: bool = False,
                num_threads: Optional[int] = None, out: Any = None) -> Any:
@@ -649,7 +651,7 @@ def group_norm(x: Any, num_groups: int, scale: Any = None, bias: Any = None, *, 
             firsts.map_blocks(_inv_std_stat, nm=True, eps=eps, outside=False, sdt=sdt, dtype=sdt, meta=meta))
 
 
-@_documented("batch_normalization_training")
+@_public("batch_normalization_training")
 def batch_normalization_training(x: Any, scale: Any = None, bias: Any = None, *, epsilon: float = 1e-5,
                                  channel_axis: int = 1, fused_add: Any = None, activation: ActivationLike = None,
                                  num_threads: Optional[int] = None, running_mean: Any = None, running_var: Any = None,
