@@ -460,6 +460,22 @@ def test_backward_sums_of_wide_channel_rows_go_by_columns(shape, columns):
     assert (f" sum_columns={columns}" in plan) if columns else "sum_columns" not in plan, plan
 
 
+def test_wide_channel_rows_streamed_by_the_sums_pass_keep_whole_rows():
+    # without statistics terms (training=False) the sums pass writes grad_input; from memory it
+    # streams it, and then takes whole rows (blocks of columns measured slower there)
+    x = np.zeros((1024, 16384), np.float32)
+    c = np.ones((1, 16384), np.float32)
+    sums = [np.zeros(16384, np.float64) for _ in range(2)]
+
+    def plan(terms):
+        return _core.mvn_backward(x, x, (0,), c, c, c, c, None, np.empty_like(x), *sums, 1e-5, True, True, False,
+                                  IDENTITY, terms, False, 1, True, False)
+
+    assert "sums-write" in plan(False) and "streaming-stores" in plan(False), plan(False)
+    assert "sum_columns" not in plan(False), plan(False)
+    assert "sum_columns=256" in plan(True), plan(True)
+
+
 def test_backward_two_passes_go_in_slabs_only_from_memory_and_apart():
     # From memory, the two passes go slab by slab (each summed, then written from the L2): slabs of
     # whole samples where the statistics are per sample (instance norm of channels-last data), any

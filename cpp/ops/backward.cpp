@@ -695,7 +695,8 @@ class BackwardRunner {
   // where the statistics or parameters vary along the runs (the channels of batch norm's rows) and
   // the chunks' partials would outweigh an eighth of their data (each chunk holds every channel's
   // sums, to clear, flush and merge), blocks of the runs' columns instead, each over every row,
-  // holding its own channels' sums alone.
+  // holding its own channels' sums alone. Not where the sums pass streams grad_input out: a block's
+  // pieces of each row suit non-temporal stores worse than whole rows.
   std::vector<Slab> sum_chunks(const LoopNest& nest, int64_t total, const SumTargets& t) const {
     const int64_t bytes = ((t.group ? 2 * stats_->count() : 0) + (t.params ? 2 * params_->count() : 0)) * (8 + csize_);
     // (A chunk holds only the slots it reaches; the bound is for the chunks that reach them all.)
@@ -705,7 +706,8 @@ class BackwardRunner {
     const int64_t n = nest.sizes[in], es = itemsize(a_.input.dtype), line = std::max<int64_t>(1, kLineBytes / es);
     const int64_t data_bytes = total * (es + itemsize(a_.grad_output.dtype));
     std::vector<Slab> out;
-    if (varying && chunks > 1 && n >= 2 * line && chunks * bytes > data_bytes / 8) {
+    const bool streams_out = write_in_sums(t) && task_.stream_stores;
+    if (varying && chunks > 1 && n >= 2 * line && chunks * bytes > data_bytes / 8 && !streams_out) {
       const int64_t blocks = std::min(chunks, n / line);
       const int64_t cols = (n + blocks - 1) / blocks, per = (cols + line - 1) / line * line;
       for (int64_t c0 = 0; c0 < n; c0 += per) {
