@@ -313,6 +313,50 @@ def test_columns_lanes_settled_apart(isa, rng, threads, dtype, variant):
               epsilon=1e-3, epsilon_mode="outside" if variant == "outside" else "inside", context=variant)
 
 
+# A few rows (batch norm training of (N, C) data) are finished and normalized by one kernel, chunk
+# by chunk; from a lane it cannot settle on, the task's lanes take the passes above. Each lane's
+# results are its own: a lane beside one that the kernel leaves has the bits it has when the
+# kernel takes the whole task.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("variant", ["default", "outside", "no_mean", "no_variance"])
+def test_columns_few_rows_fused_and_left(isa, rng, threads, dtype, variant):
+    from simdnorm import _core
+    rows, lanes = 12, 3000  # two tasks of lanes (2048 and 952)
+    kw = dict(epsilon=1e-3, normalize_mean=variant != "no_mean", normalize_variance=variant != "no_variance",
+              epsilon_mode="outside" if variant == "outside" else "inside")
+    clean = (3.0 + rng.normal(size=(rows, lanes))).astype(dtype)
+    clean[:, 700] = 7.25  # a constant lane
+    mixed = clean.copy()
+    left = [11, 2100]  # lanes the kernel leaves (each task's rest taken by the passes)
+    mixed[2, 11] = np.inf
+    mixed[5, 2100] = np.nan
+    if dtype == F64:  # squares overflow: summed again scaled down
+        mixed[:, 300] = 1e200 * (1.0 + 0.1 * rng.normal(size=rows))
+        left.append(300)
+    plan = _core.explain_mvn(mixed, (0,), None, None, np.empty_like(mixed), 1e-3, kw["normalize_mean"],
+                             kw["normalize_variance"], variant == "outside", (0, 0.0, 0.0), None, None, -1, False)
+    assert plan.startswith(f"columns groups=1 lanes={lanes} group_size={rows} fused_columns lanes_per_task=2048 "), plan
+    results = []
+    for n in (1, 2):
+        threads(n)
+        results.append(mvn(mixed, 0, out=np.full_like(mixed, np.nan), return_stats=True, **kw))
+    _assert_bitwise(results[0], results[1], f"{dtype_id(dtype)} {variant}")
+    whole = mvn(clean, 0, out=np.full_like(clean, np.nan), return_stats=True, **kw)
+    ok = np.ones(lanes, bool)
+    ok[left] = False
+    for got, want in zip(results[1], whole):
+        if got is not None:
+            np.testing.assert_array_equal(bits(got[..., ok]), bits(want[..., ok]), err_msg=variant)
+    y, m, inv = results[1]
+    if variant in ("default", "outside"):
+        assert np.isnan(y[:, [11, 2100]]).all() and np.isnan(m[0, [11, 2100]]).all()
+    check_mvn(y[:, ok], clean[:, ok], 0, stats=(None if m is None else m[:, ok], None if inv is None else inv[:, ok]),
+              context=variant, **kw)
+    if dtype == F64 and variant != "no_variance":  # (the reference's squares overflow: scaled, epsilon 0)
+        check_mvn(y[:, [300]], mixed[:, [300]] / 1e200, 0, normalize_mean=variant != "no_mean", epsilon=0.0,
+                  epsilon_mode=kw["epsilon_mode"], context=variant)
+
+
 # Tasks of whole rows (columns longer than the L2 holds: channels-last batch norm's statistics) are
 # summed in chunks of rows fixed by the shape, the chunks over all threads, added in order. Rows
 # of a sliced view (the reduced dims do not merge), so the chunks cut through the outer dim; the

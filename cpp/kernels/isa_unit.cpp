@@ -57,6 +57,7 @@ namespace {
 #include "kernels/normalize.h"
 #include "kernels/moments.h"
 #include "kernels/lane_stats.h"
+#include "kernels/fused_columns.h"
 #endif
 }  // namespace
 
@@ -113,6 +114,10 @@ void normalize_bf16(const NormalizeTask& t, int64_t begin, int64_t end) {
   if (t.dtype == DType::bf16) normalize_entry(t, begin, end);
   else base::kernel_table.normalize(t, begin, end);
 }
+int64_t normalize_columns_fused_bf16(const NormalizeTask& t, const FusedColumnsArgs& a) {
+  if (t.dtype == DType::bf16) return normalize_columns_fused_entry(t, a);
+  return base::kernel_table.normalize_columns_fused(t, a);
+}
 void col_moments_base(const ColMomentsArgs& a) { base::kernel_table.col_moments(a); }
 int64_t lane_stats_base(const LaneStatsArgs& a) { return base::kernel_table.lane_stats(a); }
 void inv_std_lanes_base(const double* var, double* out, int64_t n, int64_t step, const InvStdRule& rule) {
@@ -145,7 +150,7 @@ void backward_coefficients_base(const BackwardTask& t, char* st, const double* g
 const KernelTable kernel_table = {kIsaName,          kWidth,           inline_activation_bits(), normalize_bf16,
                                   normalize_run_kernel, row_moments_kernel, col_moments_base,
                                   normalize_group_and_sum_kernel, normalize_rows_fused_kernel, rows_loop_kernel,
-                                  lane_stats_base,
+                                  normalize_columns_fused_bf16, lane_stats_base,
                                   inv_std_lanes_base, scale_over_std_lanes_base, scale_over_std_f32_base,
                                   backward_sums_bf16, backward_apply_bf16,
                                   backward_groups_bf16, backward_coefficients_base};
@@ -154,7 +159,8 @@ void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) { n
 void row_moments_kernel(const RowMomentsArgs& a) { row_moments_entry(a); }
 const KernelTable kernel_table = {kIsaName,        kWidth,            inline_activation_bits(), normalize_entry, normalize_run_kernel,
                                    row_moments_kernel, col_moments_entry, normalize_group_and_sum_kernel,
-                                   normalize_rows_fused_kernel, rows_loop_kernel, lane_stats_entry,
+                                   normalize_rows_fused_kernel, rows_loop_kernel, normalize_columns_fused_entry,
+                                   lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry, scale_over_std_f32_entry,
                                    backward_sums_kernel,
                                    backward_apply_kernel, backward_groups_kernel, backward_coefficients_kernel};

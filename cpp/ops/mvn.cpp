@@ -68,6 +68,9 @@ std::string MvnRunner::describe() {
                   (plan_.lane_group > 1 ? " lane_group=" + std::to_string(plan_.lane_group) : std::string());
   const bool statistics = a_.normalize_mean || a_.normalize_variance;
   if (a_.statistics_only) return d + " statistics-only";
+  if (statistics && plan_.lanes && fused_columns_take())
+    return d + " fused_columns lanes_per_task=" + std::to_string(std::min(kFusedColumnLanes, plan_.lane_count)) + " " +
+           describe_normalize(column_normalize_task(0, 0, plan_.lane_count));
   if (statistics && plan_.lanes) {
     // Tasks of lane groups and of whole rows run one normalize pass over the whole nest; other
     // column tasks normalize their own lanes.

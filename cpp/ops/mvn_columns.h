@@ -12,11 +12,59 @@ namespace {
 // cached. Else tasks of whole rows, summed in chunks (run_columns_chunked).
 void MvnRunner::run_columns() {
   if (lane_group_tasks()) return run_lane_group_tasks();
+  if (fused_columns_take()) return run_fused_columns();
   if (whole_row_tasks()) return run_columns_chunked();
   for_item_ranges(plan_.groups, plan_.groups * plan_.lane_count * plan_.group_size, [&](int64_t k0, int64_t k1) {
     LaneScratch lane(plan_.lane_count);
-    for (int64_t ko = k0; ko < k1; ++ko) column_task(ko, lane);
+    for (int64_t ko = k0; ko < k1; ++ko) column_range(ko, 0, plan_.lane_count, lane);
   });
+}
+
+// Lanes a few rows deep (kernel_table.h: FusedColumnsArgs; batch norm training of (N, C) data):
+// tasks of kFusedColumnLanes lanes at a kept index, split between threads, each finished and
+// normalized by the fused kernel. Where it leaves a task's lanes from one the first pass does not
+// settle, column_range's passes take them. Each lane's results are its own: the same bits for any
+// split.
+void MvnRunner::run_fused_columns() {
+  const int64_t blocks = (plan_.lane_count + kFusedColumnLanes - 1) / kFusedColumnLanes;
+  const int64_t work = plan_.groups * plan_.lane_count * plan_.group_size;
+  for_item_ranges(plan_.groups * blocks, work, [&](int64_t t0, int64_t t1) {
+    std::optional<LaneScratch> lane;  // (only for lanes the kernel leaves)
+    for (int64_t t = t0; t < t1; ++t) {
+      const ColumnTask c = column_task_at(t, blocks, kFusedColumnLanes);
+      const NormalizeTask sub = column_normalize_task(c.ko, c.c0, c.nb);
+      FusedColumnsArgs f{a_.normalize_mean, inv_group_size_, inv_std_rule_, underflow_, {}};
+      const int64_t lanes_before = c.c0 * csize_;
+      if (a_.mean_out && a_.normalize_mean)
+        f.stats_out[0] = user_mean_ + user_offset(user_mean_strides_, c.ko) + lanes_before;
+      if (a_.inv_std_out && a_.normalize_variance) {
+        f.stats_out[1] = user_inv_std_ + user_offset(user_inv_std_strides_, c.ko) + lanes_before;
+        if (a_.var_out) f.stats_out[2] = f.stats_out[1] + var_offset();
+      }
+      const int64_t done = kernels().normalize_columns_fused(sub, f);
+      if (done == c.nb) continue;
+      if (!lane) lane.emplace(kFusedColumnLanes);
+      column_range(c.ko, c.c0 + done, c.nb - done, *lane);
+    }
+  });
+}
+
+// Whether run_fused_columns takes the call: a few rows (one reduced dim), lanes one by one, the
+// input, output and statistics contiguous along them, scale and bias constant down the rows and
+// both contiguous or both constant along the lanes (as batch norm's, which share a shape).
+bool MvnRunner::fused_columns_take() const {
+  const LoopNest& n = task_.loop;
+  const int lanes_dim = plan_.nest.ndim - 1, rows_dim = lanes_dim - 1;
+  if (a_.statistics_only || plan_.lane_group != 1 || plan_.split_lanes || plan_.reduced_dims != 1 ||
+      plan_.group_size > kFusedColumnRows || task_.stream_stores || n.ndim != plan_.nest.ndim)
+    return false;
+  if ((a_.mean_out && a_.normalize_mean && user_mean_strides_[lanes_dim] != csize_) ||
+      (a_.inv_std_out && a_.normalize_variance && user_inv_std_strides_[lanes_dim] != csize_))
+    return false;
+  const int64_t ts = itemsize(a_.input.dtype), affine_step = n.strides[kBias][lanes_dim];
+  return n.strides[kIn][lanes_dim] == ts && n.strides[kOut][lanes_dim] == ts && n.strides[kScale][rows_dim] == 0 &&
+         n.strides[kBias][rows_dim] == 0 && (affine_step == 0 || affine_step == csize_) &&
+         (task_.scale_folded || n.strides[kScale][lanes_dim] == affine_step);
 }
 
 // Whole-row tasks (channels-last batch norm: one task of all the channels down 25088 rows): each
@@ -122,15 +170,14 @@ void MvnRunner::lane_group_sums(int64_t ko, int64_t c0, int64_t groups, const do
   }
 }
 
-// One task, all the lanes at kept index ko: their statistics, then their normalization while the
-// task's block is cached.
-void MvnRunner::column_task(int64_t ko, LaneScratch& lane) {
-  const int64_t nb = plan_.lane_count;
-  load_pivots(ko, 0, nb, lane.pivot.data());
-  column_sums(ko, 0, nb, lane.pivot.data(), 1.0, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
-  finish_lanes(ko, 0, nb, lane);
+// Lanes [c0, c0 + nb) at kept index ko: their statistics, then their normalization while the
+// block is cached.
+void MvnRunner::column_range(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane) {
+  load_pivots(ko, c0, nb, lane.pivot.data());
+  column_sums(ko, c0, nb, lane.pivot.data(), 1.0, 0, plan_.group_size, lane.s1.data(), lane.s2.data());
+  finish_lanes(ko, c0, nb, lane);
   if (a_.statistics_only) return;
-  NormalizeTask sub = column_normalize_task(ko, 0, nb);
+  NormalizeTask sub = column_normalize_task(ko, c0, nb);
   kernels().normalize(sub, 0, plan_.group_size * nb);
 }
 
@@ -301,7 +348,7 @@ void MvnRunner::judge_slow_lanes(int64_t ko, int64_t c0, int64_t nb, LaneScratch
     l.result_scale = r.scale;
     lanes.push_back(l);
   }
-  for (int round = 1; round < kMaxPassRounds; ++round) {  // (round 0: column_task's first pass)
+  for (int round = 1; round < kMaxPassRounds; ++round) {  // (round 0: column_range's first pass)
     for (const double scale : {1.0, kDoubleScaling.down, kDoubleScaling.up}) {
       bool any = false;
       for (Slow& l : lanes) {

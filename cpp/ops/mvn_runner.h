@@ -11,6 +11,7 @@
 #include <cmath>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,10 @@ constexpr int64_t kMaxRowLanes = 8192;
 // kMaxColumnChunks of them: their sums (16 bytes a lane each) stay a small part of what they read.
 constexpr int64_t kColumnChunkBytes = 1 << 20;
 constexpr int64_t kMaxColumnChunks = 64;
+// Lanes of at most this many rows (one reduced dim) are finished and normalized by the fused columns
+// kernel (kernel_table.h: FusedColumnsArgs), in tasks of kFusedColumnLanes lanes.
+constexpr int64_t kFusedColumnRows = 16;
+constexpr int64_t kFusedColumnLanes = 2048;
 // Lane groups of at most this many rows (the batch of batch norm training on small NCHW planes) are
 // summed a group at a time (run_lane_group_tasks), in tasks of whole groups of about
 // kLaneGroupTaskBytes (enough tasks to share between threads, and a small lane scratch).
@@ -357,7 +362,9 @@ class MvnRunner {
                               double* s2) const;
   inline void column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pivots, double scale, int64_t f0,
                           int64_t f1, double* s1, double* s2) const;
-  inline void column_task(int64_t ko, LaneScratch& lane);
+  inline void column_range(int64_t ko, int64_t c0, int64_t nb, LaneScratch& lane);
+  inline void run_fused_columns();
+  inline bool fused_columns_take() const;
   inline void load_pivots(int64_t ko, int64_t c0, int64_t nb, double* pivot) const;
   // groups_summed: the lane groups' sums and pivots are already at the front of s1, s2 and
   // inv_std (lane_group_sums), not yet in the lanes' arrays.
