@@ -316,12 +316,13 @@ def test_columns_lanes_settled_apart(isa, rng, threads, dtype, variant):
 # A few rows (batch norm training of (N, C) data) are finished and normalized by one kernel, chunk
 # by chunk; from a lane it cannot settle on, the task's lanes take the passes above. Each lane's
 # results are its own: a lane beside one that the kernel leaves has the bits it has when the
-# kernel takes the whole task.
+# kernel takes the whole task, and an output the kernel does not take (lanes reversed: tasks of
+# whole rows) gets the same bits.
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
 @pytest.mark.parametrize("variant", ["default", "outside", "no_mean", "no_variance"])
 def test_columns_few_rows_fused_and_left(isa, rng, threads, dtype, variant):
     from simdnorm import _core
-    rows, lanes = 12, 3000  # two tasks of lanes (2048 and 952)
+    rows, lanes = 12, 6000  # three tasks of lanes (2048, 2048 and 1904)
     kw = dict(epsilon=1e-3, normalize_mean=variant != "no_mean", normalize_variance=variant != "no_variance",
               epsilon_mode="outside" if variant == "outside" else "inside")
     clean = (3.0 + rng.normal(size=(rows, lanes))).astype(dtype)
@@ -341,6 +342,11 @@ def test_columns_few_rows_fused_and_left(isa, rng, threads, dtype, variant):
         threads(n)
         results.append(mvn(mixed, 0, out=np.full_like(mixed, np.nan), return_stats=True, **kw))
     _assert_bitwise(results[0], results[1], f"{dtype_id(dtype)} {variant}")
+    reversed_out = np.full_like(mixed, np.nan)[:, ::-1]
+    plan = _core.explain_mvn(mixed, (0,), None, None, reversed_out, 1e-3, kw["normalize_mean"],
+                             kw["normalize_variance"], variant == "outside", (0, 0.0, 0.0), None, None, -1, False)
+    assert "fused_columns" not in plan, plan
+    _assert_bitwise(results[1], mvn(mixed, 0, out=reversed_out, return_stats=True, **kw), "reversed output")
     whole = mvn(clean, 0, out=np.full_like(clean, np.nan), return_stats=True, **kw)
     ok = np.ones(lanes, bool)
     ok[left] = False

@@ -285,8 +285,10 @@ void MvnRunner::column_sums(int64_t ko, int64_t c0, int64_t nb, const double* pi
   // kernel's blocks of lanes each sweep the rows, so the rows go in blocks that stay in the L2 for
   // all of them, the first prefetching whole rows (each block of lanes sweeping all the rows, a run
   // of each row at a time from memory: 1.7x slower on (16384, 1024) float32). The blocks' sums add up
-  // in order.
-  const bool blocked = a_.statistics_only || whole_row_tasks();
+  // in order. Not lanes kFusedColumnRows deep or less: the kernel sweeps those rows once, a few
+  // lines of each a step, and their sums in one sweep are the fused columns kernel's, so that a
+  // lane's statistics do not depend on the output's layout or on statistics_only.
+  const bool blocked = (a_.statistics_only || whole_row_tasks()) && plan_.group_size > kFusedColumnRows;
   const int64_t rows = nest.sizes[rlast], row_bytes = nb * itemsize(a_.input.dtype);
   const int64_t block = blocked ? std::max<int64_t>(1, kColumnCachedBytes / 2 / row_bytes) : rows;
   const int64_t row_stride = nest.strides[kIn][rlast];
