@@ -23,7 +23,8 @@ struct FusedColumnsKernel {
   static int64_t run(const F& f, const NormalizeTask& task, const FusedColumnsArgs& a) {
     const LoopNest& nest = task.loop;
     const int64_t rows = nest.sizes[0], lanes = nest.sizes[1], ts = sizeof(T), cs = sizeof(C);
-    if (rows > Moments::kFewRows) return 0;
+    static_assert(kFusedColumnRows <= Moments::kFewRows, "the rows col_few_rows sums in one sweep");
+    SIMDNORM_CHECK(rows <= kFusedColumnRows);
     for (int64_t c0 = 0; c0 < lanes; c0 += kChunk) {
       const int64_t nc = std::min(kChunk, lanes - c0);
       alignas(64) double pivot[kChunk], s1[kChunk], s2[kChunk], mean[kChunk], var[kChunk], inv_std[kChunk];

@@ -44,9 +44,8 @@ constexpr int64_t kMaxRowLanes = 8192;
 // kMaxColumnChunks of them: their sums (16 bytes a lane each) stay a small part of what they read.
 constexpr int64_t kColumnChunkBytes = 1 << 20;
 constexpr int64_t kMaxColumnChunks = 64;
-// Lanes of at most this many rows (one reduced dim) are finished and normalized by the fused columns
-// kernel (kernel_table.h: FusedColumnsArgs), in tasks of kFusedColumnLanes lanes.
-constexpr int64_t kFusedColumnRows = 16;
+// Lanes of at most kFusedColumnRows rows (one reduced dim) are finished and normalized by the fused
+// columns kernel (kernel_table.h: FusedColumnsArgs), in tasks of this many lanes.
 constexpr int64_t kFusedColumnLanes = 2048;
 // Lane groups of at most this many rows (the batch of batch norm training on small NCHW planes) are
 // summed a group at a time (run_lane_group_tasks), in tasks of whole groups of about

@@ -109,12 +109,13 @@ struct FusedRowsArgs {
   int64_t var_offset = 0;
 };
 
-// A few rows (at most 16) of contiguous lanes, each lane a group (batch norm training of (N, C)
-// data): the task's nest is [rows, lanes], the input and output contiguous along the lanes, the
-// scale and bias contiguous or constant along them and constant down the rows. Chunks of lanes
-// are summed, finished and normalized in turn, with the bits of col_moments, lane_stats,
+// A few rows (at most kFusedColumnRows) of contiguous lanes, each lane a group (batch norm training
+// of (N, C) data): the task's nest is [rows, lanes], the input and output contiguous along the
+// lanes, the scale and bias contiguous or constant along them and constant down the rows. Chunks
+// of lanes are summed, finished and normalized in turn, with the bits of col_moments, lane_stats,
 // inv_std_lanes and normalize run one after another; the kernel stops at the first lane that
 // lane_stats calls slow, leaving it and the lanes after it to the caller's passes.
+constexpr int64_t kFusedColumnRows = 16;  // (the few-rows sums' limit: kernels/moments.h)
 struct FusedColumnsArgs {
   bool centered;  // as LaneStatsArgs' (the pivots: row 0's elements, else 0)
   double inv_n;
@@ -230,7 +231,7 @@ struct KernelTable {
   void (*normalize_group_and_sum)(const NormalizeTask& task, const GroupPairArgs& args);
   void (*normalize_rows_fused)(const NormalizeTask& task, const FusedRowsArgs& args);
   RowsLoop (*rows_loop)(const NormalizeTask& task, const FusedRowsArgs& args);
-  // Returns the lanes done: all of them, those before the first it left, or 0 past 16 rows.
+  // Returns the lanes done: all of them, or those before the first it left.
   int64_t (*normalize_columns_fused)(const NormalizeTask& task, const FusedColumnsArgs& args);
   // Returns how many lanes are slow.
   int64_t (*lane_stats)(const LaneStatsArgs& args);
