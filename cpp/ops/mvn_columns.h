@@ -51,12 +51,15 @@ void MvnRunner::run_fused_columns() {
 
 // Whether run_fused_columns takes the call: a few rows (one reduced dim), lanes one by one, the
 // input, output and statistics contiguous along them, scale and bias constant down the rows and
-// both contiguous or both constant along the lanes (as batch norm's, which share a shape).
+// both contiguous or both constant along the lanes (as batch norm's, which share a shape); and
+// not where tasks of whole rows would run: there the kernel's short runs of rows far apart ran
+// far slower than the passes with some placements of the arrays (docs/BENCHMARKS.md).
 bool MvnRunner::fused_columns_take() const {
   const LoopNest& n = task_.loop;
   const int lanes_dim = plan_.nest.ndim - 1, rows_dim = lanes_dim - 1;
   if (a_.statistics_only || plan_.lane_group != 1 || plan_.split_lanes || plan_.reduced_dims != 1 ||
-      plan_.group_size > kFusedColumnRows || task_.stream_stores || n.ndim != plan_.nest.ndim)
+      plan_.group_size > kFusedColumnRows || task_.stream_stores || n.ndim != plan_.nest.ndim ||
+      whole_row_tasks())
     return false;
   if ((a_.mean_out && a_.normalize_mean && user_mean_strides_[lanes_dim] != csize_) ||
       (a_.inv_std_out && a_.normalize_variance && user_inv_std_strides_[lanes_dim] != csize_))
