@@ -3,9 +3,9 @@
 // namespace after moments.h, normalize.h and lane_stats.h, whose loops it runs a chunk of lanes at
 // a time: the chunk's sums down the rows (col_few_rows), its statistics (lane_stats_loop,
 // inv_std_lanes_entry), then its rows normalized (normalize_entry, a row at a time), its data, sums
-// and statistics all in the L1. Run one pass after another over thousands of lanes, the same loops made and read
-// arrays of every lane's sums and statistics through the L2, which cost such calls more than the
-// sums and the normalization themselves.
+// and statistics in the L1. Run one pass after another over thousands of lanes, the same loops
+// made and read arrays of every lane's sums and statistics through the L2, which cost such calls
+// more than the sums and the normalization themselves.
 
 template <class T>
 struct FusedColumnsKernel {
