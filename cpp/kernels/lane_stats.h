@@ -100,20 +100,27 @@ static inline void store_as(char* p, double v) {
 // and 12 run-time alias checks are past what it versions a loop for: the loop stayed scalar).
 // `centered` a constant of each loop: GCC 12 does not vectorize a select on a run-time flag (the
 // kernels are compiled without loop unswitching), and the loop stayed scalar.
-// lane_stats_loop is the exception, written with vectors of 8 doubles (an AVX-512 register, two
-// AVX2 ones): as a plain loop, GCC stepped 64 lanes at a time for the slow bytes (its registers
-// spilled to the stack), or, without them, combined each vector's tests in general registers. Its
-// slow flags are stored by a second loop, run only where a lane is slow.
+// lane_stats_loop is the exception, written with vectors of the ISA's register of doubles: as a
+// plain loop, GCC stepped 64 lanes at a time for the slow bytes (its registers spilled to the
+// stack), or, without them, combined each vector's tests in general registers. A vector wider than
+// the register is worse: GCC 12 takes its compares and selects one element at a time. Its slow
+// flags are stored by a second loop, run only where a lane is slow.
 template <bool Centered>
 static int64_t lane_stats_loop(int64_t n, double inv_n, UnderflowRule u, const double* __restrict pivot,
                                const double* __restrict sum, const double* __restrict sum_sq,
                                double* __restrict mean, double* __restrict var, unsigned char* __restrict slow) {
+#if defined(__AVX512F__)
   constexpr int64_t WD = 8;
-  typedef double vd8 __attribute__((vector_size(WD * sizeof(double))));
+#elif defined(__AVX__)
+  constexpr int64_t WD = 4;
+#else
+  constexpr int64_t WD = 2;
+#endif
+  typedef double vdouble __attribute__((vector_size(WD * sizeof(double))));
   int64_t c = 0;
-  auto slow_lanes = decltype(lane_stats_of(vd8{}, vd8{}, vd8{}, inv_n, Centered, u).slow){};  // -1 a slow lane
+  auto slow_lanes = decltype(lane_stats_of(vdouble{}, vdouble{}, vdouble{}, inv_n, Centered, u).slow){};  // -1 a slow lane
   for (; c + WD <= n; c += WD) {
-    vd8 p, s1, s2;
+    vdouble p, s1, s2;
     std::memcpy(&p, pivot + c, sizeof p);
     std::memcpy(&s1, sum + c, sizeof s1);
     std::memcpy(&s2, sum_sq + c, sizeof s2);
