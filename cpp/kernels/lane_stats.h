@@ -109,7 +109,7 @@ template <bool Centered>
 static int64_t lane_stats_loop(int64_t n, double inv_n, UnderflowRule u, const double* __restrict pivot,
                                const double* __restrict sum, const double* __restrict sum_sq,
                                double* __restrict mean, double* __restrict var, unsigned char* __restrict slow) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__)  // (vec.h's kWidthD, which ops/ include this header without)
   constexpr int64_t WD = 8;
 #elif defined(__AVX__)
   constexpr int64_t WD = 4;
