@@ -118,7 +118,8 @@ static int64_t lane_stats_loop(int64_t n, double inv_n, UnderflowRule u, const d
 #endif
   typedef double vdouble __attribute__((vector_size(WD * sizeof(double))));
   int64_t c = 0;
-  auto slow_lanes = decltype(lane_stats_of(vdouble{}, vdouble{}, vdouble{}, inv_n, Centered, u).slow){};  // -1 a slow lane
+  using Mask = decltype(lane_stats_of(vdouble{}, vdouble{}, vdouble{}, inv_n, Centered, u).slow);
+  auto slow_lanes = Mask{};  // -1 a slow lane
   for (; c + WD <= n; c += WD) {
     vdouble p, s1, s2;
     std::memcpy(&p, pivot + c, sizeof p);
