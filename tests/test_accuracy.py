@@ -363,6 +363,90 @@ def test_columns_few_rows_fused_and_left(isa, rng, threads, dtype, variant):
                   epsilon_mode=kw["epsilon_mode"], context=variant)
 
 
+# Float32 1 / std and scale / std are the float32 rounding of the double arithmetic,
+# fl32(s * fl(1 / fl(sqrt(v + eps)))), bit for bit, in every path (batch norm's compact float32 fold,
+# the fused columns kernel, the passes). The hardest lanes are ties, whose float64 quotient is
+# exactly halfway between two float32s: any shortcut a double's last bit off (an estimate refined
+# by Newton's steps, say) rounds them the other way. These were found by a search over every
+# float32 in [1, 2) (or [1, 4)) beside a few hundred drawn variances or epsilons; each test checks
+# that they are ties.
+_TIES_SCALED = [(2.3613369464874268, 1.9707270860671997), (2.9261462688446045, 1.0079200267791748),
+                (2.6529319286346436, 1.638656735420227), (1.2229810953140259, 1.4138774871826172),
+                (2.2079296112060547, 1.8167874813079834), (2.9103803634643555, 1.7794923782348633),
+                (3.301997184753418, 1.239004135131836)]  # (variance, scale), epsilon 1e-5
+_TIES_UNSCALED = [(1.50210702419281, 0.00438304478302598), (2.2522900104522705, 0.00438304478302598),
+                  (1.5896726846694946, 0.007958178408443928), (1.5931094884872437, 0.004521374590694904),
+                  (2.871015787124634, 0.0029638514388352633), (1.0129542350769043, 0.009077716618776321)]
+# (d, epsilon): rows (0, d) have the variance (d / 2)^2 exactly
+_TIES_FEW_ROWS = [(1.209376335144043, 0.007312749046832323), (2.6081674098968506, 0.0011349812848493457),
+                  (1.303229570388794, 0.0009604694205336273), (3.521681547164917, 0.006958675105124712),
+                  (3.8095057010650635, 0.0074775200337171555), (1.713051676750183, 0.004383407533168793)]
+
+
+def _assert_ties(quotient):
+    """Each float64 quotient is exactly the midpoint of two adjacent float32s."""
+    f = quotient.astype(F32)
+    other = np.nextafter(f, np.where(quotient > f, np.inf, -np.inf).astype(F32))
+    np.testing.assert_array_equal(quotient, (f.astype(F64) + other.astype(F64)) / 2)
+
+
+def _tie_places(rng, ordinary, ties):
+    """Where `ties` lanes go among `ordinary` others (sorted places in the whole)."""
+    return np.sort(rng.choice(ordinary + ties, ties, replace=False))
+
+
+def _with_ties(ordinary, ties, at):
+    """The ordinary lanes with the ties put in at places `at`."""
+    return np.insert(ordinary, at - np.arange(len(at)), ties)
+
+
+def _scale_over_std(var, scale, eps):
+    return (1.0 if scale is None else scale.astype(F64)) * (1.0 / np.sqrt(var.astype(F64) + eps))
+
+
+def test_float32_scale_over_std_at_rounding_ties(isa, rng):
+    scaled = tuple(np.array(t, F32) for t in zip(*_TIES_SCALED)) + (1e-5,)
+    for tie_var, tie_scale, eps in [scaled] + [(np.array([v], F32), None, eps) for v, eps in _TIES_UNSCALED]:
+        _assert_ties(_scale_over_std(tie_var, tie_scale, eps))
+        n = int(rng.integers(20, 300))
+        at = _tie_places(rng, n, tie_var.size)
+        var = _with_ties(rng.uniform(0.25, 4.0, n).astype(F32), tie_var, at)
+        scale = None if tie_scale is None else _with_ties(rng.uniform(0.5, 2.0, n).astype(F32), tie_scale, at)
+        # x - mean = 1 and no bias: each output is its channel's folded multiplier
+        x = np.ones((2, var.size), F32)
+        got = simdnorm.batch_normalization(x, np.zeros(var.size, F32), var, scale, None, epsilon=eps)
+        want = _scale_over_std(var, scale, eps).astype(F32)
+        np.testing.assert_array_equal(bits(got), bits(np.broadcast_to(want, x.shape)), err_msg=f"ties at {at}")
+
+
+def test_columns_few_rows_float32_inv_std_at_rounding_ties(isa, rng, threads):
+    from simdnorm import _core
+
+    for tie_d, eps in _TIES_FEW_ROWS:
+        n = int(rng.integers(300, 600))
+        at = _tie_places(rng, n, 1)
+        d = _with_ties(rng.uniform(0.5, 4.0, n).astype(F32), [tie_d], at)
+        d64 = d.astype(F64)
+        want = 1.0 / np.sqrt(d64 * d64 / 4 + eps)
+        _assert_ties(want[at])
+        want = want.astype(F32)
+        x = np.stack([np.zeros_like(d), d])
+        plan = _core.explain_mvn(x, (0,), None, None, np.empty_like(x), eps, True, True, False, (0, 0.0, 0.0), None,
+                                 None, -1, False)
+        assert " fused_columns " in plan, plan
+        results = []
+        for n in (1, 2):
+            threads(n)
+            results.append(mvn(x, 0, epsilon=eps, out=np.full_like(x, np.nan), return_stats=True))
+        _assert_bitwise(results[0], results[1], f"tie at {at}")
+        y, mean, inv = results[1]
+        np.testing.assert_array_equal(bits(inv[0]), bits(want), err_msg=f"tie at {at}")
+        np.testing.assert_array_equal(bits(mean[0]), bits(d / 2))
+        np.testing.assert_array_equal(bits(y), bits(np.stack([-d / 2 * want, d / 2 * want])))
+        reversed_out = np.full_like(x, np.nan)[:, ::-1]  # (the passes: 1 / std in double, then rounded)
+        _assert_bitwise(results[1], mvn(x, 0, epsilon=eps, out=reversed_out, return_stats=True), "reversed output")
+
+
 # Tasks of whole rows (columns longer than the L2 holds: channels-last batch norm's statistics) are
 # summed in chunks of rows fixed by the shape, the chunks over all threads, added in order. Rows
 # of a sliced view (the reduced dims do not merge), so the chunks cut through the outer dim; the

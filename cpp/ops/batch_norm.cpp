@@ -91,7 +91,7 @@ void batch_norm(const BatchNormArgs& a, std::string* explain) {
                                                               {&a.variance, 0.0},
                                                               {a.scale ? &*a.scale : nullptr, 1.0},
                                                               {a.bias ? &*a.bias : nullptr, 0.0}},
-                   operands, ctx.compute, f, &ctx, nullptr, false, compact);
+                   operands, ctx.compute, f, &ctx, nullptr, false, compact, coefficient_phase(a.output.data, x.dtype));
   };
   fold({kShift, kMul, kBias}, fold_scale_into_mul, fold_scale_into_mul_f32);
   const bool scale_folded = ctx.scale_fits;

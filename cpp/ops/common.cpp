@@ -46,7 +46,7 @@ double load_scalar(DType dtype, const char* p) {
 
 FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                            std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
-                           const int* order, bool kept, CompactFold compact_fold) {
+                           const int* order, bool kept, CompactFold compact_fold, int64_t phase) {
   SIMDNORM_CHECK(ndim >= 0 && ndim <= kMaxViewDims);
   SIMDNORM_CHECK(operands.size() <= kMaxInputs && inputs.size() <= kMaxInputs);
   elsize_ = itemsize(compute);
@@ -78,14 +78,17 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
     count_ *= sizes[d];
     ++nd;
   }
-  pitch_ = count_ * elsize_;
-  const size_t bytes = static_cast<size_t>(count_ * elsize_ * outputs);
+  const int64_t array_bytes = count_ * elsize_;
+  pitch_ = phase < 0 ? array_bytes : (array_bytes + kLineBytes - 1) / kLineBytes * kLineBytes;
+  const int64_t slack = phase < 0 ? 0 : kLineBytes + phase;
+  const size_t bytes = static_cast<size_t>(pitch_ * outputs + slack);
   if (bytes > sizeof local_ && kept) {
     storage_ = kept_storage_.reserve(bytes);
   } else if (bytes > sizeof local_) {
     heap_.reset(new char[bytes]);
     storage_ = heap_.get();
   }
+  if (phase >= 0) storage_ += (kLineBytes - reinterpret_cast<uintptr_t>(storage_) % kLineBytes) % kLineBytes + phase;
   // Whether every input given is compact in the compute type: its elements in the arrays' order.
   bool compact = true;
   for (int i = 0; i < nin && compact; ++i) {
@@ -111,7 +114,7 @@ FoldedParams::FoldedParams(int ndim, const int64_t* sizes, std::initializer_list
     if (compact) {
       for (int i = 0; i < nin; ++i) {
         if (in[i].view != nullptr) {
-          std::memcpy(data(i), in[i].view->data, static_cast<size_t>(pitch_));
+          std::memcpy(data(i), in[i].view->data, static_cast<size_t>(array_bytes));
         } else if (compute == DType::f64) {
           std::fill_n(reinterpret_cast<double*>(data(i)), count_, in[i].absent_value);
         } else {
@@ -335,6 +338,13 @@ void FoldedParams::realign(int64_t phase) {
   pitch_ = pitch;
 }
 
+int64_t coefficient_phase(const char* out, DType dtype, int64_t offset) {
+  const int64_t ts = itemsize(dtype), cs = itemsize(compute_type(dtype));
+  // The kernel's first full vector is at element `head` of the run (see ContiguousRun).
+  const int64_t head = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(out) % 64) % 64) / ts;
+  return ((-(offset + head * cs)) % 64 + 64) % 64;
+}
+
 void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype) {
   const int inner = nest.ndim - 1;
   const int64_t ts = itemsize(dtype), cs = itemsize(compute_type(dtype));
@@ -349,11 +359,12 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype) {
     offset[o] = nest.data[op] - folded.data(o);
     if (offset[o] < 0 || offset[o] >= folded.count() * cs) return;
   }
-  // The kernel's first full vector is at element `head` of the run (see ContiguousRun).
+  const int64_t phase = coefficient_phase(nest.data[kOut], dtype, offset[0]);
   const int64_t head = static_cast<int64_t>((64 - out % 64) % 64) / ts;
-  const int64_t phase = ((-(offset[0] + head * cs)) % 64 + 64) % 64;
-  const bool aligned = (reinterpret_cast<uintptr_t>(nest.data[folded.operand(0)]) + head * cs) % kLineBytes == 0;
-  if (aligned && (folded.count() * cs) % kLineBytes == 0) return;  // every array then starts in phase
+  bool aligned = true;  // (as FoldedParams' phase may have placed them)
+  for (int o = 0; o < folded.outputs(); ++o)
+    aligned &= (reinterpret_cast<uintptr_t>(nest.data[folded.operand(o)]) + head * cs) % kLineBytes == 0;
+  if (aligned) return;
   folded.realign(phase);
   for (int o = 0; o < folded.outputs(); ++o) nest.data[folded.operand(o)] = folded.data(o) + offset[o];
 }

@@ -83,9 +83,11 @@ class FoldedParams {
   }
   // The arrays are laid out row-major over the dims in `order` (outermost first; null: 0 to ndim - 1).
   // `kept`: their storage the calling thread's kFoldSlot (one such object a thread at a time).
+  // `phase` (0 to 63): each array starts that many bytes past a 64-byte boundary, where
+  // align_coefficients would move them (-1: anywhere).
   FoldedParams(int ndim, const int64_t* sizes, std::initializer_list<Input> inputs,
                std::initializer_list<int> operands, DType compute, Fold fold, const void* ctx,
-               const int* order = nullptr, bool kept = false, CompactFold compact = nullptr);
+               const int* order = nullptr, bool kept = false, CompactFold compact = nullptr, int64_t phase = -1);
   // For each element of the arrays, its index in the row-major order of the dims (0 to ndim - 1)
   // along which they vary; none (empty) where that is the element's own.
   std::vector<int64_t> row_major_indices(int ndim, const int64_t* sizes) const;
@@ -136,6 +138,9 @@ void lengthen_repeating_runs(LoopNest& nest, FoldedParams& folded, DType dtype);
 // moved so that their vectors are 64-byte aligned where the kernel's stores are (it peels the output
 // to a 64-byte boundary): a vector load that straddles two cache lines costs about twice as much.
 void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype);
+// Where align_coefficients puts the arrays (bytes past a 64-byte boundary) for an inner run that
+// writes `out` from `offset` bytes into them: a FoldedParams' phase.
+int64_t coefficient_phase(const char* out, DType dtype, int64_t offset = 0);
 
 // Runs the normalize kernel over the whole nest, split over threads in element ranges.
 void run_normalize(NormalizeTask& task);
