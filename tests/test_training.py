@@ -2181,6 +2181,32 @@ def test_out_of_line_derivative_taken_once(rng, threads, dtype, act, layout):
             np.testing.assert_array_equal(bits(dy2), bits(gi), err_msg=f"in place threads={n} {training=}")
 
 
+# Runs whose statistics and parameters are constant along them (NCHW planes) take silu' and gelu'
+# inline (kernels/backward.h: run_derivative), other layouts through a call: the same arithmetic,
+# so the same bits. A fused add of zeros (pre + 0 is pre) sends the same call to the gathered runs,
+# whose derivative is the call's, and returns ga: the identity backward of that ga is, bit for bit,
+# the inline call's gradients (grouped with training statistics, one pass with global ones; planes
+# of a few lines and of many; 1 and 2 threads).
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("shape", [(3, 16, 7, 9), (2, 8, 48, 40)], ids=["short_planes", "long_planes"])
+def test_inline_derivative_bits_of_the_called_one(rng, threads, dtype, act, shape):
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(0.5, dtype)
+    dy = rand_values(rng, shape, dtype, scale=1.0)
+    pdt = F64 if dtype == F64 else F32
+    scale, bias = (rand_values(rng, (shape[1],), pdt, scale=1.0) for _ in range(2))
+    _, m, v = simdnorm.batch_normalization_training(x, scale, bias, activation=act)
+    for training in (True, False):
+        for n in (1, 2):
+            threads(n)
+            got = simdnorm.batch_normalization_backward(dy, x, m, v, scale, bias, activation=act, training=training)
+            *_, ga = simdnorm.batch_normalization_backward(dy, x, m, v, scale, bias, activation=act,
+                                                           fused_add=np.zeros_like(x), training=training)
+            want = simdnorm.batch_normalization_backward(ga, x, m, v, scale, bias, training=training)
+            for name, a, b in zip(("grad_input", "grad_scale", "grad_bias"), got, want):
+                np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"{name} threads={n} {training=}")
+
+
 # Grouped, with silu or gelu each group's sums pass saves its ga (the compute type) for its apply,
 # and the derivative is taken once an element ("saved-ga"): groups of runs (NCHW group norm, its
 # channels reversed and every other row, MVN whose parameters repeat along the group, summed in

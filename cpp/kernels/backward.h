@@ -50,6 +50,7 @@ template <class V> V gelu_derivative(V p) {
 }
 template <class V> struct DerivSmooth {
   ActKind kind;
+  static constexpr bool kUsesPre = true;
   explicit DerivSmooth(const Activation& a) : kind(a.kind) {}
   V operator()(V pre, V dy) const {
     return dy * (kind == ActKind::gelu ? gelu_derivative(pre) : vsilu_derivative(pre));
@@ -58,7 +59,9 @@ template <class V> struct DerivSmooth {
 
 // Every activation but identity, relu and leaky_relu runs out of line, a call a vector: the
 // backward's loops are compiled three times, not once per activation (the build has a time budget:
-// .ci/run). The x86 fallback unit (kFewInline) takes identity alone inline.
+// .ci/run); only sums_run and apply_run of runs with constant statistics and parameters take
+// silu' and gelu' inline as well (BackwardKernel::run_derivative). The x86 fallback unit
+// (kFewInline) takes identity alone inline.
 template <class V> struct DerivOutOfLine {
   V (*apply)(const void* deriv, V pre, V dy);
   const void* deriv;  // the functor, alive for the call that visits it
@@ -169,9 +172,23 @@ struct BackwardKernel {
 
   static V zero() { return splat<V>(0.0); }
   // Whether loops with derivative D save or read a group's ga (BackwardTask::ga_buffer): the
-  // out-of-line derivatives' only.
+  // transcendental ones' (silu', gelu'), out of line or inline.
   template <class D>
-  static constexpr bool saves_ga_with() { return std::is_same<D, DerivOutOfLine<V>>::value; }
+  static constexpr bool saves_ga_with() {
+    return std::is_same<D, DerivOutOfLine<V>>::value || std::is_same<D, DerivSmooth<V>>::value;
+  }
+  // Calls fn(derivative) for a run of layout (SS, PS): silu' and gelu' inline (DerivSmooth) where
+  // the run's statistics and parameters are constant along it (NCHW planes: group, instance and
+  // batch norm), its ga saved as the call's is; else `deriv`. The same arithmetic either way (no
+  // FMA is contracted), so the same bits; inline, the derivative's exp and division overlap the
+  // run's loads and stores instead of waiting on a call a vector.
+  template <int SS, int PS, class D, class Fn>
+  static void run_derivative(const BackwardTask& t, const D& deriv, Fn&& fn) {
+    if constexpr (SS == kConst && PS == kConst && !kFewInline && std::is_same<D, DerivOutOfLine<V>>::value) {
+      if (t.act.kind == ActKind::silu || t.act.kind == ActKind::gelu) return fn(DerivSmooth<V>(t.act));
+    }
+    fn(deriv);
+  }
 
   // With streaming stores (t.stream_stores), the elements of a run at p before its first
   // vector-aligned one, at most n; -1 where its elements are not aligned to their size, or where
@@ -1374,13 +1391,16 @@ struct BackwardKernel {
           // kSumFlush) are written as they are summed; the others are summed, then written from
           // the L1 or L2 (measured as fast or faster there, and no copy of their loops).
           constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
-          constexpr bool fused = SS == kConst && PS == kConst && std::is_same<D, DerivIdentity<V>>::value;
-          if (fused && write) {
-            sums_run<SS, PS, D, fused>(t, deriv, p, s, len, acc);
-          } else {
-            sums_run<SS, PS, D>(t, deriv, p, s, len, acc, ga_run);
-            if (write) apply_run<SS, PS>(t, deriv, p, s, len);
-          }
+          run_derivative<SS, PS>(t, deriv, [&](const auto& run_deriv) {
+            using RD = std::decay_t<decltype(run_deriv)>;
+            constexpr bool fused = SS == kConst && PS == kConst && std::is_same<RD, DerivIdentity<V>>::value;
+            if (fused && write) {
+              sums_run<SS, PS, RD, fused>(t, run_deriv, p, s, len, acc);
+            } else {
+              sums_run<SS, PS, RD>(t, run_deriv, p, s, len, acc, ga_run);
+              if (write) apply_run<SS, PS>(t, run_deriv, p, s, len);
+            }
+          });
         });
       });
     });
@@ -1405,7 +1425,10 @@ struct BackwardKernel {
         const C* const ga_run = ga_in;
         if (ga_in != nullptr) ga_in += len;
         visit_layout(t, s, true, [&](auto ss, auto ps) {
-          apply_run<decltype(ss)::value, decltype(ps)::value>(t, deriv, p, s, len, ga_run);
+          constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
+          run_derivative<SS, PS>(t, deriv, [&](const auto& run_deriv) {
+            apply_run<SS, PS>(t, run_deriv, p, s, len, ga_run);
+          });
         });
       });
     });
@@ -1513,10 +1536,13 @@ static void backward_groups_of(const BackwardTask& task, const BackwardGroups& g
       K::visit_layout(t, steps, gs.apply, [&](auto ss, auto ps) {
         constexpr int SS = decltype(ss)::value, PS = decltype(ps)::value;
         auto one_row = [&](int64_t k) SIMDNORM_INLINE_LAMBDA {
-          sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
-            K::template sums_run<SS, PS>(t, deriv, g.data, steps, n, sums, static_cast<C*>(t.ga_buffer));
+          K::template run_derivative<SS, PS>(t, deriv, [&](const auto& run_deriv) {
+            sum_group([&](const BackwardSums& sums) SIMDNORM_INLINE_LAMBDA {
+              K::template sums_run<SS, PS>(t, run_deriv, g.data, steps, n, sums, static_cast<C*>(t.ga_buffer));
+            });
+            if (gs.apply)
+              K::template apply_run<SS, PS>(t, run_deriv, g.data, steps, n, static_cast<const C*>(t.ga_buffer));
           });
-          if (gs.apply) K::template apply_run<SS, PS>(t, deriv, g.data, steps, n, static_cast<const C*>(t.ga_buffer));
           finish(k);
         };
         if constexpr (SS == kConst && PS == kUnit) {
