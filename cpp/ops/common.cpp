@@ -341,8 +341,9 @@ void FoldedParams::realign(int64_t phase) {
 int64_t coefficient_phase(const char* out, DType dtype, int64_t offset) {
   const int64_t ts = itemsize(dtype), cs = itemsize(compute_type(dtype));
   // The kernel's first full vector is at element `head` of the run (see ContiguousRun).
-  const int64_t head = static_cast<int64_t>((64 - reinterpret_cast<uintptr_t>(out) % 64) % 64) / ts;
-  return ((-(offset + head * cs)) % 64 + 64) % 64;
+  const int64_t past = static_cast<int64_t>(reinterpret_cast<uintptr_t>(out) % kLineBytes);
+  const int64_t head = (kLineBytes - past) % kLineBytes / ts;
+  return ((-(offset + head * cs)) % kLineBytes + kLineBytes) % kLineBytes;
 }
 
 void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype) {
@@ -359,13 +360,12 @@ void align_coefficients(LoopNest& nest, FoldedParams& folded, DType dtype) {
     offset[o] = nest.data[op] - folded.data(o);
     if (offset[o] < 0 || offset[o] >= folded.count() * cs) return;
   }
-  const int64_t phase = coefficient_phase(nest.data[kOut], dtype, offset[0]);
-  const int64_t head = static_cast<int64_t>((64 - out % 64) % 64) / ts;
   bool aligned = true;  // (as FoldedParams' phase may have placed them)
   for (int o = 0; o < folded.outputs(); ++o)
-    aligned &= (reinterpret_cast<uintptr_t>(nest.data[folded.operand(o)]) + head * cs) % kLineBytes == 0;
+    aligned &= static_cast<int64_t>(reinterpret_cast<uintptr_t>(folded.data(o)) % kLineBytes) ==
+               coefficient_phase(nest.data[kOut], dtype, offset[o]);
   if (aligned) return;
-  folded.realign(phase);
+  folded.realign(coefficient_phase(nest.data[kOut], dtype, offset[0]));
   for (int o = 0; o < folded.outputs(); ++o) nest.data[folded.operand(o)] = folded.data(o) + offset[o];
 }
 
