@@ -98,7 +98,9 @@ def test_grad_output_takes_any_strides(rng):
 
 def test_compiled_operators_cost_less_than_the_functions(rng):
     """SPEC section 7: calling a compiled operator costs less than the functional call (the best of
-    interleaved rounds of small calls, where the per-call work is what there is to see)."""
+    interleaved rounds of small calls, where the per-call work is what there is to see). A pair is
+    timed again, up to three times, where it does not hold: on a shared machine (CI's, with the
+    sanitized build beside the suite) a neighbour's burst once outlasted all 15 rounds of one side."""
     import timeit
 
     x, dy = _data(rng, (2, 8, 4), np.float32), _data(rng, (2, 8, 4), np.float32)
@@ -122,10 +124,13 @@ def test_compiled_operators_cost_less_than_the_functions(rng):
     }
     for name, (functional, op, args) in pairs.items():
         compiled = lambda: op(*args)  # noqa: E731
-        best = {functional: float("inf"), compiled: float("inf")}
-        for _ in range(15):
-            for f in best:
-                best[f] = min(best[f], timeit.timeit(f, number=300))
+        for _attempt in range(3):
+            best = {functional: float("inf"), compiled: float("inf")}
+            for _ in range(15):
+                for f in best:
+                    best[f] = min(best[f], timeit.timeit(f, number=300))
+            if best[compiled] < best[functional]:
+                break
         assert best[compiled] < best[functional], (name, best[compiled] / 300 * 1e6, best[functional] / 300 * 1e6)
 
 
