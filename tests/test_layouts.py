@@ -567,6 +567,32 @@ def test_16bit_rows_stream_bits_whatever_rows_pair_up(isa, rng, threads, dtype, 
         assert np.array_equal(bits(a[1:]), bits(b)), f"{name}: rows from 0 and from 1 differ, isa={isa} n={n}"
 
 
+# RMS norm's rows stream two ways: without an activation it sums the squares alone (the plain sums
+# would take the registers that hold two rows' squares); with one, as layer norm's rows with a pivot
+# of 0. The squares are the same bits either way, and relu commutes with the rounding to the output
+# dtype, so the relu call's output is the plain call's with its negatives made 0, on every ISA, at
+# 1 and 2 threads, the rows pairing up or not.
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+@pytest.mark.parametrize("n", [32, 96, 768, 1024])
+def test_16bit_rms_rows_stream_the_same_squares_with_an_activation(isa, rng, threads, dtype, n):
+    from cases import empty_past_line
+
+    rows = 401
+    values, scale, _ = stream_rows_values(rng, rows, n)
+    x = values.astype(dtype)
+    for t in (1, 2):
+        threads(t)
+        outs = [empty_past_line(x.shape, dtype, 16) for _ in range(2)]
+        for out in outs:
+            out[...] = np.nan
+        plain, inv_rms = simdnorm.rms_norm(x, scale, out=outs[0], return_stats=True)[::2]
+        context = f"isa={isa} n={n} threads={t}"
+        check_mvn(plain, x, 1, scale, None, normalize_mean=False, stats=(None, inv_rms), stat_rtol=1e-4,
+                  context=context)
+        relu = simdnorm.rms_norm(x, scale, activation="relu", out=outs[1])
+        assert np.array_equal(relu, np.maximum(plain, 0)), f"relu's squares differ: {context}"
+
+
 # The stream's steps follow the output's phase: a row's bits depend on its data and where the output
 # lies against a line, not on where the input lies. The same rows from inputs at every 16 bytes of a
 # line and 2 bytes past one, into outputs at two phases, every ISA. (Steps that followed the input,

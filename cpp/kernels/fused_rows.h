@@ -430,7 +430,7 @@ struct FusedRowsKernel {
            a.step[kOut] == a.len * ts && a.step[kScale] == 0 && a.step[kBias] == 0 && x % ts == 0 && y % ts == 0;
   }
 
-  template <bool AffineVary, class F>
+  template <bool AffineVary, class F, bool Centered>
   struct RowStream;
   template <bool AffineVary, class F>
   static void stream_rows(const RunMaker<AffineVary, F, float>& runs, const FusedRowsArgs& a, int64_t rows_ahead,

@@ -34,9 +34,10 @@ struct SumLanes {
       s1.template at<decltype(q)::value>() = s2.template at<decltype(q)::value>() = vbroadcast_vd(0.0);
     });
   }
-  template <int q>
+  // Without Plain only the squares (RMS norm's rows, whose plain sums nobody reads).
+  template <int q, bool Plain = true>
   SIMDNORM_CURSOR_METHOD void add_d(vd d) {
-    s1.template at<q>() += d;
+    if constexpr (Plain) s1.template at<q>() += d;
     s2.template at<q>() = vfma(d, d, s2.template at<q>());
   }
   // (x - pivot) * scale, the pivot given times the scale (see the top of the file).
@@ -54,11 +55,11 @@ struct SumLanes {
     });
   }
   // The same with a pivot of 0 (x itself: subtracting 0 would give the same bits).
-  template <int H>
+  template <int H, bool Plain = true>
   SIMDNORM_CURSOR_METHOD void add_unshifted(V x) {
     for_constant<0, kParts>([&](auto p) SIMDNORM_INLINE_LAMBDA {
       constexpr int pi = decltype(p)::value;
-      add_d<H * kParts + pi>(part<pi>(x));
+      add_d<H * kParts + pi, Plain>(part<pi>(x));
     });
   }
   // The same, read from float32 data at p: each part loaded and widened on its own (an extract fewer);

@@ -29,6 +29,7 @@ struct NormalizeKernel {
     static constexpr bool kShiftFolded = Folded == Fold::shift;
     // The periodic stream and the fused rows loops are compiled for inline activations only.
     static constexpr bool kInline = !kRunsOutOfLine<Act>;
+    using Activation = Act;
     Act act;
     V operator()(V x, V shift, V mul, V scale, V bias) const { return act(affine(x, shift, mul, scale, bias)); }
     // The value the activation takes.

@@ -16,10 +16,12 @@
 // stores a line of output and two of the ring, and the store unit is the busier: it takes half
 // the bytes a cycle that the loads take). Row q's sums close at the first step of period q + 1.
 // A row's sums depend only on its data and the output's phase, not on where a thread's rows
-// begin: the bits are the same for any number of threads.
+// begin: the bits are the same for any number of threads. Not Centered (RMS norm), the rows'
+// pivots are 0 and only their squares are summed: the plain sums' lanes would take the registers
+// that keep two rows' squares out of memory.
 
 template <class T>
-template <bool AffineVary, class F>
+template <bool AffineVary, class F, bool Centered>
 struct FusedRowsKernel<T>::RowStream {
   using V = typename N::V;
   using L = typename N::L;
@@ -118,20 +120,20 @@ struct FusedRowsKernel<T>::RowStream {
     for_constant<0, Sums::Q>([&](auto q) SIMDNORM_INLINE_LAMBDA {
       constexpr int qi = decltype(q)::value, h = qi / Sums::kParts, p = qi % Sums::kParts;
       const vd d = Sums::template part<p>(h == 0 ? v0 : v1) - row.piv;
-      row.lanes.template add_d<qi>(Previous ? vselect(prev_d[qi], d, zero) : vselect(prev_d[qi], zero, d));
+      row.lanes.template add_d<qi, Centered>(Previous ? vselect(prev_d[qi], d, zero) : vselect(prev_d[qi], zero, d));
     });
   }
   // Closes row q - 1 with the lanes of period q's first step (v0, v1) that are its.
   SIMDNORM_CURSOR_METHOD void close_row(int64_t q, V v0, V v1, OpenRow row, Closed& closed) const {
     add_first<true>(v0, v1, row);
     const int slot = static_cast<int>((q - 1) % kClosedSlots);
-    closed.sum[slot] = Sums::tree_rotated(row.lanes.s1, o);
+    closed.sum[slot] = Centered ? Sums::tree_rotated(row.lanes.s1, o) : 0.0;
     closed.sum_sq[slot] = Sums::tree_rotated(row.lanes.s2, o);
     closed.pivot[slot] = row.pivot;
   }
   // Opens row q with the rest of those lanes.
   SIMDNORM_CURSOR_METHOD void open_row(int64_t q, V v0, V v1, OpenRow& row) const {
-    row.pivot = a.centered ? pivot_of(x + q * len) : 0.0;
+    row.pivot = Centered && a.centered ? pivot_of(x + q * len) : 0.0;
     row.piv = vbroadcast_vd(row.pivot);
     row.lanes.clear();
     add_first<false>(v0, v1, row);
@@ -148,6 +150,7 @@ struct FusedRowsKernel<T>::RowStream {
     const V first = splat<V>(v[0]);
     return vany_ge(vabs(v - first), vabs(first)) ? 0.0 : static_cast<double>(v[0]);
   }
+  static bool pivoted(const OpenRow& row) { return Centered && row.pivot != 0.0; }
   // A later step of the period (wholly the open row's), at p in the input and k in its slot;
   // Pivoted false for a row whose pivot is 0 (subtracting it would give the same bits).
   template <bool Pivoted>
@@ -159,8 +162,8 @@ struct FusedRowsKernel<T>::RowStream {
       row.lanes.template add<0, false>(v0, row.piv, row.piv);  // (unscaled: the last operand is unused)
       row.lanes.template add<1, false>(v1, row.piv, row.piv);
     } else {
-      row.lanes.template add_unshifted<0>(v0);
-      row.lanes.template add_unshifted<1>(v1);
+      row.lanes.template add_unshifted<0, Centered>(v0);
+      row.lanes.template add_unshifted<1, Centered>(v1);
     }
   }
 
@@ -254,7 +257,7 @@ struct FusedRowsKernel<T>::RowStream {
   // at the end of a chain through a division and a square root) though the row was finished an
   // iteration before. Rows that need the caller's finish are settled between runs of the loop:
   // a call in the loop would make the compiler keep the sums in memory across it.
-  void run(int64_t rows_ahead) const {
+  SIMDNORM_CURSOR_METHOD void run(int64_t rows_ahead) const {
     Progress state;
     while (state.t <= rows + kStreamLead) {
       run_until_unsettled(state, rows_ahead);
@@ -330,8 +333,8 @@ struct FusedRowsKernel<T>::RowStream {
       }
     };
     // (A pivot of 0 subtracted gives the same bits.)
-    if (row.pivot != 0.0 || next.pivot != 0.0)
-      sum_and_normalize(std::true_type{});
+    if (pivoted(row) || pivoted(next))
+      sum_and_normalize(std::integral_constant<bool, Centered>{});
     else
       sum_and_normalize(std::false_type{});
     close_row(t + 1, w0, w1, row, closed);
@@ -376,12 +379,12 @@ struct FusedRowsKernel<T>::RowStream {
         }
       };
       if (summing && normalizing) {
-        if (row.pivot != 0.0)
-          sum_and_normalize(std::true_type{});
+        if (pivoted(row))
+          sum_and_normalize(std::integral_constant<bool, Centered>{});
         else
           sum_and_normalize(std::false_type{});
       } else if (summing) {
-        for (int64_t i = 0; i < end; i += S) sums_step<true>(src + i, k + i, row);
+        for (int64_t i = 0; i < end; i += S) sums_step<Centered>(src + i, k + i, row);
       } else if (normalizing) {
         for (int64_t i = 0; i < end; i += S) normalize_step(fl, afl, c, k + i, dst + i, S + i);
       }
@@ -397,7 +400,7 @@ template <class T>
 template <bool AffineVary, class F>
 void FusedRowsKernel<T>::stream_rows(const RunMaker<AffineVary, F, float>& runs, const FusedRowsArgs& a,
                                      int64_t rows_ahead, int64_t l1) {
-  using Stream = RowStream<AffineVary, F>;
+  using Stream = RowStream<AffineVary, F, true>;
   alignas(64) float kept[kStreamSlots * Stream::pitch(kKeptRowMax)];
   const int o = static_cast<int>(reinterpret_cast<uintptr_t>(a.data[kOut]) / sizeof(T) % Stream::S);
   // Scale and bias that vary along the row, rotated to start where a period does.
@@ -408,6 +411,13 @@ void FusedRowsKernel<T>::stream_rows(const RunMaker<AffineVary, F, float>& runs,
       std::memcpy(rotated[k], src + a.len - o, o * sizeof(C));
       std::memcpy(rotated[k] + o, src, (a.len - o) * sizeof(C));
     }
+  }
+  // Squares only for RMS norm without an activation; with one (or in the fallback unit) it sums
+  // around a pivot of 0 as layer norm's rows do, the same bits: the module keeps no copy of the
+  // stream for each activation.
+  if constexpr (!kFewInline && std::is_same<typename F::Activation, ActIdentity<typename N::V>>::value) {
+    using SquaresOnly = RowStream<AffineVary, F, false>;
+    if (!a.centered) return SquaresOnly(runs.f, a, o, kept, rotated[0], rotated[1], l1).run(rows_ahead);
   }
   Stream(runs.f, a, o, kept, rotated[0], rotated[1], l1).run(rows_ahead);
 }
