@@ -109,7 +109,8 @@ void MvnRunner::fold_affine() {
       a_.input.ndim, a_.input.sizes,
       std::initializer_list<FoldedParams::Input>{{a_.scale ? &*a_.scale : nullptr, 1.0},
                                                  {a_.bias ? &*a_.bias : nullptr, 0.0}},
-      std::initializer_list<int>{kScale, kBias}, compute_, nullptr, nullptr);
+      std::initializer_list<int>{kScale, kBias}, compute_, nullptr, nullptr, nullptr, false, nullptr,
+      coefficient_phase(a_.output.data, a_.input.dtype));  // (where align_coefficients wants them: one copy)
   spread_affine_over_short_runs();
 }
 
