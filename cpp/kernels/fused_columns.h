@@ -56,9 +56,8 @@ struct FusedColumnsKernel {
     unsigned char slow[kChunk];
     const char* x = nest.data[kIn] + c0 * ts;
     pivots(reinterpret_cast<const T*>(x), nc, a.centered, pivot);
-    zero(s1, nc);
-    zero(s2, nc);
-    Moments::col_few_rows(ColMomentsArgs{x, task.dtype, rows, nc, nest.strides[kIn][0], ts, pivot, 1.0, s1, s2});
+    Moments::template col_few_rows<true>(
+        ColMomentsArgs{x, task.dtype, rows, nc, nest.strides[kIn][0], ts, pivot, 1.0, s1, s2});
     int64_t settled = nc;
     if ((a.centered ? lane_stats_loop<true>(nc, a.inv_n, a.underflow, pivot, s1, s2, mean, var, slow)
                     : lane_stats_loop<false>(nc, a.inv_n, a.underflow, pivot, s1, s2, mean, var, slow)) > 0)
@@ -89,11 +88,6 @@ struct FusedColumnsKernel {
         Lanes<double>::store(pivot + j + pi * Sums::WD, Sums::template part<pi>(v));
       });
     }
-  }
-
-  // (std::fill_n became a `rep stos`, whose start costs more than these few lines.)
-  static void zero(double* p, int64_t n) {
-    for (int64_t j = 0; j < n; j += Lanes<double>::W) Lanes<double>::store(p + j, splat<vd>(0.0));
   }
 
   static void store_stats(char* out, int64_t c0, const C* values, int64_t n) {

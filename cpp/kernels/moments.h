@@ -244,9 +244,10 @@ struct MomentsKernel {
   // Few rows (a lane group's batch: batch norm training of 8x512x7x7), contiguous lanes: a step of
   // Vecs vectors of lanes summed down all the rows in registers, then added to the lanes' totals.
   // Blocks of lanes would set up and store their sums for those few rows at a cost of the rows'
-  // own. The same sums: each lane adds its rows in order, from 0, then that to its total.
+  // own. The same sums: each lane adds its rows in order, from 0, then that to its total. Fresh:
+  // the totals are stored, not added to (the caller's totals were 0: 0 + t is t, never -0).
   static constexpr int64_t kFewRows = 16;
-  template <int Vecs>
+  template <int Vecs, bool Fresh>
   SIMDNORM_CURSOR_METHOD static void col_few_rows_step(const ColMomentsArgs& a, int64_t c, int m) {
     constexpr int kParts = Sums::kParts, WD = Sums::WD, Q = Vecs * kParts;
     const vd scale = vbroadcast_vd(a.scale), zero = vbroadcast_vd(0.0);
@@ -274,30 +275,33 @@ struct MomentsKernel {
     }
     if (m == kWhole) {
       for (int q = 0; q < Q; ++q) {
-        Lanes<double>::store(a.sum + c + q * WD, Lanes<double>::load(a.sum + c + q * WD) + t1[q]);
-        Lanes<double>::store(a.sum_sq + c + q * WD, Lanes<double>::load(a.sum_sq + c + q * WD) + t2[q]);
+        Lanes<double>::store(a.sum + c + q * WD, Fresh ? t1[q] : Lanes<double>::load(a.sum + c + q * WD) + t1[q]);
+        Lanes<double>::store(a.sum_sq + c + q * WD,
+                             Fresh ? t2[q] : Lanes<double>::load(a.sum_sq + c + q * WD) + t2[q]);
       }
       return;
     }
-    add_to_totals<kWhole>(t1, t2, Q, m, a.sum + c, a.sum_sq + c);
+    add_to_totals<kWhole, Fresh>(t1, t2, Q, m, a.sum + c, a.sum_sq + c);
   }
-  // Adds lanes [0, n) of the q vectors s1 and s2 to sum[0, n) and sum_sq[0, n).
-  template <int MaxLanes>
-  SIMDNORM_CURSOR_METHOD static void add_to_totals(const vd* s1, const vd* s2, int q, int n, double* sum, double* sum_sq) {
+  // Adds lanes [0, n) of the q vectors s1 and s2 to sum[0, n) and sum_sq[0, n) (Fresh: stores them).
+  template <int MaxLanes, bool Fresh = false>
+  SIMDNORM_CURSOR_METHOD static void add_to_totals(const vd* s1, const vd* s2, int q, int n, double* sum,
+                                                   double* sum_sq) {
     alignas(64) double t1[MaxLanes], t2[MaxLanes];
     for (int v = 0; v < q; ++v) {
       Lanes<double>::store(t1 + v * Sums::WD, s1[v]);
       Lanes<double>::store(t2 + v * Sums::WD, s2[v]);
     }
     for (int c = 0; c < n; ++c) {
-      sum[c] += t1[c];
-      sum_sq[c] += t2[c];
+      sum[c] = Fresh ? t1[c] : sum[c] + t1[c];
+      sum_sq[c] = Fresh ? t2[c] : sum_sq[c] + t2[c];
     }
   }
+  template <bool Fresh = false>
   static void col_few_rows(const ColMomentsArgs& a) {
     int64_t c = 0;
-    for (; c + 2 * W <= a.cols; c += 2 * W) col_few_rows_step<2>(a, c, 2 * W);  // (two vectors: twice the chains)
-    if (c < a.cols) col_few_rows_step<2>(a, c, static_cast<int>(a.cols - c));
+    for (; c + 2 * W <= a.cols; c += 2 * W) col_few_rows_step<2, Fresh>(a, c, 2 * W);  // (two vectors: two chains)
+    if (c < a.cols) col_few_rows_step<2, Fresh>(a, c, static_cast<int>(a.cols - c));
   }
 
   // Lane groups (a.lane_group contiguous lanes each, a few dozen rows: batch norm training of small
