@@ -115,20 +115,22 @@ else
   # The files that take longest under the sanitizers first, so that the files run side by side end
   # together rather than one long file running alone at the end. Not the files whose own code is
   # Python alone (the bench harness, Dask's chunking, the typing stubs and mypy): the kernels they
-  # call run under the other files.
+  # call run under the other files. Nor the fuzzer's pinned repros (test_crash_repros.py: a child
+  # process each, most of their time an instrumented interpreter's start): the plain suite runs
+  # them, and their layouts' kernels run here under test_layouts.py and the fuzzer's own test.
   groups=()
-  for f in tests/test_layouts.py tests/test_training.py tests/test_crash_repros.py tests/test_threads_isa.py; do
+  for f in tests/test_layouts.py tests/test_training.py tests/test_threads_isa.py; do
     if [[ -e "$f" ]]; then groups+=("$f"); fi
   done
-  python_only=" tests/test_bench_harness.py tests/test_dask.py tests/test_dask_distributed.py tests/test_typing.py \
-tests/test_stub.py "
+  left_out=" tests/test_bench_harness.py tests/test_dask.py tests/test_dask_distributed.py tests/test_typing.py \
+tests/test_stub.py tests/test_crash_repros.py "
   # Nor, where the sanitized venv has no PyTorch (its test extra does not bring it), the files of
   # the torch path, which would only skip: a process start each under ASan.
   torch_files=0
   "$py" -c "import torch" 2>/dev/null && torch_files=1
   for f in tests/test_*.py; do
     if [[ "$torch_files" == 0 && "$f" == *torch* ]]; then continue; fi
-    [[ "$python_only" == *" $f "* || " ${groups[*]} " == *" $f "* ]] || groups+=("$f")
+    [[ "$left_out" == *" $f "* || " ${groups[*]} " == *" $f "* ]] || groups+=("$f")
   done
 fi
 mkdir -p "$work/files"
