@@ -256,7 +256,9 @@ struct FusedRowsKernel<T>::RowStream {
   // finish stores others: loaded after, they would wait for those stores (whose addresses come
   // at the end of a chain through a division and a square root) though the row was finished an
   // iteration before. Rows that need the caller's finish are settled between runs of the loop:
-  // a call in the loop would make the compiler keep the sums in memory across it.
+  // a call in the loop would make the compiler keep the sums in memory across it. Forced inline:
+  // with two streams in stream_rows (squares only, and centered) GCC left it out of line, and the
+  // centered rows' loops ran slower.
   SIMDNORM_CURSOR_METHOD void run(int64_t rows_ahead) const {
     Progress state;
     while (state.t <= rows + kStreamLead) {
