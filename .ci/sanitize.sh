@@ -137,7 +137,7 @@ mkdir -p "$work/files"
 run_file() {  # run_file INDEX FILE: its stdout, stderr and exit status into $work/files/INDEX.*
   local i="$1" g="$2" r
   set +e
-  run_sanitized "$reports" "$py" -m pytest -p no:cacheprovider -q --capture=sys -m "not slow" "$g" \
+  run_sanitized "$reports" "$py" -m pytest -p no:cacheprovider -q --capture=sys -m "not slow" --durations=15 "$g" \
     >"$work/files/$i.out" 2>"$work/files/$i.err"
   r=$?
   set -e
