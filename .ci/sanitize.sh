@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The sanitizer run: build simdnorm with -fsanitize=address,undefined (CMake option SIMDNORM_SANITIZE,
-# its own build dir build/sanitize; only the ISA units this CPU runs) into its own fresh virtual
+# its own build dir build/sanitize; of the ISA units this CPU runs, the widest instrumented and the
+# x86 fallback not, CMakeLists.txt) into its own fresh virtual
 # environment, then run the test suite (all of tests/ but the benchmark harness and the slow tests)
 # with the ASan runtime preloaded into
 # Python. Fails on any sanitizer report (ASan reports are written to one file per process, so one in a
@@ -46,8 +47,10 @@ build_sanitized() {  # the sanitized package, into its own venv in $work
   "$py" -m pip install --quiet --upgrade pip
 
   # Only the ISA units this CPU runs (the build's default, SIMDNORM_ISAS=host): the suite could run
-  # no other unit's kernels here, and instrumented they are most of the build's time.
-  stamp "building the sanitized package (build dir build/sanitize; the ISA units this CPU runs)"
+  # no other unit's kernels here, and instrumented they are most of the build's time. Of those the
+  # widest is instrumented (avx512, not avx512bf16, whose loops are its own) and the suite runs it
+  # (SIMDNORM_SANITIZED_RUN, tests/cases.py); the x86 fallback compiles without the sanitizers.
+  stamp "building the sanitized package (build dir build/sanitize; the widest ISA unit instrumented)"
   export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
   # scikit-build-core gives `cmake --version` (and ninja's) 5 seconds, four times that under CI=1:
   # niced behind the suite on both cores, a probe through pyenv's shims (bash, then Python) once

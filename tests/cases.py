@@ -7,6 +7,7 @@ layout differs, so one reference serves all of them."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -18,6 +19,21 @@ try:
     from numpy.exceptions import AxisError  # noqa: F401  (re-exported for the tests)
 except ImportError:  # pragma: no cover - numpy < 1.25
     from numpy import AxisError  # noqa: F401
+
+# Under .ci/sanitize.sh (SIMDNORM_SANITIZED_RUN=1) the build instruments one kernel unit, the widest
+# this CPU runs, and compiles the x86 fallback unit without the sanitizers: there the tests that run
+# every unit run that one, and the plain suite runs them all.
+SANITIZED_RUN = os.environ.get("SIMDNORM_SANITIZED_RUN") == "1"
+
+
+def isas_under_test():
+    """The ISA units a test runs its cases on: every one this machine has (widest first), or under
+    the sanitizers the one their build instruments."""
+    import simdnorm
+
+    isas = list(simdnorm.available_isas())
+    return isas[:1] if SANITIZED_RUN else isas
+
 
 # a test parametrized over the four element types
 DT = pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

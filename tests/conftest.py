@@ -29,17 +29,13 @@ def pytest_collection_finish(session):
             except Exception:  # hypothesis or libcst missing, or a version without it
                 pass
 
-def _available_isas():
-    import simdnorm
-
-    return list(simdnorm.available_isas())
-
-
 def pytest_generate_tests(metafunc):
     # parametrize at collection time, only for tests that ask for it, so that files which do not
     # use the package never import it here
     if "isa" in metafunc.fixturenames:
-        isas = _available_isas()
+        from cases import isas_under_test
+
+        isas = isas_under_test()
         metafunc.parametrize("isa", isas, ids=[f"isa={i}" for i in isas], indirect=True)
 
 

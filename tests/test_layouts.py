@@ -21,6 +21,7 @@ from cases import (
     make_out,
     odd_sizes,
     param_values,
+    isas_under_test,
     unaligned_empty,
 )
 from reference import BF16, F16, F32, F64, assert_like_empty_like, check_bn, check_mvn, dtype_id
@@ -365,7 +366,7 @@ def test_streamed_outputs_at_line_phases(rng, threads, op, inner, dtype, x_offse
                                  False).endswith("streaming-stores")
     previous = simdnorm.isa()
     try:
-        for isa in simdnorm.available_isas() if every_isa else [previous]:
+        for isa in isas_under_test() if every_isa else [previous]:
             simdnorm.set_isa(isa)
             out[...] = np.nan
             context = f"{op} isa={isa}"
@@ -438,7 +439,7 @@ def test_streamed_outputs_at_page_phases(rng, threads, op, inner, dtype):
 
     previous = simdnorm.isa()
     try:
-        for isa in simdnorm.available_isas():
+        for isa in isas_under_test():
             simdnorm.set_isa(isa)
             check_page_phases(op, x, x_phase, run, scale, bias, p, c, isa)
     finally:
@@ -647,7 +648,7 @@ def test_channels_last_rows_as_one_stream(rng, threads, dtype, c, out_offset):
     apart = np.empty((n, h, w, c + 3), dtype)[..., :c].transpose(0, 3, 1, 2)  # rows not back to back
     previous = simdnorm.isa()
     try:
-        for isa in simdnorm.available_isas():
+        for isa in isas_under_test():
             simdnorm.set_isa(isa)
             for t in (1, 2):
                 threads(t)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import simdnorm
-from cases import PARAM_NAMES, act_arg, bits, bn_param_1d, make_input, make_out, param_values
+from cases import PARAM_NAMES, act_arg, bits, bn_param_1d, make_input, make_out, param_values, isas_under_test
 from reference import (BF16, DTYPES, F16, F32, F64, NONDEFAULT_PARAMS, assert_like_empty_like, check_bn, check_mvn,
                        dtype_id)
 
@@ -113,8 +113,10 @@ def _big_variants():
 
 @pytest.mark.parametrize("case,dtype,which_isas", _big_variants())
 def test_threads_bitwise_equal_big(rng, threads, case, dtype, which_isas):
-    isas = simdnorm.available_isas()
+    isas = isas_under_test()
     isas = isas[:1] if which_isas == "default" else isas[1:]
+    if not isas:
+        pytest.skip("no other ISA unit to run: the machine has one, or the sanitizers instrument one")
     for isa in isas:
         simdnorm.set_isa(isa)
         _big_case(rng, threads, case, dtype, isa)
