@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # The sanitizer run: build simdnorm with -fsanitize=address,undefined (CMake option SIMDNORM_SANITIZE,
 # its own build dir build/sanitize; of the ISA units this CPU runs, the widest instrumented and the
-# x86 fallback not, CMakeLists.txt) into its own fresh virtual
-# environment, then run the test suite (all of tests/ but the benchmark harness and the slow tests)
-# with the ASan runtime preloaded into
-# Python. Fails on any sanitizer report (ASan reports are written to one file per process, so one in a
-# subprocess that a test starts counts too; UBSan's go to stderr, which is scanned), on any test
+# x86 fallback not, CMakeLists.txt) into its own fresh virtual environment, then run the test suite
+# (the files that reach the kernels, without the slow tests) with the ASan runtime preloaded into
+# Python. Fails on any sanitizer report (ASan reports are written to one file per process, so one in
+# a subprocess that a test starts counts too; UBSan's go to stderr, which is scanned), on any test
 # failure, and when the self-test (tests/sanitize/asan_canary.py) is NOT caught. See
 # docs/RELIABILITY.md.
 #
-# Environment: SIMDNORM_SANITIZE_TESTS  test files to run instead of all tests/test_*.py but the
-#                                       benchmark harness (space-separated; slow tests never run)
+# Environment: SIMDNORM_SANITIZE_TESTS  test files to run instead of those (space-separated; slow
+#                                       tests never run)
 #              SIMDNORM_SANITIZE_JOBS   test files run at once (default: the number of cores)
 #              SIMDNORM_SANITIZE_KEEP=1 keep the work directory (venv, reports) for inspection
 #              SIMDNORM_SANITIZE_PHASE  "build": only build into SIMDNORM_SANITIZE_WORK; "test": only

@@ -16,12 +16,12 @@ from cases import (
     bits,
     bn_param_1d,
     channels_last_nhwc,
+    isas_under_test,
     layout_empty,
     make_input,
     make_out,
     odd_sizes,
     param_values,
-    isas_under_test,
     unaligned_empty,
 )
 from reference import BF16, F16, F32, F64, assert_like_empty_like, check_bn, check_mvn, dtype_id

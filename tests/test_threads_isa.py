@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import simdnorm
-from cases import PARAM_NAMES, act_arg, bits, bn_param_1d, make_input, make_out, param_values, isas_under_test
+from cases import PARAM_NAMES, act_arg, bits, bn_param_1d, isas_under_test, make_input, make_out, param_values
 from reference import (BF16, DTYPES, F16, F32, F64, NONDEFAULT_PARAMS, assert_like_empty_like, check_bn, check_mvn,
                        dtype_id)
 
