@@ -67,6 +67,76 @@ def test_isas_agree_closely(rng):
         np.testing.assert_allclose(y, first, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def _multipliers_near_midpoints(rng, count, lanes):
+    """(var, epsilon) per call: lanes whose 1 / sqrt(var + epsilon) straddles a float32 rounding
+    midpoint M by a few units of double's last place (var steps of 2^-52 added to an epsilon just
+    below 1 / M^2), for `count` random M in [0.5, 2)."""
+    for f in rng.uniform(0.5, 2.0, count).astype(np.float32):
+        midpoint = float(f) + float(np.spacing(f)) / 2
+        step = float(np.spacing(1.0 / midpoint**2))  # a power of 2
+        var = (np.arange(lanes) * step).astype(np.float32)  # exact: small multiples of a power of 2
+        yield var, 1.0 / midpoint**2 - lanes // 2 * step
+
+
+def test_folded_multiplier_is_the_double_formula_rounded(isa, rng):
+    # batch norm's float32 multiplier scale / sqrt(var + eps) is float32(scale * (1.0 / sqrt(var +
+    # eps))) computed in double in every ISA (lane_stats.h: the fast units estimate it and take the
+    # division near a rounding boundary); x = 1, mean 0, bias 0 make the output that multiplier
+    def folded(var, scale, eps):
+        x = np.ones((1, var.size), np.float32)
+        out = np.full_like(x, np.nan)
+        zeros = np.zeros_like(var)
+        bn(x, zeros, var, scale, zeros, channel_axis=1, epsilon=eps, out=out)
+        return out[0]
+
+    def expected(var, scale, eps):
+        s = 1.0 if scale is None else scale.astype(np.float64)
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            return (s * (1.0 / np.sqrt(var.astype(np.float64) + eps))).astype(np.float32)
+
+    n = 40_000
+    with np.errstate(over="ignore"):
+        var = (rng.standard_normal(n) ** 2 * 10.0 ** rng.uniform(-45, 40, n)).astype(np.float32)
+    scale = (rng.standard_normal(n) * 10.0 ** rng.uniform(-25, 25, n)).astype(np.float32)
+    var[:64] = [0.0, np.inf, -1.0, np.nan] * 16
+    scale[64:96:2] = 0.0
+    for eps in (1e-5, 0.0):
+        for s in (scale, None):
+            want, got = expected(var, s, eps), folded(var, s, eps)
+            # products outside float32's normal range take the unfolded form: other bits
+            fits = (np.abs(want) >= np.finfo(np.float32).tiny) & (np.abs(want) < np.inf)
+            assert fits.sum() > n // 2
+            np.testing.assert_array_equal(bits(got[fits]), bits(want[fits]), err_msg=f"{isa} eps={eps}")
+    near = list(_multipliers_near_midpoints(rng, 64, 64))
+    rounded_up = 0
+    for var, eps in near:
+        want, got = expected(var, None, eps), folded(var, None, eps)
+        np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{isa} eps={eps!r}")
+        rounded_up += len(np.unique(want)) == 2  # the lanes do straddle the midpoint
+    assert rounded_up == len(near)
+
+
+def test_batch_statistics_inv_std_is_the_double_formula_rounded(isa, rng):
+    # batch norm training of (8, C) float32: a channel's 1 / std is float32(1.0 / sqrt(var + eps)) of
+    # its double variance (lane_stats.h, inv_std_floats_near). Rows of +d and -d: the mean is 0 and
+    # the variance d^2, exactly (d = k 2^-30); var + eps sweeps a float32 rounding midpoint of 1 / std
+    # in steps finer than a double's last place, and y = d * (1 / std) is one float32 product.
+    lanes = 4096
+    k = 1 + np.arange(lanes) % 64
+    d = (k * 2.0**-30).astype(np.float32)
+    x = np.where(np.arange(8)[:, None] % 2 == 0, d, -d).astype(np.float32)
+    straddled = 0
+    for f in rng.uniform(0.5, 2.0, 8).astype(np.float32):
+        midpoint = float(f) + float(np.spacing(f)) / 2
+        eps = 1.0 / midpoint**2 - 2.0**-49
+        y, mean, var = simdnorm.batch_normalization_training(x, channel_axis=1, epsilon=eps)
+        assert not mean.any() and (var == d * d).all()
+        inv_std = (1.0 / np.sqrt(d.astype(np.float64) ** 2 + eps)).astype(np.float32)
+        np.testing.assert_array_equal(bits(y), bits(x * inv_std), err_msg=f"{isa} eps={eps!r}")
+        straddled += len(np.unique(inv_std)) > 1
+    assert straddled == 8
+
+
 # ----------------------------------------------------------------------------------------------
 # threads: 1 and 2 bitwise equal, and correct
 # ----------------------------------------------------------------------------------------------

@@ -62,11 +62,13 @@ struct FusedColumnsKernel {
     if ((a.centered ? lane_stats_loop<true>(nc, a.inv_n, a.underflow, pivot, s1, s2, mean, var, slow)
                     : lane_stats_loop<false>(nc, a.inv_n, a.underflow, pivot, s1, s2, mean, var, slow)) > 0)
       settled = std::find(slow, slow + nc, 1) - slow;
-    inv_std_lanes_entry(var, inv_std, settled, 1, a.rule);
-    for (int64_t j = 0; j < settled; ++j) {
-      shift[j] = static_cast<C>(mean[j]);
-      mul[j] = static_cast<C>(inv_std[j]);
-    }
+    // (float32's mul is the float of inv_std_lanes' double: where the unit can, without it)
+    int64_t near = 0;
+    if constexpr (std::is_same<C, float>::value)
+      if (a.rule.normalize_variance && !a.rule.epsilon_outside) near = inv_std_floats_near(var, mul, settled, a.rule.epsilon);
+    inv_std_lanes_entry(var + near, inv_std + near, settled - near, 1, a.rule);
+    for (int64_t j = near; j < settled; ++j) mul[j] = static_cast<C>(inv_std[j]);
+    for (int64_t j = 0; j < settled; ++j) shift[j] = static_cast<C>(mean[j]);
     store_stats(a.stats_out[0], c0, shift, settled);
     store_stats(a.stats_out[1], c0, mul, settled);
     if (a.stats_out[2] != nullptr) {

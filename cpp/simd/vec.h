@@ -172,6 +172,33 @@ static inline vd vsqrt(vd a) {
 #endif
 }
 
+// 1 / sqrt(v) within a few units of 2^-53 of it (relative), not the bits of 1.0 / sqrt(v): for
+// callers that round it to float where no rounding boundary lies that close (kernels/lane_stats.h).
+// NaN for v outside [2^-120, 2^120], where the steps' squares could leave double's normal range
+// (and AVX2's estimate float's). The hardware's estimate (AVX-512's 14 bits, AVX2's float 12) takes
+// Newton steps in double; the baseline has none and takes the division.
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr bool kInvSqrtNearIsFast = true;
+#else
+constexpr bool kInvSqrtNearIsFast = false;
+#endif
+static inline vd vinv_sqrt_near(vd v) {
+#if defined(__AVX512F__)
+  vd y = (vd)_mm512_rsqrt14_pd((__m512d)v);
+  constexpr int kSteps = 2;
+#elif defined(__AVX2__)
+  vd y = (vd)_mm256_cvtps_pd(_mm_rsqrt_ps(_mm256_cvtpd_ps((__m256d)v)));
+  constexpr int kSteps = 3;
+#else
+  vd y = 1.0 / vsqrt(v);
+  constexpr int kSteps = 0;
+#endif
+  y = (v >= 0x1p-120) & (v <= 0x1p120) ? y : vbroadcast_vd(__builtin_nan(""));
+  const vd minus_half_v = v * -0.5, three_halves = vbroadcast_vd(1.5);
+  for (int i = 0; i < kSteps; ++i) y = y * vfma(minus_half_v, y * y, three_halves);
+  return y;
+}
+
 // Round to nearest, ties to even (valid for |x| < 2^22 in the baseline form, which is all the
 // range reductions need).
 static inline vf vround(vf a) {
@@ -221,6 +248,17 @@ static inline bool vany_ge(vd a, vd b) {
   for (int i = 0; i < kWidthD; ++i)
     if (a[i] >= b[i]) return true;
   return false;
+#endif
+}
+
+// Whether any lane of a comparison's mask (0 / -1 lanes) is set.
+static inline bool vany(vl m) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi64_mask((__m512i)m, (__m512i)m) != 0;
+#elif defined(__AVX2__)
+  return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#else
+  return (m[0] | m[1]) != 0;
 #endif
 }
 
