@@ -131,6 +131,7 @@ bool scale_over_std_f32_base(const float* var, const float* scale, float* mul, i
                              double max) {
   return base::kernel_table.scale_over_std_f32(var, scale, mul, n, epsilon, min, max);
 }
+void update_running_base(const RunningUpdateArgs& a) { base::kernel_table.update_running(a); }
 void backward_sums_bf16(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s) {
   if (t.dtype == DType::bf16) backward_sums_kernel(t, n, b, e, s);
   else base::kernel_table.backward_sums(t, n, b, e, s);
@@ -152,7 +153,7 @@ const KernelTable kernel_table = {kIsaName,          kWidth,           inline_ac
                                   normalize_group_and_sum_kernel, normalize_rows_fused_kernel, rows_loop_kernel,
                                   normalize_columns_fused_bf16, lane_stats_base,
                                   inv_std_lanes_base, scale_over_std_lanes_base, scale_over_std_f32_base,
-                                  backward_sums_bf16, backward_apply_bf16,
+                                  update_running_base, backward_sums_bf16, backward_apply_bf16,
                                   backward_groups_bf16, backward_coefficients_base};
 #else
 void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) { normalize_run_entry(t, p, n); }
@@ -162,7 +163,7 @@ const KernelTable kernel_table = {kIsaName,        kWidth,            inline_act
                                    normalize_rows_fused_kernel, rows_loop_kernel, normalize_columns_fused_entry,
                                    lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry, scale_over_std_f32_entry,
-                                   backward_sums_kernel,
+                                   update_running_entry, backward_sums_kernel,
                                    backward_apply_kernel, backward_groups_kernel, backward_coefficients_kernel};
 #endif
 #endif  // the parts

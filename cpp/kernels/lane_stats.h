@@ -223,6 +223,36 @@ static inline int64_t scale_over_std_f32_lane(const float* __restrict var, const
   return product_out_of_range(v, s, m, min, max);
 }
 
+// The running statistics' update (kernel_table.h: RunningUpdateArgs), a typed loop of each
+// combination of the arrays' types and the convention, for the compiler to vectorize.
+template <class R, class S, bool PyTorch>
+static void update_running_loop(const RunningUpdateArgs& a) {
+  R* __restrict rm = static_cast<R*>(a.running_mean);
+  R* __restrict rv = static_cast<R*>(a.running_var);
+  const S* __restrict bm = static_cast<const S*>(a.mean);
+  const S* __restrict bv = static_cast<const S*>(a.var);
+  const double m = a.momentum, unbias = a.unbias;
+  for (int64_t i = 0; i < a.n; ++i) {
+    if (PyTorch) {
+      rm[i] = static_cast<R>((1.0 - m) * double(rm[i]) + m * double(bm[i]));
+      rv[i] = static_cast<R>((1.0 - m) * double(rv[i]) + (m * double(bv[i])) * unbias);
+    } else {
+      rm[i] = static_cast<R>(m * double(rm[i]) + (1.0 - m) * double(bm[i]));
+      rv[i] = static_cast<R>(m * double(rv[i]) + (1.0 - m) * double(bv[i]));
+    }
+  }
+}
+
+template <class R, class S>
+static void update_running_typed(const RunningUpdateArgs& a) {
+  a.pytorch ? update_running_loop<R, S, true>(a) : update_running_loop<R, S, false>(a);
+}
+
+static void update_running_entry(const RunningUpdateArgs& a) {
+  if (a.running_f64) a.batch_f64 ? update_running_typed<double, double>(a) : update_running_typed<double, float>(a);
+  else a.batch_f64 ? update_running_typed<float, double>(a) : update_running_typed<float, float>(a);
+}
+
 #if defined(SIMDNORM_ISA_NS)  // (vec.h's vectors: the kernel units')
 typedef float vfd __attribute__((vector_size(kWidthD * sizeof(float))));  // a vd's lanes as floats
 

@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
-#include <type_traits>
 
 #include "ops/common.h"
 #include "runtime/cpu.h"
@@ -150,7 +149,7 @@ void update_running_statistics(const TensorView& running_mean, const TensorView&
     std::memcpy(&d, v.data + i * 8, 8);
     return d;
   };
-  // The common case, the four arrays apart and aligned: one typed loop that vectorizes (thousands of
+  // The common case, the four arrays apart and aligned: the active unit's typed loops (thousands of
   // channels a call), the same arithmetic.
   auto bytes = [&](const TensorView& v) { return static_cast<uintptr_t>(n) * itemsize(v.dtype); };
   auto apart = [&](const TensorView& a, const TensorView& b) {
@@ -162,31 +161,10 @@ void update_running_statistics(const TensorView& running_mean, const TensorView&
                      apart(running_var, mean) && apart(running_var, var) && aligned(running_mean) &&
                      aligned(running_var) && aligned(mean) && aligned(var) && running_mean.dtype == running_var.dtype &&
                      mean.dtype == var.dtype;
-  auto typed_loop = [&](auto* r_tag, auto* s_tag) {
-    using R = std::remove_pointer_t<decltype(r_tag)>;
-    using S = std::remove_pointer_t<decltype(s_tag)>;
-    R* __restrict rm = reinterpret_cast<R*>(running_mean.data);
-    R* __restrict rv = reinterpret_cast<R*>(running_var.data);
-    const S* __restrict bm = reinterpret_cast<const S*>(mean.data);
-    const S* __restrict bv = reinterpret_cast<const S*>(var.data);
-    if (pytorch) {
-      for (int64_t i = 0; i < n; ++i) {
-        rm[i] = static_cast<R>((1.0 - m) * double(rm[i]) + m * double(bm[i]));
-        rv[i] = static_cast<R>((1.0 - m) * double(rv[i]) + (m * double(bv[i])) * unbias);
-      }
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        rm[i] = static_cast<R>(m * double(rm[i]) + (1.0 - m) * double(bm[i]));
-        rv[i] = static_cast<R>(m * double(rv[i]) + (1.0 - m) * double(bv[i]));
-      }
-    }
-  };
   if (typed) {
-    const bool r64 = running_mean.dtype == DType::f64, s64 = mean.dtype == DType::f64;
-    if (r64 && s64) typed_loop(static_cast<double*>(nullptr), static_cast<double*>(nullptr));
-    else if (r64) typed_loop(static_cast<double*>(nullptr), static_cast<float*>(nullptr));
-    else if (s64) typed_loop(static_cast<float*>(nullptr), static_cast<double*>(nullptr));
-    else typed_loop(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+    kernels().update_running(RunningUpdateArgs{running_mean.data, running_var.data, mean.data, var.data,
+                                               running_mean.dtype == DType::f64, mean.dtype == DType::f64, pytorch, n,
+                                               m, unbias});
     return;
   }
   for (int64_t i = 0; i < n; ++i) {

@@ -57,6 +57,21 @@ struct InvStdRule {
   double epsilon;
 };
 
+// Batch norm's running statistics updated from a call's batch statistics, n channels of aligned,
+// contiguous arrays apart from each other (ops/batch_norm.cpp: update_running_statistics, which
+// takes any others): running float32 or float64 (running_f64), batch float32 or float64
+// (batch_f64). PyTorch's convention: r = (1 - m) r + m b, the variance's m b times unbias; ONNX's:
+// r = m r + (1 - m) b. In double, without contraction; each result rounded once.
+struct RunningUpdateArgs {
+  void* running_mean;
+  void* running_var;
+  const void* mean;
+  const void* var;
+  bool running_f64, batch_f64, pytorch;
+  int64_t n;
+  double momentum, unbias;
+};
+
 // When a group's first-pass sums may have lost digits to squares that underflowed: its sum of
 // squares around the pivot below `sum_sq_below`, and the pivot within +-max_pivot (past it, squares
 // that small mean every element equals the pivot, and scaled up they would overflow). ops/mvn.cpp
@@ -247,6 +262,7 @@ struct KernelTable {
   // The same of float32 arrays, mul rounded to float32 (scale null: 1), without inv_std and fits.
   bool (*scale_over_std_f32)(const float* var, const float* scale, float* mul, int64_t n, double epsilon, double min,
                              double max);
+  void (*update_running)(const RunningUpdateArgs& args);
   // The backward ops' passes over the flat index range [begin, end) of a nest (kernels/backward.h).
   void (*backward_sums)(const BackwardTask& task, const LoopNest& nest, int64_t begin, int64_t end,
                         const BackwardSums& sums);
