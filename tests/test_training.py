@@ -1413,14 +1413,16 @@ def test_running_stats_formula(rng, convention, momentum, dtype, rdtype):
             # the next step starts from what is stored
 
 
-# Contiguous float32/float64 running buffers are updated by one kernel call (aligned: its typed loop,
-# a byte off: element by element), any others by numpy: the same float64 arithmetic in the same
-# order, so the same bits (buffers alike but for their strides).
+# Contiguous float32/float64 running buffers are updated by one kernel call (aligned: the unit's
+# typed loop, a byte off: element by element), any others by numpy: the same float64 arithmetic in
+# the same order, so the same bits (buffers alike but for their strides). float32 and float64 data:
+# batch statistics of either type.
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "a-byte-off"])
 @pytest.mark.parametrize("rdtype", [F32, F64], ids=dtype_id)
 @pytest.mark.parametrize("convention,momentum", [("pytorch", 0.1), ("pytorch", "cumulative"), ("onnx", 0.8)])
-def test_running_stats_contiguous_as_strided(rng, convention, momentum, rdtype, offset):
-    x = rand_values(rng, (6, 33, 5), F32, loc=1.0, scale=2.0)
+def test_running_stats_contiguous_as_strided(isa, rng, convention, momentum, rdtype, offset, dtype):
+    x = rand_values(rng, (6, 33, 5), dtype, loc=1.0, scale=2.0)
     start = [rand_values(rng, (33,), rdtype, loc=loc, scale=0.3) for loc in (0.0, 2.0)]
     kw = dict(momentum_convention=convention, momentum=momentum)
     if momentum == "cumulative":
