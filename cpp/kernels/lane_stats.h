@@ -233,7 +233,7 @@ static void update_running_loop(const RunningUpdateArgs& a) {
   const S* __restrict bv = static_cast<const S*>(a.var);
   const double m = a.momentum, unbias = a.unbias;
   for (int64_t i = 0; i < a.n; ++i) {
-    if (PyTorch) {
+    if constexpr (PyTorch) {
       rm[i] = static_cast<R>((1.0 - m) * double(rm[i]) + m * double(bm[i]));
       rv[i] = static_cast<R>((1.0 - m) * double(rv[i]) + (m * double(bv[i])) * unbias);
     } else {
@@ -298,12 +298,13 @@ static int64_t scale_over_std_f32_vectors(const float* __restrict var, const flo
 static int64_t inv_std_floats_near(const double* __restrict var, float* __restrict out, int64_t n, double epsilon) {
   if (!kInvSqrtNearIsFast) return 0;
   const vd one = vbroadcast_vd(1.0);
+  const InvStdRule inside{true, false, epsilon};
   int64_t c = 0;
   for (; c + kWidthD <= n; c += kWidthD) {
     vd v;
     std::memcpy(&v, var + c, sizeof v);
     if (!store_quotient_near(one, v + epsilon, out + c))
-      for (int64_t j = c; j < c + kWidthD; ++j) out[j] = static_cast<float>(1.0 / dsqrt(var[j] + epsilon));
+      for (int64_t j = c; j < c + kWidthD; ++j) out[j] = static_cast<float>(inv_std_of(var[j], inside));
   }
   return c;
 }
