@@ -69,8 +69,8 @@ def test_isas_agree_closely(rng):
 
 def _multipliers_near_midpoints(rng, count, lanes):
     """(var, epsilon) per call: lanes whose 1 / sqrt(var + epsilon) straddles a float32 rounding
-    midpoint M by a few units of double's last place (var steps of 2^-52 added to an epsilon just
-    below 1 / M^2), for `count` random M in [0.5, 2)."""
+    midpoint M by a few units of double's last place (var in steps of one unit of 1 / M^2's last
+    place, added to an epsilon just below 1 / M^2), for `count` random M in [0.5, 2)."""
     for f in rng.uniform(0.5, 2.0, count).astype(np.float32):
         midpoint = float(f) + float(np.spacing(f)) / 2
         step = float(np.spacing(1.0 / midpoint**2))  # a power of 2
@@ -108,12 +108,12 @@ def test_folded_multiplier_is_the_double_formula_rounded(isa, rng):
             assert fits.sum() > n // 2
             np.testing.assert_array_equal(bits(got[fits]), bits(want[fits]), err_msg=f"{isa} eps={eps}")
     near = list(_multipliers_near_midpoints(rng, 64, 64))
-    rounded_up = 0
+    straddled = 0
     for var, eps in near:
         want, got = expected(var, None, eps), folded(var, None, eps)
         np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{isa} eps={eps!r}")
-        rounded_up += len(np.unique(want)) == 2  # the lanes do straddle the midpoint
-    assert rounded_up == len(near)
+        straddled += len(np.unique(want)) == 2  # the lanes do straddle the midpoint
+    assert straddled == len(near)
 
 
 def test_batch_statistics_inv_std_is_the_double_formula_rounded(isa, rng):
