@@ -445,12 +445,13 @@ def test_backward_statistics_follow_the_input_memory_order():
     assert plan.startswith("two-pass groups=24 ") and " nest=sizes=(40,24) " in plan and " mul=(0,4) " in plan, plan
 
 
-@pytest.mark.parametrize("shape, columns", [((8, 16384), 8192), ((128, 4096), 512), ((32, 4096), 2048),
-                                            ((256, 1024), None), ((8, 4096), None), ((2048, 256), None)])
+@pytest.mark.parametrize("shape, columns", [((64, 16384), 1024), ((128, 4096), 512), ((33, 4096), 2048),
+                                            ((256, 1024), None), ((2048, 256), None)])
 def test_backward_sums_of_wide_channel_rows_go_by_columns(shape, columns):
     # batch norm's backward over rows of many channels: where every chunk of elements would hold
     # all the channels' partial sums (to clear, flush and merge) past an eighth of its data, the
     # sums pass takes blocks of the channels instead, each over every row, its partials its own
+    # (a few rows go by column chunks: below)
     x = np.zeros(shape, np.float32)
     c = np.ones((1, shape[1]), np.float32)
     sums = [np.zeros(shape[1], np.float64) for _ in range(2)]
@@ -458,6 +459,33 @@ def test_backward_sums_of_wide_channel_rows_go_by_columns(shape, columns):
                               IDENTITY, True, False, 1, True, False)
     assert plan.startswith("two-pass "), plan
     assert (f" sum_columns={columns}" in plan) if columns else "sum_columns" not in plan, plan
+
+
+@pytest.mark.parametrize("shape, lanes", [((2, 65536), 8192), ((8, 16384), 4096), ((8, 4096), 4096),
+                                          ((32, 4096), 1024), ((3, 20000), 6720), ((5, 100), 128), ((33, 4096), None),
+                                          ((2, 64, 1, 1), 64)])
+@pytest.mark.parametrize("terms", [True, False], ids=["training", "global"])
+def test_backward_few_rows_of_many_channels_go_by_column_chunks(shape, lanes, terms):
+    # up to 32 rows whose every channel has its own statistics and parameters (batch norm of (N, C)
+    # data, of channels-last data of few pixels) go by chunks of channels, the lanes shared evenly
+    # in multiples of 64, each chunk's sums, coefficients, grad_input and parameter sums in turn;
+    # the sums pass writes there too without statistics terms
+    x = np.zeros(shape, np.float32)
+    if x.ndim == 4:
+        x = np.zeros((shape[0], shape[2], shape[3], shape[1]), np.float32).transpose(0, 3, 1, 2)
+    c = np.ones((1, shape[1]) + (1,) * (x.ndim - 2), np.float32)
+    sums = [np.zeros(shape[1], np.float64) for _ in range(2)]
+    axes = (0,) + tuple(range(2, x.ndim))
+    plan = _core.mvn_backward(x, x, axes, c, c, c, c, None, np.empty_like(x), *sums, 1e-5, True, True, False,
+                              IDENTITY, terms, False, 1, True, False)
+    assert plan.startswith("two-pass "), plan
+    assert (f" column_chunks={lanes}" in plan) if lanes else "column_chunks" not in plan, plan
+    assert ("sums-write" in plan) == (not terms), plan
+    # grad_input not asked for: nothing to chunk (the sums alone)
+    if terms:
+        plan = _core.mvn_backward(x, x, axes, c, c, c, c, None, None, *sums, 1e-5, True, True, False, IDENTITY,
+                                  terms, False, 1, True, False)
+        assert "column_chunks" not in plan, plan
 
 
 def test_wide_channel_rows_streamed_by_the_sums_pass_keep_whole_rows():

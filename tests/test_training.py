@@ -2135,6 +2135,49 @@ def test_backward_channel_blocks_against_reference_and_threads(rng, threads, dty
             assert one[1] is None and one[2] is None
 
 
+# Batch norm of a few rows of many channels ((N, C) data, small N) goes by chunks of channels, each
+# summed, its coefficients set, its grad_input written and its parameters' gradients stored before
+# the next (column_chunks). Chunks of 8192 channels and a last, shorter one; the channels reversed
+# in memory; training and global statistics, with and without parameters, an activation; against
+# the float64 reference into poisoned outputs, and 1 vs 2 threads bitwise.
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
+@pytest.mark.parametrize("flipped", [False, True], ids=["forward", "flipped"])
+def test_backward_column_chunks_against_reference_and_threads(rng, threads, dtype, flipped):
+    from training_reference import bn_backward_ref
+
+    x = rand_values(rng, (3, 20000), dtype, scale=2.0) + np.asarray(3.0, dtype)
+    dy = rand_values(rng, x.shape, dtype, scale=1.0)
+    if flipped:
+        x, dy = x[:, ::-1], dy[:, ::-1]
+    pdt = F64 if dtype == F64 else F32
+    scale, bias = (rand_values(rng, (20000,), pdt, scale=1.0) for _ in range(2))
+    _, m, v = simdnorm.batch_normalization_training(x, scale, bias)
+    for training, params, act in ((True, True, None), (True, False, None), (False, True, None), (True, True, "relu")):
+        p = (scale, bias) if params else (None, None)
+
+        def run():
+            out = np.full(x.shape, np.nan, dtype)
+            got = simdnorm.batch_normalization_backward(dy, x, m, v, *p, training=training, activation=act, out=out)
+            assert got[0] is out
+            return got
+
+        plans = backward_plans(run)
+        assert " column_chunks=6720" in plans[-1], plans
+        threads(1)
+        one = run()
+        threads(2)
+        two = run()
+        for a, b in zip(one, two):
+            if a is not None:
+                np.testing.assert_array_equal(bits(a), bits(b))
+        ref = bn_backward_ref(dy, x, m, v, *p, training=training, activation=act)
+        context = f"{dtype_id(dtype)} training={training} params={params} act={act}"
+        check_grad(one[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=context)
+        if params:
+            check_grad(one[1], ref.grad_scale, ref.e_scale, name="grad_scale", context=context)
+            check_grad(one[2], ref.grad_bias, ref.e_bias, name="grad_bias", context=context)
+
+
 # An activation whose derivative the kernels call out of line (silu, gelu) is taken once an element:
 # grouped (batch norm of NCHW data with training statistics: a channel's planes), each group's
 # sums pass saves its ga = dy * act'(pre) for its apply (saved-ga); else ga is written into

@@ -72,6 +72,15 @@ constexpr int64_t kScatteredRunBytes = 1024, kScatteredRunBytesFromMemory = 4096
 // (half a 1 MB L2), whole statistics elements up to half the streaming threshold (a quarter of
 // the L3: two threads' slabs then read their second pass from it).
 constexpr int64_t kSlabBytes = int64_t(512) << 10;
+// Column chunks (BackwardRunner::column_chunks): up to kMaxChunkRows rows; a chunk's lanes a
+// multiple of kChunkLaneStep (whole lines and vectors), about kChunkElements elements a chunk (its
+// calls' setup small beside it), its rows of x and dy within kSlabBytes and no more than
+// kMaxChunkLanes (its arrays in the L2).
+constexpr int64_t kMaxChunkRows = 32;
+constexpr int64_t kChunkLaneStep = 64;
+constexpr int64_t kChunkElements = int64_t(32) << 10;
+constexpr int64_t kMinChunkLanes = 256;
+constexpr int64_t kMaxChunkLanes = 8192;
 // Runs (groups) a compute-type slot sums before it is added into its double.
 constexpr int64_t kFlushRuns = 32;
 // Group norm's channels-last runs of a group's channels up to this many bytes have their statistics
@@ -155,6 +164,10 @@ class BackwardRunner {
                  (task_.stream_stores ? " streaming-stores" : "") + (task_.save_ga ? " saved-ga" : "");
       const SumTargets t = sum_targets();
       if (!grouped && write_in_sums(t)) *explain += " sums-write";
+      if (!grouped && column_chunks(two_pass, t)) {
+        *explain += " column_chunks=" + std::to_string(chunk_lanes(two_pass));
+        return;
+      }
       const std::vector<Slab> slabs = grouped ? std::vector<Slab>() : slabs_of(two_pass, total, t);
       if (!slabs.empty()) *explain += " slabs=" + std::to_string(slabs.size());
       const int in = two_pass.ndim - 1;
@@ -361,11 +374,16 @@ class BackwardRunner {
           ordered[static_cast<size_t>(k * np + param_index_[static_cast<size_t>(i)])] = sums[k * np + i];
       sums = ordered.data();
     }
+    write_param_range(sums, np, 0, np);
+  }
+  // The sums of the caller's parameter elements [lo, lo + n) into its outputs (sums[i], sum(ga y),
+  // and sums[pitch + i], sum(ga), of element lo + i; zeros where sums is null).
+  void write_param_range(const double* sums, int64_t pitch, int64_t lo, int64_t n) const {
     for (int o = 0; o < 2; ++o) {
       if (!a_.param_sums[o]) continue;
-      const double* from = sums == nullptr ? nullptr : sums + o * np;
+      const double* from = sums == nullptr ? nullptr : sums + o * pitch;
       auto write = [&](auto* out, auto round) {
-        for (int64_t i = 0; i < np; ++i) out[i] = round(from == nullptr ? 0.0 : 0.0 + from[i]);  // (-0: +0)
+        for (int64_t i = 0; i < n; ++i) out[lo + i] = round(from == nullptr ? 0.0 : 0.0 + from[i]);  // (-0: +0)
       };
       void* data = a_.param_sums[o]->data;
       switch (a_.param_sums[o]->dtype) {
@@ -579,16 +597,16 @@ class BackwardRunner {
     if (zeroed) std::fill_n(g, 2 * ns, 0.0);
     return g;
   }
-  // The statistics' sums of elements r derived from the parameters' (derive: shared_layout), sum(g)
-  // = scale sum(ga), sum(g y) = scale sum(ga y); param_sums: sum(ga y) of the parameter elements
-  // from `first` on, their sum(ga) `pitch` after.
-  void derive_group_sums(double* group, const double* param_sums, int64_t first, int64_t pitch, Slots r) const {
-    const int64_t ns = stats_->count();
-    load_as_double(compute_, params_->data(0) + r.lo * csize_, csize_, r.hi - r.lo, group + ns + r.lo);  // (the scale)
-    for (int64_t j = r.lo; j < r.hi; ++j) {
-      const double scale = group[ns + j];
-      group[j] = scale * (0.0 + param_sums[pitch + j - first]);  // (as merged from 0: never -0)
-      group[ns + j] = scale * (0.0 + param_sums[j - first]);
+  // The statistics' sums of elements [lo, lo + n) derived from the parameters' (derive:
+  // shared_layout): sum_g[j] = scale sum(ga), sum_gy[j] = scale sum(ga y) of element lo + j;
+  // param_sums: sum(ga y) of element lo on, their sum(ga) `pitch` after.
+  void derive_group_sums(double* sum_g, double* sum_gy, const double* param_sums, int64_t pitch, int64_t lo,
+                         int64_t n) const {
+    load_as_double(compute_, params_->data(0) + lo * csize_, csize_, n, sum_gy);  // (the scale)
+    for (int64_t j = 0; j < n; ++j) {
+      const double scale = sum_gy[j];
+      sum_g[j] = scale * (0.0 + param_sums[pitch + j]);  // (as merged from 0: never -0)
+      sum_gy[j] = scale * (0.0 + param_sums[j]);
     }
   }
   // The partials' group sums (n of them, from p) into m's statistics elements of r, each its
@@ -740,7 +758,8 @@ class BackwardRunner {
       const Slots r = reached(kStats, s.nest, s.begin, s.end);
       if (t.derive) {
         SIMDNORM_CHECK(mine.param_lo <= r.lo && r.hi <= mine.param_lo + mine.param_count);
-        derive_group_sums(group, mine.sums, mine.param_lo, mine.param_count, r);
+        derive_group_sums(group + r.lo, group + ns + r.lo, mine.sums + (r.lo - mine.param_lo), mine.param_count, r.lo,
+                          r.hi - r.lo);
       } else {
         merge_group(&mine, 1, group, r);
       }
@@ -750,6 +769,67 @@ class BackwardRunner {
       if (task_.stream_stores) fence_streaming_stores();
     });
     write_param_sums(t.params ? merged_params(partials) : nullptr);
+  }
+
+  // Rows of lanes, each lane with statistics and parameter elements of its own (batch norm of (N, C)
+  // data, or of channels-last data of a few pixels), a few rows: the two passes by chunks of lanes,
+  // each chunk summed, its coefficients set, its grad_input written while its rows are in the L2,
+  // and its parameters' sums written out, each of its per-lane arrays a few KB. Over all the lanes
+  // at once, the passes between the sums and the write (zeroing, flushing, merging, deriving, the
+  // coefficients, the parameters' sums) each went through arrays of every lane, which past the L2
+  // cost more than the rows themselves. Only a few rows: past them those passes are a small part
+  // of the call, and a chunk's pieces of rows from memory came in no faster than whole rows; not
+  // where the sums pass streams grad_input out (as sum_chunks).
+  bool column_chunks(const LoopNest& nest, const SumTargets& t) const {
+    const int64_t cs = csize_;
+    const bool sums_write = write_in_sums(t);
+    if (nest.ndim != 2 || nest.sizes[0] > kMaxChunkRows || lane_fold_ != 1 || !param_of_stat_.empty() ||
+        !param_index_.empty() || !(want_group_ || sums_write) || (sums_write && task_.stream_stores))
+      return false;
+    if (nest.strides[kStats][0] != 0 || nest.strides[kParams][0] != 0) return false;
+    return (!t.group || nest.strides[kStats][1] == cs) && (!t.params || nest.strides[kParams][1] == cs);
+  }
+  // The lanes a chunk holds: about kChunkElements elements, its rows of x and dy within kSlabBytes.
+  int64_t chunk_lanes(const LoopNest& nest) const {
+    const int64_t rows = nest.sizes[0];
+    const int64_t per_element = itemsize(a_.input.dtype) + itemsize(a_.grad_output.dtype);
+    const int64_t fit = kSlabBytes / (rows * per_element) / kChunkLaneStep * kChunkLaneStep;
+    const int64_t want = (kChunkElements / rows + kChunkLaneStep - 1) / kChunkLaneStep * kChunkLaneStep;
+    const int64_t most = std::max(kChunkLaneStep, std::min(fit, std::clamp(want, kMinChunkLanes, kMaxChunkLanes)));
+    // (the lanes shared out evenly: no last chunk of a few lanes)
+    const int64_t lanes = nest.sizes[1], chunks = (lanes + most - 1) / most;
+    return ((lanes + chunks - 1) / chunks + kChunkLaneStep - 1) / kChunkLaneStep * kChunkLaneStep;
+  }
+  void run_column_chunks(const LoopNest& nest, int64_t total, const SumTargets& t) {
+    const KernelTable& k = kernels();
+    const int64_t rows = nest.sizes[0], lanes = nest.sizes[1], per = chunk_lanes(nest);
+    for_parts((lanes + per - 1) / per, total, [&](int i) {
+      const int64_t c0 = i * per, n = std::min(per, lanes - c0);
+      Slab c{nest, 0, rows * n};
+      c.nest.sizes[1] = n;
+      for (int op = 0; op < kNumOperands; ++op)
+        if (c.nest.data[op] != nullptr) c.nest.data[op] += c0 * nest.strides[op][1];
+      // The chunk's partial sums (zeroed), then its statistics' sums (sum(g) | sum(g y), 2 n).
+      Partial p = partial_for(t, c.nest, 0, c.end);
+      const int64_t bytes = p.width() * (8 + csize_);
+      KeptScratch<kColumnChunkSlot> scratch;
+      char* const at = scratch.reserve(static_cast<size_t>(bytes + 2 * n * 8));
+      std::memset(at, 0, static_cast<size_t>(bytes));
+      p.sums = reinterpret_cast<double*>(at), p.vary = at + p.width() * 8;
+      double* const group = reinterpret_cast<double*>(at + bytes);
+      sum_range(p, t, c.nest, 0, c.end, kFlushRuns * n);
+      if (want_group_) {
+        if (t.derive) {
+          derive_group_sums(group, group + n, p.sums, p.param_count, c0, n);
+        } else {
+          for (int64_t j = 0; j < 2 * n; ++j) group[j] = 0.0 + p.sums[j];  // (as merged from 0)
+        }
+        k.backward_coefficients(task_, stats_->data(0) + c0 * csize_, group, group + n, n);
+        k.backward_apply(task_, c.nest, 0, c.end);
+      }
+      if (task_.stream_stores) fence_streaming_stores();
+      if (want_params_) write_param_range(p.sums + 2 * p.group_count, p.param_count, c0, n);
+    });
   }
 
   void run_two_pass(const LoopNest& nest, int64_t total) {
@@ -763,6 +843,7 @@ class BackwardRunner {
     const bool varying = nest.strides[kStats][in] != 0 || nest.strides[kParams][in] != 0;
     const int64_t flush_every = varying ? kFlushRuns * nest.sizes[in] : total;
     task_.sums_write = write_in_sums(t);
+    if (column_chunks(nest, t)) return run_column_chunks(nest, total, t);
     const std::vector<Slab> slabs = slabs_of(nest, total, t);  // (none where the sums pass writes)
     if (!slabs.empty()) return run_slabs(slabs, total, t, flush_every);
     if (group_sums || param_sums) {
@@ -780,7 +861,7 @@ class BackwardRunner {
       if (want_group_) {
         double* const group = kept_group_sums(!derive);
         if (derive) {
-          derive_group_sums(group, params, 0, np, {0, ns});
+          derive_group_sums(group, group + ns, params, np, 0, ns);
         } else {
           merge_group(partials.data(), partials.size(), group, {0, ns});
         }

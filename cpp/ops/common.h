@@ -32,7 +32,9 @@ constexpr size_t kKeptScratchBytes = 1 << 20;
 // elements (layer norm of 8 features) they are a third as large as the data: they are kept up
 // to this size (per slot and calling thread), where their pages faulted in took 40% of the call.
 constexpr size_t kKeptStatisticsBytes = size_t(16) << 20;
-enum ScratchSlot { kLaneSlot, kStatsSlot, kChunkSlot, kSpreadSlot, kFoldSlot, kGroupSumsSlot, kPartialsSlot, kMergedSlot };
+enum ScratchSlot {
+  kLaneSlot, kStatsSlot, kChunkSlot, kSpreadSlot, kFoldSlot, kGroupSumsSlot, kPartialsSlot, kMergedSlot, kColumnChunkSlot
+};
 template <int Slot, size_t KeepBytes = kKeptScratchBytes>
 class KeptScratch {
  public:
