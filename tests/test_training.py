@@ -2137,20 +2137,25 @@ def test_backward_channel_blocks_against_reference_and_threads(rng, threads, dty
 
 # Batch norm of a few rows of many channels ((N, C) data, small N) goes by chunks of channels, each
 # summed, its coefficients set, its grad_input written and its parameters' gradients stored before
-# the next (column_chunks). Chunks of 8192 channels and a last, shorter one; the channels reversed
-# in memory; training and global statistics, with and without parameters, an activation; against
-# the float64 reference into poisoned outputs, and 1 vs 2 threads bitwise.
+# the next (column_chunks); with training statistics and parameters, each chunk in one sweep of the
+# kernel's (rows a multiple of 4 KB apart: up to 8 of them). Chunks of 6720 channels, the last
+# shorter; the channels reversed in memory (the sweep's loads and stores go one way: the chunks'
+# two passes there); training and global statistics, with and without
+# parameters, an activation; against the float64 reference into poisoned outputs, and 1 vs 2
+# threads bitwise.
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64], ids=dtype_id)
 @pytest.mark.parametrize("flipped", [False, True], ids=["forward", "flipped"])
-def test_backward_column_chunks_against_reference_and_threads(rng, threads, dtype, flipped):
+@pytest.mark.parametrize("shape, lanes, sweep", [((3, 20000), 6720, True), ((8, 4096), 4096, True),
+                                                 ((32, 1024), 1024, False)], ids=["3x20000", "8x4096", "32x1024"])
+def test_backward_column_chunks_against_reference_and_threads(rng, threads, dtype, flipped, shape, lanes, sweep):
     from training_reference import bn_backward_ref
 
-    x = rand_values(rng, (3, 20000), dtype, scale=2.0) + np.asarray(3.0, dtype)
+    x = rand_values(rng, shape, dtype, scale=2.0) + np.asarray(3.0, dtype)
     dy = rand_values(rng, x.shape, dtype, scale=1.0)
     if flipped:
         x, dy = x[:, ::-1], dy[:, ::-1]
     pdt = F64 if dtype == F64 else F32
-    scale, bias = (rand_values(rng, (20000,), pdt, scale=1.0) for _ in range(2))
+    scale, bias = (rand_values(rng, (shape[1],), pdt, scale=1.0) for _ in range(2))
     _, m, v = simdnorm.batch_normalization_training(x, scale, bias)
     for training, params, act in ((True, True, None), (True, False, None), (False, True, None), (True, True, "relu")):
         p = (scale, bias) if params else (None, None)
@@ -2162,7 +2167,10 @@ def test_backward_column_chunks_against_reference_and_threads(rng, threads, dtyp
             return got
 
         plans = backward_plans(run)
-        assert " column_chunks=6720" in plans[-1], plans
+        assert f" column_chunks={lanes}" in plans[-1], plans
+        # (the sweep: training statistics with parameters, whose sums the group sums derive from, x
+        # and dy along the lanes as grad_input: the flipped ones take the chunks' two passes)
+        assert (" sweep" in plans[-1]) == (sweep and training and params and not flipped), plans
         threads(1)
         one = run()
         threads(2)

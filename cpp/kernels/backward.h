@@ -1364,6 +1364,79 @@ struct BackwardKernel {
     }
   }
 
+  // A few rows of lanes, each lane with statistics and parameter elements of its own, derived group
+  // sums (batch norm of (N, C) data: ops/backward.cpp, run_column_chunks): each vector of lanes
+  // summed down the rows, its coefficients set and its rows' grad_input written in one sweep, its
+  // data read once, where the two passes went through arrays of every lane between them. The
+  // arithmetic, and each lane's order of adds, are lanes_sums', the flush's (rows up to kFlushRuns:
+  // one flush), derive_group_sums', set_coefficients_of's and lanes_apply's: the same bits.
+  // param_sums: each lane's sum(ga y) as flushed, their sum(ga) `pitch` after (pitch at least the
+  // lanes rounded up to a vector: whole vectors are stored).
+  static constexpr int64_t kMaxColumnRows = 32;  // (KernelTable::backward_columns)
+  static void columns(const BackwardTask& t, const LoopNest& nest, double* param_sums, int64_t pitch) {
+    visit_inline_derivative<V>(t.act, [&](const auto& deriv) { columns_of(t, deriv, nest, param_sums, pitch); });
+  }
+  template <class D>
+  static void columns_of(const BackwardTask& t, const D& deriv, const LoopNest& nest, double* param_sums,
+                         int64_t pitch) {
+    constexpr int64_t es = static_cast<int64_t>(sizeof(T));
+    const int64_t rows = nest.sizes[0], n = nest.sizes[1];
+    const C* const mean = reinterpret_cast<const C*>(nest.data[kStats]);
+    const C* const u = reinterpret_cast<const C*>(nest.data[kStats] + t.stats_pitch);
+    const C* const scale = reinterpret_cast<const C*>(nest.data[kParams]);
+    const C* const bias = reinterpret_cast<const C*>(nest.data[kParams] + t.params_pitch);
+    const CoefficientRule rule(t);
+    constexpr int kHalves = sizeof(C) == 4 ? 2 : 1, kHalf = W / kHalves;  // (float lanes: two of doubles)
+    // Each row's y and ga of the vector, kept for the write: read again from x and dy, rows a
+    // multiple of 4 KB apart ((8, 4096) float32) shared an L1 set and evicted each other; kept here
+    // they are a few lines of their own.
+    SIMDNORM_CHECK(rows <= kMaxColumnRows);
+    alignas(64) C kept[kMaxColumnRows][2][W];
+    auto at = [&](int64_t e, int m) SIMDNORM_INLINE_LAMBDA {
+      const V mv = load_up_to<LC>(mean + e, m), uv = load_up_to<LC>(u + e, m), sv = load_up_to<LC>(scale + e, m);
+      const V bv = D::kUsesPre ? load_up_to<LC>(bias + e, m) : zero();
+      auto grad_at = [&](int64_t r, V& y) SIMDNORM_INLINE_LAMBDA {  // (lanes_sums' d, y and ga)
+        const V d = load_up_to<L>(reinterpret_cast<const T*>(nest.data[kX] + r * nest.strides[kX][0]) + e, m) - mv;
+        y = d * uv;
+        V ga = load_up_to<L>(reinterpret_cast<const T*>(nest.data[kGradOut] + r * nest.strides[kGradOut][0]) + e, m);
+        if constexpr (D::kUsesPre) ga = deriv(vfma(y, sv, bv), ga);
+        return ga;
+      };
+      V s2 = zero(), s3 = zero();
+      for (int64_t r = 0; r < rows; ++r) {
+        V y;
+        const V ga = grad_at(r, y);
+        s2 = s2 + ga * y, s3 = s3 + ga;
+        LC::store(kept[r][0], y), LC::store(kept[r][1], ga);
+      }
+      // Flushed into doubles from +0 (the parameters' sums, which derive_group_sums adds to +0
+      // again: the same), the group sums derived from them (scale sum(ga), scale sum(ga y)), the
+      // coefficients rounded to the compute type.
+      const auto gay = vwiden(s2), ga = vwiden(s3), sd = vwiden(sv), ud = vwiden(uv);
+      vd c1[2] = {}, c2[2] = {};
+      for (int h = 0; h < kHalves; ++h) {
+        const vd pay = (h == 0 ? gay.first : gay.second) + 0.0, pga = (h == 0 ? ga.first : ga.second) + 0.0;
+        Lanes<double>::store(param_sums + e + h * kHalf, pay), Lanes<double>::store(param_sums + pitch + e + h * kHalf, pga);
+        const vd scale_d = h == 0 ? sd.first : sd.second;
+        const vd sum_g = scale_d * pga, sum_gy = scale_d * pay;
+        if (!rule.terms) continue;
+        vd k = splat<vd>(1.0);
+        if (rule.epsilon_outside) {  // (CoefficientRule::terms_of)
+          const vd den = 1.0 - rule.epsilon * (h == 0 ? ud.first : ud.second);
+          k = vselect(den > splat<vd>(sizeof(C) == 8 ? 1e-14 : 1e-6), 1.0 / den, vd{});
+        }
+        if (rule.normalize_mean) c1[h] = sum_g * rule.inv_n;
+        if (rule.normalize_variance) c2[h] = k * sum_gy * rule.inv_n;
+      }
+      const V y_coef = y_coefficient(uv, vnarrow_to<V>(c2[0], c2[1])), k_coef = k_coefficient(uv, vnarrow_to<V>(c1[0], c1[1]));
+      const V scale_u = sv * uv;
+      for (int64_t r = 0; r < rows; ++r)  // (lanes_apply's formula)
+        store_dx<true>(nest.data[kGradIn] + r * nest.strides[kGradIn][0] + e * es, es,
+                       grad_input(LC::load(kept[r][0]), LC::load(kept[r][1]), scale_u, y_coef, k_coef), m, false);
+    };
+    vectors_from(0, n, at);
+  }
+
   // The sums pass over elements [begin, end) of the nest; with t.sums_write, their grad_input too.
   static void sums(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end, const BackwardSums& acc) {
     const bool write = t.sums_write;
@@ -1659,6 +1732,10 @@ static void backward_coefficients_entry(const BackwardTask& t, char* stats, cons
                                         int64_t n) {
   if (t.dtype == DType::f64) set_coefficients_of<double>(t, stats, sum_g, sum_gy, n);
   else set_coefficients_of<float>(t, stats, sum_g, sum_gy, n);
+}
+
+static void backward_columns_entry(const BackwardTask& t, const LoopNest& nest, double* param_sums, int64_t pitch) {
+  with_storage_type(t.dtype, [&](auto st) { BackwardKernel<typename decltype(st)::type>::columns(t, nest, param_sums, pitch); });
 }
 
 static void backward_sums_entry(const BackwardTask& t, const LoopNest& nest, int64_t begin, int64_t end,

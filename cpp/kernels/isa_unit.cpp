@@ -29,6 +29,7 @@ namespace SIMDNORM_ISA_NS {
 void backward_sums_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e, const BackwardSums& s);
 void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, int64_t e);
 void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g);
+void backward_columns_kernel(const BackwardTask& t, const LoopNest& n, double* param_sums, int64_t pitch);
 #if !defined(SIMDNORM_DELEGATE_NS)
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n);
 #endif
@@ -69,6 +70,9 @@ void backward_apply_kernel(const BackwardTask& t, const LoopNest& n, int64_t b, 
   backward_apply_entry(t, n, b, e);
 }
 void backward_groups_kernel(const BackwardTask& t, const BackwardGroups& g) { backward_groups_entry(t, g); }
+void backward_columns_kernel(const BackwardTask& t, const LoopNest& n, double* param_sums, int64_t pitch) {
+  backward_columns_entry(t, n, param_sums, pitch);
+}
 #if !defined(SIMDNORM_DELEGATE_NS)
 void backward_coefficients_kernel(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n) {
   backward_coefficients_entry(t, st, g, gy, n);
@@ -147,6 +151,10 @@ void backward_groups_bf16(const BackwardTask& t, const BackwardGroups& g) {
 void backward_coefficients_base(const BackwardTask& t, char* st, const double* g, const double* gy, int64_t n) {
   base::kernel_table.backward_coefficients(t, st, g, gy, n);
 }
+void backward_columns_bf16(const BackwardTask& t, const LoopNest& n, double* param_sums, int64_t pitch) {
+  if (t.dtype == DType::bf16) backward_columns_kernel(t, n, param_sums, pitch);
+  else base::kernel_table.backward_columns(t, n, param_sums, pitch);
+}
 }  // namespace
 const KernelTable kernel_table = {kIsaName,          kWidth,           inline_activation_bits(), normalize_bf16,
                                   normalize_run_kernel, row_moments_kernel, col_moments_base,
@@ -154,7 +162,7 @@ const KernelTable kernel_table = {kIsaName,          kWidth,           inline_ac
                                   normalize_columns_fused_bf16, lane_stats_base,
                                   inv_std_lanes_base, scale_over_std_lanes_base, scale_over_std_f32_base,
                                   update_running_base, backward_sums_bf16, backward_apply_bf16,
-                                  backward_groups_bf16, backward_coefficients_base};
+                                  backward_groups_bf16, backward_coefficients_base, backward_columns_bf16};
 #else
 void normalize_run_kernel(const NormalizeTask& t, char* const* p, int64_t n) { normalize_run_entry(t, p, n); }
 void row_moments_kernel(const RowMomentsArgs& a) { row_moments_entry(a); }
@@ -164,7 +172,8 @@ const KernelTable kernel_table = {kIsaName,        kWidth,            inline_act
                                    lane_stats_entry,
                                    inv_std_lanes_entry, scale_over_std_lanes_entry, scale_over_std_f32_entry,
                                    update_running_entry, backward_sums_kernel,
-                                   backward_apply_kernel, backward_groups_kernel, backward_coefficients_kernel};
+                                   backward_apply_kernel, backward_groups_kernel, backward_coefficients_kernel,
+                                   backward_columns_kernel};
 #endif
 #endif  // the parts
 

@@ -81,6 +81,11 @@ constexpr int64_t kChunkLaneStep = 64;
 constexpr int64_t kChunkElements = int64_t(32) << 10;
 constexpr int64_t kMinChunkLanes = 256;
 constexpr int64_t kMaxChunkLanes = 8192;
+// Rows the backward's column sweep takes however their strides fall on the L1's sets
+// (BackwardRunner::columns_sweep).
+constexpr int64_t kSweepAnyRows = 8;
+// The most lanes a unit's vector holds (AVX-512's floats).
+constexpr int64_t kMaxVectorLanes = 16;
 // Runs (groups) a compute-type slot sums before it is added into its double.
 constexpr int64_t kFlushRuns = 32;
 // Group norm's channels-last runs of a group's channels up to this many bytes have their statistics
@@ -165,7 +170,7 @@ class BackwardRunner {
       const SumTargets t = sum_targets();
       if (!grouped && write_in_sums(t)) *explain += " sums-write";
       if (!grouped && column_chunks(two_pass, t)) {
-        *explain += " column_chunks=" + std::to_string(chunk_lanes(two_pass));
+        *explain += " column_chunks=" + std::to_string(chunk_lanes(two_pass)) + (columns_sweep(two_pass, t) ? " sweep" : "");
         return;
       }
       const std::vector<Slab> slabs = grouped ? std::vector<Slab>() : slabs_of(two_pass, total, t);
@@ -800,15 +805,44 @@ class BackwardRunner {
     const int64_t lanes = nest.sizes[1], chunks = (lanes + most - 1) / most;
     return ((lanes + chunks - 1) / chunks + kChunkLaneStep - 1) / kChunkLaneStep * kChunkLaneStep;
   }
+  // Whether a chunk's two passes are one sweep of the kernels' (KernelTable::backward_columns):
+  // derived group sums, grad_input written plainly, every operand contiguous along the lanes and
+  // constant down the rows, an activation whose derivative runs inline, no fused_add. Past 8 rows,
+  // only rows spread over the L1's sets: the sweep reads a line of every row at each step, and
+  // more rows a multiple of 4 KB apart ((32, 1024) float32) evicted each other, slower than the
+  // chunk's two passes.
+  bool columns_sweep(const LoopNest& nest, const SumTargets& t) const {
+    const int64_t es = itemsize(a_.input.dtype), rows = nest.sizes[0];
+    auto spread = [&](int64_t stride) {
+      constexpr int64_t kSets = 4096 / kLineBytes;  // (the sets 4 KB of lines cover)
+      int count[kSets] = {};
+      for (int64_t r = 0; r < rows; ++r)
+        if (++count[((r * stride / kLineBytes) % kSets + kSets) % kSets] > 2) return false;
+      return true;
+    };
+    return t.derive && want_group_ && !task_.stream_stores && !task_.has_fused_add && !out_of_line(task_.act) &&
+           rows <= kFlushRuns && nest.strides[kX][1] == es && nest.strides[kGradOut][1] == es &&
+           nest.strides[kGradIn][1] == es && nest.strides[kStats][1] == csize_ && nest.strides[kParams][1] == csize_ &&
+           (rows <= kSweepAnyRows || (spread(nest.strides[kX][0]) && spread(nest.strides[kGradOut][0])));
+  }
   void run_column_chunks(const LoopNest& nest, int64_t total, const SumTargets& t) {
     const KernelTable& k = kernels();
     const int64_t rows = nest.sizes[0], lanes = nest.sizes[1], per = chunk_lanes(nest);
+    const bool sweep = columns_sweep(nest, t);
     for_parts((lanes + per - 1) / per, total, [&](int i) {
       const int64_t c0 = i * per, n = std::min(per, lanes - c0);
       Slab c{nest, 0, rows * n};
       c.nest.sizes[1] = n;
       for (int op = 0; op < kNumOperands; ++op)
         if (c.nest.data[op] != nullptr) c.nest.data[op] += c0 * nest.strides[op][1];
+      if (sweep) {  // (the parameters' sums, whole vectors of them: kMaxVectorLanes past the lanes)
+        const int64_t pitch = n + kMaxVectorLanes;
+        KeptScratch<kColumnChunkSlot> scratch;
+        double* const sums = reinterpret_cast<double*>(scratch.reserve(static_cast<size_t>(2 * pitch * 8)));
+        k.backward_columns(task_, c.nest, sums, pitch);
+        if (want_params_) write_param_range(sums, pitch, c0, n);
+        return;
+      }
       // The chunk's partial sums (zeroed), then its statistics' sums (sum(g) | sum(g y), 2 n).
       Partial p = partial_for(t, c.nest, 0, c.end);
       const int64_t bytes = p.width() * (8 + csize_);

@@ -339,6 +339,25 @@ static inline vd vwiden_hi(vf a) {
 #endif
 }
 
+// Both halves at once; of double lanes, the lanes themselves (first).
+static inline std::pair<vd, vd> vwiden(vf a) { return {vwiden_lo(a), vwiden_hi(a)}; }
+static inline std::pair<vd, vd> vwiden(vd a) { return {a, a}; }
+// vwiden undone: a's lanes then b's, each rounded to float (to nearest, as a cast).
+static inline vf vnarrow(vd a, vd b) {
+#if defined(__AVX512F__)
+  const __m256 lo = _mm512_cvtpd_ps((__m512d)a), hi = _mm512_cvtpd_ps((__m512d)b);
+  return (vf)_mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+#elif defined(__AVX2__)
+  return (vf)_mm256_set_m128(_mm256_cvtpd_ps((__m256d)b), _mm256_cvtpd_ps((__m256d)a));
+#else
+  return vf{(float)a[0], (float)a[1], (float)b[0], (float)b[1]};
+#endif
+}
+// The compute type's lanes of vwiden's halves (templates on V use this): of double lanes, a.
+template <class V> static inline V vnarrow_to(vd a, vd b);
+template <> inline vf vnarrow_to<vf>(vd a, vd b) { return vnarrow(a, b); }
+template <> inline vd vnarrow_to<vd>(vd a, vd) { return a; }
+
 // kWidthD floats from p, as doubles: vwiden_lo of a load, without loading the other half (widening
 // the high half of a loaded vector takes an extract more).
 static inline vd vload_widened(const float* p) {

@@ -271,6 +271,11 @@ struct KernelTable {
   // c1 and c2 of statistics elements [0, n) from their sums, into the arrays after stats (the mean's).
   void (*backward_coefficients)(const BackwardTask& task, char* stats, const double* sum_g, const double* sum_gy,
                                 int64_t n);
+  // A few rows (up to 32) of lanes, each lane with statistics and parameters of its own, the nest's
+  // rows by lanes, every operand contiguous along the lanes: each lane's sums, coefficients and
+  // grad_input in one sweep; param_sums gets each lane's sum(ga y), and `pitch` after its sum(ga)
+  // (pitch at least the lanes rounded up to a vector).
+  void (*backward_columns)(const BackwardTask& task, const LoopNest& nest, double* param_sums, int64_t pitch);
 };
 
 namespace baseline { extern const KernelTable kernel_table; }
