@@ -2137,8 +2137,8 @@ def test_backward_channel_blocks_against_reference_and_threads(rng, threads, dty
 
 # Batch norm of a few rows of many channels ((N, C) data, small N) goes by chunks of channels, each
 # summed, its coefficients set, its grad_input written and its parameters' gradients stored before
-# the next (column_chunks); with training statistics and parameters, each chunk in one sweep of the
-# kernel's (rows a multiple of 4 KB apart: up to 8 of them). Chunks of 6720 channels, the last
+# the next (column_chunks); with parameters, each chunk in one sweep of the kernel's (rows a
+# multiple of 4 KB apart: up to 8 of them). Chunks of 6720 channels, the last
 # shorter; the channels reversed in memory (the sweep's loads and stores go one way: the chunks'
 # two passes there); training and global statistics, with and without
 # parameters, an activation; against the float64 reference into poisoned outputs, and 1 vs 2
@@ -2168,9 +2168,10 @@ def test_backward_column_chunks_against_reference_and_threads(rng, threads, dtyp
 
         plans = backward_plans(run)
         assert f" column_chunks={lanes}" in plans[-1], plans
-        # (the sweep: training statistics with parameters, whose sums the group sums derive from, x
-        # and dy along the lanes as grad_input: the flipped ones take the chunks' two passes)
-        assert (" sweep" in plans[-1]) == (sweep and training and params and not flipped), plans
+        # (the sweep: with parameters, whose sums the group sums derive from (or none: global
+        # statistics), x and dy along the lanes as grad_input: the flipped ones take the chunks' two
+        # passes)
+        assert (" sweep" in plans[-1]) == (sweep and params and not flipped), plans
         threads(1)
         one = run()
         threads(2)

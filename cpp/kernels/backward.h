@@ -1416,7 +1416,8 @@ struct BackwardKernel {
       vd c1[2] = {}, c2[2] = {};
       for (int h = 0; h < kHalves; ++h) {
         const vd pay = (h == 0 ? gay.first : gay.second) + 0.0, pga = (h == 0 ? ga.first : ga.second) + 0.0;
-        Lanes<double>::store(param_sums + e + h * kHalf, pay), Lanes<double>::store(param_sums + pitch + e + h * kHalf, pga);
+        Lanes<double>::store(param_sums + e + h * kHalf, pay);
+        Lanes<double>::store(param_sums + pitch + e + h * kHalf, pga);
         const vd scale_d = h == 0 ? sd.first : sd.second;
         const vd sum_g = scale_d * pga, sum_gy = scale_d * pay;
         if (!rule.terms) continue;
@@ -1428,7 +1429,8 @@ struct BackwardKernel {
         if (rule.normalize_mean) c1[h] = sum_g * rule.inv_n;
         if (rule.normalize_variance) c2[h] = k * sum_gy * rule.inv_n;
       }
-      const V y_coef = y_coefficient(uv, vnarrow_to<V>(c2[0], c2[1])), k_coef = k_coefficient(uv, vnarrow_to<V>(c1[0], c1[1]));
+      const V y_coef = y_coefficient(uv, vnarrow_to<V>(c2[0], c2[1]));
+      const V k_coef = k_coefficient(uv, vnarrow_to<V>(c1[0], c1[1]));
       const V scale_u = sv * uv;
       for (int64_t r = 0; r < rows; ++r)  // (lanes_apply's formula)
         store_dx<true>(nest.data[kGradIn] + r * nest.strides[kGradIn][0] + e * es, es,

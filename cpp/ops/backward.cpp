@@ -806,11 +806,11 @@ class BackwardRunner {
     return ((lanes + chunks - 1) / chunks + kChunkLaneStep - 1) / kChunkLaneStep * kChunkLaneStep;
   }
   // Whether a chunk's two passes are one sweep of the kernels' (KernelTable::backward_columns):
-  // derived group sums, grad_input written plainly, every operand contiguous along the lanes and
-  // constant down the rows, an activation whose derivative runs inline, no fused_add. Past 8 rows,
-  // only rows spread over the L1's sets: the sweep reads a line of every row at each step, and
-  // more rows a multiple of 4 KB apart ((32, 1024) float32) evicted each other, slower than the
-  // chunk's two passes.
+  // derived group sums (or none: no statistics terms, the sums pass writing), grad_input written
+  // plainly, every operand contiguous along the lanes and constant down the rows, an activation
+  // whose derivative runs inline, no fused_add. Past 8 rows, only rows spread over the L1's sets:
+  // the sweep reads a line of every row at each step, and more rows a multiple of 4 KB apart
+  // ((32, 1024) float32) evicted each other, slower than the chunk's two passes.
   bool columns_sweep(const LoopNest& nest, const SumTargets& t) const {
     const int64_t es = itemsize(a_.input.dtype), rows = nest.sizes[0];
     auto spread = [&](int64_t stride) {
@@ -820,7 +820,8 @@ class BackwardRunner {
         if (++count[((r * stride / kLineBytes) % kSets + kSets) % kSets] > 2) return false;
       return true;
     };
-    return t.derive && want_group_ && !task_.stream_stores && !task_.has_fused_add && !out_of_line(task_.act) &&
+    const bool sums = (t.derive && want_group_) || (write_in_sums(t) && shared_layout());  // (the latter: no terms)
+    return sums && !task_.stream_stores && !task_.has_fused_add && !out_of_line(task_.act) &&
            rows <= kFlushRuns && nest.strides[kX][1] == es && nest.strides[kGradOut][1] == es &&
            nest.strides[kGradIn][1] == es && nest.strides[kStats][1] == csize_ && nest.strides[kParams][1] == csize_ &&
            (rows <= kSweepAnyRows || (spread(nest.strides[kX][0]) && spread(nest.strides[kGradOut][0])));
