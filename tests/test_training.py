@@ -2026,6 +2026,19 @@ def backward_plans(fn):
     return plans
 
 
+def on_one_and_two_threads(run, threads):
+    """run()'s results on 1 thread, checked bitwise against run() on 2."""
+    threads(1)
+    one = run()
+    threads(2)
+    two = run()
+    assert len(one) == len(two)
+    for a, b in zip(one, two):
+        if a is not None:
+            np.testing.assert_array_equal(bits(a), bits(b))
+    return one
+
+
 SLABS = ["group_norm_nhwc", "group_norm_nhwc_large", "instance_norm_nhwc", "instance_norm_nhwc_flipped", "mvn12_nhwc",
          "bn_global_nhwc", "bn_global_nchw"]
 
@@ -2119,13 +2132,7 @@ def test_backward_channel_blocks_against_reference_and_threads(rng, threads, dty
 
         plans = backward_plans(run)
         assert plans[-1].startswith("two-pass ") and " slabs=" in plans[-1], plans
-        threads(1)
-        one = run()
-        threads(2)
-        two = run()
-        for a, b in zip(one, two):
-            if a is not None:
-                np.testing.assert_array_equal(bits(a), bits(b))
+        one = on_one_and_two_threads(run, threads)
         ref = bn_backward_ref(dy, x, m, v, scale, bias)
         check_grad(one[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=str(dtype))
         if params:
@@ -2172,13 +2179,7 @@ def test_backward_column_chunks_against_reference_and_threads(rng, threads, dtyp
         # statistics), x and dy along the lanes as grad_input: the flipped ones take the chunks' two
         # passes)
         assert (" sweep" in plans[-1]) == (sweep and params and not flipped), plans
-        threads(1)
-        one = run()
-        threads(2)
-        two = run()
-        for a, b in zip(one, two):
-            if a is not None:
-                np.testing.assert_array_equal(bits(a), bits(b))
+        one = on_one_and_two_threads(run, threads)
         ref = bn_backward_ref(dy, x, m, v, *p, training=training, activation=act)
         context = f"{dtype_id(dtype)} training={training} params={params} act={act}"
         check_grad(one[0], ref.grad_input, ref.e_input, dtype=dtype, name="grad_input", context=context)
