@@ -126,6 +126,9 @@ struct CoefficientRule {
       : inv_n(t.inv_n), epsilon(t.epsilon), pitch(t.stats_pitch), terms(t.statistics_terms),
         normalize_mean(t.normalize_mean), normalize_variance(t.normalize_variance),
         epsilon_outside(t.epsilon_outside) {}
+  // 1 - epsilon u at or below this is a constant group's (its k-term 0), for compute type C.
+  template <class C>
+  static constexpr double kMinDen = sizeof(C) == 8 ? 1e-14 : 1e-6;
   // c1 and c2 (in double) of a statistics element with 1 / std u, from its sums (with terms), by
   // the rule's flags (given: constants where a loop over many elements passes them).
   template <class C>
@@ -135,7 +138,7 @@ struct CoefficientRule {
     if (outside) {
       // 1 - epsilon u = std / (std + epsilon): 0 for a constant group, whose k-term is 0.
       const double den = 1.0 - epsilon * static_cast<double>(u);
-      k = den > (sizeof(C) == 8 ? 1e-14 : 1e-6) ? 1.0 / den : 0.0;
+      k = den > kMinDen<C> ? 1.0 / den : 0.0;
     }
     return {mean ? sum_g * inv_n : 0.0, variance ? k * sum_gy * inv_n : 0.0};
   }
@@ -1412,19 +1415,21 @@ struct BackwardKernel {
       // Flushed into doubles from +0 (the parameters' sums, which derive_group_sums adds to +0
       // again: the same), the group sums derived from them (scale sum(ga), scale sum(ga y)), the
       // coefficients rounded to the compute type.
-      const auto gay = vwiden(s2), ga = vwiden(s3), sd = vwiden(sv), ud = vwiden(uv);
+      const auto gay = vwiden(s2), ga = vwiden(s3);
       vd c1[2] = {}, c2[2] = {};
       for (int h = 0; h < kHalves; ++h) {
         const vd pay = (h == 0 ? gay.first : gay.second) + 0.0, pga = (h == 0 ? ga.first : ga.second) + 0.0;
         Lanes<double>::store(param_sums + e + h * kHalf, pay);
         Lanes<double>::store(param_sums + pitch + e + h * kHalf, pga);
+        if (!rule.terms) continue;
+        const auto sd = vwiden(sv);
         const vd scale_d = h == 0 ? sd.first : sd.second;
         const vd sum_g = scale_d * pga, sum_gy = scale_d * pay;
-        if (!rule.terms) continue;
         vd k = splat<vd>(1.0);
         if (rule.epsilon_outside) {  // (CoefficientRule::terms_of)
+          const auto ud = vwiden(uv);
           const vd den = 1.0 - rule.epsilon * (h == 0 ? ud.first : ud.second);
-          k = vselect(den > splat<vd>(sizeof(C) == 8 ? 1e-14 : 1e-6), 1.0 / den, vd{});
+          k = vselect(den > splat<vd>(CoefficientRule::kMinDen<C>), 1.0 / den, vd{});
         }
         if (rule.normalize_mean) c1[h] = sum_g * rule.inv_n;
         if (rule.normalize_variance) c2[h] = k * sum_gy * rule.inv_n;
